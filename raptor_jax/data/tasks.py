@@ -1,0 +1,255 @@
+"""The classification tasks: GLUE SST-2, MNLI, QNLI, QQP and the generated task.
+
+A :class:`TaskSpec` holds everything public about a task: where its data lives
+on the Hub, which columns hold the text and the label (with the aliases used
+by the official GLUE TSV files and common exports, so local files load with no
+extra configuration), its label vocabulary and the metrics to report.
+:func:`load_task_split` turns one split into right-padded ``int32`` arrays.
+
+Class ids follow the Hugging Face GLUE convention (``nyu-mll/glue``), so Hub
+data and local files with string labels agree: MNLI entailment=0, neutral=1,
+contradiction=2; QNLI entailment=0, not_entailment=1; QQP not_duplicate=0,
+duplicate=1; SST-2 negative=0, positive=1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from raptor_jax.data import encoding, tables
+
+_GLUE = "nyu-mll/glue"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """Public description of a classification task.
+
+    Attributes:
+        name: the task name used in configs (``"sst2"``).
+        text_fields: one entry per text of a record (one, or two for sentence
+            pairs); each entry lists the accepted column names, Hub name first.
+        label_fields: the accepted names of the label column, Hub name first.
+        label_names: class names; position = class id. String labels in local
+            files are mapped through it, integer labels must be in range.
+        hub_id: the Hub dataset id, or ``None`` for a generated task.
+        hub_config: the Hub config name (``"sst2"``), or ``None``.
+        splits: our split name (``"train"``, ``"dev"``) -> Hub split name.
+        metrics: metric names to report on the dev split.
+    """
+
+    name: str
+    text_fields: tuple[tuple[str, ...], ...]
+    label_fields: tuple[str, ...]
+    label_names: tuple[str, ...]
+    hub_id: str | None
+    hub_config: str | None
+    splits: Mapping[str, str]
+    metrics: tuple[str, ...] = ("accuracy",)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
+
+
+TASKS: dict[str, TaskSpec] = {
+    "sst2": TaskSpec(
+        name="sst2",
+        text_fields=(("sentence",),),
+        label_fields=("label",),
+        label_names=("negative", "positive"),
+        hub_id=_GLUE,
+        hub_config="sst2",
+        splits={"train": "train", "dev": "validation"},
+    ),
+    "mnli": TaskSpec(
+        name="mnli",
+        text_fields=(("premise", "sentence1"), ("hypothesis", "sentence2")),
+        label_fields=("label", "gold_label"),
+        label_names=("entailment", "neutral", "contradiction"),
+        hub_id=_GLUE,
+        hub_config="mnli",
+        splits={
+            "train": "train",
+            "dev": "validation_matched",
+            "dev_mismatched": "validation_mismatched",
+        },
+    ),
+    "qnli": TaskSpec(
+        name="qnli",
+        text_fields=(("question",), ("sentence",)),
+        label_fields=("label",),
+        label_names=("entailment", "not_entailment"),
+        hub_id=_GLUE,
+        hub_config="qnli",
+        splits={"train": "train", "dev": "validation"},
+    ),
+    "qqp": TaskSpec(
+        name="qqp",
+        text_fields=(("question1",), ("question2",)),
+        label_fields=("label", "is_duplicate"),
+        label_names=("not_duplicate", "duplicate"),
+        hub_id=_GLUE,
+        hub_config="qqp",
+        splits={"train": "train", "dev": "validation"},
+        metrics=("accuracy", "f1"),
+    ),
+    # Generated in code by raptor_jax.data.synthetic_task(); listed here so that
+    # configs look its label count and metrics up like any other task's.
+    "synthetic": TaskSpec(
+        name="synthetic",
+        text_fields=(("text",),),
+        label_fields=("label",),
+        label_names=("negative", "positive"),
+        hub_id=None,
+        hub_config=None,
+        splits={"train": "train", "dev": "dev"},
+    ),
+}
+
+
+def get_task(name: str) -> TaskSpec:
+    """Returns the spec of task ``name`` (case-insensitive).
+
+    Raises:
+        ValueError: unknown task.
+    """
+    spec = TASKS.get(name.lower())
+    if spec is None:
+        raise ValueError(
+            f"Unknown task {name!r}; set --config.data.task to one of {', '.join(TASKS)}."
+        )
+    return spec
+
+
+def load_task_split(
+    task: str,
+    split: str,
+    *,
+    tokenizer: encoding.Tokenizer,
+    path: str | Path | None = None,
+    max_length: int = 128,
+    text_fields: str | Sequence[str] | None = None,
+    label_field: str | None = None,
+    limit: int | None = None,
+) -> encoding.TextClassificationData:
+    """Loads one split of a task as right-padded ``int32`` arrays.
+
+    Without ``path`` the split comes from the Hub (or the local ``datasets``
+    cache); with ``path`` from a local ``.tsv`` (quoting off, as GLUE writes
+    them), ``.csv``, ``.parquet`` or ``.jsonl`` file. Column names are found
+    through the task's aliases (``sentence1``/``premise``, ``gold_label``/
+    ``label``, ``is_duplicate``/``label``...) unless given explicitly.
+    Sentence pairs are tokenised as pairs.
+
+    Args:
+        task: a key of :data:`TASKS`.
+        split: ``"train"`` or ``"dev"`` (MNLI also ``"dev_mismatched"``).
+        tokenizer: the model's tokenizer.
+        path: a local file to read instead of the Hub.
+        max_length: tokens per record after truncation and right padding.
+        text_fields: column names of the text (one) or text pair (two),
+            overriding the task's aliases.
+        label_field: column name of the label, overriding the aliases.
+        limit: keep only the first ``limit`` records (quick runs).
+
+    Returns:
+        The split, one row per record in file order.
+
+    Raises:
+        ValueError: unknown task or split, missing text or label column, a
+            label outside the task's label set, bad ``limit``/``text_fields``.
+        FileNotFoundError: missing local file, or a Hub dataset that is neither
+            reachable nor cached.
+    """
+    spec = get_task(task)
+    if split not in spec.splits:
+        raise ValueError(
+            f"Unknown split {split!r} for task {spec.name}; use one of"
+            f" {', '.join(spec.splits)}."
+        )
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1 or None, got {limit}.")
+    if isinstance(text_fields, str):
+        text_fields = (text_fields,)
+    if text_fields is not None and len(text_fields) not in (1, 2):
+        raise ValueError(
+            f"text_fields names {len(text_fields)} columns; give one text column or two for"
+            " a sentence pair."
+        )
+    columns, source = _split_columns(spec, split, path)
+    text_candidates = (
+        [(name,) for name in text_fields] if text_fields is not None else spec.text_fields
+    )
+    text_names = [
+        tables.pick_column(columns, names, source=source, kind="text", option="text_fields")
+        for names in text_candidates
+    ]
+    label_name = tables.pick_column(
+        columns,
+        (label_field,) if label_field is not None else spec.label_fields,
+        source=source,
+        kind="label",
+        option="label_field",
+    )
+    stop = limit if limit is not None else len(columns[label_name])
+    texts = [[_as_text(value) for value in columns[name][:stop]] for name in text_names]
+    labels = [
+        _label_id(value, spec, row=row, column=label_name, source=source)
+        for row, value in enumerate(columns[label_name][:stop], start=1)
+    ]
+    return encoding.encode(
+        tokenizer,
+        texts[0],
+        labels,
+        pair_texts=texts[1] if len(texts) == 2 else None,
+        max_length=max_length,
+    )
+
+
+def _split_columns(
+    spec: TaskSpec, split: str, path: str | Path | None
+) -> tuple[tables.Columns, str]:
+    if path is not None:
+        return tables.read_columns(path), str(path)
+    if spec.hub_id is None:
+        raise ValueError(
+            f"Task {spec.name} has no Hub dataset: it is generated by"
+            f" raptor_jax.data.synthetic_task(); or set --config.data.{split}_path to a file."
+        )
+    hub_split = spec.splits[split]
+    columns = tables.load_hub_columns(
+        spec.hub_id,
+        spec.hub_config,
+        hub_split,
+        fix=f"set --config.data.{split}_path=/path/to/{split}.tsv",
+    )
+    return columns, f"{spec.hub_id}/{spec.hub_config} split {hub_split}"
+
+
+def _as_text(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def _label_id(value: Any, spec: TaskSpec, *, row: int, column: str, source: str) -> int:
+    """Maps a raw label (class name, integer, or integer string) to its class id.
+
+    The error names the row, never the value: a wrongly chosen label column can
+    hold private text, and this package never prints record contents.
+    """
+    if isinstance(value, str):
+        value = value.strip()
+        if value in spec.label_names:
+            return spec.label_names.index(value)
+        if value.isdecimal():
+            value = int(value)
+    if isinstance(value, int) and 0 <= value < spec.num_labels:
+        return int(value)
+    raise ValueError(
+        f"{source}, column {column!r}, data row {row}: not a {spec.name} label (expected"
+        f" {'/'.join(spec.label_names)} or 0..{spec.num_labels - 1}; an unlabelled test"
+        " split?); fix the file or set --config.data.label_field."
+    )
