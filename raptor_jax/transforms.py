@@ -1,0 +1,277 @@
+"""Differentially private aggregation as optax gradient transformations.
+
+Three transforms share one state type and ONE noise code path:
+
+* ``privatize_sums``: input already-clipped float32 sums (e.g. accumulated
+  over microbatches with ``grads.clipped_grad_sum``); adds Gaussian noise of
+  std ``noise_multiplier * l2_clip`` to every element and divides by a public
+  denominator.
+* ``dp_aggregate``: input per-record gradients; clips each record, sums, then
+  ``privatize_sums``. The DP-SGD aggregation (Eq. 7 of the RAPTOR paper).
+* ``owner_dp_aggregate``: input per-record gradients of each record's owner
+  expert slice; clips each record, sums by owner, then ``privatize_sums`` with
+  independent noise for every expert, including experts that got no record
+  (Eq. 9).
+
+All are ``optax.GradientTransformationExtraArgs``: jittable, and chainable
+with any optimizer, e.g. ``optax.chain(dp_aggregate(...), optax.adam(lr))``.
+They must come first in the chain, since they consume per-record gradients
+(or sums) and produce the privatized update. Sums, noise and outputs are
+float32 whatever the gradients' dtype; ``optax.apply_updates`` casts the final
+update to each parameter's dtype.
+
+Privacy. Under add/remove of one record (or turning one record into padding),
+the clipped sums move by at most ``l2_clip`` in l2 norm, so the released
+``(sums + N(0, (noise_multiplier * l2_clip)^2 I)) / denominator`` is the
+Gaussian mechanism with sensitivity ``l2_clip / denominator`` and noise
+multiplier ``noise_multiplier``; with Poisson sampling (``sampling``) one step
+is the Poisson-subsampled Gaussian mechanism that ``accounting`` composes. The
+denominator is a public constant (e.g. the expected batch size B, or B/E for
+the experts), never a realised count, so it reveals nothing. Noise is a
+deterministic function of ``(key, step count)``: a run resumed from a saved
+state reproduces it. The key must be secret and distinct per transform (split
+one key per stream): two transforms sharing a key add identical noise.
+``noise_multiplier=0`` turns the noise off, for tests and non-private
+baselines only; it gives no privacy.
+"""
+
+import math
+import numbers
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from raptor_jax import grads as grads_lib
+
+PyTree = Any
+
+
+class DpAggregateState(NamedTuple):
+    """The base noise key and the step count that selects each step's noise."""
+
+    count: jax.Array  # int32 [], steps taken so far
+    key: jax.Array  # PRNG key, fixed; step t draws from fold_in(key, t)
+
+
+def _public_number(name: str, value, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f'{name} must be a public Python number, got {type(value).__name__}'
+            ' (a traced or data-dependent value is not allowed).')
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = '>= 0' if allow_zero else '> 0'
+        raise ValueError(f'{name} must be finite and {bound}, got {value}.')
+    return value
+
+
+def _canonical_key(key: Union[jax.Array, int]) -> jax.Array:
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return jax.random.key(int(key))
+    if isinstance(key, jax.Array):
+        return key
+    raise ValueError(
+        f'key must be a jax PRNG key (jax.random.key(seed)) or an int, got'
+        f' {type(key).__name__}.')
+
+
+def _init_fn(key: jax.Array):
+    def init_fn(params):
+        del params
+        return DpAggregateState(count=jnp.zeros([], jnp.int32), key=key)
+
+    return init_fn
+
+
+def _privatize(sums: PyTree, state: DpAggregateState, *, l2_clip: float,
+               noise_multiplier: float,
+               denominator: float) -> tuple[PyTree, DpAggregateState]:
+    """The one noise code path: (sums + N(0, (sigma C)^2)) / denominator."""
+    leaves, treedef = jax.tree.flatten(
+        jax.tree.map(lambda s: jnp.asarray(s, jnp.float32), sums))
+    std = noise_multiplier * l2_clip
+    if std > 0:
+        step_key = jax.random.fold_in(state.key, state.count)
+        keys = jax.random.split(step_key, len(leaves))
+        leaves = [
+            s + std * jax.random.normal(k, s.shape, jnp.float32)
+            for s, k in zip(leaves, keys)
+        ]
+    updates = treedef.unflatten([s / denominator for s in leaves])
+    return updates, DpAggregateState(
+        count=optax.safe_increment(state.count), key=state.key)
+
+
+def privatize_sums(
+    l2_clip: float,
+    noise_multiplier: float,
+    denominator: float,
+    key: Union[jax.Array, int],
+) -> optax.GradientTransformationExtraArgs:
+    """Adds Gaussian noise to clipped gradient sums and divides by a constant.
+
+    Use it when the sums are accumulated over microbatches: compute each
+    microbatch's sum with ``grads.clipped_grad_sum`` (or
+    ``grads.owner_clipped_grad_sum``), add them up, then call ``update`` once
+    per step, so noise is drawn once per step.
+
+    Precondition (the caller's part of the guarantee): adding or removing one
+    record changes the input sums by at most ``l2_clip`` in l2 norm, as the
+    ``grads`` sums ensure; for owner sums ``[E, ...]`` one record touches one
+    expert's slice only. Then every output element gets independent noise of
+    std ``noise_multiplier * l2_clip / denominator`` and the release has
+    sensitivity ``l2_clip / denominator``: the Gaussian mechanism with noise
+    multiplier ``noise_multiplier``.
+
+    Args:
+      l2_clip: the clipping norm C the sums were built with (public, > 0).
+      noise_multiplier: sigma, noise std in units of C (>= 0; 0 = no noise,
+        no privacy, for tests and non-private baselines).
+      denominator: public constant the noisy sum is divided by (e.g. the
+        expected batch size B, or B/E for the experts); never a realised
+        count.
+      key: secret PRNG key, distinct for every transform instance.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; ``update(sums, state,
+      params=None)`` returns float32 updates shaped like ``sums``.
+
+    Example:
+      >>> tx = optax.chain(privatize_sums(1.0, 1.1, 256.0, jax.random.key(0)),
+      ...                  optax.adam(1e-3))
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(summed_clipped_grads, state, params)
+    """
+    l2_clip = _public_number('l2_clip', l2_clip)
+    noise_multiplier = _public_number(
+        'noise_multiplier', noise_multiplier, allow_zero=True)
+    denominator = _public_number('denominator', denominator)
+    key = _canonical_key(key)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        return _privatize(updates, state, l2_clip=l2_clip,
+                          noise_multiplier=noise_multiplier,
+                          denominator=denominator)
+
+    return optax.GradientTransformationExtraArgs(_init_fn(key), update_fn)
+
+
+def dp_aggregate(
+    l2_clip: float,
+    noise_multiplier: float,
+    denominator: float,
+    key: Union[jax.Array, int],
+) -> optax.GradientTransformationExtraArgs:
+    """DP-SGD aggregation of per-record gradients (RAPTOR Eq. 7).
+
+    ``update(per_record_grads, state, params=None, *, mask=None)`` returns
+    ``(sum_i mask_i * clip(g_i, l2_clip) + N(0, (sigma * l2_clip)^2 I)) /
+    denominator`` in float32, with ``clip`` to global l2 norm per record
+    (``grads.clip_per_record``: records with NaN/inf gradients count as zero).
+
+    Guarantee: adding or removing one record, or masking it as padding,
+    changes the noiseless output by at most ``l2_clip / denominator`` in l2
+    norm, and the noise has std ``noise_multiplier * l2_clip / denominator``
+    per element: the Gaussian mechanism with noise multiplier
+    ``noise_multiplier``.
+
+    Call ``update`` once per step with the whole sample; for a sample split
+    into microbatches use ``grads.clipped_grad_sum`` and ``privatize_sums``.
+
+    Args:
+      l2_clip: per-record clipping norm C (public, > 0).
+      noise_multiplier: sigma (>= 0; 0 = no noise, no privacy).
+      denominator: public constant, e.g. the expected batch size B; never a
+        realised count.
+      key: secret PRNG key, distinct for every transform instance.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes
+      per-record gradients (leaves ``[n, ...]``) and an optional ``mask``
+      ``[n]`` (1 real record, 0 padding), and returns leaves ``[...]``.
+
+    Example:
+      >>> tx = optax.chain(dp_aggregate(1.0, 1.1, 256.0, jax.random.key(0)),
+      ...                  optax.adam(1e-3))
+      >>> state = tx.init(params)
+      >>> g = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(params, batch)
+      >>> updates, state = tx.update(g, state, params, mask=mask)
+    """
+    privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
+
+    def update_fn(updates, state, params=None, *, mask=None, **extra_args):
+        del params, extra_args
+        clipped, _ = grads_lib.clip_per_record(updates, l2_clip, mask)
+        sums = jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped)
+        return privatizer.update(sums, state)
+
+    return optax.GradientTransformationExtraArgs(privatizer.init, update_fn)
+
+
+def owner_dp_aggregate(
+    l2_clip: float,
+    noise_multiplier: float,
+    num_experts: int,
+    denominator: float,
+    key: Union[jax.Array, int],
+) -> optax.GradientTransformationExtraArgs:
+    """Per-owner-expert DP aggregation (RAPTOR Eq. 9).
+
+    ``update(per_record_grads, state, params=None, *, owners, mask=None)``
+    takes each record's gradient with respect to its owner expert's slice
+    (leaves ``[n, ...]``, see ``grads.owner_slices``) and returns leaves
+    ``[num_experts, ...]``: for expert e,
+    ``(sum_{i: owners_i = e} mask_i * clip(g_i, l2_clip) + N(0, (sigma *
+    l2_clip)^2 I)) / denominator``. Every expert gets its own independent
+    noise every step; an expert with no record gets noise only, so the
+    output never reveals realised per-expert counts.
+
+    Guarantee: one record touches one expert's slice only, by at most
+    ``l2_clip / denominator`` in l2 norm (noiseless); other experts' outputs
+    do not change at all. Hence each expert's release is a Gaussian mechanism
+    on its owner group (parallel composition, Lemma 1), and the whole
+    ``[E, ...]`` release has l2 sensitivity ``l2_clip / denominator``: one
+    Gaussian mechanism with noise multiplier ``noise_multiplier``.
+
+    Args:
+      l2_clip: per-record clipping norm C_e (public, > 0).
+      noise_multiplier: sigma_e (>= 0; 0 = no noise, no privacy).
+      num_experts: E (>= 1).
+      denominator: public constant, e.g. D_e = B / E; never a realised count.
+      key: secret PRNG key, distinct for every transform instance.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; ``update`` requires
+      ``owners`` (int ``[n]`` in ``[0, E)``; a record with an owner outside
+      that range is dropped) and takes an optional ``mask`` ``[n]``.
+
+    Example:
+      >>> tx = optax.chain(
+      ...     owner_dp_aggregate(1.0, 1.1, 8, 256.0 / 8, jax.random.key(1)),
+      ...     optax.adam(1e-3))
+      >>> state = tx.init(stacked_expert_params)  # leaves [E, ...]
+      >>> g = jax.vmap(jax.grad(loss_fn))(owner_slices(stacked, owners), batch)
+      >>> updates, state = tx.update(g, state, owners=owners, mask=mask)
+    """
+    if (isinstance(num_experts, bool)
+            or not isinstance(num_experts, numbers.Integral)
+            or num_experts < 1):
+        raise ValueError(f'num_experts must be an int >= 1, got {num_experts!r}.')
+    num_experts = int(num_experts)
+    privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
+
+    def update_fn(updates, state, params=None, *, owners=None, mask=None,
+                  **extra_args):
+        del params, extra_args
+        if owners is None:
+            raise ValueError(
+                'owner_dp_aggregate.update needs owners= (int [n], each'
+                " record's owner expert).")
+        clipped, _ = grads_lib.clip_per_record(updates, l2_clip, mask)
+        sums = grads_lib.sum_by_owner(clipped, owners, num_experts)
+        return privatizer.update(sums, state)
+
+    return optax.GradientTransformationExtraArgs(privatizer.init, update_fn)
