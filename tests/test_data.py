@@ -46,7 +46,8 @@ def test_tsv_single_text_keeps_quotes_and_trailing_space(tmp_path, tokenizer, ca
         tmp_path / "train.tsv",
         'sentence\tlabel\ncold tea \t1\n"great soup\t0\nthe film " was awful \t0\n',
     )
-    assert data.read_columns(path)["sentence"] == ["cold tea ", '"great soup', 'the film " was awful ']
+    expected = ["cold tea ", '"great soup', 'the film " was awful ']
+    assert data.read_columns(path)["sentence"] == expected
 
     split = data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path, max_length=8)
 
@@ -157,7 +158,8 @@ def test_unknown_task_and_split(tokenizer):
 
 def test_missing_label_column(tmp_path, tokenizer):
     path = _write(tmp_path / "test.tsv", "index\tsentence\n0\tcold tea\n")
-    with pytest.raises(ValueError, match=r"no label column \(looked for label; it has index, sentence\)"):
+    message = r"no label column \(looked for label; it has index, sentence\)"
+    with pytest.raises(ValueError, match=message):
         data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path)
 
 
@@ -176,10 +178,9 @@ def test_file_errors(tmp_path, tokenizer):
         data.load_task_split("sst2", "train", tokenizer=tokenizer, path=ragged)
     with pytest.raises(ValueError, match="unknown extension '.xml'"):
         data.read_columns(_write(tmp_path / "t.xml", "<a/>"))
+    empty = _write(tmp_path / "e.tsv", "sentence\tlabel\n")
     with pytest.raises(ValueError, match="No texts to tokenise"):
-        data.load_task_split(
-            "sst2", "train", tokenizer=tokenizer, path=_write(tmp_path / "e.tsv", "sentence\tlabel\n")
-        )
+        data.load_task_split("sst2", "train", tokenizer=tokenizer, path=empty)
 
 
 def test_synthetic_task_has_no_hub_dataset(tokenizer):
@@ -189,10 +190,11 @@ def test_synthetic_task_has_no_hub_dataset(tokenizer):
 
 def test_check_batch_size():
     data.check_batch_size(872, 872)
-    with pytest.raises(
-        ValueError,
-        match=r"^Expected batch size 1000 is larger than the dataset \(872 records\); lower --config.batch_size.$",
-    ):
+    message = (
+        r"^Expected batch size 1000 is larger than the dataset \(872 records\);"
+        r" lower --config.batch_size.$"
+    )
+    with pytest.raises(ValueError, match=message):
         data.check_batch_size(1000, 872)
     with pytest.raises(ValueError, match="at least 1"):
         data.check_batch_size(0, 872)
@@ -227,9 +229,8 @@ def test_hub_split_names_and_columns(monkeypatch, tokenizer):
 
     def fake_load_dataset(hub_id, config, split):
         requests.append((hub_id, config, split))
-        return datasets.Dataset.from_dict(
-            {"premise": ["tea", "soup"], "hypothesis": ["beer", "stew"], "label": [2, 0], "idx": [0, 1]}
-        )
+        columns = {"premise": ["tea", "soup"], "hypothesis": ["beer", "stew"], "label": [2, 0]}
+        return datasets.Dataset.from_dict({**columns, "idx": [0, 1]})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     split = data.load_task_split("mnli", "dev", tokenizer=tokenizer)
@@ -255,10 +256,8 @@ def test_task_specs():
 def test_public_corpus_from_local_files(tmp_path):
     tsv = _write(tmp_path / "c.tsv", "file\ttext\n1\t alpha \n2\t\n3\tbeta\n4\talpha\n5\tgamma\n")
     txt = _write(tmp_path / "c.txt", "alpha\n\nbeta\n")
-    jsonl = _write(
-        tmp_path / "c.jsonl",
-        "".join(json.dumps({"premise": p, "hypothesis": h}) + "\n" for p, h in [("a", "b"), ("c", None)]),
-    )
+    pairs = [{"premise": "a", "hypothesis": "b"}, {"premise": "c", "hypothesis": None}]
+    jsonl = _write(tmp_path / "c.jsonl", "".join(json.dumps(pair) + "\n" for pair in pairs))
     squad = _write(tmp_path / "contexts.tsv", "title\tcontext\nx\tone\ny\ttwo\n")
 
     assert data.load_public_corpus(path=tsv) == ["alpha", "beta", "gamma"]
@@ -408,6 +407,8 @@ def test_real_glue_files(tokenizer):
 def test_real_public_corpora():
     calib = SHARED_DATA / "calib"
     imdb = data.load_public_corpus("imdb", path=calib / "imdb" / "unsup_sample5000.tsv")
-    squad = data.load_public_corpus("squad", path=calib / "squad" / "dev_v1.1_contexts.tsv", n_pub=5000)
+    squad = data.load_public_corpus(
+        "squad", path=calib / "squad" / "dev_v1.1_contexts.tsv", n_pub=5000
+    )
     assert len(imdb) == 1000 and all(imdb)
     assert len(squad) == 2067

@@ -22,18 +22,23 @@ Sentiment words come in two kinds:
 Most sentiment words are context words, so a model that does not know the
 topic can only use the fixed ones, while one that does (for example, one whose
 records are owned by a topic-specialised expert) can read every record.
-Measured on the default split with bag-of-words logistic regression: about
-0.72 dev accuracy from words alone, about 0.93 with word x topic features; the
-noise-free ceiling is 0.95 with the default 5% label noise.
+Measured on ``synthetic_task(0)`` (dev majority class 0.52, ceiling 0.95 with
+the default 5% label noise): bag-of-words logistic regression reaches 0.69 dev
+accuracy from words alone and 0.90 with word x topic features (topic = the
+most frequent topic among the record's words); a non-private 2-layer
+transformer (width 64, Adam) reaches 0.82 after 250 steps of batch 64, about
+25 s on a CPU.
 
 Routing hook
 ------------
 :func:`topic_groups` maps every token id to its topic (-1 for other tokens).
 A model initialiser can give same-topic words correlated embeddings (a shared
-random direction per topic plus a small per-word part), so that even a
-randomly initialised router sends a topic's words, and hence the records about
-that topic, to the same expert. Without such a hook a random router spreads
-every topic over all experts and the owner map carries no topic information.
+random direction per topic plus a per-word part), so that even a randomly
+initialised router sends a topic's words, and hence the records about that
+topic, to the same expert. Measured with 8 experts, a random linear router
+and majority-vote owners: with no topic direction a topic's records share an
+owner about half the time (0.49); with a topic direction of twice the
+per-word scale, 0.81.
 
 A disjoint public corpus comes from another random stream and another
 template ("descriptions": longer, sometimes about two topics, with few
@@ -42,6 +47,7 @@ sentiment words, no labels); none of its texts equals a train or dev text.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import numpy as np
@@ -140,7 +146,8 @@ def generate_records(seed: int, n: int, *, label_noise: float = 0.05) -> Synthet
         n: the number of records.
         label_noise: probability that a record's label is flipped after
             generation (so even a perfect model makes mistakes, and outliers
-            exist for membership-inference audits).
+            exist for membership-inference audits). The texts do not depend
+            on it.
 
     Returns:
         The texts, labels and topics.
@@ -167,7 +174,9 @@ def generate_records(seed: int, n: int, *, label_noise: float = 0.05) -> Synthet
     )
 
 
-def generate_public_texts(seed: int, n: int, *, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
+def generate_public_texts(
+    seed: int, n: int, *, exclude: AbstractSet[str] = frozenset()
+) -> list[str]:
     """Generates ``n`` distinct unlabeled descriptions, none of them in ``exclude``.
 
     They use the reviews' vocabulary but another random stream and template,
@@ -243,7 +252,15 @@ def synthetic_task(
 
     Returns:
         The task.
+
+    Raises:
+        ValueError: ``n_train`` or ``n_dev`` below 1, or as the generators.
     """
+    if n_train < 1 or n_dev < 1:
+        raise ValueError(
+            f"The synthetic task needs at least one train and one dev record, got"
+            f" n_train={n_train}, n_dev={n_dev}."
+        )
     records = generate_records(seed, n_train + n_dev, label_noise=label_noise)
     public = generate_public_texts(seed, n_pub, exclude=frozenset(records.texts))
     tokenizer = build_tokenizer(max_length)
