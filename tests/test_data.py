@@ -355,12 +355,11 @@ def test_word_tokenizer_round_trip(tmp_path, task):
     via_loader = data.load_tokenizer(str(tmp_path))
 
     texts, pairs = ["Cold TEA, great!", "unknownword soup"], ["warm stew", "beer"]
+    expected = data.tokenize(task.tokenizer, texts, pair_texts=pairs, max_length=12)
     for tok in (reloaded, via_loader):
-        for a, b in ((task.tokenizer, tok),):
-            np.testing.assert_array_equal(
-                data.tokenize(a, texts, pair_texts=pairs, max_length=12),
-                data.tokenize(b, texts, pair_texts=pairs, max_length=12),
-            )
+        np.testing.assert_array_equal(
+            data.tokenize(tok, texts, pair_texts=pairs, max_length=12), expected
+        )
         assert tok.pad_token_id == 0 and tok.unk_token_id == 1
         np.testing.assert_array_equal(synthetic.topic_groups(tok), task.token_groups)
 
