@@ -50,7 +50,8 @@ def _check_non_negative_int(name: str, value) -> int:
 
 def check_sample_rate(sample_rate: float) -> float:
     """Returns ``sample_rate`` as a float; ValueError unless 0 < q <= 1."""
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
+    if (isinstance(sample_rate, bool)
+            or not isinstance(sample_rate, numbers.Real)):
         raise ValueError(
             f'sample_rate must be a number in (0, 1], got {sample_rate!r}.')
     if not 0.0 < float(sample_rate) <= 1.0:

@@ -37,7 +37,7 @@ baselines only; it gives no privacy.
 
 import math
 import numbers
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -259,7 +259,8 @@ def owner_dp_aggregate(
     if (isinstance(num_experts, bool)
             or not isinstance(num_experts, numbers.Integral)
             or num_experts < 1):
-        raise ValueError(f'num_experts must be an int >= 1, got {num_experts!r}.')
+        raise ValueError(
+            f'num_experts must be an int >= 1, got {num_experts!r}.')
     num_experts = int(num_experts)
     privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
 
