@@ -115,7 +115,9 @@ def privatize_sums(
     Use it when the sums are accumulated over microbatches: compute each
     microbatch's sum with ``grads.clipped_grad_sum`` (or
     ``grads.owner_clipped_grad_sum``), add them up, then call ``update`` once
-    per step, so noise is drawn once per step.
+    per step, so noise is drawn once per step. Under data parallelism, reduce
+    the sums across devices first and privatize the total (replicated, every
+    device draws the same noise from the same state), never per device.
 
     Precondition (the caller's part of the guarantee): adding or removing one
     record changes the input sums by at most ``l2_clip`` in l2 norm, as the
@@ -231,10 +233,14 @@ def owner_dp_aggregate(
 
     Guarantee: one record touches one expert's slice only, by at most
     ``l2_clip / denominator`` in l2 norm (noiseless); other experts' outputs
-    do not change at all. Hence each expert's release is a Gaussian mechanism
-    on its owner group (parallel composition, Lemma 1), and the whole
-    ``[E, ...]`` release has l2 sensitivity ``l2_clip / denominator``: one
-    Gaussian mechanism with noise multiplier ``noise_multiplier``.
+    do not change at all. This needs each record's owner to be a function of
+    that record alone, fixed for the run (RAPTOR computes it once from the
+    frozen pretrained router): if adding a record could change another
+    record's owner, the bound does not hold. Hence each expert's release is
+    a Gaussian mechanism on its owner group (parallel composition, Lemma 1),
+    and the whole ``[E, ...]`` release has l2 sensitivity
+    ``l2_clip / denominator``: one Gaussian mechanism with noise multiplier
+    ``noise_multiplier``.
 
     Args:
       l2_clip: per-record clipping norm C_e (public, > 0).
@@ -253,7 +259,8 @@ def owner_dp_aggregate(
       ...     owner_dp_aggregate(1.0, 1.1, 8, 256.0 / 8, jax.random.key(1)),
       ...     optax.adam(1e-3))
       >>> state = tx.init(stacked_expert_params)  # leaves [E, ...]
-      >>> g = jax.vmap(jax.grad(loss_fn))(owner_slices(stacked, owners), batch)
+      >>> slices = grads.owner_slices(stacked, owners)  # leaves [n, ...]
+      >>> g = jax.vmap(jax.grad(loss_fn))(slices, batch)
       >>> updates, state = tx.update(g, state, owners=owners, mask=mask)
     """
     if (isinstance(num_experts, bool)
