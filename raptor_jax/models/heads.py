@@ -1,0 +1,46 @@
+"""Pooling and the sequence-classification head on top of a backbone."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+def masked_mean(hidden_BxSxD: jax.Array, mask_BxS: jax.Array) -> jax.Array:
+  """Mean of the non-padding token states of each record (encoders)."""
+  mask = mask_BxS.astype(jnp.float32)[..., None]
+  total = jnp.sum(hidden_BxSxD.astype(jnp.float32) * mask, axis=1)
+  return total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+
+
+def last_token(hidden_BxSxD: jax.Array, mask_BxS: jax.Array) -> jax.Array:
+  """State of the last non-padding token (decoders; right padding)."""
+  last = jnp.maximum(jnp.sum(mask_BxS.astype(jnp.int32), axis=1) - 1, 0)
+  return jnp.take_along_axis(
+      hidden_BxSxD.astype(jnp.float32), last[:, None, None], axis=1)[:, 0]
+
+
+POOLING = {"mean": masked_mean, "last": last_token}
+
+
+class SequenceClassifier(nn.Module):
+  """Backbone -> pooling -> linear head (float32 logits).
+
+  Parameters live under `backbone/...` and `head/{kernel,bias}`.
+  """
+
+  backbone: nn.Module
+  num_labels: int
+  pooling: str = "mean"
+
+  @nn.compact
+  def __call__(self, input_ids, attention_mask, owner_override=None):
+    """Returns (logits [B, num_labels] float32, the backbone output)."""
+    if self.pooling not in POOLING:
+      raise ValueError(f"unknown pooling {self.pooling!r}; use one of {sorted(POOLING)}")
+    out = self.backbone(input_ids, attention_mask, owner_override=owner_override)
+    pooled = POOLING[self.pooling](out.hidden_states, attention_mask)
+    logits = nn.Dense(self.num_labels, dtype=jnp.float32, param_dtype=jnp.float32,
+                      name="head")(pooled)
+    return logits, out

@@ -1,0 +1,221 @@
+"""Hugging Face checkpoints -> Flax modules and parameters, without torch.
+
+Reads `config.json` and `*.safetensors` from a local directory or a Hub
+snapshot, maps the tensor names onto the Flax parameter tree (decoder weights
+are ignored) and returns `(module, params)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from raptor_jax.models import switch
+
+Params = Mapping[str, Any]
+
+_WEIGHT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
+
+
+# ---------------------------------------------------------------------------
+# Locating a checkpoint.
+
+
+def resolve_model_dir(path_or_hub_id: str | os.PathLike) -> Path:
+  """A local directory with config.json, downloading from the Hub if needed."""
+  path = Path(path_or_hub_id).expanduser()
+  if path.is_dir():
+    if not (path / "config.json").is_file():
+      raise FileNotFoundError(f"{path} has no config.json; point at a directory written "
+                              "by save_pretrained (config.json + *.safetensors)")
+    return path
+  name = str(path_or_hub_id)
+  if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+    raise FileNotFoundError(f"model directory {name!r} does not exist")
+  from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
+  try:
+    return Path(snapshot_download(name, allow_patterns=list(_WEIGHT_PATTERNS)))
+  except Exception as e:  # Offline, not cached, gated or missing: one clear line.
+    raise OSError(
+        f"cannot load model {name!r} from the Hugging Face Hub ({type(e).__name__}); "
+        f"the Hub is unreachable or the model is not cached (HF_HUB_OFFLINE="
+        f"{os.environ.get('HF_HUB_OFFLINE', '0')}). Download it where you have internet "
+        f"(`huggingface-cli download {name}`) or pass a local directory holding "
+        "config.json and *.safetensors") from None
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+  return json.loads((model_dir / "config.json").read_text())
+
+
+def load_tensors(model_dir: Path, keep: Callable[[str], bool]) -> dict[str, np.ndarray]:
+  """Reads the float32 tensors whose names pass `keep` from *.safetensors."""
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  files = sorted(model_dir.glob("*.safetensors"))
+  if not files:
+    raise FileNotFoundError(
+        f"{model_dir} holds no *.safetensors weights; re-save the model with "
+        "save_pretrained(..., safe_serialization=True)")
+  tensors = {}
+  for file in files:
+    with safe_open(str(file), framework="flax") as f:
+      for name in f.keys():
+        if keep(name):
+          tensors[name] = np.asarray(f.get_tensor(name).astype(jnp.float32))
+  return tensors
+
+
+# ---------------------------------------------------------------------------
+# Parameter trees.
+
+
+def merge_params(initialised: Params, pretrained: Params) -> dict:
+  """Overlays `pretrained` leaves onto a freshly initialised tree.
+
+  Leaves only in `initialised` (LoRA adapters, heads) keep their initial
+  values; every pretrained leaf must exist with the same shape.
+  """
+  init_flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(initialised), sep="/")
+  for path, value in flax.traverse_util.flatten_dict(
+      flax.core.unfreeze(pretrained), sep="/").items():
+    if path not in init_flat:
+      raise ValueError(f"pretrained parameter {path} has no place in the model")
+    if tuple(init_flat[path].shape) != tuple(value.shape):
+      raise ValueError(f"pretrained parameter {path} has shape {tuple(value.shape)}, "
+                       f"the model expects {tuple(init_flat[path].shape)}")
+    init_flat[path] = jnp.asarray(value, init_flat[path].dtype)
+  return flax.traverse_util.unflatten_dict(init_flat, sep="/")
+
+
+def init_missing(module: nn.Module, pretrained: Params, example_args: tuple,
+                 key: jax.Array, new_leaves: tuple[str, ...] = ("lora_a", "lora_b")) -> dict:
+  """Initialises only the adapter parameters that `pretrained` lacks, then merges.
+
+  The module's own initialisers define the new leaves (one source of truth);
+  jit drops the work of initialising the leaves that the checkpoint replaces.
+  Any other parameter missing from the checkpoint is an error, never a silent
+  random initialisation.
+  """
+  flatten = lambda tree: flax.traverse_util.flatten_dict(flax.core.unfreeze(tree), sep="/")
+  known = set(flatten(pretrained))
+  init = lambda k: module.init(k, *example_args)["params"]
+  shapes = flatten(jax.eval_shape(init, key))
+  absent = [p for p in shapes if p not in known and p.rsplit("/", 1)[-1] not in new_leaves]
+  if absent:
+    raise ValueError(f"checkpoint lacks {len(absent)} model parameters, e.g. {absent[0]}")
+  fresh = jax.jit(lambda k: {p: v for p, v in flatten(init(k)).items() if p not in known})(key)
+  return merge_params(flax.traverse_util.unflatten_dict({**shapes, **fresh}, sep="/"),
+                      pretrained)
+
+
+# ---------------------------------------------------------------------------
+# Switch Transformers.
+
+_SWITCH_ARCH_KEYS = (
+    "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads", "num_experts",
+    "expert_capacity", "relative_attention_num_buckets", "relative_attention_max_distance",
+    "layer_norm_epsilon", "dense_act_fn", "router_bias")
+
+
+def switch_config_from_hf(hf: Mapping[str, Any], **options) -> switch.SwitchConfig:
+  """SwitchConfig from an HF config.json dict, plus fine-tuning options."""
+  arch = {k: hf[k] for k in _SWITCH_ARCH_KEYS if k in hf}
+  step = hf.get("encoder_sparse_step")
+  if step is None:  # HF derives the step when config.json does not store it.
+    num_sparse = hf.get("num_sparse_encoder_layers", 3)
+    num_layers = hf.get("num_layers", 12)
+    step = num_layers // num_sparse if num_sparse > 0 else num_layers
+  return switch.SwitchConfig(**arch, sparse_step=step, **options)
+
+
+def _torch_linear(w: np.ndarray) -> np.ndarray:
+  return np.ascontiguousarray(w.T)  # torch Linear [out, in] -> Flax kernel [in, out]
+
+
+def switch_params_from_hf(tensors: Mapping[str, np.ndarray],
+                          config: switch.SwitchConfig) -> dict:
+  """Maps HF Switch encoder tensor names onto the Flax parameter tree."""
+  flat: dict[str, np.ndarray] = {}
+  experts: dict[str, dict[int, np.ndarray]] = {}
+  embedding = tensors.get("shared.weight", tensors.get("encoder.embed_tokens.weight"))
+  if embedding is None:
+    raise ValueError("checkpoint has neither shared.weight nor encoder.embed_tokens.weight")
+  flat["embed_tokens/embedding"] = embedding
+  rules = [
+      (r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.([qkvo])\.weight",
+       lambda m, w: (f"block_{m[1]}/attention/{m[2]}/kernel", _torch_linear(w))),
+      (r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.weight",
+       lambda m, w: (f"block_{m[1]}/attention/relative_attention_bias/embedding", w)),
+      (r"encoder\.block\.(\d+)\.layer\.0\.layer_norm\.weight",
+       lambda m, w: (f"block_{m[1]}/attention_norm/scale", w)),
+      (r"encoder\.block\.(\d+)\.layer\.1\.layer_norm\.weight",
+       lambda m, w: (f"block_{m[1]}/mlp_norm/scale", w)),
+      (r"encoder\.block\.(\d+)\.layer\.1\.mlp\.(wi|wo)\.weight",
+       lambda m, w: (f"block_{m[1]}/mlp/{m[2]}/kernel", _torch_linear(w))),
+      (r"encoder\.block\.(\d+)\.layer\.1\.mlp\.router\.classifier\.(weight|bias)",
+       lambda m, w: (f"block_{m[1]}/mlp/router/" + ("kernel" if m[2] == "weight" else "bias"),
+                     _torch_linear(w) if m[2] == "weight" else w)),
+      (r"encoder\.final_layer_norm\.weight", lambda m, w: ("final_layer_norm/scale", w)),
+  ]
+  expert_rule = re.compile(
+      r"encoder\.block\.(\d+)\.layer\.1\.mlp\.experts\.expert_(\d+)\.(wi|wo)\.weight")
+  for name, w in tensors.items():
+    if not name.startswith("encoder.") or name == "encoder.embed_tokens.weight":
+      continue
+    if m := expert_rule.fullmatch(name):
+      path = f"block_{m[1]}/mlp/experts/{m[3]}/kernel"
+      experts.setdefault(path, {})[int(m[2])] = _torch_linear(w)
+      continue
+    for pattern, convert in rules:
+      if m := re.fullmatch(pattern, name):
+        path, value = convert(m, w)
+        flat[path] = value
+        break
+    else:
+      raise ValueError(f"unexpected tensor {name} in the Switch checkpoint")
+  for path, per_expert in experts.items():
+    if sorted(per_expert) != list(range(config.num_experts)):
+      raise ValueError(f"{path}: found experts {sorted(per_expert)}, "
+                       f"expected 0..{config.num_experts - 1}")
+    flat[path] = np.stack([per_expert[e] for e in range(config.num_experts)])
+  return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
+                    **options) -> tuple[nn.Module, dict]:
+  """Loads a Hugging Face MoE checkpoint as a Flax backbone.
+
+  Args:
+    path_or_hub_id: a directory written by `save_pretrained` (config.json +
+      *.safetensors) or a Hub id such as "google/switch-base-8".
+    seed: PRNG seed for parameters the checkpoint lacks (LoRA adapters).
+    **options: fine-tuning options of the model config (e.g. lora_rank=8,
+      attention_lora=True, expert_lora_layers=(5,), dtype='bfloat16').
+
+  Returns:
+    (module, params): `module.apply({'params': params}, input_ids,
+    attention_mask)` returns BackboneOutput(hidden_states, router_logits).
+  """
+  model_dir = resolve_model_dir(path_or_hub_id)
+  hf = read_config(model_dir)
+  model_type = hf.get("model_type")
+  if model_type == "switch_transformers":
+    config = switch_config_from_hf(hf, **options)
+    module = switch.SwitchEncoder(config)
+    tensors = load_tensors(model_dir, keep=lambda n: not n.startswith("decoder."))
+    params = switch_params_from_hf(tensors, config)
+  else:
+    raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
+                     "supported: 'switch_transformers'")
+  example = (jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32))
+  params = init_missing(module, params, example, jax.random.PRNGKey(seed))
+  return module, params

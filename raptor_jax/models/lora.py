@@ -1,0 +1,122 @@
+"""Linear layers with optional low-rank adapters (LoRA).
+
+`LoRADense` is a bias-free dense layer whose frozen `kernel` [d_in, d_out]
+can carry a trainable low-rank update  (alpha / r) * x @ lora_a @ lora_b,
+`lora_b` initialised to zero so a fresh adapter leaves the model unchanged.
+`ExpertLinear` is the same for E stacked experts (`kernel` [E, d_in, d_out],
+`lora_a` [E, d_in, r], `lora_b` [E, r, d_out]) applied row by row through the
+MoE dispatch of `moe.py`.
+
+Parameter names are chosen so that roles are easy to select by path: every
+adapter leaf is called `lora_a` or `lora_b`, expert weights live under
+`.../mlp/experts/...`, routers under `.../mlp/router/...`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from raptor_jax.models import moe
+
+Dtype = Any
+
+
+def lora_a_init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
+  """PEFT's default for A: kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(d_in), 1/sqrt(d_in))."""
+  bound = 1.0 / jnp.sqrt(shape[-2])
+  return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class LoRADense(nn.Module):
+  """Bias-free dense layer with an optional LoRA adapter (rank 0 = none)."""
+
+  features: int
+  rank: int = 0
+  alpha: float = 16.0
+  dtype: Dtype = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    d_in = x.shape[-1]
+    kernel = self.param("kernel", self.kernel_init, (d_in, self.features))
+    x = x.astype(self.dtype)
+    y = x @ kernel.astype(self.dtype)
+    if self.rank > 0:
+      a = self.param("lora_a", lora_a_init, (d_in, self.rank))
+      b = self.param("lora_b", nn.initializers.zeros, (self.rank, self.features))
+      y = y + (self.alpha / self.rank) * ((x @ a.astype(self.dtype)) @ b.astype(self.dtype))
+    return y
+
+
+class ExpertLinear(nn.Module):
+  """E stacked bias-free linear maps applied per routed row.
+
+  Attributes:
+    num_experts: E.
+    features: d_out.
+    rank: LoRA rank (0 = no adapter).
+    alpha: LoRA alpha; the update is scaled by alpha / rank.
+    dispatch: 'grouped' (sorted blocks, work ~ rows; base kernel frozen) or
+      'dense' (every expert on every row; differentiable in the kernel, used
+      when full expert weights train).
+  """
+
+  num_experts: int
+  features: int
+  rank: int = 0
+  alpha: float = 16.0
+  dispatch: str = "grouped"
+  dtype: Dtype = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal(batch_axis=(0,))
+
+  @nn.compact
+  def __call__(self, x: jax.Array, experts: jax.Array,
+               owner: jax.Array | None = None,
+               owner_params: Mapping[str, jax.Array] | None = None) -> jax.Array:
+    """Applies expert `experts[t]` to row `x[t]`.
+
+    Args:
+      x: [T, d_in] rows.
+      experts: int32 [T] (E = dropped row, output 0).
+      owner: optional int32 scalar, this record's owner expert (the model is
+        then being run on one record, e.g. under vmap).
+      owner_params: the owner slice, a dict with the leaves of this layer's
+        trainable expert parameters minus the expert axis (`lora_a` [d_in, r]
+        and `lora_b` [r, d_out], or `kernel` [d_in, d_out]); gradients reach
+        only these, never the stacked parameters.
+
+    Returns:
+      [T, d_out].
+    """
+    d_in = x.shape[-1]
+    kernel = self.param("kernel", self.kernel_init,
+                        (self.num_experts, d_in, self.features))
+    x = x.astype(self.dtype)
+    kernel = kernel.astype(self.dtype)
+    owner_params = owner_params or {}
+    if "kernel" in owner_params:
+      y = moe.owner_linear(x, experts, kernel, owner,
+                           owner_params["kernel"].astype(self.dtype))
+    elif self.dispatch == "grouped":
+      y = moe.grouped_linear(x, experts, kernel)
+    elif self.dispatch == "dense":
+      y = moe.dense_linear(x, experts, kernel)
+    else:
+      raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'grouped' or 'dense'")
+    if self.rank > 0:
+      a = self.param("lora_a", lora_a_init, (self.num_experts, d_in, self.rank))
+      b = self.param("lora_b", nn.initializers.zeros,
+                     (self.num_experts, self.rank, self.features))
+      own = "lora_a" in owner_params
+      y = y + moe.expert_lora(
+          x, experts, a.astype(self.dtype), b.astype(self.dtype),
+          self.alpha / self.rank,
+          owner=owner if own else None,
+          owner_a=owner_params["lora_a"].astype(self.dtype) if own else None,
+          owner_b=owner_params["lora_b"].astype(self.dtype) if own else None)
+    return y
