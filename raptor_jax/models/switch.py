@@ -75,6 +75,11 @@ class SwitchConfig:
                        f"blocks of this model are {list(self.sparse_layers)}")
 
   @property
+  def top_k(self) -> int:
+    """Experts per token (Switch routes each token to one expert)."""
+    return 1
+
+  @property
   def sparse_layers(self) -> tuple[int, ...]:
     """Indices of the sparse (MoE) blocks, in HF's placement."""
     if self.sparse_step <= 0:
