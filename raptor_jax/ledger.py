@@ -1,0 +1,160 @@
+"""A privacy ledger: what a training run has released so far, for resume.
+
+The trainer records every noisy step as it runs; the ledger keeps, per stream,
+how many steps ran with each (sample rate, noise multiplier), serialises to
+JSON for checkpoints, and reports the epsilon spent so far. Accounting is by
+counts, so the ledger stays a few entries long however long the run.
+
+Example::
+
+  ledger = PrivacyLedger()
+  for step in range(steps):
+    ...  # one shared step and one expert step, each on its own Poisson sample
+    ledger.record('shared', sample_rate=q, noise_multiplier=sigma_shared)
+    ledger.record('expert', sample_rate=q, noise_multiplier=sigma_expert)
+  spent = ledger.epsilon(delta)
+"""
+
+from collections.abc import Iterable, Mapping
+import dataclasses
+import json
+from typing import Any
+
+import dp_accounting
+
+from raptor_jax import accounting
+
+_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerEntry:
+  """``steps`` Poisson-sampled Gaussian releases of one stream."""
+
+  stream: str
+  sample_rate: float
+  noise_multiplier: float
+  steps: int
+
+
+class PrivacyLedger:
+  """Per-stream counts of Poisson-sampled Gaussian releases.
+
+  Entries with the same (stream, sample rate, noise multiplier) merge into one
+  count: sequential composition does not depend on the order of the releases,
+  so the merged ledger accounts for exactly the same mechanism. Separate
+  entries compose sequentially, which is right for streams that draw
+  independent Poisson samples (alternating RAPTOR). Streams that share one
+  sample are recorded together with ``record_joint``.
+  """
+
+  def __init__(self, entries: Iterable[LedgerEntry] = ()):
+    self._steps: dict[tuple[str, float, float], int] = {}
+    self._epsilons: dict[float, float] = {}
+    for entry in entries:
+      self.record(entry.stream, sample_rate=entry.sample_rate,
+                  noise_multiplier=entry.noise_multiplier, steps=entry.steps)
+
+  def record(self, stream: str, *, sample_rate: float, noise_multiplier: float,
+             steps: int = 1) -> None:
+    """Records ``steps`` releases of ``stream``, each on a fresh Poisson sample.
+
+    Args:
+      stream: the stream's name, e.g. 'shared', 'expert' or 'dpsgd'.
+      sample_rate: Poisson inclusion probability of every record.
+      noise_multiplier: noise std divided by the stream's clip norm.
+      steps: how many releases to record.
+    """
+    if not (isinstance(stream, str) and stream):
+      raise ValueError(f'stream must be a non-empty string, got {stream!r}.')
+    accounting.dpsgd_event(noise_multiplier=noise_multiplier,
+                           sample_rate=sample_rate, steps=steps)  # Validates.
+    key = (stream, float(sample_rate), float(noise_multiplier))
+    self._steps[key] = self._steps.get(key, 0) + int(steps)
+    self._epsilons.clear()
+
+  def record_joint(self, noise_multipliers: Mapping[str, float], *,
+                   sample_rate: float, steps: int = 1) -> None:
+    """Records steps that update several streams from ONE Poisson sample.
+
+    Such a step is one Gaussian mechanism with ``accounting.sigma_eff`` of the
+    streams' noise multipliers; it is recorded under the joined stream name
+    (e.g. 'shared+expert').
+
+    Args:
+      noise_multipliers: stream name -> noise multiplier of that stream.
+      sample_rate: Poisson inclusion probability of every record.
+      steps: how many steps to record.
+    """
+    self.record('+'.join(noise_multipliers), sample_rate=sample_rate,
+                noise_multiplier=accounting.sigma_eff(
+                    *noise_multipliers.values()), steps=steps)
+
+  @property
+  def entries(self) -> tuple[LedgerEntry, ...]:
+    """The merged entries, in order of first appearance."""
+    return tuple(LedgerEntry(stream, sample_rate, sigma, steps)
+                 for (stream, sample_rate, sigma), steps in self._steps.items())
+
+  def steps(self, stream: str) -> int:
+    """Total steps recorded for ``stream`` (its exact name)."""
+    return sum(steps for (name, _, _), steps in self._steps.items()
+               if name == stream)
+
+  def event(self) -> dp_accounting.DpEvent:
+    """The composition of everything recorded, as one DpEvent."""
+    return dp_accounting.ComposedDpEvent([
+        accounting.dpsgd_event(noise_multiplier=entry.noise_multiplier,
+                               sample_rate=entry.sample_rate,
+                               steps=entry.steps)
+        for entry in self.entries
+    ])
+
+  def epsilon(self, delta: float) -> float:
+    """Epsilon spent so far at ``delta`` (``accounting.epsilon`` of ``event``).
+
+    Cached until the next record; per-mechanism PLDs are cached too, so
+    calling this every few steps is cheap.
+
+    Args:
+      delta: the target delta, in (0, 1).
+
+    Returns:
+      The composed epsilon of all recorded releases (0 for an empty ledger).
+    """
+    if delta not in self._epsilons:
+      self._epsilons[delta] = accounting.epsilon(self.event(), delta)
+    return self._epsilons[delta]
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-compatible dict (floats round-trip exactly)."""
+    return {
+        'version': _FORMAT_VERSION,
+        'entries': [dataclasses.asdict(entry) for entry in self.entries],
+    }
+
+  @classmethod
+  def from_dict(cls, state: Mapping[str, Any]) -> 'PrivacyLedger':
+    """Inverse of ``to_dict``; validates every entry."""
+    if state.get('version') != _FORMAT_VERSION:
+      raise ValueError(
+          f'unsupported privacy ledger version {state.get("version")!r};'
+          f' expected {_FORMAT_VERSION}.')
+    return cls(LedgerEntry(**entry) for entry in state['entries'])
+
+  def to_json(self) -> str:
+    """The ledger as a JSON string, e.g. to store next to a checkpoint."""
+    return json.dumps(self.to_dict())
+
+  @classmethod
+  def from_json(cls, text: str) -> 'PrivacyLedger':
+    """Inverse of ``to_json``."""
+    return cls.from_dict(json.loads(text))
+
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, PrivacyLedger):
+      return NotImplemented
+    return self._steps == other._steps
+
+  def __repr__(self) -> str:
+    return f'PrivacyLedger({list(self.entries)!r})'
