@@ -73,13 +73,14 @@ def plan(*, epsilon: float, delta: float, sample_rate: float, steps: int,
             ('sigma_expert', f'{sigmas[1]:.4f}'),
             ('epsilon shared alone (delta/2)', f'{own[0]:.4f}'),
             ('epsilon expert alone (delta/2)', f'{own[1]:.4f}')]
+    spent = accounting.epsilon(event, delta)
     if joint:
-      rows += [('sigma_eff (one sample)', f'{accounting.sigma_eff(*sigmas):.4f}'),
-               ('epsilon (PLD, joint)', f'{accounting.epsilon(event, delta):.4f}'),
+      rows += [('sigma_eff (one sample)',
+                f'{accounting.sigma_eff(*sigmas):.4f}'),
+               ('epsilon (PLD, joint)', f'{spent:.4f}'),
                ('basic composition', 'n/a: one sample, epsilons do not add')]
     else:
-      rows += [('epsilon (PLD, composed)',
-                f'{accounting.epsilon(event, delta):.4f}'),
+      rows += [('epsilon (PLD, composed)', f'{spent:.4f}'),
                ('basic composition (sum)', f'{sum(own):.4f}')]
   return rows + [('epsilon (RDP, same sigmas)',
                   f'{rdp_epsilon(event, delta):.4f}'),
@@ -96,7 +97,9 @@ def main(argv: list[str]) -> None:
       raise ValueError(f'--epochs must be >= 1, got {epochs}.')
     q = batch_size / n
     steps = epochs * accounting.steps_per_epoch(q)
-    delta = accounting.default_delta(n) if _DELTA.value is None else _DELTA.value
+    delta = _DELTA.value
+    if delta is None:
+      delta = accounting.default_delta(n)
     accounting.validate_delta(delta, n)
     print(f'{_METHOD.value}: n={n} B={batch_size} q={q:.6g} epochs={epochs}'
           f' steps={steps} delta={delta:.3g} target epsilon={_EPSILON.value:g}'

@@ -61,7 +61,7 @@ _MAX_EVALUATIONS = 60
 _HINT = ('Raise target_epsilon or delta, or use fewer steps or a smaller'
          ' sample rate.')
 
-Mechanism = tuple[float, float, int]  # (sample_rate, noise_multiplier, count)
+_Mechanism = tuple[float, float, int]  # (sample_rate, noise_multiplier, count)
 
 
 # Validation: one clear line per mistake; privacy parameters are never clamped.
@@ -104,7 +104,7 @@ def default_delta(n: int) -> float:
 
 
 def validate_delta(delta: float, n: int | None = None) -> None:
-  """Raises ValueError unless ``0 < delta < 1`` and, given ``n``, ``delta < 1/n``.
+  """Raises ValueError unless ``0 < delta < 1`` and, given n, ``delta < 1/n``.
 
   A delta of ``1/n`` or more admits mechanisms that publish a random record in
   the clear, so callers that know the dataset size must pass it.
@@ -119,14 +119,6 @@ def validate_delta(delta: float, n: int | None = None) -> None:
     raise ValueError(
         f'delta={delta:.3g} must be below 1/n={1.0 / n:.3g} (n={n}); the'
         f' default is 1/n**1.1={default_delta(n):.3g}.')
-
-
-def _check_target(target_epsilon: float) -> None:
-  if not (isinstance(target_epsilon, numbers.Real)
-          and 0 < target_epsilon < math.inf):
-    raise ValueError(
-        f'target_epsilon must be a positive finite number, got'
-        f' {target_epsilon!r}.')
 
 
 # Small helpers the trainer shares with the accountant.
@@ -255,7 +247,7 @@ def raptor_event(*, sigma_shared: float, sigma_expert: float,
 
 
 def _mechanisms(event: dp_accounting.DpEvent,
-                count: int = 1) -> Iterator[Mechanism]:
+                count: int = 1) -> Iterator[_Mechanism]:
   """The Poisson-sampled Gaussians of ``event``, in PLDAccountant's order."""
   if isinstance(event, dp_accounting.NoOpDpEvent):
     return
@@ -296,7 +288,7 @@ def _self_composed_pld(
       value_discretization_interval).self_compose(count)
 
 
-def _epsilon(mechanisms: Sequence[Mechanism], delta: float,
+def _epsilon(mechanisms: Sequence[_Mechanism], delta: float,
              value_discretization_interval: float) -> float:
   """Epsilon at ``delta`` of the sequential composition of ``mechanisms``."""
   pld = privacy_loss_distribution.identity(
@@ -429,8 +421,9 @@ def _search(epsilon_of: Callable[[float], float], target: float, *, x0: float,
     if new_u == u:
       if h > 0:
         raise ValueError(
-            f'epsilon {target:.4g} is unreachable: even {name}={math.exp(u):.4g}'
-            f' (the largest searched) gives epsilon {eps:.4g}. {hint}')
+            f'epsilon {target:.4g} is unreachable: even {name}='
+            f'{math.exp(u):.4g} (the largest searched) gives epsilon'
+            f' {eps:.4g}. {hint}')
       raise ValueError(
           f'epsilon {target:.4g} is too large to calibrate: {name}='
           f'{math.exp(u):.4g} (the smallest searched) already gives epsilon'
@@ -473,7 +466,7 @@ def calibrate_dpsgd(*, target_epsilon: float, delta: float,
     ``sigma`` with ``dpsgd_epsilon(sigma) <= target_epsilon`` and at least
     ``(1 - CALIBRATION_RTOL) * target_epsilon``.
   """
-  _check_target(target_epsilon)
+  _check_positive('target_epsilon', target_epsilon)
   validate_delta(delta)
   _check_sample_rate(sample_rate)
   _check_steps('steps', steps)
@@ -511,7 +504,7 @@ def calibrate_raptor(*, target_epsilon: float, delta: float,
     ``(sigma_shared, sigma_expert)`` whose ``raptor_epsilon`` at ``delta`` is
     at most ``target_epsilon`` and at least ``(1 - CALIBRATION_RTOL)`` of it.
   """
-  _check_target(target_epsilon)
+  _check_positive('target_epsilon', target_epsilon)
   validate_delta(delta)
   _check_sample_rate(sample_rate)
   _check_steps('steps', steps)
@@ -526,21 +519,22 @@ def calibrate_raptor(*, target_epsilon: float, delta: float,
     return _epsilon(((sample_rate, sigma, steps),), delta / 2, interval)
 
   sigma_expert = {}  # (interval, sigma_shared) -> sigma_expert
-  expert_guess = [1.0, -1.0]  # warm start: last expert sigma and slope
+  expert_guess, expert_slope = 1.0, -1.0  # Warm start of the inner search.
 
   def composed_at(interval: float, sigma_shared: float) -> float:
+    nonlocal expert_guess, expert_slope
     scale = stream_epsilon(interval, sigma_shared) / rho
-    expert_guess[:] = _search(
+    expert_guess, expert_slope = _search(
         functools.partial(stream_epsilon, interval), (1 - rho) * scale,
-        x0=expert_guess[0], slope=expert_guess[1], name='sigma_expert',
+        x0=expert_guess, slope=expert_slope, name='sigma_expert',
         hint='This is the expert stream\'s share: lower rho.')
-    sigma_expert[interval, sigma_shared] = expert_guess[0]
+    sigma_expert[interval, sigma_shared] = expert_guess
     if joint:
-      mechanisms = ((sample_rate, sigma_eff(sigma_shared, expert_guess[0]),
+      mechanisms = ((sample_rate, sigma_eff(sigma_shared, expert_guess),
                      steps),)
     else:
       mechanisms = ((sample_rate, sigma_shared, steps),
-                    (sample_rate, expert_guess[0], steps))
+                    (sample_rate, expert_guess, steps))
     return _epsilon(mechanisms, delta, interval)
 
   sigma_shared = _calibrate(composed_at, target_epsilon, 'sigma_shared',

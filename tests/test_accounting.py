@@ -69,7 +69,8 @@ def test_never_above_rdp(q, sigmas, steps, delta):
     ([(1.0, 0.02, 500), (4.0, 0.02, 500)], 1e-5),  # Two streams.
 ])
 def test_agrees_with_opacus_prv(history, delta):
-  from opacus.accountants import PRVAccountant  # pylint: disable=g-import-not-at-top
+  # Imported here: opacus pulls in torch, which is slow to import.
+  from opacus.accountants import PRVAccountant
   prv = PRVAccountant()
   prv.history = list(history)
   expected = prv.get_epsilon(delta, eps_error=0.01)
