@@ -21,7 +21,7 @@ PRV composition of Gopi et al., 2021, used by the paper):
   gets independent noise ``sigma_g * clip_g``; whitening the noise shows the
   release is one Gaussian mechanism with noise multiplier
   ``sigma_eff = (sum_g sigma_g**-2) ** -0.5`` (``joint_event``). Adding the
-  per-group epsilons instead would be wrong: the groups share one sample.
+  per-group epsilons instead is unjustified: the groups share one sample.
 
 Events are composed by counts (``SelfComposedDpEvent``), never step by step.
 ``epsilon`` evaluates an event exactly as
