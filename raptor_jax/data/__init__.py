@@ -21,6 +21,7 @@ from raptor_jax.data.encoding import (
     check_batch_size,
     encode,
     load_tokenizer,
+    public_word_tokenizer,
     tokenize,
 )
 from raptor_jax.data.synthetic import SyntheticTask, synthetic_task, topic_groups
@@ -43,6 +44,7 @@ __all__ = [
     "load_public_corpus",
     "load_task_split",
     "load_tokenizer",
+    "public_word_tokenizer",
     "read_columns",
     "synthetic_task",
     "tokenize",

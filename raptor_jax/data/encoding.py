@@ -8,7 +8,9 @@ tells the model, the owner map and the pooling which positions are real.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,6 +22,9 @@ PAD, UNK, CLS, SEP = "[PAD]", "[UNK]", "[CLS]", "[SEP]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP)  # ids 0, 1, 2, 3 in a word tokenizer
 
 Tokenizer = transformers.PreTrainedTokenizerBase
+
+# The words of the `Whitespace` pre-tokenizer of `build_word_tokenizer`.
+_WORD = re.compile(r"\w+|[^\w\s]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +154,40 @@ def build_word_tokenizer(words: Sequence[str], *, model_max_length: int = 512) -
         sep_token=SEP,
         model_max_length=model_max_length,
     )
+
+
+def public_word_tokenizer(
+    public_texts: Sequence[str], *, max_words: int = 20000, model_max_length: int = 512
+) -> Tokenizer:
+    """A word-level tokenizer whose vocabulary comes from PUBLIC texts only.
+
+    For CPU-sized runs on real text without a pretrained tokenizer. The
+    vocabulary is never built from the private training set: which words occur
+    in it is itself private information.
+
+    Args:
+        public_texts: the public corpus.
+        max_words: keep the most frequent words (ties broken alphabetically).
+        model_max_length: the longest sequence the model takes.
+
+    Returns:
+        A tokenizer from :func:`build_word_tokenizer`.
+
+    Raises:
+        ValueError: the public texts contain no words.
+    """
+    counts: collections.Counter[str] = collections.Counter()
+    for text in public_texts:
+        counts.update(_WORD.findall(text.lower()))
+    for special in SPECIAL_TOKENS:
+        counts.pop(special.lower(), None)
+    if not counts:
+        raise ValueError(
+            "The public corpus has no words to build a vocabulary from; set"
+            " --config.data.public_corpus or --config.data.public_path."
+        )
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:max_words]
+    return build_word_tokenizer([word for word, _ in ranked], model_max_length=model_max_length)
 
 
 def tokenize(

@@ -1,0 +1,163 @@
+"""Owner maps, routing statistics and public layer selection (Sec. 5.1-5.2).
+
+Owner map (Eq. 5): each record is owned by the expert that receives the most
+gate weight over its non-padding tokens at the selected layer,
+``a(x) = argmax_e sum_t g_e(x, t)``, ties to the lowest index. The gate
+weights are the model's own top-k routing weights before any capacity drop:
+for top-1 Switch a majority vote of the tokens' argmax experts ('count'), or
+their router probabilities ('prob'); for top-k models the top-k weights
+exactly as the model uses them (renormalised when it renormalises).
+
+Privacy. The owner map of the *private* data is computed once, from the frozen
+pretrained model, and stays in process memory: it is never logged, saved or
+put in a metric (it is recomputed on resume; it is deterministic). Routing
+statistics and layer selection run on a *public* corpus only, so the selected
+layer costs no privacy budget.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+WEIGHTINGS = ("count", "prob")
+
+
+def owners(router_logits: jax.Array, attention_mask: jax.Array, top_k: int = 1,
+           weighting: str = "count", normalize: bool = False) -> jax.Array:
+  """Owner expert of every record (Eq. 5).
+
+  Args:
+    router_logits: [N, S, E] pre-softmax router logits of one layer.
+    attention_mask: [N, S], 1 for tokens, 0 for padding (padding never votes).
+    top_k: experts per token of the model.
+    weighting: 'count' (each token gives 1 to each of its top-k experts) or
+      'prob' (each token gives its top-k gate weights).
+    normalize: renormalise the top-k weights to sum to one (OLMoE's
+      `norm_topk_prob`); only matters for 'prob'.
+
+  Returns:
+    int32 [N] owners; ties go to the lowest expert index (a record without
+    tokens is owned by expert 0).
+  """
+  if weighting not in WEIGHTINGS:
+    raise ValueError(f"unknown owner weighting {weighting!r}; use one of {WEIGHTINGS}")
+  num_experts = router_logits.shape[-1]
+  probs = jax.nn.softmax(jnp.asarray(router_logits, jnp.float32), axis=-1)
+  gates, experts = jax.lax.top_k(probs, top_k)  # stable: ties to the lower index
+  if weighting == "count":
+    gates = jnp.ones_like(gates)
+  elif normalize:
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  gates = gates * jnp.asarray(attention_mask, jnp.float32)[..., None]
+  votes = jnp.einsum("nsk,nske->ne", gates, jax.nn.one_hot(experts, num_experts))
+  return jnp.argmax(votes, axis=-1).astype(jnp.int32)
+
+
+def routing_stats(owners_: np.ndarray, num_experts: int) -> dict[str, float]:
+  """Balance of an owner distribution q (Tab. 7, Tab. 9).
+
+  Returns:
+    dict with `entropy_norm` = H(q)/log E, `entropy_deficit` = log E - H(q),
+    `chi2` = chi^2(q || uniform) = E * sum_e (q_e - 1/E)^2, and `cv` = the
+    coefficient of variation of the expert loads, std(q)/mean(q).
+  """
+  counts = np.bincount(np.asarray(owners_).reshape(-1), minlength=num_experts)
+  if counts.sum() == 0:
+    raise ValueError("routing_stats needs at least one record")
+  q = counts / counts.sum()
+  nonzero = q[q > 0]
+  entropy = float(-np.sum(nonzero * np.log(nonzero)))
+  log_e = math.log(num_experts)
+  return dict(
+      entropy_norm=entropy / log_e if num_experts > 1 else 1.0,
+      entropy_deficit=log_e - entropy,
+      chi2=float(num_experts * np.sum((q - 1.0 / num_experts) ** 2)),
+      cv=float(np.std(q) / np.mean(q)),
+  )
+
+
+RouterFn = Callable[[jax.Array, jax.Array], Sequence[jax.Array]]
+
+
+def owners_per_layer(router_fn: RouterFn, input_ids: np.ndarray, attention_mask: np.ndarray,
+                     *, batch_size: int, top_k: int = 1, weighting: str = "count",
+                     normalize: bool = False) -> np.ndarray:
+  """Owners of every record at every sparse layer of a frozen model.
+
+  Args:
+    router_fn: (input_ids, attention_mask) -> router logits per sparse layer
+      (e.g. a jitted backbone apply); called on fixed-size batches (the last
+      one padded), so it compiles once.
+    input_ids, attention_mask: [N, S] records.
+    batch_size: records per call.
+    top_k, weighting, normalize: see `owners`.
+
+  Returns:
+    int32 [num_sparse_layers, N].
+  """
+  n = input_ids.shape[0]
+  if n == 0:
+    raise ValueError("no records to compute owners for")
+  chunks = []
+  for start in range(0, n, batch_size):
+    ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+    real = ids.shape[0]
+    if real < batch_size:
+      pad = ((0, batch_size - real), (0, 0))
+      ids, mask = np.pad(ids, pad), np.pad(mask, pad)
+    logits = router_fn(jnp.asarray(ids), jnp.asarray(mask))
+    chunks.append(np.stack([np.asarray(owners(l, mask, top_k, weighting, normalize))[:real]
+                            for l in logits]))
+  return np.concatenate(chunks, axis=1)
+
+
+def layer_table(public_owners: np.ndarray, layers: Sequence[int],
+                num_experts: int) -> list[dict[str, float]]:
+  """Routing statistics of every candidate layer on the public corpus.
+
+  Args:
+    public_owners: int [num_layers, N_pub] owners of the public texts.
+    layers: block index of each row of `public_owners`.
+    num_experts: E.
+
+  Returns:
+    One dict per layer: {'layer', 'entropy_norm', 'entropy_deficit', 'chi2', 'cv'}.
+  """
+  return [dict(layer=int(layer), **routing_stats(row, num_experts))
+          for layer, row in zip(layers, public_owners)]
+
+
+def select_layer(how: str | int, layers: Sequence[int],
+                 table: Sequence[dict[str, float]] | None = None) -> int:
+  """The expert-stream layer l*.
+
+  Args:
+    how: 'entropy' (argmax of H(q) on the public corpus, Eq. 4; the last sparse
+      layer when no corpus is given), 'first', 'last', or a block index.
+    layers: the sparse block indices of the model.
+    table: `layer_table` of the public corpus (needed for 'entropy').
+
+  Returns:
+    A block index from `layers`.
+  """
+  if not layers:
+    raise ValueError("the model has no sparse (MoE) layer; RAPTOR's expert stream needs one")
+  if isinstance(how, (int, np.integer)) and not isinstance(how, bool):
+    if how not in layers:
+      raise ValueError(f"layer {how} is not a sparse layer of this model; "
+                       f"choose one of {list(layers)}")
+    return int(how)
+  if how == "first":
+    return layers[0]
+  if how == "last" or (how == "entropy" and not table):
+    return layers[-1]
+  if how == "entropy":
+    best = max(table, key=lambda row: (row["entropy_norm"], -row["layer"]))
+    return int(best["layer"])
+  raise ValueError(f"unknown layer choice {how!r}; use 'entropy', 'first', 'last' "
+                   "or a sparse block index")

@@ -1,0 +1,79 @@
+"""Which parameter belongs to which role (App. C, SPEC 1.5).
+
+Parameters are addressed by their flat path in the classifier's tree, e.g.
+`backbone/block_3/mlp/experts/wi/lora_a` or `head/kernel`. Every leaf has
+exactly one role:
+
+  attention_adapter  LoRA factors of q, k, v, o (any block)
+  attention_kernel   the q, k, v, o base weights
+  head               the classification head
+  expert_adapter     LoRA factors of the experts of a sparse block
+  expert_kernel      the experts' base weights
+  router             the (always frozen) routers
+  base               everything else: embeddings, norms, dense FFNs, ...
+
+A method trains a set of roles, optionally restricted to some blocks. RAPTOR's
+shared stream is {attention_adapter, head}; its expert stream is the
+expert_adapter role at the selected block l* (owner slices).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping
+
+import flax
+import numpy as np
+
+ROLES = ("attention_adapter", "attention_kernel", "head", "expert_adapter",
+         "expert_kernel", "router", "base")
+_ADAPTER_LEAVES = ("lora_a", "lora_b")
+_BLOCK = re.compile(r"(?:^|/)block_(\d+)/")
+
+
+def role_of(path: str) -> str:
+  """The role of the leaf at a flat '/'-separated path."""
+  leaf = path.rsplit("/", 1)[-1]
+  if path.startswith("head/"):
+    return "head"
+  if "/mlp/router/" in path:
+    return "router"
+  if "/mlp/experts/" in path:
+    return "expert_adapter" if leaf in _ADAPTER_LEAVES else "expert_kernel"
+  if re.search(r"/attention/[qkvo]/", path):
+    return "attention_adapter" if leaf in _ADAPTER_LEAVES else "attention_kernel"
+  return "base"
+
+
+def block_of(path: str) -> int | None:
+  """The block index of a path, or None outside the blocks (embeddings, head)."""
+  match = _BLOCK.search(path)
+  return int(match[1]) if match else None
+
+
+def flatten(params: Mapping[str, Any]) -> dict[str, Any]:
+  return flax.traverse_util.flatten_dict(flax.core.unfreeze(params), sep="/")
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+  return flax.traverse_util.unflatten_dict(dict(flat), sep="/")
+
+
+def select(params: Mapping[str, Any], roles: Iterable[str],
+           blocks: Iterable[int] | None = None) -> list[str]:
+  """Sorted flat paths of the leaves with one of `roles` (in `blocks`, if given)."""
+  roles = set(roles)
+  unknown = roles - set(ROLES)
+  if unknown:
+    raise ValueError(f"unknown roles {sorted(unknown)}; roles are {ROLES}")
+  blocks = None if blocks is None else set(blocks)
+  return sorted(p for p in flatten(params)
+                if role_of(p) in roles and (blocks is None or block_of(p) in blocks))
+
+
+def count_by_role(params: Mapping[str, Any]) -> dict[str, int]:
+  """Number of scalars per role (for results.json)."""
+  counts = dict.fromkeys(ROLES, 0)
+  for path, leaf in flatten(params).items():
+    counts[role_of(path)] += int(np.prod(np.shape(leaf)))
+  return counts

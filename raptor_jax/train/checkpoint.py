@@ -1,0 +1,70 @@
+"""Atomic orbax checkpoints of a run, tied to the config that produced them.
+
+A checkpoint holds the trainable parameters, optimizer states (including the
+noise transforms' PRNG keys and step counts), the cycle counter and the
+privacy ledger. The owner map is NOT saved: it is recomputed on resume from
+the frozen pretrained model (it is deterministic), so it never touches disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+from raptor_jax.train.config import RESUME_INSENSITIVE
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> str:
+  """Hash of every config field that changes what the run computes."""
+  values = config.to_dict()
+  for key in RESUME_INSENSITIVE:
+    values.pop(key, None)
+  return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Checkpointer:
+  """Saves and restores (state, meta) under `<workdir>/checkpoints`."""
+
+  def __init__(self, workdir: str | Path, config: ml_collections.ConfigDict, max_to_keep: int = 2):
+    self.directory = Path(workdir).expanduser().resolve() / "checkpoints"
+    self.fingerprint = fingerprint(config)
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+
+  def latest(self) -> int | None:
+    return self.manager.latest_step()
+
+  def restore(self, abstract_state: Any) -> tuple[Any, dict] | None:
+    """The latest (state, meta), or None for a fresh workdir.
+
+    Raises:
+      ValueError: the workdir holds a checkpoint of a different config.
+    """
+    step = self.manager.latest_step()
+    if step is None:
+      return None
+    meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if meta.get("fingerprint") != self.fingerprint:
+      raise ValueError(
+          f"{self.directory} holds a checkpoint of a different config; use another --workdir "
+          "or restore the config it was written with (see config.json there)")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    return restored["state"], restored["meta"]
+
+  def save(self, step: int, state: Any, meta: dict) -> None:
+    """Writes a checkpoint atomically (orbax commits a finished directory)."""
+    meta = dict(meta, fingerprint=self.fingerprint)
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()

@@ -1,0 +1,88 @@
+"""The base training configuration; `configs/*.py` presets start from it."""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Paper defaults (Sec. 8, App. C) for Switch-base-8 on SST-2."""
+  c = ml_collections.ConfigDict()
+  c.method = "raptor"  # raptor | monolithic | monolithic_lora | nonprivate_lora | nonprivate_full | baseline_a | baseline_b | baseline_c
+  c.seed = 0  # seeds model adapters, Poisson samples and noise
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name = "google/switch-base-8"  # HF hub id or local directory; 'random' = c.model.random
+  c.model.tokenizer = ""  # tokenizer id/path; '' = same as model.name
+  c.model.lora_rank = 8  # LoRA rank r of every adapter
+  c.model.lora_alpha = 16.0  # LoRA alpha (scale alpha / r)
+  c.model.dtype = "float32"  # activation dtype ('bfloat16' on GPUs); DP sums and noise stay float32
+  c.model.pooling = ""  # '' = model default ('mean' for encoders, 'last' for decoders)
+  c.model.random = ml_collections.ConfigDict()  # architecture of the 'random' model
+  c.model.random.family = "switch"  # switch (olmoe added by the OLMoE port)
+  c.model.random.d_model = 64  # hidden size
+  c.model.random.num_layers = 4  # blocks
+  c.model.random.num_heads = 4  # attention heads
+  c.model.random.d_kv = 16  # head size
+  c.model.random.d_ff = 128  # feed-forward width (each expert)
+  c.model.random.num_experts = 4  # experts per sparse block
+  c.model.random.sparse_step = 2  # HF placement: block i sparse iff i % step == 1
+  c.model.random.expert_capacity = 16  # per-sequence expert capacity
+  c.model.random.topic_scale = 2.0  # embedding boost shared by same-topic words (routing matters)
+
+  c.data = ml_collections.ConfigDict()
+  c.data.task = "sst2"  # sst2 | mnli | qnli | qqp | synthetic
+  c.data.train_path = ""  # local train file (tsv/csv/parquet/jsonl); '' = the hub dataset
+  c.data.dev_path = ""  # local dev file; '' = the hub dataset
+  c.data.text_fields = ()  # override the text column(s)
+  c.data.label_field = ""  # override the label column
+  c.data.max_length = 128  # tokens per record, right padding
+  c.data.train_limit = 0  # use only the first N train records (0 = all)
+  c.data.dev_limit = 0  # use only the first N dev records (0 = all)
+  c.data.public_corpus = "imdb"  # preset (imdb | squad | anli_r2 | paws), hub id, or '' for none
+  c.data.public_path = ""  # local public corpus file (overrides the hub)
+  c.data.public_split = ""  # hub split ('' = the preset's)
+  c.data.public_text_fields = ()  # text column(s) of the public corpus ('' = the preset's)
+  c.data.n_pub = 1000  # public texts used for layer selection
+  c.data.synthetic = ml_collections.ConfigDict()  # the embedded offline task (task='synthetic')
+  c.data.synthetic.n_train = 4000  # private training records
+  c.data.synthetic.n_dev = 500  # dev records
+  c.data.synthetic.label_noise = 0.05  # flipped labels
+
+  c.batch_size = 1000  # expected batch size B (public); sample rate q = B / n
+  c.microbatch_size = 32  # records per vmap(grad) call (memory knob; no effect on privacy)
+  c.epochs = 20  # one epoch = ceil(1/q) cycles (SPEC 1.8)
+  c.learning_rate = 5e-4  # Adam learning rate of every stream
+
+  c.privacy = ml_collections.ConfigDict()
+  c.privacy.epsilon = 8.0  # target epsilon of the whole run
+  c.privacy.delta = 0.0  # 0 = 1 / n**1.1
+  c.privacy.rho = 0.9  # shared stream's share of the budget (RAPTOR)
+  c.privacy.clip_shared = 1.0  # C_s (and C of one-stream methods)
+  c.privacy.clip_expert = 1.0  # C_e
+
+  c.raptor = ml_collections.ConfigDict()
+  c.raptor.layer = "entropy"  # expert layer l*: entropy | first | last | a block index
+  c.raptor.owner_weighting = "count"  # Switch owner vote: count | prob (top-k models use gate weights)
+  c.raptor.expert_denominator = "B/E"  # public expert denominator D_e: B/E | B (ablation)
+  c.raptor.residual = "shared"  # residual weight logits: shared (expert stream off) | full | none
+  c.raptor.residual_gamma = 1.0  # w_i ** gamma, gamma in (0, 1]
+  c.raptor.alternate = True  # False: both streams from one sample (sigma_eff accounting)
+  c.raptor.joint_clip = False  # True: one clip over shared + expert grads of a record
+  c.raptor.shared_full_weights = False  # shared stream trains q,k,v,o kernels instead of LoRA
+  c.raptor.expert_full_weights = False  # expert stream trains expert kernels instead of LoRA
+
+  c.eval_every_epochs = 1  # dev evaluation period (and at the end)
+  c.eval_batch_size = 64  # records per evaluation batch
+  c.checkpoint_every_cycles = 100  # checkpoint period (and at the end, and on errors)
+  c.log_every_cycles = 10  # progress / epsilon-spent logging period
+  c.stop_after_cycles = 0  # stop (with a checkpoint) after this many cycles; 0 = run to the end
+  c.log_private_stats = False  # opt-in: log the private training loss (not DP; warns)
+  c.progress_bar = True  # tqdm progress bar with ETA and epsilon spent
+  return c
+
+
+# Fields that do not change what the run computes: resuming with other values is fine.
+RESUME_INSENSITIVE = ("eval_every_epochs", "eval_batch_size", "checkpoint_every_cycles",
+                      "log_every_cycles", "stop_after_cycles", "log_private_stats",
+                      "progress_bar", "microbatch_size")

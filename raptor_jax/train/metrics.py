@@ -1,0 +1,67 @@
+"""Evaluation metrics and the public metric writers (JSONL + TensorBoard).
+
+Only public quantities reach these writers: dev metrics, epsilon spent, the
+cycle counter, wall time. Private per-step statistics (training loss, realised
+batch sizes, per-expert counts, the owner map) are never written unless the
+user opts in with `config.log_private_stats` (with a warning).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+
+
+def accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:
+  return float(np.mean(predictions == labels))
+
+
+def binary_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
+  """F1 of the positive class (QQP's second GLUE metric)."""
+  tp = np.sum((predictions == 1) & (labels == 1))
+  fp = np.sum((predictions == 1) & (labels == 0))
+  fn = np.sum((predictions == 0) & (labels == 1))
+  return float(2 * tp / max(2 * tp + fp + fn, 1))
+
+
+METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
+    "accuracy": accuracy, "f1": binary_f1}
+
+
+def evaluate(logits_fn: Callable, input_ids: np.ndarray, attention_mask: np.ndarray,
+             labels: np.ndarray, metric_names, batch_size: int) -> dict[str, float]:
+  """Metrics of the current model on a labelled split (fixed-size batches)."""
+  predictions = []
+  for start in range(0, len(labels), batch_size):
+    ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+    real = len(ids)
+    if real < batch_size:
+      pad = ((0, batch_size - real), (0, 0))
+      ids, mask = np.pad(ids, pad), np.pad(mask, pad)
+    predictions.append(np.argmax(np.asarray(logits_fn(ids, mask)), axis=-1)[:real])
+  predictions = np.concatenate(predictions)
+  return {name: METRICS[name](predictions, labels) for name in metric_names}
+
+
+class MetricWriter:
+  """Appends scalars to `<workdir>/metrics.jsonl` and TensorBoard event files."""
+
+  def __init__(self, workdir: Path):
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    self._jsonl = open(workdir / "metrics.jsonl", "a", encoding="utf-8")
+    self._tb = SummaryWriter(str(workdir / "tensorboard"))
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    self._jsonl.write(json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}})
+                      + "\n")
+    self._jsonl.flush()
+    for name, value in scalars.items():
+      self._tb.add_scalar(name, float(value), int(step))
+    self._tb.flush()
+
+  def close(self) -> None:
+    self._jsonl.close()
+    self._tb.close()

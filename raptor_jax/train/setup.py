@@ -1,0 +1,138 @@
+"""Builds a run's data and model from its config."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from raptor_jax import data, models, roles
+from raptor_jax.models import hf
+
+
+# model.tokenizer value: a word-level tokenizer over the public corpus's words.
+PUBLIC_WORDS = "public-words"
+
+
+@dataclasses.dataclass
+class RunData:
+  """Tokenised splits, the public corpus and the task's metadata."""
+
+  task: data.TaskSpec
+  train: data.TextClassificationData
+  dev: data.TextClassificationData
+  public: tuple[np.ndarray, np.ndarray] | None  # (input_ids, attention_mask)
+  tokenizer: Any
+  token_groups: np.ndarray | None  # synthetic task: token -> topic (-1 none)
+
+
+def load_run_data(config: ml_collections.ConfigDict) -> RunData:
+  """Loads train/dev and the public corpus, tokenised for the model."""
+  dc = config.data
+  task = data.get_task(dc.task)
+  if task.name == "synthetic":
+    syn = data.synthetic_task(config.seed, n_train=dc.synthetic.n_train,
+                              n_dev=dc.synthetic.n_dev, n_pub=dc.n_pub,
+                              max_length=dc.max_length, label_noise=dc.synthetic.label_noise)
+    public = data.tokenize(syn.tokenizer, syn.public_texts, max_length=dc.max_length)
+    return RunData(task, syn.train, syn.dev, public if dc.public_corpus else None,
+                   syn.tokenizer, syn.token_groups)
+  texts = None
+  if dc.public_corpus or dc.public_path:
+    texts = data.load_public_corpus(
+        dc.public_corpus or None, path=dc.public_path or None, split=dc.public_split or None,
+        text_fields=tuple(dc.public_text_fields) or None, n_pub=dc.n_pub)
+  if config.model.tokenizer == PUBLIC_WORDS:
+    if texts is None:
+      raise ValueError(f"model.tokenizer={PUBLIC_WORDS!r} builds its vocabulary from the public "
+                       "corpus; set --config.data.public_corpus or --config.data.public_path")
+    tokenizer = data.public_word_tokenizer(texts)
+  else:
+    tokenizer = data.load_tokenizer(config.model.tokenizer or config.model.name)
+  kwargs = dict(tokenizer=tokenizer, max_length=dc.max_length,
+                text_fields=tuple(dc.text_fields) or None, label_field=dc.label_field or None)
+  train = data.load_task_split(task.name, "train", path=dc.train_path or None,
+                               limit=dc.train_limit or None, **kwargs)
+  dev = data.load_task_split(task.name, "dev", path=dc.dev_path or None,
+                             limit=dc.dev_limit or None, **kwargs)
+  public = None if texts is None else data.tokenize(tokenizer, texts, max_length=dc.max_length)
+  return RunData(task, train, dev, public, tokenizer, None)
+
+
+def random_backbone(rc: ml_collections.ConfigDict, vocab_size: int,
+                    token_groups: np.ndarray | None, seed: int) -> tuple[nn.Module, dict]:
+  """A randomly initialised backbone standing in for a pretrained checkpoint.
+
+  When `token_groups` maps tokens to topics, every topic gets a random
+  direction added (scaled by `topic_scale`) to its words' embeddings, so a
+  random router sends a topic's records to the same expert, as a pretrained
+  router does for semantically related text: routing then matters.
+  """
+  if rc.family != "switch":
+    raise ValueError(f"unknown random model family {rc.family!r}; use 'switch'")
+  config = models.SwitchConfig(
+      vocab_size=vocab_size, d_model=rc.d_model, d_kv=rc.d_kv, d_ff=rc.d_ff,
+      num_layers=rc.num_layers, num_heads=rc.num_heads, num_experts=rc.num_experts,
+      expert_capacity=rc.expert_capacity, sparse_step=rc.sparse_step)
+  module = models.SwitchEncoder(config)
+  key_init, key_topics = jax.random.split(jax.random.PRNGKey(seed))
+  params = jax.jit(module.init)(key_init, *hf.example_inputs())["params"]
+  if token_groups is not None and rc.topic_scale:
+    embedding = params["embed_tokens"]["embedding"]
+    num_topics = int(token_groups.max()) + 1
+    directions = jax.random.normal(key_topics, (num_topics, config.d_model))
+    scale = rc.topic_scale * jnp.std(embedding)
+    boost = jnp.where(jnp.asarray(token_groups)[:, None] >= 0,
+                      directions[jnp.maximum(jnp.asarray(token_groups), 0)], 0.0)
+    params["embed_tokens"]["embedding"] = embedding + scale * boost
+  return module, params
+
+
+def load_backbone(config: ml_collections.ConfigDict, run_data: RunData) -> tuple[nn.Module, dict]:
+  """The frozen pretrained backbone, without adapters."""
+  mc = config.model
+  if mc.name == "random":
+    return random_backbone(mc.random, len(run_data.tokenizer), run_data.token_groups,
+                           config.seed)
+  return models.from_pretrained(mc.name, dtype=mc.dtype)
+
+
+def classifier(backbone: nn.Module, backbone_params: dict, num_labels: int, pooling: str,
+               seed: int) -> tuple[models.SequenceClassifier, dict]:
+  """Wraps a backbone with pooling and a freshly initialised linear head."""
+  clf = models.SequenceClassifier(backbone, num_labels, pooling=pooling)
+  params = hf.init_missing(clf, {"backbone": backbone_params}, hf.example_inputs(),
+                           jax.random.PRNGKey(seed + 1),
+                           is_new=lambda p: p.startswith("head/"))
+  return clf, params
+
+
+def default_pooling(backbone: nn.Module) -> str:
+  """Mean pooling for encoders, last token for causal decoders."""
+  return "mean" if isinstance(backbone, models.SwitchEncoder) else "last"
+
+
+def partition(params: dict, parts) -> tuple[dict[str, dict], dict]:
+  """Splits the flat parameters into {part name: leaves} and the frozen rest.
+
+  Raises:
+    ValueError: a part selects nothing, or two parts share a leaf.
+  """
+  flat = roles.flatten(params)
+  trainable, taken = {}, set()
+  for part in parts:
+    paths = roles.select(params, part.roles, part.blocks)
+    if not paths:
+      raise ValueError(f"part {part.name!r} selects no parameters (roles {part.roles}, "
+                       f"blocks {part.blocks}); check the model's adapters")
+    if taken & set(paths):
+      raise ValueError(f"part {part.name!r} overlaps another part")
+    taken |= set(paths)
+    trainable[part.name] = {p: flat[p] for p in paths}
+  frozen = {p: v for p, v in flat.items() if p not in taken}
+  return trainable, frozen

@@ -1,0 +1,180 @@
+"""Jitted pieces of one phase: microbatch clipped sums, the noisy update, eval.
+
+Parameters travel as flat dicts `{path: array}` (see `roles.flatten`):
+`trainable[part_name]` holds what a part trains (for an owner part, the
+stacked [E, ...] expert leaves of layer l*), `frozen` everything else. Every
+function has fixed input shapes, so each compiles once per run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from raptor_jax import grads, roles, transforms
+from raptor_jax.models.switch import OwnerOverride
+from raptor_jax.train.methods import Part, Phase
+
+Flat = dict[str, jax.Array]
+Batch = Mapping[str, jax.Array]  # input_ids, attention_mask, labels, owners
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Per-record softmax cross-entropy (float32)."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+
+
+def _owner_params(flat_slice: Flat, layer: int) -> dict:
+  """{'backbone/block_l/mlp/experts/wi/lora_a': s} -> {'wi': {'lora_a': s}}."""
+  prefix = f"backbone/block_{layer}/mlp/experts/"
+  nested: dict[str, dict[str, jax.Array]] = {}
+  for path, value in flat_slice.items():
+    matrix, leaf = path[len(prefix):].split("/")
+    nested.setdefault(matrix, {})[leaf] = value
+  return nested
+
+
+def merged_params(frozen: Flat, trainable: Mapping[str, Flat]) -> dict:
+  """The full nested parameter tree."""
+  flat = dict(frozen)
+  for part in trainable.values():
+    flat.update(part)
+  return roles.unflatten(flat)
+
+
+class PhaseFunctions:
+  """Builds the jitted microbatch-sum and update functions of one phase."""
+
+  def __init__(self, model: nn.Module, phase: Phase, *, expert_layer: int,
+               num_experts: int, learning_rate: float, residual: str, residual_gamma: float,
+               key: jax.Array):
+    self.model = model
+    self.phase = phase
+    self.expert_layer = expert_layer
+    self.num_experts = num_experts
+    self.residual = residual
+    self.residual_gamma = residual_gamma
+    self.txs = {
+        part.name: optax.chain(
+            transforms.privatize_sums(part.l2_clip, part.noise_multiplier, part.denominator,
+                                      jax.random.fold_in(key, i)),
+            optax.adam(learning_rate))
+        for i, part in enumerate(phase.parts)}
+    self.accumulate = jax.jit(self._accumulate, donate_argnums=(2,))
+    self.update = jax.jit(self._update)
+
+  # -- per-record losses ------------------------------------------------------
+
+  def _record_loss(self, dense: Mapping[str, Flat], slices: Mapping[str, Flat],
+                   constants: Flat, record: Batch) -> jax.Array:
+    """Loss of ONE record; `slices` are its owner slices (owner parts)."""
+    flat = dict(constants)
+    for part in dense.values():
+      flat.update(part)
+    override = None
+    if slices:  # at most one owner part: the experts of layer l*
+      (part_slices,) = slices.values()
+      override = OwnerOverride(self.expert_layer, record["owners"],
+                               _owner_params(part_slices, self.expert_layer))
+    logits, _ = self.model.apply({"params": roles.unflatten(flat)},
+                                 record["input_ids"][None], record["attention_mask"][None],
+                                 owner_override=override)
+    return cross_entropy(logits[0], record["labels"])
+
+  def _residual_weights(self, params_flat: Flat, batch: Batch) -> jax.Array:
+    """w_i = (1 - softmax(z_i)[y_i]) ** gamma without gradient (Eq. 8).
+
+    'shared' logits come from the model with the expert stream's updates of
+    layer l* switched off (its adapters' B factors at zero, their initial
+    value); 'full' uses the current model.
+    """
+    if self.residual == "shared":
+      prefix = f"backbone/block_{self.expert_layer}/mlp/experts/"
+      params_flat = {p: (jnp.zeros_like(v) if p.startswith(prefix) and p.endswith("lora_b")
+                         else v) for p, v in params_flat.items()}
+    logits, _ = self.model.apply({"params": roles.unflatten(params_flat)},
+                                 batch["input_ids"], batch["attention_mask"])
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    p_true = jnp.take_along_axis(probs, batch["labels"][:, None], axis=-1)[:, 0]
+    return jax.lax.stop_gradient((1.0 - p_true) ** self.residual_gamma)
+
+  # -- the two jitted functions -------------------------------------------------
+
+  def _accumulate(self, trainable: Mapping[str, Flat], frozen: Flat,
+                  sums: Mapping[str, Flat], batch: Batch, mask: jax.Array):
+    """sums + this microbatch's clipped per-record gradient sums (float32)."""
+    parts = self.phase.parts
+    dense = {p.name: trainable[p.name] for p in parts if not p.owner}
+    constants = dict(frozen)  # other phases' parameters and the stacked experts
+    for name, part_params in trainable.items():
+      if name not in dense:
+        constants.update(part_params)
+    if not self.phase.private:
+      new = self._nonprivate_sums(dense, constants, batch, mask)
+      return jax.tree.map(jnp.add, sums, new)
+    owners = batch["owners"]
+    slices = {p.name: grads.owner_slices(trainable[p.name], owners) for p in parts if p.owner}
+    dense_grads, slice_grads = jax.vmap(
+        jax.grad(self._record_loss, argnums=(0, 1)), in_axes=(None, 0, None, 0))(
+            dense, slices, constants, batch)
+    per_record = {**dense_grads, **slice_grads}
+    if self.residual != "none" and any(p.residual for p in parts):
+      current = dict(constants)
+      for part_params in dense.values():
+        current.update(part_params)
+      weights = self._residual_weights(current, batch)
+      for part in parts:
+        if part.residual:
+          per_record[part.name] = jax.tree.map(
+              lambda g: g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype),
+              per_record[part.name])
+    return jax.tree.map(jnp.add, sums, self._clipped_sums(per_record, owners, mask))
+
+  def _clipped_sums(self, per_record: Mapping[str, Flat], owners, mask):
+    parts = self.phase.parts
+    if self.phase.joint_clip:
+      clipped, _ = grads.clip_per_record(per_record, parts[0].l2_clip, mask)
+    else:
+      clipped = {p.name: grads.clip_per_record(per_record[p.name], p.l2_clip, mask)[0]
+                 for p in parts}
+    return {p.name: (grads.sum_by_owner(clipped[p.name], owners, self.num_experts) if p.owner
+                     else jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped[p.name]))
+            for p in parts}
+
+  def _nonprivate_sums(self, dense, constants, batch, mask):
+    """Plain gradient of the summed (unclipped) loss: the non-private bounds."""
+    def total_loss(dense):
+      flat = dict(constants)
+      for part in dense.values():
+        flat.update(part)
+      logits, _ = self.model.apply({"params": roles.unflatten(flat)},
+                                   batch["input_ids"], batch["attention_mask"])
+      return jnp.sum(cross_entropy(logits, batch["labels"]) * mask)
+    return jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(total_loss)(dense))
+
+  def _update(self, trainable: dict[str, Flat], opt_states: dict[str, Any],
+              sums: Mapping[str, Flat]):
+    """One noisy DP-Adam update of every part of the phase (noise drawn once)."""
+    trainable, opt_states = dict(trainable), dict(opt_states)
+    for part in self.phase.parts:
+      updates, opt_states[part.name] = self.txs[part.name].update(
+          sums[part.name], opt_states[part.name], trainable[part.name])
+      trainable[part.name] = optax.apply_updates(trainable[part.name], updates)
+    return trainable, opt_states
+
+  def init_opt_states(self, trainable: Mapping[str, Flat]) -> dict[str, Any]:
+    return {p.name: self.txs[p.name].init(trainable[p.name]) for p in self.phase.parts}
+
+
+def make_eval_fn(model: nn.Module) -> Callable:
+  """Jitted batched logits of the current parameters."""
+  @jax.jit
+  def logits_fn(trainable, frozen, input_ids, attention_mask):
+    logits, _ = model.apply({"params": merged_params(frozen, trainable)}, input_ids,
+                            attention_mask)
+    return logits
+  return logits_fn
