@@ -82,6 +82,46 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def tiny_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The embedded offline default: a small random Switch on the generated task."""
+  config.model.name = "random"
+  config.model.lora_rank = 4
+  config.model.lora_alpha = 8.0
+  config.data.task = "synthetic"
+  config.data.max_length = 32
+  config.data.public_corpus = "synthetic"  # the task's own disjoint public corpus
+  config.data.n_pub = 1000
+  config.batch_size = 250
+  config.microbatch_size = 64
+  config.epochs = 6
+  config.learning_rate = 1e-2
+  config.eval_batch_size = 250
+  config.log_every_cycles = 5
+  config.checkpoint_every_cycles = 50
+  return config
+
+
+def cpu_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The tiny model size on a real task's files (set data paths).
+
+  The tokenizer is word-level with a vocabulary from the PUBLIC corpus only.
+  """
+  task, corpus = config.data.task, config.data.public_corpus
+  config = tiny_preset(config)
+  config.data.task, config.data.public_corpus = task, corpus
+  config.data.max_length = 64
+  config.model.tokenizer = "public-words"
+  return config
+
+
+def with_preset(config: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:
+  """Applies the preset named by a config file's argument ('', 'tiny', 'cpu')."""
+  presets = {"": lambda c: c, "tiny": tiny_preset, "cpu": cpu_preset}
+  if arg not in presets:
+    raise ValueError(f"unknown preset {arg!r}; use one of {sorted(presets)}")
+  return presets[arg](config)
+
+
 # Fields that do not change what the run computes: resuming with other values is fine.
 RESUME_INSENSITIVE = ("eval_every_epochs", "eval_batch_size", "checkpoint_every_cycles",
                       "log_every_cycles", "stop_after_cycles", "log_private_stats",

@@ -1,0 +1,236 @@
+"""The training loop: one cycle, resume equality, privacy hygiene, errors, launch."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from raptor_jax import data, roles
+from raptor_jax.train import loop, methods, setup, step
+from raptor_jax.train import train_and_evaluate
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_config_module(name):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def micro_config(**overrides):
+  """The tiny preset shrunk to seconds: 300 records, B=50 -> 6 cycles per epoch."""
+  config = _load_config_module("switch_sst2").get_config("tiny")
+  config.data.synthetic.n_train = 300
+  config.data.synthetic.n_dev = 64
+  config.data.n_pub = 128
+  config.model.random.update(d_model=32, d_ff=32, num_heads=2, d_kv=8)
+  config.batch_size = 50
+  config.microbatch_size = 32
+  config.epochs = 1
+  config.eval_batch_size = 64
+  config.progress_bar = False
+  config.checkpoint_every_cycles = 2
+  for key, value in overrides.items():
+    target = config
+    *path, last = key.split(".")
+    for part in path:
+      target = target[part]
+    target[last] = value
+  return config
+
+
+def _latest_state(workdir):
+  manager = ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints")
+  step_ = manager.latest_step()
+  restored = manager.restore(step_, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+  manager.close()
+  return step_, restored["state"], restored["meta"]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("full")
+  results = train_and_evaluate(micro_config(), str(workdir))
+  return workdir, results
+
+
+def test_one_cycle_of_the_real_loop(tmp_path):
+  results = train_and_evaluate(micro_config(stop_after_cycles=1), str(tmp_path))
+  report = json.loads((tmp_path / "privacy_report.json").read_text())
+  assert results["cycles"] == 1 and not results["finished"]
+  assert report["steps_shared"] == report["steps_expert"] == 1
+  assert 0 < report["epsilon"] < report["target_epsilon"]
+  assert [e["steps"] for e in report["ledger"]["entries"]] == [1, 1]
+  assert results["trainable_parameters"]["shared"] > 0 < results["trainable_parameters"]["expert"]
+
+
+def test_full_run_reports(full_run):
+  workdir, results = full_run
+  report = json.loads((workdir / "privacy_report.json").read_text())
+  for key in ("epsilon", "target_epsilon", "delta", "sigma_shared", "sigma_expert",
+              "sample_rate", "steps_shared", "steps_expert", "rho", "accountant"):
+    assert key in report, key
+  assert report["finished"] and report["steps_shared"] == report["steps_expert"] == 6
+  assert report["epsilon"] <= report["target_epsilon"]
+  assert report["epsilon"] > 0.99 * report["target_epsilon"]  # the whole budget ran
+  assert 0.0 <= results["accuracy"] <= 1.0 and results["wall_time_s"] > 0
+  assert results["parameters_by_role"]["expert_adapter"] > 0
+  assert (workdir / "metrics.jsonl").exists() and list((workdir / "tensorboard").iterdir())
+
+
+def test_resume_equals_uninterrupted(full_run, tmp_path):
+  workdir, _ = full_run
+  first = train_and_evaluate(micro_config(stop_after_cycles=2), str(tmp_path))
+  assert first["cycles"] == 2 and not first["finished"]
+  resumed = train_and_evaluate(micro_config(), str(tmp_path))
+  assert resumed["finished"] and resumed["cycles"] == 6
+  step_a, state_a, meta_a = _latest_state(workdir)
+  step_b, state_b, meta_b = _latest_state(tmp_path)
+  assert step_a == step_b == 6
+  jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
+  assert json.loads(meta_a["ledger"]) == json.loads(meta_b["ledger"])
+  report = json.loads((tmp_path / "privacy_report.json").read_text())
+  assert [e["steps"] for e in report["ledger"]["entries"]] == [6, 6]
+
+
+def test_a_checkpoint_of_another_config_is_refused(full_run):
+  workdir, _ = full_run
+  with pytest.raises(ValueError, match="different config"):
+    train_and_evaluate(micro_config(**{"privacy.epsilon": 1.0}), str(workdir))
+
+
+def test_no_private_statistics_reach_the_workdir(full_run):
+  """Owner map, per-expert counts and private per-step statistics stay in memory."""
+  workdir, _ = full_run
+  config = micro_config()
+  run_data = setup.load_run_data(config)
+  backbone, params = setup.load_backbone(config, run_data)
+  layer = json.loads((workdir / "layer_selection.json").read_text())["selected_layer"]
+  owner_map = loop.private_owner_map(config, backbone, params, run_data.train, layer)
+  counts = np.bincount(owner_map, minlength=backbone.config.num_experts)
+  assert len(set(owner_map.tolist())) > 1  # a non-trivial map, so the scan means something
+  needles = [owner_map.astype(np.int32).tobytes(), owner_map.astype(np.int64).tobytes(),
+             json.dumps(owner_map.tolist()).encode(), json.dumps(counts.tolist()).encode(),
+             " ".join(map(str, owner_map.tolist())).encode()]
+  files = [p for p in workdir.rglob("*") if p.is_file()]
+  assert files
+  for path in files:
+    content = path.read_bytes()
+    for needle in needles:
+      assert needle not in content, f"private statistic found in {path}"
+  allowed = {"step", "epoch", "epsilon_spent", "dev/accuracy", "final/dev_accuracy"}
+  for line in (workdir / "metrics.jsonl").read_text().splitlines():
+    assert set(json.loads(line)) <= allowed
+  text = " ".join(p.read_text() for p in workdir.glob("*.json"))
+  assert "owner" not in text.replace("owner_weighting", "")
+
+
+def _phase_setup(residual="shared"):
+  config = micro_config()
+  run_data = setup.load_run_data(config)
+  backbone, params = setup.load_backbone(config, run_data)
+  bc = backbone.config
+  plan = methods.build_plan(config, n=len(run_data.train), num_experts=bc.num_experts,
+                            sparse_layers=bc.sparse_layers, expert_layer=bc.sparse_layers[-1])
+  from raptor_jax.models import hf
+  backbone, params = hf.with_options(backbone, params, **plan.model_options)
+  model, params = setup.classifier(backbone, params, 2, "mean", 0)
+  # Non-zero B factors so that every expert's adapter has a gradient.
+  flat = roles.flatten(params)
+  for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
+    flat[path] = 0.5 * jax.random.normal(jax.random.PRNGKey(i), flat[path].shape)
+  params = roles.unflatten(flat)
+  expert_phase = plan.phases[1]
+  trainable, frozen = setup.partition(params, expert_phase.parts)
+  fns = step.PhaseFunctions(model, expert_phase, expert_layer=plan.expert_layer,
+                            num_experts=bc.num_experts, learning_rate=1e-2, residual=residual,
+                            residual_gamma=1.0, key=jax.random.PRNGKey(0))
+  batch = dict(input_ids=jnp.asarray(run_data.train.input_ids[:8]),
+               attention_mask=jnp.asarray(run_data.train.attention_mask[:8]),
+               labels=jnp.asarray(run_data.train.labels[:8]),
+               owners=jnp.zeros((8,), jnp.int32))
+  return fns, trainable, frozen, batch, bc.num_experts
+
+
+def test_expert_without_records_still_changes_every_step():
+  fns, trainable, frozen, batch, num_experts = _phase_setup()
+  opt = fns.init_opt_states(trainable)
+  before = trainable["expert"]
+  for _ in range(2):
+    sums = {"expert": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), before)}
+    sums = fns.accumulate(trainable, frozen, sums, batch, jnp.ones((8,)))
+    # Every record is owned by expert 0: experts 1.. get no record.
+    for path, s in sums["expert"].items():
+      assert np.all(np.asarray(s[1:]) == 0), path
+    new_trainable, opt = fns.update(trainable, opt, sums)
+    for path in before:
+      delta = np.asarray(new_trainable["expert"][path] - trainable["expert"][path])
+      for e in range(num_experts):
+        assert np.any(delta[e] != 0), (path, e)
+    trainable = new_trainable
+
+
+def test_residual_weights_in_unit_interval_and_applied_before_clipping():
+  fns, trainable, frozen, batch, _ = _phase_setup()
+  params = {**frozen, **trainable["expert"]}
+  weights = np.asarray(fns._residual_weights(params, batch))
+  assert np.all((weights >= 0) & (weights <= 1)) and np.ptp(weights) > 0
+  # Brute force: per-record owner-slice gradients, scaled by w_i, THEN clipped.
+  clip = fns.phase.parts[0].l2_clip
+  slices = jax.tree.map(lambda p: p[0], trainable["expert"])
+  expected = jax.tree.map(jnp.zeros_like, slices)
+  for i in range(8):
+    record = jax.tree.map(lambda x: x[i], batch)
+    g = jax.grad(lambda s: fns._record_loss({}, {"expert": s}, params, record))(slices)
+    g = jax.tree.map(lambda x: weights[i] * x, g)
+    norm = np.sqrt(sum(float(jnp.sum(x ** 2)) for x in jax.tree.leaves(g)))
+    expected = jax.tree.map(lambda e, x: e + x * min(1.0, clip / max(norm, 1e-30)), expected, g)
+  sums = {"expert": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), trainable["expert"])}
+  got = fns.accumulate(trainable, frozen, sums, batch, jnp.ones((8,)))["expert"]
+  for path in expected:
+    np.testing.assert_allclose(got[path][0], expected[path], rtol=2e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"data.task": "nope"}, "Unknown task"),
+    ({"raptor.layer": "2"}, "not a sparse layer"),
+    ({"batch_size": 5000}, "larger than the dataset"),
+    ({"method": "magic"}, "unknown method"),
+    ({"raptor.residual_gamma": 0.0}, "residual_gamma"),
+])
+def test_bad_configs_fail_with_one_clear_line(tmp_path, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    train_and_evaluate(micro_config(**overrides), str(tmp_path))
+
+
+def test_public_corpus_required_to_be_non_empty(tmp_path):
+  corpus = tmp_path / "empty.txt"
+  corpus.write_text("\n\n")
+  with pytest.raises(ValueError, match="empty"):
+    data.load_public_corpus(path=str(corpus))
+
+
+@pytest.mark.slow
+def test_launch_main_tiny_end_to_end(tmp_path):
+  """The README's main-job command on the embedded offline default."""
+  env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+  proc = subprocess.run(
+      [sys.executable, "launch/main.py", "--config=configs/switch_sst2.py:tiny",
+       f"--workdir={tmp_path}", "--config.progress_bar=False"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads((tmp_path / "privacy_report.json").read_text())
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert report["finished"] and report["epsilon"] <= report["target_epsilon"] == 8.0
+  assert results["accuracy"] > 0.6  # majority class is ~0.52
