@@ -1,6 +1,7 @@
 """Flax ports of sparse MoE transformers, LoRA, heads and checkpoint loading.
 
     module, params = models.from_pretrained("google/switch-base-8")
+    # or "allenai/OLMoE-1B-7B-0924" (OlmoeDecoder; every block is sparse)
     out = module.apply({"params": params}, input_ids, attention_mask)
     out.hidden_states   # [B, S, D]
     out.router_logits   # one float32 [B, S, E] per sparse layer
@@ -9,11 +10,12 @@
 from raptor_jax.models.heads import SequenceClassifier, last_token, masked_mean
 from raptor_jax.models.hf import from_pretrained, merge_params
 from raptor_jax.models.lora import ExpertLinear, LoRADense
+from raptor_jax.models.olmoe import OlmoeConfig, OlmoeDecoder
 from raptor_jax.models.switch import (BackboneOutput, OwnerOverride, SwitchConfig,
                                       SwitchEncoder)
 
 __all__ = [
-    "BackboneOutput", "ExpertLinear", "LoRADense", "OwnerOverride", "SequenceClassifier",
-    "SwitchConfig", "SwitchEncoder", "from_pretrained", "last_token", "masked_mean",
-    "merge_params",
+    "BackboneOutput", "ExpertLinear", "LoRADense", "OlmoeConfig", "OlmoeDecoder",
+    "OwnerOverride", "SequenceClassifier", "SwitchConfig", "SwitchEncoder", "from_pretrained",
+    "last_token", "masked_mean", "merge_params",
 ]

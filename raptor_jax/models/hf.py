@@ -1,8 +1,8 @@
 """Hugging Face checkpoints -> Flax modules and parameters, without torch.
 
 Reads `config.json` and `*.safetensors` from a local directory or a Hub
-snapshot, maps the tensor names onto the Flax parameter tree (decoder weights
-are ignored) and returns `(module, params)`.
+snapshot, maps the tensor names onto the Flax parameter tree (Switch decoder
+and OLMoE lm_head weights are ignored) and returns `(module, params)`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax.models import switch
+from raptor_jax.models import olmoe, switch
 
 Params = Mapping[str, Any]
 
@@ -190,21 +190,143 @@ def switch_params_from_hf(tensors: Mapping[str, np.ndarray],
   return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
+# ---------------------------------------------------------------------------
+# OLMoE.
+
+_OLMOE_ARCH_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "num_experts", "num_experts_per_tok",
+    "norm_topk_prob", "rms_norm_eps", "clip_qkv", "hidden_act")
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float:
+  """RoPE base from v5 `rope_parameters` or v4 `rope_theta`/`rope_scaling`."""
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type != "default":
+    raise ValueError(f"unsupported RoPE type {rope_type!r} in config.json; only default "
+                     "RoPE (no scaling) is ported")
+  return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def olmoe_config_from_hf(hf: Mapping[str, Any], **options) -> olmoe.OlmoeConfig:
+  """OlmoeConfig from an HF config.json dict, plus fine-tuning options."""
+  if hf.get("attention_bias"):
+    raise ValueError("OLMoE checkpoints with attention_bias=true are not supported "
+                     "(the port's attention projections are bias-free, as in OLMoE)")
+  arch = {k: hf[k] for k in _OLMOE_ARCH_KEYS if hf.get(k) is not None}
+  if "num_experts" not in arch and "num_local_experts" in hf:
+    arch["num_experts"] = hf["num_local_experts"]
+  arch.setdefault("num_key_value_heads",
+                  arch.get("num_attention_heads", olmoe.OlmoeConfig.num_attention_heads))
+  if "clip_qkv" in arch:
+    arch["clip_qkv"] = float(arch["clip_qkv"])
+  return olmoe.OlmoeConfig(**arch, rope_theta=_rope_theta(hf), **options)
+
+
+def _split_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Fused torch [E, 2I, D] (gate rows first) -> Flax kernels [E, D, I] each."""
+  gate, up = np.split(gate_up, 2, axis=1)
+  return (np.ascontiguousarray(gate.transpose(0, 2, 1)),
+          np.ascontiguousarray(up.transpose(0, 2, 1)))
+
+
+def olmoe_params_from_hf(tensors: Mapping[str, np.ndarray],
+                         config: olmoe.OlmoeConfig) -> dict:
+  """Maps HF OLMoE decoder tensor names onto the Flax parameter tree.
+
+  Accepts the per-expert layout that `save_pretrained` and the Hub use
+  (`mlp.experts.{j}.{gate,up,down}_proj.weight`) and the fused in-memory
+  layout of transformers v5 (`mlp.experts.gate_up_proj` [E, 2I, D],
+  `mlp.experts.down_proj` [E, D, I]); names with or without the `model.`
+  prefix (OlmoeForCausalLM or OlmoeModel). `lm_head` must already be
+  filtered out.
+  """
+  flat: dict[str, np.ndarray] = {}
+  experts: dict[str, dict[int, np.ndarray]] = {}
+  layer = r"layers\.(\d+)\."
+  rules = [
+      (r"embed_tokens\.weight", lambda m, w: [("embed_tokens/embedding", w)]),
+      (layer + r"self_attn\.([qkvo])_proj\.weight",
+       lambda m, w: [(f"block_{m[1]}/attention/{m[2]}/kernel", _torch_linear(w))]),
+      (layer + r"self_attn\.([qk])_norm\.weight",
+       lambda m, w: [(f"block_{m[1]}/attention/{m[2]}_norm/scale", w)]),
+      (layer + r"input_layernorm\.weight",
+       lambda m, w: [(f"block_{m[1]}/attention_norm/scale", w)]),
+      (layer + r"post_attention_layernorm\.weight",
+       lambda m, w: [(f"block_{m[1]}/mlp_norm/scale", w)]),
+      (layer + r"mlp\.gate\.weight",
+       lambda m, w: [(f"block_{m[1]}/mlp/router/kernel", _torch_linear(w))]),
+      (layer + r"mlp\.experts\.gate_up_proj",
+       lambda m, w: list(zip((f"block_{m[1]}/mlp/experts/gate/kernel",
+                              f"block_{m[1]}/mlp/experts/up/kernel"), _split_gate_up(w)))),
+      (layer + r"mlp\.experts\.down_proj",
+       lambda m, w: [(f"block_{m[1]}/mlp/experts/down/kernel",
+                      np.ascontiguousarray(w.transpose(0, 2, 1)))]),
+      (r"norm\.weight", lambda m, w: [("final_layer_norm/scale", w)]),
+  ]
+  expert_rule = re.compile(layer + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+  for name, w in tensors.items():
+    name = name.removeprefix("model.")
+    if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints stored
+      continue
+    if m := expert_rule.fullmatch(name):
+      path = f"block_{m[1]}/mlp/experts/{m[3]}/kernel"
+      experts.setdefault(path, {})[int(m[2])] = _torch_linear(w)
+      continue
+    for pattern, convert in rules:
+      if m := re.fullmatch(pattern, name):
+        flat.update(convert(m, w))
+        break
+    else:
+      raise ValueError(f"unexpected tensor {name} in the OLMoE checkpoint")
+  for path, per_expert in experts.items():
+    if path in flat:
+      raise ValueError(f"{path}: the checkpoint holds both per-expert and fused weights")
+    if sorted(per_expert) != list(range(config.num_experts)):
+      raise ValueError(f"{path}: found experts {sorted(per_expert)}, "
+                       f"expected 0..{config.num_experts - 1}")
+    flat[path] = np.stack([per_expert[e] for e in range(config.num_experts)])
+  return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+# ---------------------------------------------------------------------------
+# Entry point.
+
+FINE_TUNING_OPTIONS = ("lora_rank", "lora_alpha", "attention_lora", "expert_lora_layers",
+                       "dispatch", "dtype")
+
+
+def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
+  unknown = sorted(set(options) - set(FINE_TUNING_OPTIONS))
+  if unknown:
+    raise ValueError(f"unknown from_pretrained option(s) {unknown}; the options are "
+                     f"{list(FINE_TUNING_OPTIONS)} (architecture comes from config.json)")
+  options = dict(options)
+  if "expert_lora_layers" in options:
+    options["expert_lora_layers"] = tuple(options["expert_lora_layers"])
+  return options
+
+
 def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
                     **options) -> tuple[nn.Module, dict]:
   """Loads a Hugging Face MoE checkpoint as a Flax backbone.
 
   Args:
     path_or_hub_id: a directory written by `save_pretrained` (config.json +
-      *.safetensors) or a Hub id such as "google/switch-base-8".
+      *.safetensors) or a Hub id such as "google/switch-base-8" or
+      "allenai/OLMoE-1B-7B-0924"; `model_type` in config.json selects the
+      backbone (SwitchEncoder or OlmoeDecoder).
     seed: PRNG seed for parameters the checkpoint lacks (LoRA adapters).
-    **options: fine-tuning options of the model config (e.g. lora_rank=8,
-      attention_lora=True, expert_lora_layers=(5,), dtype='bfloat16').
+    **options: fine-tuning options of the model config, any of
+      `FINE_TUNING_OPTIONS` (e.g. lora_rank=8, attention_lora=True,
+      expert_lora_layers=(5,), dtype='bfloat16'); anything else is an error.
 
   Returns:
     (module, params): `module.apply({'params': params}, input_ids,
     attention_mask)` returns BackboneOutput(hidden_states, router_logits).
   """
+  options = _check_options(options)
   model_dir = resolve_model_dir(path_or_hub_id)
   hf = read_config(model_dir)
   model_type = hf.get("model_type")
@@ -213,9 +335,14 @@ def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
     module = switch.SwitchEncoder(config)
     tensors = load_tensors(model_dir, keep=lambda n: not n.startswith("decoder."))
     params = switch_params_from_hf(tensors, config)
+  elif model_type == "olmoe":
+    config = olmoe_config_from_hf(hf, **options)
+    module = olmoe.OlmoeDecoder(config)
+    tensors = load_tensors(model_dir, keep=lambda n: not n.startswith("lm_head."))
+    params = olmoe_params_from_hf(tensors, config)
   else:
     raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
-                     "supported: 'switch_transformers'")
+                     "supported: 'switch_transformers', 'olmoe'")
   example = (jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32))
   params = init_missing(module, params, example, jax.random.PRNGKey(seed))
   return module, params
