@@ -6,3 +6,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+
+# Identical programs (e.g. the same training step in a resumed run) compile once
+# per test session: a persistent cache keyed by the XLA program.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="raptor_jax_cache_"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

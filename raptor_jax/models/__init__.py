@@ -8,7 +8,7 @@
 """
 
 from raptor_jax.models.heads import SequenceClassifier, last_token, masked_mean
-from raptor_jax.models.hf import from_pretrained, merge_params
+from raptor_jax.models.hf import from_pretrained, init_missing, merge_params, with_options
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 from raptor_jax.models.olmoe import OlmoeConfig, OlmoeDecoder
 from raptor_jax.models.switch import (BackboneOutput, OwnerOverride, SwitchConfig,
@@ -17,5 +17,5 @@ from raptor_jax.models.switch import (BackboneOutput, OwnerOverride, SwitchConfi
 __all__ = [
     "BackboneOutput", "ExpertLinear", "LoRADense", "OlmoeConfig", "OlmoeDecoder",
     "OwnerOverride", "SequenceClassifier", "SwitchConfig", "SwitchEncoder", "from_pretrained",
-    "last_token", "masked_mean", "merge_params",
+    "init_missing", "last_token", "masked_mean", "merge_params", "with_options",
 ]

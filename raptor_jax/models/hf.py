@@ -7,6 +7,7 @@ and OLMoE lm_head weights are ignored) and returns `(module, params)`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -96,20 +97,24 @@ def merge_params(initialised: Params, pretrained: Params) -> dict:
   return flax.traverse_util.unflatten_dict(init_flat, sep="/")
 
 
+def is_adapter(path: str) -> bool:
+  return path.rsplit("/", 1)[-1] in ("lora_a", "lora_b")
+
+
 def init_missing(module: nn.Module, pretrained: Params, example_args: tuple,
-                 key: jax.Array, new_leaves: tuple[str, ...] = ("lora_a", "lora_b")) -> dict:
+                 key: jax.Array, is_new: Callable[[str], bool] = is_adapter) -> dict:
   """Initialises only the adapter parameters that `pretrained` lacks, then merges.
 
   The module's own initialisers define the new leaves (one source of truth);
   jit drops the work of initialising the leaves that the checkpoint replaces.
-  Any other parameter missing from the checkpoint is an error, never a silent
-  random initialisation.
+  Any other parameter missing from the checkpoint (`is_new(path)` False) is an
+  error, never a silent random initialisation.
   """
   flatten = lambda tree: flax.traverse_util.flatten_dict(flax.core.unfreeze(tree), sep="/")
   known = set(flatten(pretrained))
   init = lambda k: module.init(k, *example_args)["params"]
   shapes = flatten(jax.eval_shape(init, key))
-  absent = [p for p in shapes if p not in known and p.rsplit("/", 1)[-1] not in new_leaves]
+  absent = [p for p in shapes if p not in known and not is_new(p)]
   if absent:
     raise ValueError(f"checkpoint lacks {len(absent)} model parameters, e.g. {absent[0]}")
   fresh = jax.jit(lambda k: {p: v for p, v in flatten(init(k)).items() if p not in known})(key)
@@ -343,6 +348,24 @@ def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
   else:
     raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
                      "supported: 'switch_transformers', 'olmoe'")
-  example = (jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32))
-  params = init_missing(module, params, example, jax.random.PRNGKey(seed))
+  params = init_missing(module, params, example_inputs(), jax.random.PRNGKey(seed))
   return module, params
+
+
+def example_inputs() -> tuple[jax.Array, jax.Array]:
+  """A tiny (input_ids, attention_mask) batch for initialisation."""
+  return jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)
+
+
+def with_options(module: nn.Module, params: Params, *, seed: int = 0,
+                 **options) -> tuple[nn.Module, dict]:
+  """The same backbone with other fine-tuning options (adapters, dispatch).
+
+  New adapter leaves are initialised (B factors at zero, so the function is
+  unchanged); pretrained leaves are kept.
+  """
+  new = type(module)(dataclasses.replace(module.config, **options))
+  kept = {p: v for p, v in flax.traverse_util.flatten_dict(
+      flax.core.unfreeze(params), sep="/").items() if not is_adapter(p)}
+  return new, init_missing(new, flax.traverse_util.unflatten_dict(kept, sep="/"),
+                           example_inputs(), jax.random.PRNGKey(seed))
