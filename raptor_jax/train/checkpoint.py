@@ -1,8 +1,9 @@
 """Atomic orbax checkpoints of a run, tied to the config that produced them.
 
 A checkpoint holds the trainable parameters, optimizer states (including the
-noise transforms' PRNG keys and step counts), the cycle counter and the
-privacy ledger. The owner map is NOT saved: it is recomputed on resume from
+noise transforms' PRNG keys and step counts), the cycle counter, the privacy
+ledger and the run's secret seed (Poisson samples and noise derive from it:
+keep checkpoints as private as the training data; release only the model). The owner map is NOT saved: it is recomputed on resume from
 the frozen pretrained model (it is deterministic), so it never touches disk.
 """
 
@@ -40,8 +41,8 @@ class Checkpointer:
   def latest(self) -> int | None:
     return self.manager.latest_step()
 
-  def restore(self, abstract_state: Any) -> tuple[Any, dict] | None:
-    """The latest (state, meta), or None for a fresh workdir.
+  def restore_meta(self) -> dict | None:
+    """The latest checkpoint's metadata, or None for a fresh workdir.
 
     Raises:
       ValueError: the workdir holds a checkpoint of a different config.
@@ -54,10 +55,13 @@ class Checkpointer:
       raise ValueError(
           f"{self.directory} holds a checkpoint of a different config; use another --workdir "
           "or restore the config it was written with (see config.json there)")
+    return meta
+
+  def restore_state(self, abstract_state: Any) -> Any:
+    """The latest state, placed like `abstract_state` (any device count)."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    return restored["state"], restored["meta"]
+    return self.manager.restore(self.manager.latest_step(), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
 
   def save(self, step: int, state: Any, meta: dict) -> None:
     """Writes a checkpoint atomically (orbax commits a finished directory)."""

@@ -9,7 +9,7 @@ def base_config() -> ml_collections.ConfigDict:
   """Paper defaults (Sec. 8, App. C) for Switch-base-8 on SST-2."""
   c = ml_collections.ConfigDict()
   c.method = "raptor"  # raptor | monolithic | monolithic_lora | nonprivate_lora | nonprivate_full | baseline_a | baseline_b | baseline_c
-  c.seed = 0  # seeds model adapters, Poisson samples and noise
+  c.seed = 0  # seeds the adapters, the head and the synthetic task (public randomness)
 
   c.model = ml_collections.ConfigDict()
   c.model.name = "google/switch-base-8"  # HF hub id or local directory; 'random' = c.model.random
@@ -50,7 +50,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.synthetic.label_noise = 0.05  # flipped labels
 
   c.batch_size = 1000  # expected batch size B (public); sample rate q = B / n
-  c.microbatch_size = 32  # records per vmap(grad) call (memory knob; no effect on privacy)
+  c.microbatch_size = 32  # records per device per vmap(grad) call (memory only; no effect on privacy)
+  c.num_devices = 0  # data-parallel devices; 0 = all (of every host in a multi-host run)
   c.epochs = 20  # one epoch = ceil(1/q) cycles (SPEC 1.8)
   c.learning_rate = 5e-4  # Adam learning rate of every stream
 
@@ -60,6 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.privacy.rho = 0.9  # shared stream's share of the budget (RAPTOR)
   c.privacy.clip_shared = 1.0  # C_s (and C of one-stream methods)
   c.privacy.clip_expert = 1.0  # C_e
+  c.privacy.secret_seed = -1  # seed of Poisson samples and noise; -1 = secret OS entropy (>= 0 only for reproducible experiments)
 
   c.raptor = ml_collections.ConfigDict()
   c.raptor.layer = "entropy"  # expert layer l*: entropy | first | last | a block index
@@ -111,6 +113,10 @@ def cpu_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   config.data.task, config.data.public_corpus = task, corpus
   config.data.max_length = 64
   config.model.tokenizer = "public-words"
+  config.batch_size = 1000
+  config.microbatch_size = 128
+  config.epochs = 3
+  config.log_every_cycles = 10
   return config
 
 
@@ -125,4 +131,4 @@ def with_preset(config: ml_collections.ConfigDict, arg: str) -> ml_collections.C
 # Fields that do not change what the run computes: resuming with other values is fine.
 RESUME_INSENSITIVE = ("eval_every_epochs", "eval_batch_size", "checkpoint_every_cycles",
                       "log_every_cycles", "stop_after_cycles", "log_private_stats",
-                      "progress_bar", "microbatch_size")
+                      "progress_bar", "microbatch_size", "num_devices")

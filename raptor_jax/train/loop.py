@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from raptor_jax import accounting, data, grads, ownership, roles, sampling
+from raptor_jax import accounting, data, ownership, roles, sampling
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.models import hf
-from raptor_jax.train import methods, metrics, setup, step
+from raptor_jax.train import methods, metrics, parallel, setup, step
 from raptor_jax.train.checkpoint import Checkpointer
 
 log = logging.getLogger("raptor_jax")
@@ -96,10 +97,31 @@ def _print_layer_table(table, chosen: int) -> None:
 
 
 def _batch(train: data.TextClassificationData, owners: np.ndarray, indices: np.ndarray):
-  return dict(input_ids=jnp.asarray(train.input_ids[indices]),
-              attention_mask=jnp.asarray(train.attention_mask[indices]),
-              labels=jnp.asarray(train.labels[indices]),
-              owners=jnp.asarray(owners[indices]))
+  return dict(input_ids=train.input_ids[indices], attention_mask=train.attention_mask[indices],
+              labels=train.labels[indices], owners=owners[indices])
+
+
+def _host_share(train: data.TextClassificationData) -> data.TextClassificationData:
+  """This process's records (i % P == p); all of them in a single-process run."""
+  if jax.process_count() == 1:
+    return train
+  rows = parallel.host_records(len(train))
+  return data.TextClassificationData(train.input_ids[rows], train.attention_mask[rows],
+                                     train.labels[rows])
+
+
+def secret_seed(config) -> int:
+  """The seed of the Poisson samples and the noise: secret unless the user fixes it.
+
+  Privacy amplification by sampling and the Gaussian noise both assume the
+  adversary cannot reproduce the randomness, so by default it comes from the
+  operating system's entropy, is kept in the (private) checkpoint for exact
+  resumption, and is never written to config.json, logs or reports.
+  `config.privacy.secret_seed >= 0` fixes it for reproducible experiments.
+  """
+  if config.privacy.secret_seed >= 0:
+    return int(config.privacy.secret_seed)
+  return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -117,10 +139,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if config.method not in methods.METHODS:
     raise ValueError(f"unknown method {config.method!r}; choose one of "
                      f"{', '.join(methods.METHODS)}")
+  mesh = parallel.make_mesh(config.num_devices)
   run_data = setup.load_run_data(config)
-  n = len(run_data.train)
+  n = len(run_data.train)  # all records, over every host
   data.check_batch_size(config.batch_size, n)
   sampling.check_microbatch_size(config.microbatch_size)
+  run_data.train = _host_share(run_data.train)
   backbone, backbone_params = setup.load_backbone(config, run_data)
   bc = backbone.config
   if not bc.sparse_layers:
@@ -136,7 +160,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                             sparse_layers=bc.sparse_layers, expert_layer=expert_layer)
   needs_owners = any(part.owner for phase in plan.phases for part in phase.parts)
   owners = (private_owner_map(config, backbone, backbone_params, run_data.train, expert_layer)
-            if needs_owners else np.zeros((n,), np.int32))
+            if needs_owners else np.zeros((len(run_data.train),), np.int32))
 
   backbone, backbone_params = hf.with_options(backbone, backbone_params, seed=config.seed,
                                               dtype=config.model.dtype, **plan.model_options)
@@ -148,21 +172,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   trainable, frozen = setup.partition(params, all_parts)
   del params
 
-  key = jax.random.PRNGKey(config.seed)
+  checkpointer = Checkpointer(workdir, config)
+  meta = checkpointer.restore_meta()
+  secret = meta["secret_seed"] if meta else parallel.agree(secret_seed(config))
+  key = jax.random.PRNGKey(secret)
   phase_fns = [step.PhaseFunctions(
-      model, phase, expert_layer=expert_layer, num_experts=bc.num_experts,
+      model, phase, mesh=mesh, expert_layer=expert_layer, num_experts=bc.num_experts,
       learning_rate=config.learning_rate, residual=config.raptor.residual,
-      residual_gamma=config.raptor.residual_gamma, key=jax.random.fold_in(key, 1000 + i))
+      residual_gamma=config.raptor.residual_gamma, key=jax.random.fold_in(key, i))
       for i, phase in enumerate(plan.phases)]
   opt_states = {}
   for fns in phase_fns:
     opt_states.update(fns.init_opt_states(trainable))
-
-  checkpointer = Checkpointer(workdir, config)
+  trainable, frozen, opt_states = parallel.replicate((trainable, frozen, opt_states), mesh)
   ledger, cycle = PrivacyLedger(), 0
-  restored = checkpointer.restore({"trainable": trainable, "opt": opt_states})
-  if restored is not None:
-    state, meta = restored
+  if meta:
+    state = checkpointer.restore_state({"trainable": trainable, "opt": opt_states})
     trainable, opt_states = state["trainable"], state["opt"]
     ledger, cycle = PrivacyLedger.from_json(meta["ledger"]), int(meta["cycle"])
     log.info("resumed from cycle %d of %d", cycle, plan.cycles)
@@ -175,10 +200,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   writer = metrics.MetricWriter(workdir)
   logits_fn = step.make_eval_fn(model)
   cycles_per_epoch = accounting.steps_per_epoch(plan.sample_rate)
+  local_microbatch = config.microbatch_size * len(mesh.local_devices)
   private = methods.is_private(plan)
 
   def eval_dev():
-    return metrics.evaluate(lambda ids, mask: logits_fn(trainable, frozen, ids, mask),
+    return metrics.evaluate(lambda ids, mask: logits_fn(trainable, frozen,
+                                                        *parallel.replicate((ids, mask), mesh)),
                             run_data.dev.input_ids, run_data.dev.attention_mask,
                             run_data.dev.labels, run_data.task.metrics, config.eval_batch_size)
 
@@ -189,7 +216,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   def save():
     checkpointer.save(cycle, {"trainable": trainable, "opt": opt_states},
-                      {"ledger": ledger.to_json(), "cycle": cycle})
+                      {"ledger": ledger.to_json(), "cycle": cycle, "secret_seed": secret})
 
   stop_at = plan.cycles if not config.stop_after_cycles else min(
       plan.cycles, cycle + config.stop_after_cycles)
@@ -204,13 +231,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       # interruption leaves (trainable, opt_states, ledger, cycle) consistent.
       new_trainable, new_opt_states = trainable, opt_states
       for phase, fns in zip(plan.phases, phase_fns):
-        sample = sampling.poisson_sample(n, plan.sample_rate, seed=config.seed,
+        sample = sampling.poisson_sample(n, plan.sample_rate, seed=secret,
                                          stream=phase.stream, step=cycle)
-        sums = {part.name: grads.zeros_like_f32(new_trainable[part.name])
-                for part in phase.parts}
-        for mb in sampling.microbatches(sample, config.microbatch_size):
-          sums = fns.accumulate(new_trainable, frozen, sums,
-                                _batch(run_data.train, owners, mb.indices), jnp.asarray(mb.mask))
+        sums = fns.zero_sums(new_trainable)
+        for mb in parallel.local_microbatches(sample, local_microbatch):
+          batch, mask = parallel.shard_records(
+              (_batch(run_data.train, owners, mb.indices), mb.mask), mesh)
+          sums = fns.accumulate(new_trainable, frozen, sums, batch, mask)
         new_trainable, new_opt_states = fns.update(new_trainable, new_opt_states, sums)
       trainable, opt_states = new_trainable, new_opt_states
       for phase in plan.phases:

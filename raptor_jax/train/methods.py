@@ -8,36 +8,54 @@ layer l*, where every record trains its owner's slice only.
 
   raptor           shared phase {attention adapters + head}, then expert
                    phase {owner slices of l*'s expert adapters} on an
-                   independent sample (Alg. 1)
-  baseline_a       RAPTOR's parameters, one clip, one sigma, denominator B
-  baseline_b       the shared phase only
-  baseline_c       the expert phase only
-  monolithic       every weight, one clip, one sigma, denominator B
+                   independent sample (Alg. 1); sigmas split by rho
+  baseline_a       RAPTOR's parameters (shared + every expert of l*, no owner
+                   masking, no residual weight), one clip C_s over both, one
+                   sigma, denominator B for both (Tab. 6)
+  baseline_b       RAPTOR's shared phase alone, the whole budget (experts frozen)
+  baseline_c       RAPTOR's expert phase alone (owner slices, C_e, D_e, residual
+                   weight), the whole budget (shared stream frozen)
+  monolithic       every weight, routers included, one clip, one sigma,
+                   denominator B (DP-Adam of Tholoniat et al.: the record's
+                   gradient [g_sh, g_rt, g_head, g_exp] of Sec. 4.1)
   monolithic_lora  adapters of attention and of every expert of every sparse
-                   layer + head, one clip, one sigma
+                   layer + head, one clip, one sigma, denominator B
   nonprivate_lora  as monolithic_lora without clipping or noise
   nonprivate_full  as monolithic without clipping or noise
 
-RAPTOR ablations are switches of `config.raptor` (denominator B, joint
-clip, no alternation, no residual weight, layer choice).
+RAPTOR's ablations are switches of `config.raptor`, each replacing one
+component (Tab. 5): `expert_denominator='B'`; `alternate=False` (both streams
+from one sample, one step); `residual='none'`; `layer` (first | last |
+entropy | a block index; the loop picks l*, every method uses it). The
+full-model clip (`joint_clip=True`) needs a record's shared and expert
+gradients in the same step, so it requires `alternate=False`: it is the
+no-alternation variant with one clip C_s and one sigma over both streams.
+
+Only RAPTOR trains from an owner map; the router never trains except in the
+full-weight monolithic baselines, which treat the model as one dense block.
+Every method samples every phase as Poisson, for the same number of cycles.
 
 Accounting follows what runs: a phase whose parts share one clip (or that has
 one part) is one Poisson-sampled Gaussian per step with that sigma; a phase
 that updates separately clipped parts from one sample is one Gaussian with
-sigma_eff = (sum_g sigma_g^-2)^-1/2; phases compose sequentially.
+sigma_eff = (sum_g sigma_g^-2)^-1/2; phases compose sequentially. Every
+private method is calibrated to the same (epsilon, delta).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+
+import dp_accounting
 
 from raptor_jax import accounting, sampling
 
 METHODS = ("raptor", "baseline_a", "baseline_b", "baseline_c", "monolithic",
            "monolithic_lora", "nonprivate_lora", "nonprivate_full")
+PRIVATE_METHODS = METHODS[:6]
 SHARED_ROLES = ("attention_adapter", "head")
 SHARED_FULL_ROLES = ("attention_kernel", "head")
+LORA_ROLES = ("attention_adapter", "head", "expert_adapter")
 ALL_ROLES = ("attention_kernel", "head", "expert_kernel", "router", "base")
 
 
@@ -96,39 +114,49 @@ class Phase:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Everything public about a run: phases, steps, sampling, budget."""
+  """Everything public about a run: phases, steps, sampling, budget.
+
+  `target_epsilon` is None for the non-private methods.
+  """
 
   method: str
   phases: tuple[Phase, ...]
   cycles: int
   sample_rate: float
   delta: float
-  target_epsilon: float
+  target_epsilon: float | None
   expert_layer: int
   model_options: dict
 
-  def event(self):
+  @property
+  def parts(self) -> tuple[Part, ...]:
+    return tuple(part for phase in self.phases for part in phase.parts)
+
+  def event(self) -> dp_accounting.DpEvent | None:
     """The DpEvent of the whole planned run (None for non-private methods)."""
-    if not all(p.private for p in self.phases):
+    if not is_private(self):
       return None
-    import dp_accounting  # pylint: disable=g-import-not-at-top
     return dp_accounting.ComposedDpEvent([
         accounting.dpsgd_event(noise_multiplier=p.noise_multiplier,
                                sample_rate=self.sample_rate, steps=self.cycles)
         for p in self.phases])
 
 
-def _check(config, n: int) -> None:
+def _check(config) -> None:
+  rc = config.raptor
   if config.method not in METHODS:
     raise ValueError(f"unknown method {config.method!r}; choose one of {', '.join(METHODS)}")
-  if config.raptor.expert_denominator not in ("B/E", "B"):
+  if rc.expert_denominator not in ("B/E", "B"):
     raise ValueError(f"raptor.expert_denominator must be 'B/E' or 'B', got "
-                     f"{config.raptor.expert_denominator!r}")
-  if config.raptor.residual not in ("shared", "full", "none"):
-    raise ValueError(f"raptor.residual must be 'shared', 'full' or 'none', got "
-                     f"{config.raptor.residual!r}")
-  if not 0.0 < config.raptor.residual_gamma <= 1.0:
-    raise ValueError(f"raptor.residual_gamma must be in (0, 1], got {config.raptor.residual_gamma}")
+                     f"{rc.expert_denominator!r}")
+  if rc.residual not in ("shared", "full", "none"):
+    raise ValueError(f"raptor.residual must be 'shared', 'full' or 'none', got {rc.residual!r}")
+  if not 0.0 < rc.residual_gamma <= 1.0:
+    raise ValueError(f"raptor.residual_gamma must be in (0, 1], got {rc.residual_gamma}")
+  if config.method == "raptor" and rc.joint_clip and rc.alternate:
+    raise ValueError("raptor.joint_clip=True clips a record's shared and expert gradients "
+                     "together, which needs both from one sample: also set "
+                     "--config.raptor.alternate=False")
   if config.epochs < 1:
     raise ValueError(f"epochs must be >= 1, got {config.epochs}")
   if not config.learning_rate > 0:
@@ -136,6 +164,83 @@ def _check(config, n: int) -> None:
   for name in ("clip_shared", "clip_expert"):
     if not config.privacy[name] > 0:
       raise ValueError(f"privacy.{name} must be > 0, got {config.privacy[name]}")
+
+
+class _Calibration:
+  """Noise multipliers for the plan's target (epsilon, delta, q, cycles)."""
+
+  def __init__(self, epsilon: float, delta: float, sample_rate: float, cycles: int, rho: float):
+    self.kwargs = dict(target_epsilon=epsilon, delta=delta, sample_rate=sample_rate,
+                       steps=cycles)
+    self.rho = rho
+
+  def dpsgd(self) -> float:
+    return accounting.calibrate_dpsgd(**self.kwargs)
+
+  def raptor(self, joint: bool) -> tuple[float, float]:
+    return accounting.calibrate_raptor(**self.kwargs, rho=self.rho, joint=joint)
+
+
+def _phases(config, *, b: float, num_experts: int, expert_layer: int,
+            sigmas: _Calibration) -> tuple[Phase, ...]:
+  """The phases of `config.method`, with noise from `sigmas`."""
+  method, rc, pc = config.method, config.raptor, config.privacy
+  d_e = b / num_experts if rc.expert_denominator == "B/E" else b
+  shared_roles = SHARED_FULL_ROLES if rc.shared_full_weights else SHARED_ROLES
+  expert_roles = ("expert_kernel",) if rc.expert_full_weights else ("expert_adapter",)
+  residual = rc.residual != "none"
+
+  def shared(sigma, clip=pc.clip_shared):
+    return Part("shared", shared_roles, None, False, clip, sigma, b)
+
+  def expert(sigma, clip=pc.clip_expert, denominator=d_e):
+    return Part("expert", expert_roles, (expert_layer,), True, clip, sigma, denominator,
+                residual)
+
+  if method == "raptor" and rc.joint_clip:
+    sigma = sigmas.dpsgd()
+    return (Phase("joint", sampling.SHARED_STREAM,
+                  (shared(sigma), expert(sigma, clip=pc.clip_shared)), joint_clip=True),)
+  if method == "raptor":
+    s_sh, s_ex = sigmas.raptor(joint=not rc.alternate)
+    if not rc.alternate:
+      return (Phase("joint", sampling.SHARED_STREAM, (shared(s_sh), expert(s_ex))),)
+    return (Phase("shared", sampling.SHARED_STREAM, (shared(s_sh),)),
+            Phase("expert", sampling.EXPERT_STREAM, (expert(s_ex),)))
+  if method == "baseline_a":
+    sigma = sigmas.dpsgd()
+    every_expert = Part("expert", expert_roles, (expert_layer,), False, pc.clip_shared, sigma, b)
+    return (Phase("dpsgd", sampling.SHARED_STREAM, (shared(sigma), every_expert),
+                  joint_clip=True),)
+  if method == "baseline_b":
+    return (Phase("shared", sampling.SHARED_STREAM, (shared(sigmas.dpsgd()),)),)
+  if method == "baseline_c":
+    return (Phase("expert", sampling.EXPERT_STREAM, (expert(sigmas.dpsgd()),)),)
+  private = method in PRIVATE_METHODS
+  roles = ALL_ROLES if method in ("monolithic", "nonprivate_full") else LORA_ROLES
+  part = Part("all", roles, None, False, pc.clip_shared, sigmas.dpsgd() if private else 0.0, b)
+  return (Phase("dpsgd" if private else "nonprivate", sampling.SHARED_STREAM, (part,),
+                private=private),)
+
+
+def _model_options(config, phases, sparse_layers, expert_layer) -> dict:
+  """Adapters the methods' parts train, and the expert dispatch they need.
+
+  A non-owner part that trains expert kernels needs the dense dispatch (the
+  grouped one treats expert kernels as frozen constants).
+  """
+  method, mc, rc = config.method, config.model, config.raptor
+  parts = [part for phase in phases for part in phase.parts]
+  dense = any("expert_kernel" in p.roles and not p.owner for p in parts)
+  options = dict(dispatch="dense" if dense else "grouped")
+  if method in ("monolithic", "nonprivate_full"):
+    return dict(options, lora_rank=0, attention_lora=False, expert_lora_layers=())
+  if method in ("monolithic_lora", "nonprivate_lora"):
+    return dict(options, lora_rank=mc.lora_rank, lora_alpha=mc.lora_alpha, attention_lora=True,
+                expert_lora_layers=tuple(sparse_layers))
+  return dict(options, lora_rank=mc.lora_rank, lora_alpha=mc.lora_alpha,
+              attention_lora=not rc.shared_full_weights,
+              expert_lora_layers=() if rc.expert_full_weights else (expert_layer,))
 
 
 def build_plan(config, *, n: int, num_experts: int, sparse_layers: tuple[int, ...],
@@ -155,66 +260,19 @@ def build_plan(config, *, n: int, num_experts: int, sparse_layers: tuple[int, ..
   Returns:
     The Plan.
   """
-  _check(config, n)
-  method, rc, pc = config.method, config.raptor, config.privacy
+  _check(config)
   q = config.batch_size / n
   sampling.check_sample_rate(q)
   cycles = config.epochs * accounting.steps_per_epoch(q)
-  delta = pc.delta or accounting.default_delta(n)
+  delta = config.privacy.delta or accounting.default_delta(n)
   accounting.validate_delta(delta, n)
-  eps = pc.epsilon
-  b = float(config.batch_size)
-  d_e = b / num_experts if rc.expert_denominator == "B/E" else b
-  shared_roles = SHARED_FULL_ROLES if rc.shared_full_weights else SHARED_ROLES
-  expert_roles = ("expert_kernel",) if rc.expert_full_weights else ("expert_adapter",)
-  residual = rc.residual != "none"
-  lora = dict(lora_rank=config.model.lora_rank, lora_alpha=config.model.lora_alpha,
-              attention_lora=not rc.shared_full_weights, expert_lora_layers=(expert_layer,),
-              dispatch="grouped")
-
-  def dpsgd_sigma():
-    return accounting.calibrate_dpsgd(target_epsilon=eps, delta=delta, sample_rate=q,
-                                      steps=cycles)
-
-  def shared(sigma, clip=pc.clip_shared, denominator=b):
-    return Part("shared", shared_roles, None, False, clip, sigma, denominator)
-
-  def expert(sigma, clip=pc.clip_expert):
-    return Part("expert", expert_roles, (expert_layer,), True, clip, sigma, d_e, residual)
-
-  if method == "raptor" and rc.joint_clip:
-    sigma = dpsgd_sigma()
-    phases = (Phase("joint", sampling.SHARED_STREAM,
-                    (shared(sigma), expert(sigma, clip=pc.clip_shared)), joint_clip=True),)
-  elif method == "raptor":
-    s_sh, s_ex = accounting.calibrate_raptor(target_epsilon=eps, delta=delta, sample_rate=q,
-                                            steps=cycles, rho=pc.rho, joint=not rc.alternate)
-    if rc.alternate:
-      phases = (Phase("shared", sampling.SHARED_STREAM, (shared(s_sh),)),
-                Phase("expert", sampling.EXPERT_STREAM, (expert(s_ex),)))
-    else:
-      phases = (Phase("joint", sampling.SHARED_STREAM, (shared(s_sh), expert(s_ex))),)
-  elif method == "baseline_b":
-    phases = (Phase("shared", sampling.SHARED_STREAM, (shared(dpsgd_sigma()),)),)
-  elif method == "baseline_c":
-    phases = (Phase("expert", sampling.EXPERT_STREAM, (expert(dpsgd_sigma()),)),)
-  elif method == "baseline_a":
-    part = Part("all", shared_roles + expert_roles, None, False, pc.clip_shared,
-                dpsgd_sigma(), b)
-    phases = (Phase("dpsgd", sampling.SHARED_STREAM, (part,)),)
-  else:  # monolithic and non-private variants
-    private = not method.startswith("nonprivate")
-    full = method in ("monolithic", "nonprivate_full")
-    if full:
-      lora = dict(lora_rank=0, attention_lora=False, expert_lora_layers=(), dispatch="dense")
-      roles = ALL_ROLES
-    else:
-      lora.update(expert_lora_layers=tuple(sparse_layers))
-      roles = ("attention_adapter", "head", "expert_adapter")
-    part = Part("all", roles, None, False, pc.clip_shared, dpsgd_sigma() if private else 0.0, b)
-    phases = (Phase("dpsgd" if private else "nonprivate", sampling.SHARED_STREAM, (part,),
-                    private=private),)
-  return Plan(method, phases, cycles, q, delta, eps, expert_layer, lora)
+  private = config.method in PRIVATE_METHODS
+  calibration = _Calibration(config.privacy.epsilon, delta, q, cycles, config.privacy.rho)
+  phases = _phases(config, b=float(config.batch_size), num_experts=num_experts,
+                   expert_layer=expert_layer, sigmas=calibration)
+  return Plan(config.method, phases, cycles, q, delta,
+              config.privacy.epsilon if private else None, expert_layer,
+              _model_options(config, phases, sparse_layers, expert_layer))
 
 
 def noise_summary(plan: Plan) -> dict:
@@ -224,18 +282,6 @@ def noise_summary(plan: Plan) -> dict:
           for phase in plan.phases for part in phase.parts}
 
 
-def steps_per_stream(plan: Plan) -> dict[str, int]:
-  """How many noisy updates each part gets in the whole run."""
-  return {part.name: plan.cycles for phase in plan.phases for part in phase.parts}
-
-
 def is_private(plan: Plan) -> bool:
+  """Whether the plan clips and adds noise in every phase (has an epsilon)."""
   return all(p.private for p in plan.phases)
-
-
-def sigma_or_nan(plan: Plan, part_name: str) -> float:
-  for phase in plan.phases:
-    for part in phase.parts:
-      if part.name == part_name:
-        return part.noise_multiplier
-  return math.nan

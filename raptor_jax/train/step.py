@@ -15,9 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from raptor_jax import grads, roles, transforms
 from raptor_jax.models.switch import OwnerOverride
-from raptor_jax.train.methods import Part, Phase
+from raptor_jax.train.methods import Phase
+from raptor_jax.train.parallel import AXIS
 
 Flat = dict[str, jax.Array]
 Batch = Mapping[str, jax.Array]  # input_ids, attention_mask, labels, owners
@@ -47,9 +50,15 @@ def merged_params(frozen: Flat, trainable: Mapping[str, Flat]) -> dict:
 
 
 class PhaseFunctions:
-  """Builds the jitted microbatch-sum and update functions of one phase."""
+  """Builds the jitted microbatch-sum and update functions of one phase.
 
-  def __init__(self, model: nn.Module, phase: Phase, *, expert_layer: int,
+  `accumulate` runs under `shard_map` on a 1-D 'data' mesh: each device sums
+  the clipped gradients of its records, `psum` combines the sums, and the
+  result is replicated. `update` then runs replicated: one noise draw per
+  step from one PRNG state, identical parameters on every device.
+  """
+
+  def __init__(self, model: nn.Module, phase: Phase, *, mesh: Mesh, expert_layer: int,
                num_experts: int, learning_rate: float, residual: str, residual_gamma: float,
                key: jax.Array):
     self.model = model
@@ -58,14 +67,21 @@ class PhaseFunctions:
     self.num_experts = num_experts
     self.residual = residual
     self.residual_gamma = residual_gamma
-    self.txs = {
-        part.name: optax.chain(
-            transforms.privatize_sums(part.l2_clip, part.noise_multiplier, part.denominator,
-                                      jax.random.fold_in(key, i)),
-            optax.adam(learning_rate))
+    self.privatizers = {
+        part.name: transforms.privatize_sums(part.l2_clip, part.noise_multiplier,
+                                             part.denominator, jax.random.fold_in(key, i))
         for i, part in enumerate(phase.parts)}
-    self.accumulate = jax.jit(self._accumulate, donate_argnums=(2,))
+    self.optimizer = optax.adam(learning_rate)
+    replicated, records = PartitionSpec(), PartitionSpec(AXIS)
+    self.accumulate = jax.jit(jax.shard_map(
+        self._accumulate, mesh=mesh,
+        in_specs=(replicated, replicated, replicated, records, records),
+        out_specs=replicated, check_vma=False), donate_argnums=(2,))
     self.update = jax.jit(self._update)
+    self.privatize = jax.jit(self._privatize)
+    self.zero_sums = jax.jit(
+        lambda trainable: {p.name: grads.zeros_like_f32(trainable[p.name]) for p in phase.parts},
+        out_shardings=NamedSharding(mesh, replicated))
 
   # -- per-record losses ------------------------------------------------------
 
@@ -106,7 +122,16 @@ class PhaseFunctions:
 
   def _accumulate(self, trainable: Mapping[str, Flat], frozen: Flat,
                   sums: Mapping[str, Flat], batch: Batch, mask: jax.Array):
-    """sums + this microbatch's clipped per-record gradient sums (float32)."""
+    """sums + this microbatch's clipped per-record gradient sums (float32).
+
+    Runs per device on its records; the devices' sums are combined by psum.
+    """
+    return jax.tree.map(jnp.add, sums,
+                        jax.lax.psum(self._local_sums(trainable, frozen, batch, mask), AXIS))
+
+  def _local_sums(self, trainable: Mapping[str, Flat], frozen: Flat, batch: Batch,
+                  mask: jax.Array):
+    """This device's clipped per-record gradient sums (float32)."""
     parts = self.phase.parts
     dense = {p.name: trainable[p.name] for p in parts if not p.owner}
     constants = dict(frozen)  # other phases' parameters and the stacked experts
@@ -114,8 +139,7 @@ class PhaseFunctions:
       if name not in dense:
         constants.update(part_params)
     if not self.phase.private:
-      new = self._nonprivate_sums(dense, constants, batch, mask)
-      return jax.tree.map(jnp.add, sums, new)
+      return self._nonprivate_sums(dense, constants, batch, mask)
     owners = batch["owners"]
     slices = {p.name: grads.owner_slices(trainable[p.name], owners) for p in parts if p.owner}
     dense_grads, slice_grads = jax.vmap(
@@ -132,7 +156,7 @@ class PhaseFunctions:
           per_record[part.name] = jax.tree.map(
               lambda g: g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype),
               per_record[part.name])
-    return jax.tree.map(jnp.add, sums, self._clipped_sums(per_record, owners, mask))
+    return self._clipped_sums(per_record, owners, mask)
 
   def _clipped_sums(self, per_record: Mapping[str, Flat], owners, mask):
     parts = self.phase.parts
@@ -156,18 +180,31 @@ class PhaseFunctions:
       return jnp.sum(cross_entropy(logits, batch["labels"]) * mask)
     return jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(total_loss)(dense))
 
+  def _privatize(self, sums: Mapping[str, Flat], opt_states: Mapping[str, Any]):
+    """Noisy gradients (sums + N(0, (sigma C)^2)) / denominator, and new noise states."""
+    noisy, states = {}, {}
+    for part in self.phase.parts:
+      noisy[part.name], states[part.name] = self.privatizers[part.name].update(
+          sums[part.name], opt_states[part.name]["noise"])
+    return noisy, states
+
   def _update(self, trainable: dict[str, Flat], opt_states: dict[str, Any],
               sums: Mapping[str, Flat]):
     """One noisy DP-Adam update of every part of the phase (noise drawn once)."""
     trainable, opt_states = dict(trainable), dict(opt_states)
+    noisy, noise_states = self._privatize(sums, opt_states)
     for part in self.phase.parts:
-      updates, opt_states[part.name] = self.txs[part.name].update(
-          sums[part.name], opt_states[part.name], trainable[part.name])
+      updates, adam = self.optimizer.update(noisy[part.name], opt_states[part.name]["adam"],
+                                            trainable[part.name])
       trainable[part.name] = optax.apply_updates(trainable[part.name], updates)
+      opt_states[part.name] = {"noise": noise_states[part.name], "adam": adam}
     return trainable, opt_states
 
   def init_opt_states(self, trainable: Mapping[str, Flat]) -> dict[str, Any]:
-    return {p.name: self.txs[p.name].init(trainable[p.name]) for p in self.phase.parts}
+    """Per part: the noise transform's PRNG state and the Adam state."""
+    return {p.name: {"noise": self.privatizers[p.name].init(trainable[p.name]),
+                     "adam": self.optimizer.init(trainable[p.name])}
+            for p in self.phase.parts}
 
 
 def make_eval_fn(model: nn.Module) -> Callable:

@@ -1,0 +1,120 @@
+"""Data parallelism over local devices and hosts with JAX's own machinery.
+
+One 1-D device mesh, axis 'data'. Parameters and optimizer states are
+replicated; each microbatch is split across the devices (records are the
+sharded axis). Every device computes the clipped per-record gradient sums of
+its records, the sums are combined with `psum` inside `shard_map`, and the
+noisy update runs replicated from one PRNG state, so the noise is drawn once
+per step and every device holds identical parameters.
+
+Across hosts (`jax.distributed`), record i belongs to host i % P: a host
+tokenises and reads only its own records. The Poisson sample of a step is
+drawn over the whole dataset with the same generator on every host (it is a
+public function of the seed), each host keeps its own records, and every host
+runs the same number of microbatches (the largest host share, padded). The
+privacy analysis is unchanged: sampling is still Poisson over all n records,
+one Gaussian release per step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from raptor_jax import sampling
+
+AXIS = "data"
+
+
+def initialize_distributed(coordinator_address: str = "", num_processes: int = 0,
+                           process_id: int = -1) -> None:
+  """Starts `jax.distributed` when several processes are configured.
+
+  Arguments left empty come from the usual environment (JAX_COORDINATOR_ADDRESS,
+  JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a cluster JAX detects: SLURM, ...).
+  With neither arguments nor such environment, this is a single-process run.
+  """
+  coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0"))
+  if process_id < 0:
+    process_id = int(os.environ.get("JAX_PROCESS_ID", "-1"))
+  if not coordinator_address and num_processes <= 1:
+    return
+  if not coordinator_address or num_processes < 1 or process_id < 0:
+    raise ValueError("multi-host runs need the coordinator address, the number of processes "
+                     "and this process's id (--coordinator_address, --num_processes, "
+                     "--process_id or JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)")
+  # CPU hosts need a collectives backend for cross-process psum (GPUs use NCCL).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)
+
+
+def agree(value: int) -> int:
+  """Process 0's value on every process (e.g. the run's secret seed)."""
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
+
+
+def make_mesh(num_devices: int = 0) -> Mesh:
+  """A 1-D 'data' mesh: all devices of every process, or the first `num_devices` (1 process)."""
+  devices = jax.devices()
+  if num_devices:
+    if jax.process_count() > 1 and num_devices != len(devices):
+      raise ValueError("with several processes, num_devices must be 0 (all devices)")
+    if not 1 <= num_devices <= len(devices):
+      raise ValueError(f"num_devices={num_devices} but {len(devices)} devices are visible; "
+                       "set --config.num_devices=0 for all of them")
+    devices = devices[:num_devices]
+  return Mesh(np.asarray(devices), (AXIS,))
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+  """Places identical host values on every device of the mesh."""
+  sharding = NamedSharding(mesh, PartitionSpec())
+
+  def put(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+  return jax.tree.map(put, tree)
+
+
+def shard_records(tree: Any, mesh: Mesh) -> Any:
+  """A global array, sharded over records, from this process's records."""
+  sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+                      tree)
+
+
+def host_records(n: int) -> np.ndarray:
+  """Global indices of the records this process owns (i % P == p)."""
+  return np.arange(jax.process_index(), n, jax.process_count())
+
+
+def local_microbatches(sample: np.ndarray, local_size: int) -> list[sampling.Microbatch]:
+  """This host's fixed-size microbatches of a global Poisson sample.
+
+  Args:
+    sample: sorted global indices of the step's Poisson sample (the same on
+      every host).
+    local_size: records per microbatch on this host (per-device size x local
+      devices).
+
+  Returns:
+    Microbatches of LOCAL indices (into this host's records), as many on
+    every host (the largest host share decides; the rest is padding).
+  """
+  processes, me = jax.process_count(), jax.process_index()
+  shares = [sample[sample % processes == p] for p in range(processes)]
+  count = max(math.ceil(len(share) / local_size) for share in shares)
+  mine = sampling.microbatches(shares[me] // processes, local_size)
+  padding = sampling.Microbatch(np.zeros(local_size, np.int64), np.zeros(local_size, np.float32))
+  return mine + [padding] * (count - len(mine))

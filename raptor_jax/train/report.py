@@ -1,0 +1,196 @@
+"""The results table (Tab. 1 layout) and plots of a sweep's cells.
+
+Rows are variants grouped by epsilon (non-private rows first, as epsilon
+infinity), columns are tasks, cells are dev accuracy in percent, mean +- std
+over seeds (the sample std, ddof=1; a single seed shows no std). Everything
+here reads public outputs only: results.json (dev metrics, wall time) and
+layer_selection.json (routing statistics of the PUBLIC corpus).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from raptor_jax.train import sweep
+
+METRIC = "accuracy"
+
+
+def _order(variants) -> list[str]:
+  known = [v for v in sweep.VARIANTS if v in variants]
+  return known + sorted(set(variants) - set(known))
+
+
+def _epsilon_key(eps: float | None) -> float:
+  return math.inf if eps is None else eps
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """One entry per (epsilon, variant, task): mean, std, seeds, mean wall time.
+
+  Args:
+    rows: `sweep.collect` output.
+
+  Returns:
+    Entries sorted by epsilon (non-private first), then table order.
+  """
+  groups: dict[tuple, list[dict]] = {}
+  for row in rows:
+    groups.setdefault((row["target_epsilon"], row["variant"], row["task"]), []).append(row)
+  order = _order({variant for _, variant, _ in groups})
+  entries = []
+  for (eps, variant, task), members in groups.items():
+    values = np.array([100.0 * m[METRIC] for m in members])
+    entries.append(dict(
+        epsilon=eps, variant=variant, label=sweep.LABELS.get(variant, variant), task=task,
+        mean=float(values.mean()), std=float(values.std(ddof=1)) if len(values) > 1 else None,
+        seeds=len(values), wall_time_s=float(np.mean([m["wall_time_s"] for m in members])),
+        finished=all(m.get("finished", True) for m in members)))
+  entries.sort(key=lambda e: (-math.inf if e["epsilon"] is None else e["epsilon"],
+                              order.index(e["variant"]), e["task"]))
+  return entries
+
+
+def _row_keys(entries) -> list[tuple]:
+  keys = []
+  for e in entries:
+    if (e["epsilon"], e["variant"]) not in keys:
+      keys.append((e["epsilon"], e["variant"]))
+  return keys
+
+
+def _fmt(entry: dict | None) -> str:
+  if entry is None:
+    return "-"
+  text = f"{entry['mean']:.2f}" + ("" if entry["std"] is None else f" ± {entry['std']:.2f}")
+  return text + ("" if entry["finished"] else " (unfinished)")
+
+
+def markdown(entries: Sequence[dict[str, Any]]) -> str:
+  """Tab. 1 layout: epsilon | method | one column per task; then wall times."""
+  tasks = sorted({e["task"] for e in entries})
+  cell = {(e["epsilon"], e["variant"], e["task"]): e for e in entries}
+  seeds = sorted({e["seeds"] for e in entries})
+  lines = [f"Dev {METRIC} (%), mean ± std over {'/'.join(map(str, seeds))} seed(s).", "",
+           "| ε | Method | " + " | ".join(tasks) + " |",
+           "|---|---|" + "---|" * len(tasks)]
+  times = ["", "Mean wall time per run (s).", "",
+           "| ε | Method | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+  previous = object()
+  for eps, variant in _row_keys(entries):
+    shown = "" if eps == previous else ("∞" if eps is None else f"{eps:g}")
+    previous = eps
+    label = sweep.LABELS.get(variant, variant)
+    lines.append(f"| {shown} | {label} | "
+                 + " | ".join(_fmt(cell.get((eps, variant, t))) for t in tasks) + " |")
+    times.append(f"| {shown} | {label} | " + " | ".join(
+        "-" if (eps, variant, t) not in cell else f"{cell[eps, variant, t]['wall_time_s']:.0f}"
+        for t in tasks) + " |")
+  return "\n".join(lines + times) + "\n"
+
+
+def write_csv(entries: Sequence[dict[str, Any]], path: Path) -> None:
+  """Tab. 1 layout as CSV: epsilon, method, then mean/std/seeds/wall time per task."""
+  tasks = sorted({e["task"] for e in entries})
+  cell = {(e["epsilon"], e["variant"], e["task"]): e for e in entries}
+  with open(path, "w", newline="", encoding="utf-8") as f:
+    writer = csv.writer(f)
+    writer.writerow(["epsilon", "variant", "method"] + [
+        f"{t}_{k}" for t in tasks for k in ("mean", "std", "seeds", "wall_time_s")])
+    for eps, variant in _row_keys(entries):
+      row = ["inf" if eps is None else f"{eps:g}", variant, sweep.LABELS.get(variant, variant)]
+      for t in tasks:
+        e = cell.get((eps, variant, t))
+        row += (["", "", "", ""] if e is None else
+                [f"{e['mean']:.4f}", "" if e["std"] is None else f"{e['std']:.4f}",
+                 e["seeds"], f"{e['wall_time_s']:.1f}"])
+      writer.writerow(row)
+
+
+def plot_accuracy(entries: Sequence[dict[str, Any]], path: Path) -> None:
+  """Dev accuracy vs epsilon per variant (one panel per task); non-private as lines."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  tasks = sorted({e["task"] for e in entries})
+  fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+  for ax, task in zip(axes[0], tasks):
+    mine = [e for e in entries if e["task"] == task]
+    for variant in _order({e["variant"] for e in mine}):
+      points = sorted((e for e in mine if e["variant"] == variant),
+                      key=lambda e: _epsilon_key(e["epsilon"]))
+      label = sweep.LABELS.get(variant, variant)
+      if points[0]["epsilon"] is None:
+        ax.axhline(points[0]["mean"], linestyle="--", linewidth=1, label=label, color="gray")
+        continue
+      ax.errorbar([e["epsilon"] for e in points], [e["mean"] for e in points],
+                  yerr=[e["std"] or 0.0 for e in points], marker="o", capsize=3, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("ε")
+    ax.set_ylabel(f"dev {METRIC} (%)")
+    ax.set_title(task)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def routing_tables(workdir: str | Path) -> dict[str, dict[str, Any]]:
+  """Per task, the public-corpus layer table of its first cell that has one."""
+  tables = {}
+  for path in sorted(Path(workdir).rglob("layer_selection.json")):
+    cell_path = path.with_name("cell.json")
+    if not cell_path.exists():
+      continue
+    task = json.loads(cell_path.read_text())["task"]
+    selection = json.loads(path.read_text())
+    if task not in tables and selection.get("public_corpus"):
+      tables[task] = dict(selection, source=str(path.parent))
+  return tables
+
+
+def plot_routing_entropy(tables: dict[str, dict[str, Any]], path: Path) -> None:
+  """H(q)/log E per sparse layer on the public corpus; the entropy-selected layer marked."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  tasks = sorted(tables)
+  fig, axes = plt.subplots(1, max(len(tasks), 1), figsize=(4 * max(len(tasks), 1), 3.5),
+                           squeeze=False)
+  for ax, task in zip(axes[0], tasks):
+    rows = tables[task]["public_corpus"]
+    layers = [r["layer"] for r in rows]
+    best = max(rows, key=lambda r: (r["entropy_norm"], -r["layer"]))["layer"]
+    ax.bar([str(l) for l in layers], [r["entropy_norm"] for r in rows],
+           color=["tab:orange" if l == best else "tab:blue" for l in layers])
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("sparse block")
+    ax.set_ylabel("H(q) / log E (public corpus)")
+    ax.set_title(f"{task}: l* = {best}")
+  if not tasks:
+    axes[0][0].set_axis_off()
+    axes[0][0].text(0.5, 0.5, "no public-corpus layer table", ha="center")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write(workdir: str | Path) -> list[Path]:
+  """Writes results.csv, results.md and both plots under `workdir`; returns their paths."""
+  workdir = Path(workdir)
+  entries = summarize(sweep.collect(workdir))
+  if not entries:
+    raise ValueError(f"no finished cells (cell.json + results.json) under {workdir}")
+  paths = [workdir / name for name in ("results.csv", "results.md", "accuracy_vs_epsilon.png",
+                                       "routing_entropy.png")]
+  write_csv(entries, paths[0])
+  paths[1].write_text(markdown(entries), encoding="utf-8")
+  plot_accuracy(entries, paths[2])
+  plot_routing_entropy(routing_tables(workdir), paths[3])
+  return paths
