@@ -1,0 +1,310 @@
+r"""Benchmarks a DP training step against a non-private one, and expert-stream memory.
+
+One process, a small randomly initialised Switch classifier
+(`SequenceClassifier(SwitchEncoder)`), fixed shapes, every step jitted once:
+
+1. Shared stream. Trainable: LoRA (rank r) on attention q, k, v, o of every
+   block plus the classification head (LoRA-scale); everything else frozen
+   (passed as a non-differentiated argument). For each microbatch size m,
+   on the same batch of m records:
+   * non-private step: `jax.grad` of the mean loss + Adam;
+   * DP step: `grads.clipped_grad_sum` (vmap(grad) per record, clip, float32
+     sum) + `transforms.privatize_sums` (noise once, public denominator m) +
+     Adam.
+   Prints their wall times (medians of interleaved runs), the ratio, compile
+   times and XLA's temporary memory.
+2. Expert stream at one sparse layer l (the last): trainable = that layer's
+   expert LoRA; each record differentiates only its owner's slice
+   (`models.OwnerOverride`, `grads.owner_slices`,
+   `grads.owner_clipped_grad_sum`), noise for every expert
+   (`privatize_sums`, denominator m/E), Adam on the stacked [E, ...] LoRA. For
+   each E it prints XLA's memory analysis of the compiled step: temporary
+   memory (scratch; arguments, so parameters, excluded) should not grow with
+   E, since a record's gradient is one expert slice. The largest buffers of
+   the smallest and the largest E are listed with the JAX op that makes them,
+   to see which one grows if it does.
+
+  python launch/benchmark.py
+  python launch/benchmark.py --microbatch_sizes=32 --expert_num_experts=8,64 \
+      --num_layers=12 --d_model=768 --d_ff=3072 --num_heads=12   # base width
+"""
+
+import dataclasses
+import functools
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from flax import traverse_util  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from raptor_jax import grads, models, profiling, transforms  # noqa: E402
+
+
+def define_flags() -> None:
+  """Defines the command-line flags; only when run as a script, so that tests can
+  import several scripts into one process."""
+  flags.DEFINE_list('microbatch_sizes', ['8', '32', '128'],
+                    'Microbatch sizes m of the shared-stream steps.')
+  flags.DEFINE_list('expert_num_experts', ['8', '64'], 'Values of E for the expert-stream step.')
+  flags.DEFINE_integer('expert_microbatch', 32, 'Microbatch size of the expert-stream step.')
+  flags.DEFINE_integer('num_experts', 8, 'E of the shared-stream model.')
+  flags.DEFINE_integer('d_model', 256, 'Model width.')
+  flags.DEFINE_integer('d_ff', 1024, 'Feed-forward width (dense and experts).')
+  flags.DEFINE_integer('num_heads', 4, 'Attention heads.')
+  flags.DEFINE_integer('d_kv', 64, 'Width of one head.')
+  flags.DEFINE_integer('num_layers', 4, 'Blocks (every 2nd sparse).')
+  flags.DEFINE_integer('seq_len', 128, 'Tokens per record.')
+  flags.DEFINE_integer('vocab_size', 8000, 'Vocabulary size.')
+  flags.DEFINE_integer('expert_capacity', 64, 'Per-record expert capacity.')
+  flags.DEFINE_integer('lora_rank', 8, 'LoRA rank r.')
+  flags.DEFINE_integer('repeats', 5, 'Timed rounds per variant.')
+
+
+L2_CLIP = 1.0
+NOISE_MULTIPLIER = 1.0
+LEARNING_RATE = 1e-3
+_MB = 2.0**20
+
+
+def model_config(**overrides) -> models.SwitchConfig:
+  """A small Switch (`overrides` on top of the defaults) with LoRA on attention
+  and on the experts of the last sparse block, the expert-stream layer."""
+  base = dict(vocab_size=8000, d_model=256, d_kv=64, d_ff=1024, num_layers=4,
+              num_heads=4, num_experts=8, expert_capacity=64, sparse_step=2,
+              lora_rank=8, attention_lora=True)
+  base.update(overrides)
+  config = models.SwitchConfig(**base)
+  return dataclasses.replace(config, expert_lora_layers=(config.sparse_layers[-1],))
+
+
+def build(config: models.SwitchConfig, seq_len: int, seed: int = 0):
+  """(module, params) of a randomly initialised SequenceClassifier."""
+  module = models.SequenceClassifier(models.SwitchEncoder(config), num_labels=2)
+  ids = jnp.zeros((1, seq_len), jnp.int32)
+  params = jax.jit(module.init)(jax.random.PRNGKey(seed), ids, jnp.ones_like(ids))
+  return module, params['params']
+
+
+def split(params, is_trainable):
+  """(trainable, frozen) nested dicts; `is_trainable(path_tuple)` decides."""
+  flat = traverse_util.flatten_dict(params)
+  pick = lambda keep: traverse_util.unflatten_dict(
+      {k: v for k, v in flat.items() if is_trainable(k) == keep})
+  return pick(True), pick(False)
+
+
+def merge(*trees):
+  flat = {}
+  for tree in trees:
+    flat.update(traverse_util.flatten_dict(tree))
+  return traverse_util.unflatten_dict(flat)
+
+
+def is_shared(path) -> bool:
+  """Shared stream (paper App. C): attention LoRA of every block + the head."""
+  return path[0] == 'head' or ('attention' in path and path[-1] in ('lora_a', 'lora_b'))
+
+
+def batch(num_records: int, seq_len: int, vocab_size: int, num_experts: int, seed: int = 0):
+  """Random records (ids, mask, label) with right padding, and random owners."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, vocab_size, (num_records, seq_len), dtype=np.int32)
+  lengths = rng.integers(seq_len // 2, seq_len + 1, num_records)
+  mask = (np.arange(seq_len)[None] < lengths[:, None]).astype(np.int32)
+  labels = rng.integers(0, 2, num_records, dtype=np.int32)
+  owners = rng.integers(0, num_experts, num_records, dtype=np.int32)
+  return ((jnp.asarray(ids * mask), jnp.asarray(mask), jnp.asarray(labels)),
+          jnp.asarray(owners))
+
+
+def _xent(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def shared_steps(module, num_records: int):
+  """Jittable (non-private step, DP step), both (trainable, opt, frozen, batch) -> same."""
+  adam = optax.adam(LEARNING_RATE)
+  dp_tx = optax.chain(transforms.privatize_sums(L2_CLIP, NOISE_MULTIPLIER,
+                                                float(num_records), jax.random.key(0)),
+                      optax.adam(LEARNING_RATE))
+
+  def nonprivate_step(trainable, opt_state, frozen, records):
+    def mean_loss(trainable):
+      ids, mask, labels = records
+      logits, _ = module.apply({'params': merge(frozen, trainable)}, ids, mask)
+      return jnp.mean(_xent(logits, labels))
+    updates, opt_state = adam.update(jax.grad(mean_loss)(trainable), opt_state, trainable)
+    return optax.apply_updates(trainable, updates), opt_state
+
+  def dp_step(trainable, opt_state, frozen, records):
+    def record_loss(trainable, record):
+      ids, mask, label = record
+      logits, _ = module.apply({'params': merge(frozen, trainable)}, ids[None], mask[None])
+      return _xent(logits, label[None])[0]
+    real = jnp.ones(records[0].shape[:1], jnp.float32)  # no padding records
+    sums, _ = grads.clipped_grad_sum(record_loss, trainable, records, l2_clip=L2_CLIP,
+                                     mask=real)
+    updates, opt_state = dp_tx.update(sums, opt_state, trainable)
+    return optax.apply_updates(trainable, updates), opt_state
+
+  return (nonprivate_step, adam), (dp_step, dp_tx)
+
+
+def expert_step(module, layer: int, num_experts: int, num_records: int):
+  """Jittable expert-stream step: (lora, opt, frozen, records, owners) -> (lora, opt)."""
+  tx = optax.chain(transforms.privatize_sums(L2_CLIP, NOISE_MULTIPLIER,
+                                             num_records / num_experts, jax.random.key(1)),
+                   optax.adam(LEARNING_RATE))
+
+  def step(lora, opt_state, frozen, records, owners):
+    params = merge(frozen, {'backbone': {f'block_{layer}': {'mlp': {'experts': lora}}}})
+
+    def record_loss(owner_slice, record):
+      ids, mask, label, owner = record
+      override = models.OwnerOverride(layer, owner, owner_slice)
+      logits, _ = module.apply({'params': params}, ids[None], mask[None],
+                               owner_override=override)
+      return _xent(logits, label[None])[0]
+
+    sums, _ = grads.owner_clipped_grad_sum(
+        record_loss, grads.owner_slices(lora, owners), records + (owners,),
+        owners=owners, num_experts=num_experts, l2_clip=L2_CLIP,
+        mask=jnp.ones(owners.shape, jnp.float32))
+    updates, opt_state = tx.update(sums, opt_state, lora)
+    return optax.apply_updates(lora, updates), opt_state
+
+  return step, tx
+
+
+def _num_params(tree) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def run_shared(config: models.SwitchConfig, *, microbatch_sizes=(8, 32, 128),
+               seq_len=128, repeats=5) -> list[dict]:
+  """Non-private vs DP shared-stream step per microbatch size; one dict per m."""
+  module, params = build(config, seq_len)
+  trainable, frozen = split(params, is_shared)
+  rows = []
+  for m in microbatch_sizes:
+    records, _ = batch(m, seq_len, config.vocab_size, config.num_experts, seed=m)
+    variants = dict(zip(('nonprivate', 'dp'), shared_steps(module, m)))
+    calls, row = {}, {'m': m, 'trainable': _num_params(trainable),
+                      'frozen': _num_params(frozen)}
+    for name, (step, tx) in variants.items():
+      args = (trainable, tx.init(trainable), frozen, records)
+      compiled = profiling.compile_timed(step, *args)
+      calls[name] = functools.partial(compiled.compiled, *args)
+      row[f'{name}_compile_s'] = compiled.lower_s + compiled.compile_s
+      stats = profiling.memory_stats(compiled.compiled)
+      row[f'{name}_temp_mb'] = stats['temp'] / _MB if stats else float('nan')
+    times = profiling.interleaved_times(calls, repeats=repeats)
+    for name in calls:
+      row[f'{name}_ms'] = profiling.median(times[name]) * 1e3
+    row['dp_over_nonprivate'] = profiling.paired_ratio(times['dp'], times['nonprivate'])
+    rows.append(row)
+  return rows
+
+
+def run_expert(config: models.SwitchConfig, *, num_experts=(8, 64), microbatch=32,
+               seq_len=128, repeats=5, num_buffers=8):
+  """Expert-stream step per E: memory analysis and time; (rows, largest buffers)."""
+  rows, calls, buffers = [], {}, {}
+  for e in num_experts:
+    cfg = dataclasses.replace(config, num_experts=e)
+    layer = cfg.expert_lora_layers[0]
+    module, params = build(cfg, seq_len)
+    experts = params['backbone'][f'block_{layer}']['mlp']['experts']
+    lora = {m: {k: experts[m][k] for k in ('lora_a', 'lora_b')} for m in ('wi', 'wo')}
+    _, frozen = split(params, lambda p: p[1:4] == (f'block_{layer}', 'mlp', 'experts')
+                      and p[-1] in ('lora_a', 'lora_b'))
+    records, owners = batch(microbatch, seq_len, cfg.vocab_size, e, seed=e)
+    step, tx = expert_step(module, layer, e, microbatch)
+    args = (lora, tx.init(lora), frozen, records, owners)
+    compiled = profiling.compile_timed(step, *args)
+    stats = profiling.memory_stats(compiled.compiled) or {}
+    one_slice = _num_params(lora) // e
+    rows.append({
+        'E': e, 'layer': layer, 'm': microbatch,
+        'expert_lora_params': _num_params(lora), 'frozen_params': _num_params(frozen),
+        'per_record_grad_mb': microbatch * one_slice * 4 / _MB,
+        'temp_mb': stats.get('temp', float('nan')) / _MB,
+        'argument_mb': stats.get('argument', float('nan')) / _MB,
+        'output_mb': stats.get('output', float('nan')) / _MB,
+        'compile_s': compiled.lower_s + compiled.compile_s,
+    })
+    calls[e] = functools.partial(compiled.compiled, *args)
+    buffers[e] = profiling.largest_buffers(compiled.compiled, num_buffers)
+  times = profiling.interleaved_times(calls, repeats=repeats)
+  for row in rows:
+    row['step_ms'] = profiling.median(times[row['E']]) * 1e3
+    row['temp_over_first'] = row['temp_mb'] / rows[0]['temp_mb']
+    row['time_over_first'] = profiling.paired_ratio(times[row['E']], times[rows[0]['E']])
+  return rows, buffers
+
+
+def shared_table(rows: list[dict]) -> str:
+  header = ['m', 'non-private ms', 'DP ms', 'DP/non-private', 'compile s (non-priv, DP)',
+            'temp MB (non-priv, DP)']
+  body = [[r['m'], f"{r['nonprivate_ms']:.1f}", f"{r['dp_ms']:.1f}",
+           f"{r['dp_over_nonprivate']:.2f}",
+           f"{r['nonprivate_compile_s']:.1f}, {r['dp_compile_s']:.1f}",
+           f"{r['nonprivate_temp_mb']:.1f}, {r['dp_temp_mb']:.1f}"] for r in rows]
+  return profiling.format_table(header, body)
+
+
+def expert_table(rows: list[dict]) -> str:
+  header = ['E', 'expert LoRA params', 'per-record grads MB', 'temp MB', 'temp / first',
+            'argument MB', 'output MB', 'step ms', 'time / first', 'compile s']
+  body = [[r['E'], r['expert_lora_params'], f"{r['per_record_grad_mb']:.2f}",
+           f"{r['temp_mb']:.1f}", f"{r['temp_over_first']:.2f}", f"{r['argument_mb']:.1f}",
+           f"{r['output_mb']:.2f}", f"{r['step_ms']:.1f}", f"{r['time_over_first']:.2f}",
+           f"{r['compile_s']:.1f}"] for r in rows]
+  return profiling.format_table(header, body)
+
+
+def buffer_table(buffers: list[profiling.Buffer]) -> str:
+  body = [[f'{b.nbytes / _MB:.1f}', b.shape, b.opcode,
+           '/'.join(b.op_name.split('/')[-4:])] for b in buffers]
+  return profiling.format_table(['MB', 'shape', 'HLO op', 'JAX op (last parts)'], body)
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  config = model_config(
+      vocab_size=FLAGS.vocab_size, d_model=FLAGS.d_model, d_kv=FLAGS.d_kv, d_ff=FLAGS.d_ff,
+      num_layers=FLAGS.num_layers, num_heads=FLAGS.num_heads,
+      num_experts=FLAGS.num_experts, expert_capacity=FLAGS.expert_capacity,
+      lora_rank=FLAGS.lora_rank)
+  print(f'Switch classifier: d_model={config.d_model} d_ff={config.d_ff} '
+        f'layers={config.num_layers} (sparse {list(config.sparse_layers)}) '
+        f'heads={config.num_heads} vocab={config.vocab_size} S={FLAGS.seq_len} '
+        f'LoRA r={config.lora_rank}; {jax.devices()[0].platform}, jax {jax.__version__}; '
+        f'medians of {FLAGS.repeats} interleaved rounds', flush=True)
+  shared = run_shared(config, microbatch_sizes=[int(m) for m in FLAGS.microbatch_sizes],
+                      seq_len=FLAGS.seq_len, repeats=FLAGS.repeats)
+  print(f"\nShared stream, E={config.num_experts}: {shared[0]['trainable']:,} trainable "
+        f"(attention LoRA + head), {shared[0]['frozen']:,} frozen parameters")
+  print(shared_table(shared), flush=True)
+  expert, buffers = run_expert(config, num_experts=[int(e) for e in FLAGS.expert_num_experts],
+                               microbatch=FLAGS.expert_microbatch, seq_len=FLAGS.seq_len,
+                               repeats=FLAGS.repeats)
+  print(f"\nExpert stream at block {expert[0]['layer']}, m={expert[0]['m']} "
+        '(XLA memory analysis; temp excludes arguments, so parameters)')
+  print(expert_table(expert))
+  for row in (expert[0], expert[-1]):
+    print(f"\nLargest buffers of the E={row['E']} expert step (optimized HLO)")
+    print(buffer_table(buffers[row['E']]))
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
