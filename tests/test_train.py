@@ -1,6 +1,5 @@
 """The training loop: one cycle, resume equality, privacy hygiene, errors, launch."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -10,53 +9,13 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from raptor_jax import data, roles
 from raptor_jax.train import loop, methods, parallel, setup, step
 from raptor_jax.train import train_and_evaluate
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load_config_module(name):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def micro_config(**overrides):
-  """The tiny preset shrunk to seconds: 300 records, B=50 -> 6 cycles per epoch."""
-  config = _load_config_module("switch_sst2").get_config("tiny")
-  config.data.synthetic.n_train = 300
-  config.data.synthetic.n_dev = 64
-  config.data.n_pub = 128
-  config.model.random.update(d_model=32, d_ff=32, num_heads=2, d_kv=8)
-  config.batch_size = 50
-  config.microbatch_size = 32
-  config.epochs = 1
-  config.eval_batch_size = 64
-  config.progress_bar = False
-  config.checkpoint_every_cycles = 2
-  config.privacy.secret_seed = 0  # reproducible Poisson samples and noise across runs
-  for key, value in overrides.items():
-    target = config
-    *path, last = key.split(".")
-    for part in path:
-      target = target[part]
-    target[last] = value
-  return config
-
-
-def _latest_state(workdir):
-  manager = ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints")
-  step_ = manager.latest_step()
-  restored = manager.restore(step_, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
-  manager.close()
-  return step_, restored["state"], restored["meta"]
+from helpers import ROOT, latest_state, micro_config
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +48,8 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
   assert 0 < report["epsilon"] < report["target_epsilon"]
   resumed = train_and_evaluate(micro_config(), str(tmp_path))
   assert resumed["finished"] and resumed["cycles"] == 6
-  step_a, state_a, meta_a = _latest_state(workdir)
-  step_b, state_b, meta_b = _latest_state(tmp_path)
+  step_a, state_a, meta_a = latest_state(workdir)
+  step_b, state_b, meta_b = latest_state(tmp_path)
   assert step_a == step_b == 6
   jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
   assert json.loads(meta_a["ledger"]) == json.loads(meta_b["ledger"])

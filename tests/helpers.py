@@ -1,0 +1,57 @@
+"""Shared test helpers: a seconds-scale training config and checkpoint reading."""
+
+import importlib.util
+import pathlib
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config_module(name):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def micro_config(**overrides):
+  """The tiny preset shrunk to seconds: 300 records, B=50 -> 6 cycles per epoch.
+
+  Overrides use dotted keys: micro_config(**{"privacy.epsilon": 1.0}).
+  """
+  config = load_config_module("switch_sst2").get_config("tiny")
+  config.data.synthetic.n_train = 300
+  config.data.synthetic.n_dev = 64
+  config.data.n_pub = 128
+  config.model.random.update(d_model=32, d_ff=32, num_heads=2, d_kv=8)
+  config.batch_size = 50
+  config.microbatch_size = 32
+  config.epochs = 1
+  config.eval_batch_size = 64
+  config.progress_bar = False
+  config.checkpoint_every_cycles = 2
+  config.privacy.secret_seed = 0  # reproducible Poisson samples and noise across runs
+  for key, value in overrides.items():
+    target = config
+    *path, last = key.split(".")
+    for part in path:
+      target = target[part]
+    target[last] = value
+  return config
+
+
+def latest_state(workdir):
+  """(step, state as numpy, meta) of the latest checkpoint, whatever devices wrote it."""
+  manager = ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints")
+  step = manager.latest_step()
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  manager.close()
+  path = pathlib.Path(workdir) / "checkpoints" / str(step) / "state"
+  checkpointer = ocp.PyTreeCheckpointer()
+  tree = checkpointer.metadata(path).item_metadata.tree
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  state = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+  return step, state, meta

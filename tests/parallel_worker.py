@@ -1,0 +1,72 @@
+"""Runs the micro training config in a fresh process (device counts, jax.distributed).
+
+  python tests/parallel_worker.py WORKDIR '{"num_devices": 4, "method": "raptor"}' \
+      [PROCESS_ID NUM_PROCESSES COORDINATOR]
+
+Set XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment for N
+CPU devices. Prints the results dict as JSON on the last line.
+"""
+
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+
+def noise_std(num_devices):
+  """Std of the privatized update of all-zero sums, and the expected sigma*C/denominator."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from helpers import micro_config  # pylint: disable=g-import-not-at-top
+  from raptor_jax.models import hf  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train import methods, parallel, setup, step  # pylint: disable=g-import-not-at-top
+  config = micro_config()
+  run_data = setup.load_run_data(config)
+  backbone, params = setup.load_backbone(config, run_data)
+  bc = backbone.config
+  plan = methods.build_plan(config, n=len(run_data.train), num_experts=bc.num_experts,
+                            sparse_layers=bc.sparse_layers, expert_layer=bc.sparse_layers[-1])
+  backbone, params = hf.with_options(backbone, params, **plan.model_options)
+  model, params = setup.classifier(backbone, params, 2, "mean", 0)
+  mesh = parallel.make_mesh(num_devices)
+  phase = plan.phases[0]
+  trainable, frozen = setup.partition(params, phase.parts)
+  fns = step.PhaseFunctions(model, phase, mesh=mesh, expert_layer=plan.expert_layer,
+                            num_experts=bc.num_experts, learning_rate=1e-3, residual="none",
+                            residual_gamma=1.0, key=jax.random.PRNGKey(0))
+  opt = fns.init_opt_states(trainable)
+  trainable, frozen, opt = parallel.replicate((trainable, frozen, opt), mesh)
+  local = config.microbatch_size * num_devices
+  batch = {k: np.asarray(v[:local]) for k, v in dict(
+      input_ids=run_data.train.input_ids, attention_mask=run_data.train.attention_mask,
+      labels=run_data.train.labels).items()}
+  batch["owners"] = np.zeros(local, np.int32)
+  batch, mask = parallel.shard_records((batch, np.zeros(local, np.float32)), mesh)
+  sums = fns.accumulate(trainable, frozen, fns.zero_sums(trainable), batch, mask)
+  noise = []
+  for _ in range(3):
+    noisy, states = fns.privatize(sums, opt)
+    opt = {k: {**v, "noise": states[k]} for k, v in opt.items()}
+    noise += [np.asarray(x).ravel() for x in jax.tree.leaves(noisy)]
+  part = phase.parts[0]
+  return float(np.std(np.concatenate(noise))), part.noise_multiplier * part.l2_clip / part.denominator
+
+
+def main(argv):
+  if argv[1] == "--noise":
+    print(json.dumps(noise_std(int(argv[2]))))
+    return
+  workdir, overrides = argv[1], json.loads(argv[2])
+  if len(argv) > 3:
+    from raptor_jax.train import parallel  # pylint: disable=g-import-not-at-top
+    parallel.initialize_distributed(argv[5], int(argv[4]), int(argv[3]))
+  from helpers import micro_config  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  results = train_and_evaluate(micro_config(**overrides), workdir)
+  print(json.dumps(results, default=str))
+
+
+if __name__ == "__main__":
+  main(sys.argv)

@@ -1,0 +1,106 @@
+"""Data parallelism: 1 vs 4 devices, noise drawn once, restore across device counts,
+two processes through jax.distributed (CPU collectives over loopback)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import ROOT, latest_state
+
+WORKER = str(ROOT / "tests" / "parallel_worker.py")
+
+
+def _env(devices):
+  """Fresh processes with N CPU devices, sharing this session's compilation cache."""
+  return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", JAX_PLATFORMS="cpu",
+              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+              JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def _run(workdir, overrides, devices=4, process=None, timeout=900):
+  env = _env(devices)
+  overrides = {"microbatch_size": 8, **overrides}
+  args = [sys.executable, WORKER, str(workdir), json.dumps(overrides)]
+  if process is not None:
+    args += [str(a) for a in process]
+    return subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+  proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _assert_same_state(a, b, rtol=1e-4):
+  _, state_a, meta_a = latest_state(a)
+  _, state_b, meta_b = latest_state(b)
+  assert json.loads(meta_a["ledger"]) == json.loads(meta_b["ledger"])
+  def close(x, y):
+    x, y = np.asarray(x), np.asarray(y)
+    if x.dtype.kind in "iu":
+      np.testing.assert_array_equal(x, y)
+    else:
+      np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * max(np.abs(y).max(), 1e-6))
+  jax.tree.map(close, state_a, state_b)
+
+
+@pytest.mark.slow
+def test_four_devices_then_one_equal_one_device_throughout(tmp_path):
+  """RAPTOR: 2 cycles on 4 devices, restored and finished on 1 device, equals 4
+  cycles on 1 device (data-parallel equality and cross-device-count restore)."""
+  _run(tmp_path / "one", {"num_devices": 1, "stop_after_cycles": 4})
+  _run(tmp_path / "split", {"num_devices": 4, "stop_after_cycles": 2})
+  _assert_checkpoint_devices(tmp_path / "split", 4)
+  resumed = _run(tmp_path / "split", {"num_devices": 1, "stop_after_cycles": 2}, devices=1)
+  assert resumed["cycles"] == 4
+  _assert_same_state(tmp_path / "one", tmp_path / "split")
+
+
+def _assert_checkpoint_devices(workdir, count):
+  config = json.loads((workdir / "config.json").read_text())
+  assert config["num_devices"] == count
+
+
+@pytest.mark.slow
+def test_monolithic_on_one_and_four_devices(tmp_path):
+  overrides = {"method": "monolithic", "stop_after_cycles": 2}
+  _run(tmp_path / "one", {**overrides, "num_devices": 1})
+  _run(tmp_path / "four", {**overrides, "num_devices": 4})
+  _assert_same_state(tmp_path / "one", tmp_path / "four")
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_agree_with_one_process(tmp_path):
+  overrides = {"stop_after_cycles": 2}
+  coordinator = f"127.0.0.1:{_free_port()}"
+  procs = [_run(tmp_path / "multi", overrides, devices=1, process=(pid, 2, coordinator))
+           for pid in range(2)]
+  for proc in procs:
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+  _run(tmp_path / "single", {**overrides, "num_devices": 2}, devices=2)
+  _assert_same_state(tmp_path / "multi", tmp_path / "single")
+
+
+@pytest.mark.slow
+def test_noise_is_drawn_once_across_four_devices():
+  """sigma*C/denominator, not sqrt(4) (noise per device) or 1/4 (noise divided)."""
+  proc = subprocess.run([sys.executable, WORKER, "--noise", "4"], env=_env(4), cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  std, expected = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert abs(std / expected - 1) < 0.03, (std, expected)
