@@ -19,7 +19,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"  # activation dtype ('bfloat16' on GPUs); DP sums and noise stay float32
   c.model.pooling = ""  # '' = model default ('mean' for encoders, 'last' for decoders)
   c.model.random = ml_collections.ConfigDict()  # architecture of the 'random' model
-  c.model.random.family = "switch"  # switch (olmoe added by the OLMoE port)
+  c.model.random.family = "switch"  # switch | olmoe
   c.model.random.d_model = 64  # hidden size
   c.model.random.num_layers = 4  # blocks
   c.model.random.num_heads = 4  # attention heads
@@ -27,7 +27,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.random.d_ff = 128  # feed-forward width (each expert)
   c.model.random.num_experts = 4  # experts per sparse block
   c.model.random.sparse_step = 2  # HF placement: block i sparse iff i % step == 1
-  c.model.random.expert_capacity = 16  # per-sequence expert capacity
+  c.model.random.expert_capacity = 16  # per-sequence expert capacity (switch)
+  c.model.random.top_k = 2  # experts per token (olmoe)
+  c.model.random.num_kv_heads = 2  # key/value heads (olmoe)
+  c.model.random.norm_topk_prob = False  # renormalise the top-k weights (olmoe)
   c.model.random.topic_scale = 2.0  # embedding boost shared by same-topic words (routing matters)
 
   c.data = ml_collections.ConfigDict()
@@ -120,12 +123,36 @@ def cpu_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return config
 
 
-def with_preset(config: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:
-  """Applies the preset named by a config file's argument ('', 'tiny', 'cpu')."""
+def olmoe_family(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """OLMoE-1B-7B (E=64, top-8, 16 sparse blocks) instead of Switch-base-8."""
+  config.model.name = "allenai/OLMoE-1B-7B-0924"
+  config.model.dtype = "bfloat16"  # activations; DP sums and noise stay float32
+  config.microbatch_size = 8
+  config.model.random.update(family="olmoe", num_experts=8, top_k=2, num_kv_heads=2)
+  return config
+
+
+def with_preset(config: ml_collections.ConfigDict, arg: str,
+                family: str = "switch") -> ml_collections.ConfigDict:
+  """Applies a model family and the preset named by a config file's argument.
+
+  Args:
+    config: the task's config.
+    arg: '' (paper scale), 'tiny' (embedded offline task) or 'cpu' (tiny
+      model on the real task's files).
+    family: 'switch' or 'olmoe'.
+  """
   presets = {"": lambda c: c, "tiny": tiny_preset, "cpu": cpu_preset}
   if arg not in presets:
     raise ValueError(f"unknown preset {arg!r}; use one of {sorted(presets)}")
-  return presets[arg](config)
+  if family == "olmoe":
+    config = olmoe_family(config)
+  elif family != "switch":
+    raise ValueError(f"unknown model family {family!r}; use 'switch' or 'olmoe'")
+  config = presets[arg](config)
+  if arg and family == "olmoe":
+    config.model.dtype = "float32"
+  return config
 
 
 # Fields that do not change what the run computes: resuming with other values is fine.

@@ -73,19 +73,25 @@ def random_backbone(rc: ml_collections.ConfigDict, vocab_size: int,
   random router sends a topic's records to the same expert, as a pretrained
   router does for semantically related text: routing then matters.
   """
-  if rc.family != "switch":
-    raise ValueError(f"unknown random model family {rc.family!r}; use 'switch'")
-  config = models.SwitchConfig(
-      vocab_size=vocab_size, d_model=rc.d_model, d_kv=rc.d_kv, d_ff=rc.d_ff,
-      num_layers=rc.num_layers, num_heads=rc.num_heads, num_experts=rc.num_experts,
-      expert_capacity=rc.expert_capacity, sparse_step=rc.sparse_step)
-  module = models.SwitchEncoder(config)
+  if rc.family == "switch":
+    module = models.SwitchEncoder(models.SwitchConfig(
+        vocab_size=vocab_size, d_model=rc.d_model, d_kv=rc.d_kv, d_ff=rc.d_ff,
+        num_layers=rc.num_layers, num_heads=rc.num_heads, num_experts=rc.num_experts,
+        expert_capacity=rc.expert_capacity, sparse_step=rc.sparse_step))
+  elif rc.family == "olmoe":
+    module = models.OlmoeDecoder(models.OlmoeConfig(
+        vocab_size=vocab_size, hidden_size=rc.d_model, intermediate_size=rc.d_ff,
+        num_hidden_layers=rc.num_layers, num_attention_heads=rc.num_heads,
+        num_key_value_heads=rc.num_kv_heads, num_experts=rc.num_experts,
+        num_experts_per_tok=rc.top_k, norm_topk_prob=rc.norm_topk_prob))
+  else:
+    raise ValueError(f"unknown random model family {rc.family!r}; use 'switch' or 'olmoe'")
   key_init, key_topics = jax.random.split(jax.random.PRNGKey(seed))
   params = jax.jit(module.init)(key_init, *hf.example_inputs())["params"]
   if token_groups is not None and rc.topic_scale:
     embedding = params["embed_tokens"]["embedding"]
     num_topics = int(token_groups.max()) + 1
-    directions = jax.random.normal(key_topics, (num_topics, config.d_model))
+    directions = jax.random.normal(key_topics, (num_topics, embedding.shape[-1]))
     scale = rc.topic_scale * jnp.std(embedding)
     boost = jnp.where(jnp.asarray(token_groups)[:, None] >= 0,
                       directions[jnp.maximum(jnp.asarray(token_groups), 0)], 0.0)
