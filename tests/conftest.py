@@ -6,6 +6,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Test programs are tiny: compile them fast rather than optimise them hard (this
+# halves the suite's CPU time; it changes code generation, not results).
+os.environ["XLA_FLAGS"] = " ".join([
+    os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true"]).strip()
 
 import tempfile  # noqa: E402
 

@@ -19,7 +19,8 @@ WORKER = str(ROOT / "tests" / "parallel_worker.py")
 def _env(devices):
   """Fresh processes with N CPU devices, sharing this session's compilation cache."""
   return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", JAX_PLATFORMS="cpu",
-              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+              XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                        f"--xla_force_host_platform_device_count={devices}",
               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

@@ -188,7 +188,8 @@ def test_one_raptor_cycle_on_olmoe(tmp_path):
 
 
 def _launch(tmp_path, config, *flags):
-  env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+  # As a user runs it: default XLA optimisation (the suite's compile-fast flags off).
+  env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", XLA_FLAGS="")
   proc = subprocess.run(
       [sys.executable, "launch/main.py", f"--config={config}", f"--workdir={tmp_path}",
        "--config.progress_bar=False", "--config.privacy.secret_seed=0", *flags],
