@@ -10,8 +10,8 @@ layer l*, where every record trains its owner's slice only.
                    phase {owner slices of l*'s expert adapters} on an
                    independent sample (Alg. 1); sigmas split by rho
   baseline_a       RAPTOR's parameters (shared + every expert of l*, no owner
-                   masking, no residual weight), one clip C_s over both, one
-                   sigma, denominator B for both (Tab. 6)
+                   masking, no residual weight), one clip C (privacy.clip_shared)
+                   over both, one sigma, denominator B for both (Tab. 6)
   baseline_b       RAPTOR's shared phase alone, the whole budget (experts frozen)
   baseline_c       RAPTOR's expert phase alone (owner slices, C_e, D_e, residual
                    weight), the whole budget (shared stream frozen)
@@ -31,8 +31,9 @@ full-model clip (`joint_clip=True`) needs a record's shared and expert
 gradients in the same step, so it requires `alternate=False`: it is the
 no-alternation variant with one clip C_s and one sigma over both streams.
 
-Only RAPTOR trains from an owner map; the router never trains except in the
-full-weight monolithic baselines, which treat the model as one dense block.
+Only RAPTOR's expert stream (raptor, its ablations, baseline_c) trains owner
+slices. Routers never train except in the full-weight monolithic baselines,
+which treat the model as one dense block like the paper's DP-Adam baseline.
 Every method samples every phase as Poisson, for the same number of cycles.
 
 Accounting follows what runs: a phase whose parts share one clip (or that has
@@ -52,7 +53,8 @@ from raptor_jax import accounting, sampling
 
 METHODS = ("raptor", "baseline_a", "baseline_b", "baseline_c", "monolithic",
            "monolithic_lora", "nonprivate_lora", "nonprivate_full")
-PRIVATE_METHODS = METHODS[:6]
+PRIVATE_METHODS = ("raptor", "baseline_a", "baseline_b", "baseline_c", "monolithic",
+                   "monolithic_lora")
 SHARED_ROLES = ("attention_adapter", "head")
 SHARED_FULL_ROLES = ("attention_kernel", "head")
 LORA_ROLES = ("attention_adapter", "head", "expert_adapter")
@@ -193,11 +195,10 @@ def _phases(config, *, b: float, num_experts: int, expert_layer: int,
   def shared(sigma, clip=pc.clip_shared):
     return Part("shared", shared_roles, None, False, clip, sigma, b)
 
-  def expert(sigma, clip=pc.clip_expert, denominator=d_e):
-    return Part("expert", expert_roles, (expert_layer,), True, clip, sigma, denominator,
-                residual)
+  def expert(sigma, clip=pc.clip_expert):
+    return Part("expert", expert_roles, (expert_layer,), True, clip, sigma, d_e, residual)
 
-  if method == "raptor" and rc.joint_clip:
+  if method == "raptor" and rc.joint_clip:  # one clip, one sigma: rho plays no part
     sigma = sigmas.dpsgd()
     return (Phase("joint", sampling.SHARED_STREAM,
                   (shared(sigma), expert(sigma, clip=pc.clip_shared)), joint_clip=True),)

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from raptor_jax import ownership
 from raptor_jax.train import sweep
 
 METRIC = "accuracy"
@@ -166,7 +167,7 @@ def plot_routing_entropy(tables: dict[str, dict[str, Any]], path: Path) -> None:
   for ax, task in zip(axes[0], tasks):
     rows = tables[task]["public_corpus"]
     layers = [r["layer"] for r in rows]
-    best = max(rows, key=lambda r: (r["entropy_norm"], -r["layer"]))["layer"]
+    best = ownership.select_layer("entropy", layers, rows)
     ax.bar([str(l) for l in layers], [r["entropy_norm"] for r in rows],
            color=["tab:orange" if l == best else "tab:blue" for l in layers])
     ax.set_ylim(0, 1)
@@ -181,10 +182,49 @@ def plot_routing_entropy(tables: dict[str, dict[str, Any]], path: Path) -> None:
   plt.close(fig)
 
 
+def diagnostics_markdown(rows: Sequence[dict[str, Any]]) -> str | None:
+  """Tab. 8 / Tab. 10 layout of the cells' diagnostics.json (means over seeds), or None."""
+  groups: dict[tuple, list[dict]] = {}
+  for row in rows:
+    path = Path(row["directory"]) / "diagnostics.json"
+    if path.exists():
+      key = (row["task"], _epsilon_key(row["target_epsilon"]), row["variant"])
+      groups.setdefault(key, []).append(json.loads(path.read_text()))
+  if not groups:
+    return None
+  order = _order({variant for _, _, variant in groups})
+
+  def mean(values) -> str:
+    values = [v for v in values if v is not None]
+    return f"{np.mean(values):.3g}" if values else "-"
+
+  lines = ["App. G diagnostics on each cell's dev split (means over seeds); λ+ per role (Eq. 40).",
+           "", "| Task | ε | Method | M_role | mean SNR | SNR-CV | λ+ shared | λ+ head "
+           "| λ+ experts |", "|---|---|---|---|---|---|---|---|---|"]
+  for (task, eps, variant) in sorted(groups, key=lambda k: (k[0], k[1], order.index(k[2]))):
+    diags = groups[task, eps, variant]
+    snr = [d["expert_snr"] for d in diags]
+    lam = {role: mean([d["noise_sensitivity"]["roles"].get(role, {}).get("lambda_plus")
+                       for d in diags]) for role in ("shared", "head", "experts")}
+    lines.append(
+        f"| {task} | {'∞' if eps == math.inf else f'{eps:g}'} | "
+        f"{sweep.LABELS.get(variant, variant)} | "
+        f"{mean([d['role_mismatch']['M_role'] for d in diags])} | "
+        f"{mean([s and s['mean'] for s in snr])} | {mean([s and s['cv'] for s in snr])} | "
+        f"{lam['shared']} | {lam['head']} | {lam['experts']} |")
+  return "\n".join(lines) + "\n"
+
+
 def write(workdir: str | Path) -> list[Path]:
-  """Writes results.csv, results.md and both plots under `workdir`; returns their paths."""
+  """Writes the table, the plots and any diagnostics table under `workdir`.
+
+  Returns:
+    Paths of results.csv, results.md, accuracy_vs_epsilon.png,
+    routing_entropy.png and, if a cell has diagnostics.json, diagnostics.md.
+  """
   workdir = Path(workdir)
-  entries = summarize(sweep.collect(workdir))
+  rows = sweep.collect(workdir)
+  entries = summarize(rows)
   if not entries:
     raise ValueError(f"no finished cells (cell.json + results.json) under {workdir}")
   paths = [workdir / name for name in ("results.csv", "results.md", "accuracy_vs_epsilon.png",
@@ -193,4 +233,8 @@ def write(workdir: str | Path) -> list[Path]:
   paths[1].write_text(markdown(entries), encoding="utf-8")
   plot_accuracy(entries, paths[2])
   plot_routing_entropy(routing_tables(workdir), paths[3])
+  diagnostics = diagnostics_markdown(rows)
+  if diagnostics is not None:
+    paths.append(workdir / "diagnostics.md")
+    paths[-1].write_text(diagnostics, encoding="utf-8")
   return paths

@@ -1,0 +1,65 @@
+r"""Trains a grid of variants x epsilons x seeds, then writes the results table.
+
+Every cell is `train_and_evaluate` of the same config with the variant's
+overrides (see `raptor_jax.train.sweep.VARIANTS`), its epsilon and its seed,
+in `<workdir>/<task>/<variant>/eps<epsilon>/seed<seed>`. Rerunning skips
+finished cells and resumes interrupted ones. Run it once per task config with
+the same --workdir; the table has one column per task.
+
+  python launch/sweep.py --config=configs/switch_sst2.py:tiny --workdir=/tmp/sweep \
+    --variants=raptor,monolithic_lora --epsilons=8 --seeds=0
+
+  # Tab. 1 rows on SST-2 (GPU scale):
+  ROWS=nonprivate_lora,nonprivate_full,monolithic_lora,monolithic,raptor_first,raptor_last,raptor
+  python launch/sweep.py --config=configs/switch_sst2.py --workdir=/tmp/tab1 \
+    --variants=$ROWS --epsilons=1,4,8 --seeds=0,1,2
+
+Writes `<workdir>/results.csv`, `results.md`, `accuracy_vs_epsilon.png` and
+`routing_entropy.png` (see `raptor_jax.train.report`). With --diagnostics,
+each new cell also gets `diagnostics.json` (App. G, on the dev split).
+"""
+
+import logging
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from absl import app, flags, logging as absl_logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+from ml_collections import config_flags
+
+from raptor_jax import diagnostics
+from raptor_jax.train import report, sweep
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Base training configuration file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Root directory of the sweep.")
+_VARIANTS = flags.DEFINE_list("variants", "raptor,monolithic_lora,baseline_a",
+                              f"Table rows, from: {', '.join(sweep.VARIANTS)}.")
+_EPSILONS = flags.DEFINE_list("epsilons", "1,8", "Target epsilons of the private variants.")
+_SEEDS = flags.DEFINE_list("seeds", "0,1,2", "Seeds (adapters, Poisson samples, noise).")
+_DIAGNOSTICS = flags.DEFINE_bool(
+    "diagnostics", False, "Also write App. G diagnostics (on the dev split) per new cell.")
+_TABLE_ONLY = flags.DEFINE_bool("table_only", False, "Only rebuild the table and plots.")
+flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+  del argv
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  logging.getLogger("raptor_jax").setLevel(logging.INFO)
+  if not _TABLE_ONLY.value:
+    if _CONFIG.value is None:
+      sys.exit("error: --config is required unless --table_only")
+    after = diagnostics.write_for_run if _DIAGNOSTICS.value else None
+    try:
+      sweep.run(_CONFIG.value, _WORKDIR.value, variants=_VARIANTS.value,
+                epsilons=[float(e) for e in _EPSILONS.value],
+                seeds=[int(s) for s in _SEEDS.value], after=after)
+    except (ValueError, FileNotFoundError, OSError) as e:
+      sys.exit(f"error: {e}")
+  for path in report.write(_WORKDIR.value):
+    print(path)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,145 @@
+"""The sweep runner (grid, resume) and the results table and plots."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from raptor_jax import diagnostics
+from raptor_jax.train import report, sweep
+
+from helpers import ROOT, micro_config
+
+
+def test_grid_runs_seed_by_seed_with_one_nonprivate_cell_per_seed():
+  cells = sweep.grid("sst2", ["raptor", "nonprivate_lora"], [1.0, 8.0], [0, 1])
+  assert [(c.variant, c.target_epsilon, c.seed) for c in cells] == [
+      ("raptor", 1.0, 0), ("raptor", 8.0, 0), ("nonprivate_lora", None, 0),
+      ("raptor", 1.0, 1), ("raptor", 8.0, 1), ("nonprivate_lora", None, 1)]
+  assert str(cells[2].directory("/w")) == "/w/sst2/nonprivate_lora/epsinf/seed0"
+  assert str(cells[1].directory("/w")) == "/w/sst2/raptor/eps8/seed0"
+  with pytest.raises(ValueError, match="unknown variants"):
+    sweep.grid("sst2", ["raptor", "magic"], [1.0], [0])
+
+
+def test_every_variant_is_a_valid_config():
+  base = micro_config()
+  for variant, overrides in sweep.VARIANTS.items():
+    config = sweep.cell_config(base, sweep.Cell("synthetic", variant, 4.0, 3))
+    assert config.seed == 3 and config.privacy.epsilon == 4.0
+    for key, value in overrides.items():
+      section, _, name = key.rpartition(".")
+      assert (config[section] if section else config)[name] == value
+  assert base.method == "raptor" and base.seed == 0  # the base is not modified
+
+
+def test_run_is_resumable_and_skips_finished_cells(tmp_path):
+  calls = []
+
+  def fake_train(config, workdir):
+    calls.append((config.method, config.privacy.epsilon, config.seed))
+    if len(calls) == 2:
+      raise KeyboardInterrupt  # the sweep stops in the middle of its second cell
+    (tmp_path / workdir / "results.json").write_text("{}")
+
+  grid = dict(variants=["raptor", "baseline_a"], epsilons=[2.0], seeds=[0])
+  with pytest.raises(KeyboardInterrupt):
+    sweep.run(micro_config(), tmp_path, train=fake_train, **grid)
+  sweep.run(micro_config(), tmp_path, train=fake_train, **grid)
+  assert calls == [("raptor", 2.0, 0), ("baseline_a", 2.0, 0), ("baseline_a", 2.0, 0)]
+  sweep.run(micro_config(), tmp_path, train=fake_train, **grid)
+  assert len(calls) == 3
+  cell = json.loads((tmp_path / "synthetic/raptor/eps2/seed0/cell.json").read_text())
+  assert cell == {"task": "synthetic", "variant": "raptor", "target_epsilon": 2.0, "seed": 0}
+
+
+def _fake_cell(root, task, variant, eps, seed, accuracy, wall=10.0):
+  cell = sweep.Cell(task, variant, eps, seed)
+  directory = cell.directory(root)
+  directory.mkdir(parents=True)
+  (directory / "cell.json").write_text(json.dumps(
+      dict(task=task, variant=variant, target_epsilon=eps, seed=seed)))
+  (directory / "results.json").write_text(json.dumps(
+      dict(accuracy=accuracy, wall_time_s=wall, finished=True, task=task, epsilon=eps)))
+  table = [dict(layer=1, entropy_norm=0.4), dict(layer=3, entropy_norm=0.9)]
+  (directory / "layer_selection.json").write_text(json.dumps(
+      dict(selected_layer=3, rule="entropy", public_corpus=table)))
+
+
+def test_table_in_the_layout_of_tab_1(tmp_path):
+  for seed, (a, b) in enumerate([(0.90, 0.80), (0.92, 0.82)]):
+    _fake_cell(tmp_path, "sst2", "raptor", 8.0, seed, a, wall=10.0 + 2 * seed)
+    _fake_cell(tmp_path, "sst2", "monolithic_lora", 8.0, seed, b)
+    _fake_cell(tmp_path, "qnli", "raptor", 8.0, seed, b)
+    _fake_cell(tmp_path, "sst2", "raptor", 1.0, seed, b)
+  _fake_cell(tmp_path, "sst2", "nonprivate_lora", None, 0, 0.95)
+  paths = report.write(tmp_path)
+  assert [p.name for p in paths] == ["results.csv", "results.md", "accuracy_vs_epsilon.png",
+                                     "routing_entropy.png"]
+  md = (tmp_path / "results.md").read_text()
+  rows = [line for line in md.splitlines() if line.startswith("| ")]
+  assert rows[:5] == [
+      "| ε | Method | qnli | sst2 |",
+      "| ∞ | Non-priv. LoRA | - | 95.00 |",
+      "| 1 | Ours, entropy-sel. | - | 81.00 ± 1.41 |",
+      "| 8 | Monolith. DP-Adam LoRA | - | 81.00 ± 1.41 |",
+      "|  | Ours, entropy-sel. | 81.00 ± 1.41 | 91.00 ± 1.41 |"]
+  assert "| 8 | Monolith. DP-Adam LoRA | - | 10 |" in md  # mean wall time per run
+  assert "|  | Ours, entropy-sel. | 10 | 11 |" in md
+  with open(tmp_path / "results.csv", encoding="utf-8") as f:
+    table = list(csv.DictReader(f))
+  assert [(r["epsilon"], r["variant"]) for r in table] == [
+      ("inf", "nonprivate_lora"), ("1", "raptor"), ("8", "monolithic_lora"), ("8", "raptor")]
+  assert float(table[3]["sst2_mean"]) == pytest.approx(91.0)
+  assert float(table[3]["sst2_std"]) == pytest.approx(1.4142, abs=1e-4)
+  assert table[3]["sst2_seeds"] == "2" and float(table[3]["sst2_wall_time_s"]) == 11.0
+  assert table[0]["qnli_mean"] == "" and table[0]["sst2_std"] == ""
+  for png in paths[2:]:
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_report_needs_finished_cells(tmp_path):
+  with pytest.raises(ValueError, match="no finished cells"):
+    report.write(tmp_path)
+
+
+def test_tiny_sweep_trains_and_writes_table_plots_and_diagnostics(tmp_path):
+  """2 methods x 1 epsilon x 1 seed through the real loop; App. G diagnostics of one."""
+  def diagnose_baseline_c(config, directory):
+    if config.method == "baseline_c":
+      diagnostics.write_for_run(config, directory)
+
+  config = micro_config(**{"model.random.num_layers": 2, "data.synthetic.n_train": 100})
+  sweep.run(config, tmp_path, variants=["baseline_c", "nonprivate_lora"], epsilons=[8.0],
+            seeds=[0], after=diagnose_baseline_c)
+  report.write(tmp_path)
+  md = (tmp_path / "results.md").read_text()
+  assert "| ∞ | Non-priv. LoRA |" in md and "| 8 | Baseline C (expert-only) |" in md
+  for name in ("accuracy_vs_epsilon.png", "routing_entropy.png"):
+    assert (tmp_path / name).stat().st_size > 5000
+  cell = tmp_path / "synthetic" / "baseline_c" / "eps8" / "seed0"
+  results = json.loads((cell / "results.json").read_text())
+  assert results["finished"] and results["epsilon"] <= 8.0
+  diag = json.loads((cell / "diagnostics.json").read_text())
+  assert diag["data"].startswith("dev split") and not diag["private_audit"]
+  assert diag["method"] == "baseline_c" and diag["expert_layer"] == 1
+  mismatch = diag["role_mismatch"]
+  assert set(mismatch["param_share"]) == {"experts"} and mismatch["M_role"] == 0.0
+  assert len(diag["expert_snr"]["per_expert"]) == 4 and diag["expert_snr"]["mean"] > 0
+  assert set(diag["noise_sensitivity"]["roles"]) == {"experts"}
+  assert "M_role" not in (cell / "metrics.jsonl").read_text()  # never in training logs
+  assert not (tmp_path / "synthetic/nonprivate_lora/epsinf/seed0/diagnostics.json").exists()
+  table = (tmp_path / "diagnostics.md").read_text()
+  assert "| synthetic | 8 | Baseline C (expert-only) | 0 |" in table
+  assert "Non-priv" not in table
+
+
+def test_launch_script_rebuilds_the_table(tmp_path):
+  _fake_cell(tmp_path, "sst2", "raptor", 8.0, 0, 0.9)
+  proc = subprocess.run([sys.executable, "launch/sweep.py", f"--workdir={tmp_path}",
+                         "--table_only"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "results.md" in proc.stdout
+  assert "| 8 | Ours, entropy-sel. | 90.00 |" in (tmp_path / "results.md").read_text()
