@@ -13,11 +13,11 @@ from raptor_jax import accounting, roles, sampling
 from raptor_jax.models import hf
 from raptor_jax.train import loop, methods, parallel, setup, step
 
-from helpers import micro_config
+import helpers
 
-SPARSE, LAYER, E = (1, 3), 3, 4  # the micro model: sparse blocks 1 and 3, four experts
+SPARSE, LAYER, E = (1, 3), 3, 4  # four blocks: sparse blocks 1 and 3, four experts
 N = 300  # micro_config's records: B = 50, q = 1/6, 6 cycles
-TWO_BLOCKS = {"model.random.num_layers": 2}
+TWO_BLOCKS = {"model.random.num_layers": 2}  # sparse block 1 only: the cheapest to compile
 ABLATIONS = {
     "de_b": {"raptor.expert_denominator": "B"},
     "no_residual": {"raptor.residual": "none"},
@@ -25,6 +25,11 @@ ABLATIONS = {
     "full_clip": {"raptor.joint_clip": True, "raptor.alternate": False},
     "first_layer": {"raptor.layer": "first"},
 }
+
+
+def micro_config(**overrides):
+  """The shared micro config with four blocks (two sparse) unless overridden."""
+  return helpers.micro_config(**{"model.random.num_layers": 4, **overrides})
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -210,7 +215,6 @@ def micro_model():
 
 @pytest.fixture(scope="module")
 def two_block_model():
-  """One dense and one sparse block (sparse block 1): the cheapest model to compile."""
   return _model_builder(micro_config(**TWO_BLOCKS))
 
 

@@ -133,6 +133,9 @@ def plot_accuracy(entries: Sequence[dict[str, Any]], path: Path) -> None:
       ax.errorbar([e["epsilon"] for e in points], [e["mean"] for e in points],
                   yerr=[e["std"] or 0.0 for e in points], marker="o", capsize=3, label=label)
     ax.set_xscale("log")
+    ticks = sorted({e["epsilon"] for e in mine if e["epsilon"] is not None})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("ε")
     ax.set_ylabel(f"dev {METRIC} (%)")
     ax.set_title(task)
