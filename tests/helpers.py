@@ -26,7 +26,7 @@ def micro_config(**overrides):
   config.data.synthetic.n_train = 300
   config.data.synthetic.n_dev = 64
   config.data.n_pub = 128
-  config.model.random.update(d_model=32, d_ff=32, num_heads=2, d_kv=8)
+  config.model.random.update(d_model=32, d_ff=32, num_heads=2, d_kv=8, num_layers=2)
   config.batch_size = 50
   config.microbatch_size = 32
   config.epochs = 1
@@ -43,10 +43,11 @@ def micro_config(**overrides):
   return config
 
 
-def latest_state(workdir):
-  """(step, state as numpy, meta) of the latest checkpoint, whatever devices wrote it."""
+def latest_state(workdir, step=None):
+  """(step, state as numpy, meta) of a checkpoint (default: the latest), whatever
+  devices wrote it."""
   manager = ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints")
-  step = manager.latest_step()
+  step = manager.latest_step() if step is None else step
   meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   manager.close()
   path = pathlib.Path(workdir) / "checkpoints" / str(step) / "state"

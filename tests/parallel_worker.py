@@ -2,6 +2,7 @@
 
   python tests/parallel_worker.py WORKDIR '{"num_devices": 4, "method": "raptor"}' \
       [PROCESS_ID NUM_PROCESSES COORDINATOR]
+  python tests/parallel_worker.py --runs '[[WORKDIR, OVERRIDES], ...]'   # one process
 
 Set XLA_FLAGS=--xla_force_host_platform_device_count=N in the environment for N
 CPU devices. Prints the results dict as JSON on the last line.
@@ -57,6 +58,13 @@ def noise_std(num_devices):
 def main(argv):
   if argv[1] == "--noise":
     print(json.dumps(noise_std(int(argv[2]))))
+    return
+  if argv[1] == "--runs":  # several runs in one process (shared compilations)
+    from helpers import micro_config  # pylint: disable=g-import-not-at-top
+    from raptor_jax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+    results = [train_and_evaluate(micro_config(**overrides), workdir)
+               for workdir, overrides in json.loads(argv[2])]
+    print(json.dumps(results, default=str))
     return
   workdir, overrides = argv[1], json.loads(argv[2])
   if len(argv) > 3:

@@ -26,6 +26,15 @@ def _env(devices):
               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
+def _runs(runs, devices=4, timeout=1200):
+  """Several (workdir, overrides) runs in ONE process with `devices` CPU devices."""
+  runs = [(str(w), {"microbatch_size": 8, **o}) for w, o in runs]
+  proc = subprocess.run([sys.executable, WORKER, "--runs", json.dumps(runs)], env=_env(devices),
+                        cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _run(workdir, overrides, devices=4, process=None, timeout=900):
   env = _env(devices)
   overrides = {"microbatch_size": 8, **overrides}
@@ -40,8 +49,8 @@ def _run(workdir, overrides, devices=4, process=None, timeout=900):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _assert_same_state(a, b, rtol=1e-4):
-  _, state_a, meta_a = latest_state(a)
+def _assert_same_state(a, b, rtol=1e-4, step_a=None):
+  _, state_a, meta_a = latest_state(a, step_a)
   _, state_b, meta_b = latest_state(b)
   assert json.loads(meta_a["ledger"]) == json.loads(meta_b["ledger"])
   def close(x, y):
@@ -54,47 +63,34 @@ def _assert_same_state(a, b, rtol=1e-4):
 
 
 @pytest.mark.slow
-def test_four_devices_then_one_equal_one_device_throughout(tmp_path):
-  """RAPTOR: 2 cycles on 4 devices, restored and finished on 1 device, equals 4
-  cycles on 1 device (data-parallel equality and cross-device-count restore)."""
-  _run(tmp_path / "one", {"num_devices": 1, "stop_after_cycles": 4})
-  _run(tmp_path / "split", {"num_devices": 4, "stop_after_cycles": 2})
-  _assert_checkpoint_devices(tmp_path / "split", 4)
-  resumed = _run(tmp_path / "split", {"num_devices": 1, "stop_after_cycles": 2}, devices=1)
+def test_device_and_process_counts_give_the_same_parameters(tmp_path):
+  """One and four devices agree (RAPTOR and monolithic); a checkpoint written on
+  four devices restores and finishes on one, equal to one device throughout; two
+  processes through jax.distributed (CPU collectives on loopback) agree with one."""
+  one, four = {"num_devices": 1}, {"num_devices": 4}
+  _runs([(tmp_path / "raptor1", {**one, "stop_after_cycles": 4}),
+         (tmp_path / "split", {**four, "stop_after_cycles": 2}),
+         (tmp_path / "mono1", {**one, "method": "monolithic", "stop_after_cycles": 2}),
+         (tmp_path / "mono4", {**four, "method": "monolithic", "stop_after_cycles": 2})])
+  assert json.loads((tmp_path / "split" / "config.json").read_text())["num_devices"] == 4
+  (resumed,) = _runs([(tmp_path / "split", {**one, "stop_after_cycles": 2})], devices=1)
   assert resumed["cycles"] == 4
-  _assert_same_state(tmp_path / "one", tmp_path / "split")
+  _assert_same_state(tmp_path / "raptor1", tmp_path / "split")
+  _assert_same_state(tmp_path / "mono1", tmp_path / "mono4")
 
-
-def _assert_checkpoint_devices(workdir, count):
-  config = json.loads((workdir / "config.json").read_text())
-  assert config["num_devices"] == count
-
-
-@pytest.mark.slow
-def test_monolithic_on_one_and_four_devices(tmp_path):
-  overrides = {"method": "monolithic", "stop_after_cycles": 2}
-  _run(tmp_path / "one", {**overrides, "num_devices": 1})
-  _run(tmp_path / "four", {**overrides, "num_devices": 4})
-  _assert_same_state(tmp_path / "one", tmp_path / "four")
+  coordinator = f"127.0.0.1:{_free_port()}"
+  procs = [_run(tmp_path / "multi", {"stop_after_cycles": 2}, devices=1,
+                process=(pid, 2, coordinator)) for pid in range(2)]
+  for proc in procs:
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+  _assert_same_state(tmp_path / "raptor1", tmp_path / "multi", step_a=2)
 
 
 def _free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_two_processes_agree_with_one_process(tmp_path):
-  overrides = {"stop_after_cycles": 2}
-  coordinator = f"127.0.0.1:{_free_port()}"
-  procs = [_run(tmp_path / "multi", overrides, devices=1, process=(pid, 2, coordinator))
-           for pid in range(2)]
-  for proc in procs:
-    out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, err[-4000:]
-  _run(tmp_path / "single", {**overrides, "num_devices": 2}, devices=2)
-  _assert_same_state(tmp_path / "multi", tmp_path / "single")
 
 
 @pytest.mark.slow

@@ -89,6 +89,15 @@ def test_no_private_statistics_reach_the_workdir(full_run):
   assert "owner" not in text.replace("owner_weighting", "")
 
 
+def test_private_training_loss_only_on_explicit_opt_in(tmp_path, caplog):
+  with caplog.at_level("WARNING", logger="raptor_jax"):
+    train_and_evaluate(micro_config(stop_after_cycles=1, log_private_stats=True), str(tmp_path))
+  assert "NOT differentially private" in caplog.text
+  keys = set().union(*(json.loads(line) for line in
+                       (tmp_path / "metrics.jsonl").read_text().splitlines()))
+  assert {"private/shared_train_loss", "private/expert_train_loss"} <= keys
+
+
 def _phase_setup(residual="shared"):
   config = micro_config()
   run_data = setup.load_run_data(config)
@@ -210,4 +219,5 @@ def test_launch_main_tiny_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_launch_main_olmoe_tiny_end_to_end(tmp_path):
-  _launch(tmp_path, "configs/olmoe_sst2.py:tiny", "--config.epochs=1")
+  _launch(tmp_path, "configs/olmoe_sst2.py:tiny", "--config.epochs=1",
+          "--config.model.random.num_layers=2")

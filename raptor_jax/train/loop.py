@@ -234,11 +234,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         sample = sampling.poisson_sample(n, plan.sample_rate, seed=secret,
                                          stream=phase.stream, step=cycle)
         sums = fns.zero_sums(new_trainable)
+        loss_sum = 0.0
         for mb in parallel.local_microbatches(sample, local_microbatch):
           batch, mask = parallel.shard_records(
               (_batch(run_data.train, owners, mb.indices), mb.mask), mesh)
+          if config.log_private_stats:
+            loss_sum += float(fns.loss_sum(new_trainable, frozen, batch, mask))
           sums = fns.accumulate(new_trainable, frozen, sums, batch, mask)
         new_trainable, new_opt_states = fns.update(new_trainable, new_opt_states, sums)
+        if config.log_private_stats:  # opted in, warned: a non-private statistic
+          writer.write(cycle, {f"private/{phase.name}_train_loss":
+                               loss_sum / max(len(sample), 1)})
       trainable, opt_states = new_trainable, new_opt_states
       for phase in plan.phases:
         if phase.private:

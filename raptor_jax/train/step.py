@@ -79,6 +79,9 @@ class PhaseFunctions:
         out_specs=replicated, check_vma=False), donate_argnums=(2,))
     self.update = jax.jit(self._update)
     self.privatize = jax.jit(self._privatize)
+    self.loss_sum = jax.jit(jax.shard_map(
+        self._loss_sum, mesh=mesh, in_specs=(replicated, replicated, records, records),
+        out_specs=replicated, check_vma=False))
     self.zero_sums = jax.jit(
         lambda trainable: {p.name: grads.zeros_like_f32(trainable[p.name]) for p in phase.parts},
         out_shardings=NamedSharding(mesh, replicated))
@@ -157,6 +160,12 @@ class PhaseFunctions:
               lambda g: g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype),
               per_record[part.name])
     return self._clipped_sums(per_record, owners, mask)
+
+  def _loss_sum(self, trainable, frozen, batch, mask) -> jax.Array:
+    """Summed training loss of the records (NOT private; opt-in logging only)."""
+    logits, _ = self.model.apply({"params": merged_params(frozen, trainable)},
+                                 batch["input_ids"], batch["attention_mask"])
+    return jax.lax.psum(jnp.sum(cross_entropy(logits, batch["labels"]) * mask), AXIS)
 
   def _clipped_sums(self, per_record: Mapping[str, Flat], owners, mask):
     parts = self.phase.parts
