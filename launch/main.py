@@ -25,6 +25,8 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Multi-host: number of
                                       "(or JAX_NUM_PROCESSES).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", -1, "Multi-host: this process's id "
                                    "(or JAX_PROCESS_ID).")
+_DIAGNOSTICS = flags.DEFINE_bool("diagnostics", False, "After training, write the App. G "
+                                 "diagnostics of the dev split to <workdir>/diagnostics.json.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -35,6 +37,9 @@ def main(argv):
   try:
     parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    if _DIAGNOSTICS.value:
+      from raptor_jax import diagnostics  # pylint: disable=g-import-not-at-top
+      diagnostics.write_for_run(_CONFIG.value, _WORKDIR.value)
   except (ValueError, FileNotFoundError, OSError) as e:
     if os.environ.get("RAPTOR_TRACEBACK"):
       raise

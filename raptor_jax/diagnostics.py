@@ -137,45 +137,10 @@ def _expert_prefix(layer: int) -> str:
   return f"backbone/block_{layer}/mlp/experts/"
 
 
-def _released_per_record(fns: step.PhaseFunctions, trainable, frozen, batch, mask):
-  """The per-record gradients a phase sums: residual-weighted, then clipped as it clips.
-
-  Non-private phases: the raw per-record gradients.
-  """
-  phase = fns.phase
-  dense = {p.name: trainable[p.name] for p in phase.parts if not p.owner}
-  constants = dict(frozen)
-  for name, part_params in trainable.items():
-    if name not in dense:
-      constants.update(part_params)
-  slices = {p.name: grads.owner_slices(trainable[p.name], batch["owners"])
-            for p in phase.parts if p.owner}
-  dense_grads, slice_grads = jax.vmap(
-      jax.grad(fns._record_loss, argnums=(0, 1)),  # pylint: disable=protected-access
-      in_axes=(None, 0, None, 0))(dense, slices, constants, batch)
-  per_record = {**dense_grads, **slice_grads}
-  if fns.residual != "none" and any(p.residual for p in phase.parts):
-    current = dict(constants)
-    for part_params in dense.values():
-      current.update(part_params)
-    weights = fns._residual_weights(current, batch)  # pylint: disable=protected-access
-    for part in phase.parts:
-      if part.residual:
-        per_record[part.name] = jax.tree.map(
-            lambda g: g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype),
-            per_record[part.name])
-  if not phase.private:
-    return jax.tree.map(lambda g: g * mask.reshape((-1,) + (1,) * (g.ndim - 1)), per_record)
-  if phase.joint_clip:
-    return grads.clip_per_record(per_record, phase.parts[0].l2_clip, mask)[0]
-  return {p.name: grads.clip_per_record(per_record[p.name], p.l2_clip, mask)[0]
-          for p in phase.parts}
-
-
 def _phase_statistics(fns: step.PhaseFunctions, expert_layer: int, num_experts: int,
                       trainable, frozen, batch, mask):
   """Per role: sum of squared per-record norms; per part at l*: [E, ...] signal sums."""
-  per_record = _released_per_record(fns, trainable, frozen, batch, mask)
+  per_record = fns.released_per_record(trainable, frozen, batch, mask)
   squared = dict.fromkeys(DIAGNOSTIC_ROLES, jnp.zeros((), jnp.float32))
   signal = {}
   prefix = _expert_prefix(expert_layer)

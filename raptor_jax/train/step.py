@@ -41,6 +41,12 @@ def _owner_params(flat_slice: Flat, layer: int) -> dict:
   return nested
 
 
+def _scale_records(tree, weights: jax.Array):
+  """Multiplies each record's leaves ([n, ...]) by its weight ([n])."""
+  return jax.tree.map(
+      lambda g: g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype), tree)
+
+
 def merged_params(frozen: Flat, trainable: Mapping[str, Flat]) -> dict:
   """The full nested parameter tree."""
   flat = dict(frozen)
@@ -132,19 +138,33 @@ class PhaseFunctions:
     return jax.tree.map(jnp.add, sums,
                         jax.lax.psum(self._local_sums(trainable, frozen, batch, mask), AXIS))
 
-  def _local_sums(self, trainable: Mapping[str, Flat], frozen: Flat, batch: Batch,
-                  mask: jax.Array):
-    """This device's clipped per-record gradient sums (float32)."""
-    parts = self.phase.parts
-    dense = {p.name: trainable[p.name] for p in parts if not p.owner}
-    constants = dict(frozen)  # other phases' parameters and the stacked experts
+  def _split(self, trainable: Mapping[str, Flat], frozen: Flat) -> tuple[dict, Flat]:
+    """(this phase's dense parts, everything else as constants).
+
+    Owner parts' stacked experts are constants too: they run in the forward
+    pass, while the gradient goes to per-record owner slices.
+    """
+    dense = {p.name: trainable[p.name] for p in self.phase.parts if not p.owner}
+    constants = dict(frozen)
     for name, part_params in trainable.items():
       if name not in dense:
         constants.update(part_params)
-    if not self.phase.private:
-      return self._nonprivate_sums(dense, constants, batch, mask)
-    owners = batch["owners"]
-    slices = {p.name: grads.owner_slices(trainable[p.name], owners) for p in parts if p.owner}
+    return dense, constants
+
+  def released_per_record(self, trainable: Mapping[str, Flat], frozen: Flat, batch: Batch,
+                          mask: jax.Array) -> dict[str, Flat]:
+    """Each record's contribution to the phase's sums, per part (float32).
+
+    Per-record gradients (owner parts: with respect to the record's owner
+    slice), multiplied by the residual weight where the part uses it, then
+    clipped as the phase clips (jointly or per part); padding and non-finite
+    records are exactly zero. For a non-private phase: the raw gradients,
+    masked. `_local_sums` adds these up; diagnostics read them directly.
+    """
+    parts = self.phase.parts
+    dense, constants = self._split(trainable, frozen)
+    slices = {p.name: grads.owner_slices(trainable[p.name], batch["owners"])
+              for p in parts if p.owner}
     dense_grads, slice_grads = jax.vmap(
         jax.grad(self._record_loss, argnums=(0, 1)), in_axes=(None, 0, None, 0))(
             dense, slices, constants, batch)
@@ -156,27 +176,30 @@ class PhaseFunctions:
       weights = self._residual_weights(current, batch)
       for part in parts:
         if part.residual:
-          per_record[part.name] = jax.tree.map(
-              lambda g: g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype),
-              per_record[part.name])
-    return self._clipped_sums(per_record, owners, mask)
+          per_record[part.name] = _scale_records(per_record[part.name], weights)
+    if not self.phase.private:
+      return {name: _scale_records(jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask)
+              for name, g_part in per_record.items()}
+    if self.phase.joint_clip:
+      return grads.clip_per_record(per_record, parts[0].l2_clip, mask)[0]
+    return {p.name: grads.clip_per_record(per_record[p.name], p.l2_clip, mask)[0]
+            for p in parts}
+
+  def _local_sums(self, trainable: Mapping[str, Flat], frozen: Flat, batch: Batch,
+                  mask: jax.Array):
+    """This device's clipped per-record gradient sums (float32)."""
+    if not self.phase.private:
+      return self._nonprivate_sums(*self._split(trainable, frozen), batch, mask)
+    clipped = self.released_per_record(trainable, frozen, batch, mask)
+    return {p.name: (grads.sum_by_owner(clipped[p.name], batch["owners"], self.num_experts)
+                     if p.owner else jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped[p.name]))
+            for p in self.phase.parts}
 
   def _loss_sum(self, trainable, frozen, batch, mask) -> jax.Array:
     """Summed training loss of the records (NOT private; opt-in logging only)."""
     logits, _ = self.model.apply({"params": merged_params(frozen, trainable)},
                                  batch["input_ids"], batch["attention_mask"])
     return jax.lax.psum(jnp.sum(cross_entropy(logits, batch["labels"]) * mask), AXIS)
-
-  def _clipped_sums(self, per_record: Mapping[str, Flat], owners, mask):
-    parts = self.phase.parts
-    if self.phase.joint_clip:
-      clipped, _ = grads.clip_per_record(per_record, parts[0].l2_clip, mask)
-    else:
-      clipped = {p.name: grads.clip_per_record(per_record[p.name], p.l2_clip, mask)[0]
-                 for p in parts}
-    return {p.name: (grads.sum_by_owner(clipped[p.name], owners, self.num_experts) if p.owner
-                     else jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped[p.name]))
-            for p in parts}
 
   def _nonprivate_sums(self, dense, constants, batch, mask):
     """Plain gradient of the summed (unclipped) loss: the non-private bounds."""
