@@ -12,7 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import flax
 import flax.linen as nn
@@ -122,6 +122,45 @@ def init_missing(module: nn.Module, pretrained: Params, example_args: tuple,
                       pretrained)
 
 
+def _map_tensors(named_tensors: Iterable[tuple[str, np.ndarray]], rules, expert_rule,
+                 num_experts: int, family: str) -> dict[str, np.ndarray]:
+  """Flat Flax parameters from (HF name, tensor) pairs.
+
+  Args:
+    named_tensors: the checkpoint's tensors, names already normalised.
+    rules: (regex, convert) pairs; convert(match, tensor) -> [(flat path, value)].
+    expert_rule: regex matching one expert's weight, groups (block, expert,
+      matrix); these are stacked along a leading expert axis.
+    num_experts: E (every expert 0..E-1 must be present).
+    family: model family name for error messages.
+
+  Raises:
+    ValueError: an unknown tensor, a missing expert, or both per-expert and
+      fused expert weights.
+  """
+  flat: dict[str, np.ndarray] = {}
+  experts: dict[str, dict[int, np.ndarray]] = {}
+  for name, w in named_tensors:
+    if m := expert_rule.fullmatch(name):
+      path = f"block_{m[1]}/mlp/experts/{m[3]}/kernel"
+      experts.setdefault(path, {})[int(m[2])] = _torch_linear(w)
+      continue
+    for pattern, convert in rules:
+      if m := re.fullmatch(pattern, name):
+        flat.update(convert(m, w))
+        break
+    else:
+      raise ValueError(f"unexpected tensor {name} in the {family} checkpoint")
+  for path, per_expert in experts.items():
+    if path in flat:
+      raise ValueError(f"{path}: the checkpoint holds both per-expert and fused weights")
+    if sorted(per_expert) != list(range(num_experts)):
+      raise ValueError(f"{path}: found experts {sorted(per_expert)}, "
+                       f"expected 0..{num_experts - 1}")
+    flat[path] = np.stack([per_expert[e] for e in range(num_experts)])
+  return flat
+
+
 # ---------------------------------------------------------------------------
 # Switch Transformers.
 
@@ -150,48 +189,31 @@ def switch_params_from_hf(tensors: Mapping[str, np.ndarray],
                           config: switch.SwitchConfig) -> dict:
   """Maps HF Switch encoder tensor names onto the Flax parameter tree."""
   flat: dict[str, np.ndarray] = {}
-  experts: dict[str, dict[int, np.ndarray]] = {}
   embedding = tensors.get("shared.weight", tensors.get("encoder.embed_tokens.weight"))
   if embedding is None:
     raise ValueError("checkpoint has neither shared.weight nor encoder.embed_tokens.weight")
   flat["embed_tokens/embedding"] = embedding
   rules = [
       (r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.([qkvo])\.weight",
-       lambda m, w: (f"block_{m[1]}/attention/{m[2]}/kernel", _torch_linear(w))),
+       lambda m, w: [(f"block_{m[1]}/attention/{m[2]}/kernel", _torch_linear(w))]),
       (r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.weight",
-       lambda m, w: (f"block_{m[1]}/attention/relative_attention_bias/embedding", w)),
+       lambda m, w: [(f"block_{m[1]}/attention/relative_attention_bias/embedding", w)]),
       (r"encoder\.block\.(\d+)\.layer\.0\.layer_norm\.weight",
-       lambda m, w: (f"block_{m[1]}/attention_norm/scale", w)),
+       lambda m, w: [(f"block_{m[1]}/attention_norm/scale", w)]),
       (r"encoder\.block\.(\d+)\.layer\.1\.layer_norm\.weight",
-       lambda m, w: (f"block_{m[1]}/mlp_norm/scale", w)),
+       lambda m, w: [(f"block_{m[1]}/mlp_norm/scale", w)]),
       (r"encoder\.block\.(\d+)\.layer\.1\.mlp\.(wi|wo)\.weight",
-       lambda m, w: (f"block_{m[1]}/mlp/{m[2]}/kernel", _torch_linear(w))),
+       lambda m, w: [(f"block_{m[1]}/mlp/{m[2]}/kernel", _torch_linear(w))]),
       (r"encoder\.block\.(\d+)\.layer\.1\.mlp\.router\.classifier\.(weight|bias)",
-       lambda m, w: (f"block_{m[1]}/mlp/router/" + ("kernel" if m[2] == "weight" else "bias"),
-                     _torch_linear(w) if m[2] == "weight" else w)),
-      (r"encoder\.final_layer_norm\.weight", lambda m, w: ("final_layer_norm/scale", w)),
+       lambda m, w: [(f"block_{m[1]}/mlp/router/" + ("kernel" if m[2] == "weight" else "bias"),
+                      _torch_linear(w) if m[2] == "weight" else w)]),
+      (r"encoder\.final_layer_norm\.weight", lambda m, w: [("final_layer_norm/scale", w)]),
   ]
   expert_rule = re.compile(
       r"encoder\.block\.(\d+)\.layer\.1\.mlp\.experts\.expert_(\d+)\.(wi|wo)\.weight")
-  for name, w in tensors.items():
-    if not name.startswith("encoder.") or name == "encoder.embed_tokens.weight":
-      continue
-    if m := expert_rule.fullmatch(name):
-      path = f"block_{m[1]}/mlp/experts/{m[3]}/kernel"
-      experts.setdefault(path, {})[int(m[2])] = _torch_linear(w)
-      continue
-    for pattern, convert in rules:
-      if m := re.fullmatch(pattern, name):
-        path, value = convert(m, w)
-        flat[path] = value
-        break
-    else:
-      raise ValueError(f"unexpected tensor {name} in the Switch checkpoint")
-  for path, per_expert in experts.items():
-    if sorted(per_expert) != list(range(config.num_experts)):
-      raise ValueError(f"{path}: found experts {sorted(per_expert)}, "
-                       f"expected 0..{config.num_experts - 1}")
-    flat[path] = np.stack([per_expert[e] for e in range(config.num_experts)])
+  encoder = ((name, w) for name, w in tensors.items()
+             if name.startswith("encoder.") and name != "encoder.embed_tokens.weight")
+  flat.update(_map_tensors(encoder, rules, expert_rule, config.num_experts, "Switch"))
   return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
@@ -247,8 +269,6 @@ def olmoe_params_from_hf(tensors: Mapping[str, np.ndarray],
   prefix (OlmoeForCausalLM or OlmoeModel). `lm_head` must already be
   filtered out.
   """
-  flat: dict[str, np.ndarray] = {}
-  experts: dict[str, dict[int, np.ndarray]] = {}
   layer = r"layers\.(\d+)\."
   rules = [
       (r"embed_tokens\.weight", lambda m, w: [("embed_tokens/embedding", w)]),
@@ -271,27 +291,9 @@ def olmoe_params_from_hf(tensors: Mapping[str, np.ndarray],
       (r"norm\.weight", lambda m, w: [("final_layer_norm/scale", w)]),
   ]
   expert_rule = re.compile(layer + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-  for name, w in tensors.items():
-    name = name.removeprefix("model.")
-    if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints stored
-      continue
-    if m := expert_rule.fullmatch(name):
-      path = f"block_{m[1]}/mlp/experts/{m[3]}/kernel"
-      experts.setdefault(path, {})[int(m[2])] = _torch_linear(w)
-      continue
-    for pattern, convert in rules:
-      if m := re.fullmatch(pattern, name):
-        flat.update(convert(m, w))
-        break
-    else:
-      raise ValueError(f"unexpected tensor {name} in the OLMoE checkpoint")
-  for path, per_expert in experts.items():
-    if path in flat:
-      raise ValueError(f"{path}: the checkpoint holds both per-expert and fused weights")
-    if sorted(per_expert) != list(range(config.num_experts)):
-      raise ValueError(f"{path}: found experts {sorted(per_expert)}, "
-                       f"expected 0..{config.num_experts - 1}")
-    flat[path] = np.stack([per_expert[e] for e in range(config.num_experts)])
+  named = ((name.removeprefix("model."), w) for name, w in tensors.items()
+           if not name.endswith("rotary_emb.inv_freq"))  # a buffer old checkpoints stored
+  flat = _map_tensors(named, rules, expert_rule, config.num_experts, "OLMoE")
   return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 

@@ -31,6 +31,13 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "silu": jax.nn.silu,
+}
+
 # Rows routed to this "expert" (== num_experts) are dropped: they get no
 # expert output (capacity overflow, or padding rows of the dispatch).
 

@@ -32,12 +32,6 @@ from raptor_jax.models import moe
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 from raptor_jax.models.switch import BackboneOutput, OwnerOverride
 
-_ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "relu": jax.nn.relu,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +60,9 @@ class OlmoeConfig:
   dtype: str = "float32"  # activation dtype; router and norm statistics use float32.
 
   def __post_init__(self):
-    if self.hidden_act not in _ACTIVATIONS:
+    if self.hidden_act not in moe.ACTIVATIONS:
       raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; "
-                       f"supported: {sorted(_ACTIVATIONS)}")
+                       f"supported: {sorted(moe.ACTIVATIONS)}")
     if self.hidden_size % self.num_attention_heads:
       raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
                        f"num_attention_heads {self.num_attention_heads}")
@@ -184,7 +178,7 @@ class OlmoeExperts(nn.Module):
 
     gate = linear("gate", cfg.intermediate_size, rows)
     up = linear("up", cfg.intermediate_size, rows)
-    return linear("down", cfg.hidden_size, _ACTIVATIONS[cfg.hidden_act](gate) * up)
+    return linear("down", cfg.hidden_size, moe.ACTIVATIONS[cfg.hidden_act](gate) * up)
 
 
 class OlmoeSparseMLP(nn.Module):

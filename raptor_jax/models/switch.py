@@ -31,12 +31,6 @@ import jax.numpy as jnp
 from raptor_jax.models import moe
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 
-_ACTIVATIONS = {
-    "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "silu": jax.nn.silu,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +60,9 @@ class SwitchConfig:
   dtype: str = "float32"  # activation dtype; router and norms use float32.
 
   def __post_init__(self):
-    if self.dense_act_fn not in _ACTIVATIONS:
+    if self.dense_act_fn not in moe.ACTIVATIONS:
       raise ValueError(f"unsupported dense_act_fn {self.dense_act_fn!r}; "
-                       f"supported: {sorted(_ACTIVATIONS)}")
+                       f"supported: {sorted(moe.ACTIVATIONS)}")
     bad = [l for l in self.expert_lora_layers if l not in self.sparse_layers]
     if bad:
       raise ValueError(f"expert_lora_layers {bad} are not sparse blocks; the sparse "
@@ -184,7 +178,7 @@ class DenseMLP(nn.Module):
   def __call__(self, x):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    h = _ACTIVATIONS[cfg.dense_act_fn](LoRADense(cfg.d_ff, dtype=dtype, name="wi")(x))
+    h = moe.ACTIVATIONS[cfg.dense_act_fn](LoRADense(cfg.d_ff, dtype=dtype, name="wi")(x))
     return LoRADense(cfg.d_model, dtype=dtype, name="wo")(h)
 
 
@@ -204,7 +198,7 @@ class SwitchExperts(nn.Module):
                           dispatch=cfg.dispatch, dtype=jnp.dtype(cfg.dtype), name=name)
 
     h = linear("wi", cfg.d_ff)(rows, experts, owner, owner_params.get("wi"))
-    h = _ACTIVATIONS[cfg.dense_act_fn](h)
+    h = moe.ACTIVATIONS[cfg.dense_act_fn](h)
     return linear("wo", cfg.d_model)(h, experts, owner, owner_params.get("wo"))
 
 
