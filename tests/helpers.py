@@ -56,3 +56,19 @@ def latest_state(workdir, step=None):
   restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
   state = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
   return step, state, meta
+
+
+def micro_model(config=None):
+  """(config, run_data, plan, classifier, params, backbone config) of a micro run,
+  built as the trainer builds them (l* = the last sparse block)."""
+  from raptor_jax.models import hf  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train import methods, setup  # pylint: disable=g-import-not-at-top
+  config = config or micro_config()
+  run_data = setup.load_run_data(config)
+  backbone, params = setup.load_backbone(config, run_data)
+  bc = backbone.config
+  plan = methods.build_plan(config, n=len(run_data.train), num_experts=bc.num_experts,
+                            sparse_layers=bc.sparse_layers, expert_layer=bc.sparse_layers[-1])
+  backbone, params = hf.with_options(backbone, params, **plan.model_options)
+  model, params = setup.classifier(backbone, params, 2, "mean", 0)
+  return config, run_data, plan, model, params, bc

@@ -20,17 +20,9 @@ def noise_std(num_devices):
   """Std of the privatized update of all-zero sums, and the expected sigma*C/denominator."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from helpers import micro_config  # pylint: disable=g-import-not-at-top
-  from raptor_jax.models import hf  # pylint: disable=g-import-not-at-top
-  from raptor_jax.train import methods, parallel, setup, step  # pylint: disable=g-import-not-at-top
-  config = micro_config()
-  run_data = setup.load_run_data(config)
-  backbone, params = setup.load_backbone(config, run_data)
-  bc = backbone.config
-  plan = methods.build_plan(config, n=len(run_data.train), num_experts=bc.num_experts,
-                            sparse_layers=bc.sparse_layers, expert_layer=bc.sparse_layers[-1])
-  backbone, params = hf.with_options(backbone, params, **plan.model_options)
-  model, params = setup.classifier(backbone, params, 2, "mean", 0)
+  from helpers import micro_model  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train import parallel, setup, step  # pylint: disable=g-import-not-at-top
+  config, run_data, plan, model, params, bc = micro_model()
   mesh = parallel.make_mesh(num_devices)
   phase = plan.phases[0]
   trainable, frozen = setup.partition(params, phase.parts)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from raptor_jax import data, roles
-from raptor_jax.train import loop, methods, parallel, setup, step
+from raptor_jax.train import loop, parallel, setup, step
 from raptor_jax.train import train_and_evaluate
 
-from helpers import latest_state, micro_config
+from helpers import latest_state, micro_config, micro_model
 
 
 @pytest.fixture(scope="module")
@@ -95,15 +95,7 @@ def test_private_training_loss_only_on_explicit_opt_in(tmp_path, caplog):
 
 
 def _phase_setup(residual="shared"):
-  config = micro_config()
-  run_data = setup.load_run_data(config)
-  backbone, params = setup.load_backbone(config, run_data)
-  bc = backbone.config
-  plan = methods.build_plan(config, n=len(run_data.train), num_experts=bc.num_experts,
-                            sparse_layers=bc.sparse_layers, expert_layer=bc.sparse_layers[-1])
-  from raptor_jax.models import hf
-  backbone, params = hf.with_options(backbone, params, **plan.model_options)
-  model, params = setup.classifier(backbone, params, 2, "mean", 0)
+  _, run_data, plan, model, params, bc = micro_model()
   # Non-zero B factors so that every expert's adapter has a gradient.
   flat = roles.flatten(params)
   for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):

@@ -180,20 +180,28 @@ class PhaseFunctions:
     if not self.phase.private:
       return {name: _scale_records(jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask)
               for name, g_part in per_record.items()}
+    return self._clip(per_record, mask)
+
+  def _clip(self, per_record: Mapping[str, Flat], mask: jax.Array) -> dict[str, Flat]:
+    """Clips each record as the phase says: one norm over all parts, or per part."""
+    parts = self.phase.parts
     if self.phase.joint_clip:
-      return grads.clip_per_record(per_record, parts[0].l2_clip, mask)[0]
+      return grads.clip_per_record(dict(per_record), parts[0].l2_clip, mask)[0]
     return {p.name: grads.clip_per_record(per_record[p.name], p.l2_clip, mask)[0]
             for p in parts}
+
+  def _sum(self, clipped: Mapping[str, Flat], owners: jax.Array) -> dict[str, Flat]:
+    """Sums over records; owner parts into their owner's row of [E, ...]."""
+    return {p.name: (grads.sum_by_owner(clipped[p.name], owners, self.num_experts)
+                     if p.owner else jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped[p.name]))
+            for p in self.phase.parts}
 
   def _local_sums(self, trainable: Mapping[str, Flat], frozen: Flat, batch: Batch,
                   mask: jax.Array):
     """This device's clipped per-record gradient sums (float32)."""
     if not self.phase.private:
       return self._nonprivate_sums(*self._split(trainable, frozen), batch, mask)
-    clipped = self.released_per_record(trainable, frozen, batch, mask)
-    return {p.name: (grads.sum_by_owner(clipped[p.name], batch["owners"], self.num_experts)
-                     if p.owner else jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped[p.name]))
-            for p in self.phase.parts}
+    return self._sum(self.released_per_record(trainable, frozen, batch, mask), batch["owners"])
 
   def _loss_sum(self, trainable, frozen, batch, mask) -> jax.Array:
     """Summed training loss of the records (NOT private; opt-in logging only)."""
