@@ -53,6 +53,16 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
   assert [e["steps"] for e in report["ledger"]["entries"]] == [6, 6]
 
 
+def test_every_step_function_compiles_once_per_run(tmp_path, caplog):
+  """Fixed shapes: 3 cycles with different realised sample sizes, one compilation
+  of each phase's microbatch step and update (SPEC invariant)."""
+  with caplog.at_level("WARNING"), jax.log_compiles():
+    train_and_evaluate(micro_config(stop_after_cycles=3), str(tmp_path))
+  compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+  for name in ("_accumulate", "_update", "_zero_sums"):
+    assert sum(f"jit({name})" in m for m in compiled) == 2, name  # two phases
+
+
 def test_a_checkpoint_of_another_config_is_refused(full_run):
   workdir, _ = full_run
   with pytest.raises(ValueError, match="different config"):

@@ -88,11 +88,13 @@ class PhaseFunctions:
     self.loss_sum = jax.jit(jax.shard_map(
         self._loss_sum, mesh=mesh, in_specs=(replicated, replicated, records, records),
         out_specs=replicated, check_vma=False))
-    self.zero_sums = jax.jit(
-        lambda trainable: {p.name: grads.zeros_like_f32(trainable[p.name]) for p in phase.parts},
-        out_shardings=NamedSharding(mesh, replicated))
+    self.zero_sums = jax.jit(self._zero_sums, out_shardings=NamedSharding(mesh, replicated))
 
   # -- per-record losses ------------------------------------------------------
+
+  def _zero_sums(self, trainable: Mapping[str, Flat]) -> dict[str, Flat]:
+    """Float32 zeros shaped like the phase's sums: a step with no record is noise only."""
+    return {p.name: grads.zeros_like_f32(trainable[p.name]) for p in self.phase.parts}
 
   def _record_loss(self, dense: Mapping[str, Flat], slices: Mapping[str, Flat],
                    constants: Flat, record: Batch) -> jax.Array:
