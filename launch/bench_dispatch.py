@@ -1,29 +1,39 @@
 r"""Benchmarks the expert dispatch of one sparse layer: grouped vs all-experts.
 
-One `SwitchSparseMLP` (frozen router, Hugging Face capacity, E experts of
-d_model x d_ff) on B records of S tokens, with the two dispatches of
-`SwitchConfig.dispatch`:
+One sparse layer on B records of S tokens, either a `SwitchSparseMLP`
+(`--family=switch`: frozen top-1 router, Hugging Face capacity, E experts
+d_model -> d_ff -> d_model, ReLU) or an `OlmoeSparseMLP` (`--family=olmoe`:
+frozen top-k router, no capacity, E SwiGLU experts gate/up/down; one row per
+(token, slot), so tokens x k rows), with the two dispatches of the config's
+`dispatch` field:
 
 * grouped: `moe.grouped_linear`, rows sorted by expert into fixed-size blocks
-  and a `lax.scan` over the blocks (work ~ tokens x k);
-* dense: `moe.dense_linear`, every expert on every token, then select
-  (work ~ tokens x E), the Hugging Face / reference-code way.
+  and a `lax.scan` over the blocks (work ~ rows = tokens x k);
+* dense: `moe.dense_linear`, every expert on every row, then select
+  (work ~ rows x E = tokens x k x E).
 
-Both share the router and capacity, so their outputs must agree; the table
-shows the largest difference. Prints two tables, forward and forward+backward
-(gradient with respect to the input, what per-record DP gradients need):
+For top-k > 1 the dense dispatch repeats each token's work k times, so the
+OLMoE family also runs "all": every expert on every TOKEN, outputs mixed by the
+top-k gate weights (work ~ tokens x E), what the authors' reference code does
+(SPEC section 4) and the fair all-experts baseline (for top-1, dense is that).
 
-1. FLOPs. "ideal" = tokens x k x (2 * 2 d_model d_ff) + the router's
-   2 tokens d_model E (doubled for forward+backward). XLA's cost analysis
-   counts a loop body once, so for the grouped dispatch it shows XLA's raw
-   number and the loop-corrected one (each scan body's XLA count times the
-   scan's static trip count, `profiling.loop_corrected_flops`).
+All variants share the router (and capacity), so their outputs must agree; the
+table shows the largest difference from the grouped output. Prints two
+tables, forward and forward+backward (gradient with respect to the input,
+what per-record DP gradients need):
+
+1. FLOPs. "ideal" = tokens x k x (m * 2 d_model d_ff) + the router's
+   2 tokens d_model E (doubled for forward+backward), m = 2 expert matmuls
+   (Switch) or 3 (SwiGLU). XLA's cost analysis counts a loop body once, so
+   for the grouped dispatch it shows XLA's raw number and the loop-corrected
+   one (each scan body's XLA count times the scan's static trip count,
+   `profiling.loop_corrected_flops`).
 2. Wall time, medians of interleaved rounds (1-expert, grouped, dense, ...).
-   "1-expert" is one expert MLP on every token plus the router matmul: the
-   ideal top-1 compute as two plain matmuls. It is a compute floor, not a
-   memory one: with few tokens per expert any dispatch must also stream the
-   weights of every expert in use (E x 2 d_model d_ff floats at most), which
-   one expert does not.
+   "1-expert" is one expert MLP on every row (tokens x k) plus the router
+   matmul: the ideal top-k compute as plain matmuls. It is a compute floor,
+   not a memory one: with few rows per expert any dispatch must also stream
+   the weights of every expert in use (E x m d_model d_ff floats at most),
+   which one expert does not.
 
 Paper scale (switch-base-8 / -64 widths; the defaults), and more records:
 
@@ -31,9 +41,17 @@ Paper scale (switch-base-8 / -64 widths; the defaults), and more records:
   python launch/bench_dispatch.py --num_experts=8 --batch_sizes=32 \
       --max_dense_gflop=1000
 
-The dense dispatch's wall time is skipped (its FLOPs still shown) for a pass
-where XLA counts more than --max_dense_gflop for it: at E=64 it does 64x the
-work and holds a [tokens, E, d_ff] buffer.
+OLMoE-1B-7B's sparse layer (d_model 2048, intermediate 1024, E=64, top-8;
+the olmoe defaults), and at a smaller width:
+
+  python launch/bench_dispatch.py --family=olmoe
+  python launch/bench_dispatch.py --family=olmoe --d_model=1024 --d_ff=512 \
+      --num_experts=8,64 --batch_sizes=1,8
+
+The wall time of an all-experts variant (dense, all) is skipped (its FLOPs
+still shown) for a pass where XLA counts more than --max_dense_gflop for it:
+at E=64 it does E (or E/k) times the ideal work and holds a [tokens, E, d_ff]
+buffer.
 """
 
 import dataclasses
@@ -50,21 +68,35 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from raptor_jax import profiling  # noqa: E402
-from raptor_jax.models import moe, switch  # noqa: E402
+from raptor_jax.models import moe, olmoe, switch  # noqa: E402
+
+# Per family: the defaults of the size flags (switch-base-8/-64; OLMoE-1B-7B),
+# the matrices of one expert MLP in order, and the all-experts variants run.
+FAMILIES = {
+    'switch': dict(num_experts=(8, 64), batch_sizes=(1, 8), d_model=768, d_ff=3072,
+                   top_k=1, matrices=('wi', 'wo'), references=('dense',)),
+    'olmoe': dict(num_experts=(64,), batch_sizes=(1,), d_model=2048, d_ff=1024,
+                  top_k=8, matrices=('gate', 'up', 'down'), references=('dense', 'all')),
+}
 
 
 def define_flags() -> None:
   """Defines the command-line flags; only when run as a script, so that tests can
   import several scripts into one process."""
-  flags.DEFINE_list('num_experts', ['8', '64'], 'Values of E.')
-  flags.DEFINE_list('batch_sizes', ['1', '8'], 'Records per call (B); rows = B x seq_len.')
+  flags.DEFINE_enum('family', 'switch', list(FAMILIES),
+                    'Sparse layer: switch (top-1, ReLU experts) or olmoe (top-k, SwiGLU).')
+  flags.DEFINE_list('num_experts', None, 'Values of E (default: 8,64 switch; 64 olmoe).')
+  flags.DEFINE_list('batch_sizes', None,
+                    'Records per call (B); tokens = B x seq_len (default: 1,8 switch; 1 olmoe).')
+  flags.DEFINE_integer('top_k', None, 'Experts per token (olmoe only; default 8).')
   flags.DEFINE_integer('seq_len', 128, 'Tokens per record (S).')
-  flags.DEFINE_integer('d_model', 768, 'Model width.')
-  flags.DEFINE_integer('d_ff', 3072, 'Expert hidden width.')
-  flags.DEFINE_integer('expert_capacity', 64, 'Per-record expert capacity (HF: 64).')
+  flags.DEFINE_integer('d_model', None, 'Model width (default: 768 switch; 2048 olmoe).')
+  flags.DEFINE_integer('d_ff', None,
+                       'Expert hidden width (default: 3072 switch; 1024 olmoe).')
+  flags.DEFINE_integer('expert_capacity', 64, 'Per-record expert capacity (switch; HF: 64).')
   flags.DEFINE_integer('repeats', 5, 'Timed rounds per variant.')
   flags.DEFINE_float('max_dense_gflop', 250.0,
-                     'Skip timing the dense dispatch of a pass above this many GFLOP.')
+                     'Skip timing an all-experts variant of a pass above this many GFLOP.')
 
 
 PASSES = ('fwd', 'fwd+bwd')
@@ -72,9 +104,10 @@ _NAN = float('nan')
 
 
 def ideal_flops(tokens: int, d_model: int, d_ff: int, num_experts: int,
-                top_k: int = 1) -> float:
+                top_k: int = 1, expert_matmuls: int = 2) -> float:
   """Forward FLOPs of top-k routing done perfectly: k expert MLPs per token."""
-  return tokens * top_k * 2 * (2 * d_model * d_ff) + 2 * tokens * d_model * num_experts
+  return (tokens * top_k * expert_matmuls * (2 * d_model * d_ff)
+          + 2 * tokens * d_model * num_experts)
 
 
 def grouped_blocks(rows: int, num_experts: int) -> tuple[int, int]:
@@ -83,9 +116,44 @@ def grouped_blocks(rows: int, num_experts: int) -> tuple[int, int]:
   return block, -(-(rows + num_experts * (block - 1)) // block)
 
 
-def _layer_fns(config: switch.SwitchConfig):
+def layer_config(family: str, *, num_experts: int, d_model: int, d_ff: int,
+                 top_k: int = 1, expert_capacity: int = 64):
+  """The config of one sparse layer of `family` (a SwitchConfig or OlmoeConfig)."""
+  if family == 'switch':
+    if top_k != 1:
+      raise ValueError(f'Switch routes top-1; got top_k={top_k} (use --family=olmoe)')
+    return switch.SwitchConfig(d_model=d_model, d_ff=d_ff, num_experts=num_experts,
+                               expert_capacity=expert_capacity)
+  if family == 'olmoe':
+    return olmoe.OlmoeConfig(hidden_size=d_model, intermediate_size=d_ff,
+                             num_experts=num_experts, num_experts_per_tok=top_k)
+  raise ValueError(f'unknown family {family!r}; use one of {sorted(FAMILIES)}')
+
+
+def _sparse_layer(config):
+  if isinstance(config, olmoe.OlmoeConfig):
+    return olmoe.OlmoeSparseMLP(config)
+  return switch.SwitchSparseMLP(config)
+
+
+def _expert_weights(params, matrices: tuple[str, ...]) -> tuple[jax.Array, ...]:
+  """(router kernel, stacked expert kernels in `matrices` order) of one sparse layer."""
+  p = params['params']
+  return (p['router']['kernel'],) + tuple(p['experts'][m]['kernel'] for m in matrices)
+
+
+def _expert_mlp(rows: jax.Array, kernels: tuple[jax.Array, ...]) -> jax.Array:
+  """One expert's MLP on rows: ReLU (wi, wo) or SwiGLU (gate, up, down; OLMoE's silu)."""
+  if len(kernels) == 2:
+    w_in, w_out = kernels
+    return jax.nn.relu(rows @ w_in) @ w_out
+  w_gate, w_up, w_down = kernels
+  return (jax.nn.silu(rows @ w_gate) * (rows @ w_up)) @ w_down
+
+
+def _layer_fns(config):
   """Forward and input-gradient functions of one sparse layer: f(params, x[, ct])."""
-  module = switch.SwitchSparseMLP(config)
+  module = _sparse_layer(config)
 
   def forward(params, x):
     return module.apply(params, x)[0]
@@ -96,15 +164,16 @@ def _layer_fns(config: switch.SwitchConfig):
   return forward, forward_backward
 
 
-def _one_expert_fns(config: switch.SwitchConfig):
-  """The ideal top-1 compute as plain matmuls: router + one expert MLP per token."""
+def _one_expert_fns(config):
+  """The ideal top-k compute as plain matmuls: router + one expert MLP per row."""
+  k = config.top_k
 
   def forward(weights, x):
-    w_router, w_in, w_out = weights
-    rows = x.reshape(-1, x.shape[-1])
-    logits = rows @ w_router
-    out = jax.nn.relu(rows @ w_in) @ w_out
-    return out.reshape(x.shape), logits
+    w_router, *kernels = weights
+    tokens = x.reshape(-1, x.shape[-1])
+    logits = tokens @ w_router
+    out = _expert_mlp(jnp.repeat(tokens, k, axis=0), kernels)
+    return out.reshape(x.shape[:-1] + (k, x.shape[-1])).sum(-2), logits
 
   def forward_backward(weights, x, cotangent):
     def scalar(x):
@@ -115,37 +184,68 @@ def _one_expert_fns(config: switch.SwitchConfig):
   return forward, forward_backward
 
 
-def run(*, num_experts=(8, 64), batch_sizes=(1, 8), seq_len=128, d_model=768,
-        d_ff=3072, expert_capacity=64, repeats=5, max_dense_gflop=250.0,
+def _all_experts_fns(config: olmoe.OlmoeConfig):
+  """Every SwiGLU expert on every token, mixed by the top-k gates (tokens x E work)."""
+
+  def forward(weights, x):
+    w_router, w_gate, w_up, w_down = weights
+    routing = moe.route_topk(x.astype(jnp.float32) @ w_router, config.top_k,
+                             config.norm_topk_prob)
+    gates = jnp.einsum('bske,bsk->bse', jax.nn.one_hot(routing.experts, config.num_experts),
+                       routing.weights)
+    h = (jax.nn.silu(jnp.einsum('bsd,edf->bsef', x, w_gate))
+         * jnp.einsum('bsd,edf->bsef', x, w_up))
+    return jnp.einsum('bsef,efd->bsd', h * gates[..., None].astype(h.dtype), w_down)
+
+  def forward_backward(weights, x, cotangent):
+    return jax.grad(lambda x: jnp.vdot(forward(weights, x), cotangent))(x)
+
+  return forward, forward_backward
+
+
+def run(*, family='switch', num_experts=None, batch_sizes=None, top_k=None, seq_len=128,
+        d_model=None, d_ff=None, expert_capacity=64, repeats=5, max_dense_gflop=250.0,
         seed=0) -> list[dict]:
   """Measures every (E, B, pass); returns one dict per row of the tables.
 
-  Row keys: E, B, pass, block, blocks, ideal_gflop, grouped_xla_gflop,
-  grouped_gflop (loop-corrected), dense_gflop, one_expert_ms, grouped_ms,
-  dense_ms (NaN when skipped), max_abs_diff (grouped vs dense output, fwd).
+  Sizes left None take `FAMILIES[family]`'s defaults. Row keys: E, B, k, pass,
+  block, blocks, ideal_gflop, grouped_xla_gflop, grouped_gflop (loop-corrected),
+  and per all-experts variant v in `FAMILIES[family]['references']` (dense;
+  all for olmoe) v_gflop, v_ms (NaN when skipped), v_over_grouped; also
+  one_expert_ms, grouped_ms, grouped_over_one_expert and max_abs_diff (the
+  largest |grouped - v| of the forward outputs over the variants that ran).
   """
+  spec = FAMILIES[family]
+  num_experts = spec['num_experts'] if num_experts is None else num_experts
+  batch_sizes = spec['batch_sizes'] if batch_sizes is None else batch_sizes
+  top_k = spec['top_k'] if top_k is None else top_k
+  d_model = spec['d_model'] if d_model is None else d_model
+  d_ff = spec['d_ff'] if d_ff is None else d_ff
+  references = spec['references']
   rows_out = []
   key = jax.random.PRNGKey(seed)
   for e in num_experts:
-    config = switch.SwitchConfig(d_model=d_model, d_ff=d_ff, num_experts=e,
-                                 expert_capacity=expert_capacity)
+    config = layer_config(family, num_experts=e, d_model=d_model, d_ff=d_ff, top_k=top_k,
+                          expert_capacity=expert_capacity)
     for b in batch_sizes:
       k_param, k_x, k_ct = jax.random.split(jax.random.fold_in(key, e * 1000 + b), 3)
       x = jax.random.normal(k_x, (b, seq_len, d_model), jnp.float32)
       cotangent = jax.random.normal(k_ct, x.shape, jnp.float32)
-      params = jax.jit(switch.SwitchSparseMLP(config).init)(k_param, x)
-      experts = params['params']['experts']
-      one_expert = (params['params']['router']['kernel'],
-                    experts['wi']['kernel'][0], experts['wo']['kernel'][0])
+      params = jax.jit(_sparse_layer(config).init)(k_param, x)
+      w_router, *kernels = _expert_weights(params, spec['matrices'])
       fns = {
           'grouped': _layer_fns(config),
           'dense': _layer_fns(dataclasses.replace(config, dispatch='dense')),
           'one_expert': _one_expert_fns(config),
       }
-      weights = {'grouped': params, 'dense': params, 'one_expert': one_expert}
+      weights = {'grouped': params, 'dense': params,
+                 'one_expert': (w_router,) + tuple(w[0] for w in kernels)}
+      if 'all' in references:
+        fns['all'] = _all_experts_fns(config)
+        weights['all'] = (w_router, *kernels)
       tokens = b * seq_len
-      block, blocks = grouped_blocks(tokens, e)
-      ideal = ideal_flops(tokens, d_model, d_ff, e)
+      block, blocks = grouped_blocks(tokens * top_k, e)
+      ideal = ideal_flops(tokens, d_model, d_ff, e, top_k, len(spec['matrices']))
       results = {}
       out = {}
       for i, name in enumerate(PASSES):
@@ -153,29 +253,28 @@ def run(*, num_experts=(8, 64), batch_sizes=(1, 8), seq_len=128, d_model=768,
         compiled = {v: jax.jit(fns[v][i]).lower(*args[v]).compile() for v in fns}
         grouped_raw, grouped = profiling.loop_corrected_flops(
             fns['grouped'][i], *args['grouped'], compiled=compiled['grouped'])
-        dense = profiling.flops(compiled['dense'])
-        time_dense = dense <= max_dense_gflop * 1e9
-        calls = {v: functools.partial(compiled[v], *args[v])
-                 for v in ('one_expert', 'grouped', 'dense') if v != 'dense' or time_dense}
+        ref_flops = {v: profiling.flops(compiled[v]) for v in references}
+        timed = ('one_expert', 'grouped') + tuple(
+            v for v in references if ref_flops[v] <= max_dense_gflop * 1e9)
+        calls = {v: functools.partial(compiled[v], *args[v]) for v in timed}
         times = profiling.interleaved_times(calls, repeats=repeats)
         results[name] = {
-            'E': e, 'B': b, 'pass': name, 'block': block, 'blocks': blocks,
+            'E': e, 'B': b, 'k': top_k, 'pass': name, 'block': block, 'blocks': blocks,
             'ideal_gflop': ideal * (i + 1) / 1e9,
             'grouped_xla_gflop': grouped_raw / 1e9, 'grouped_gflop': grouped / 1e9,
-            'dense_gflop': dense / 1e9,
+            **{f'{v}_gflop': ref_flops[v] / 1e9 for v in references},
             **{f'{v}_ms': profiling.median(times[v]) * 1e3 if v in times else _NAN
-               for v in ('one_expert', 'grouped', 'dense')},
-            'dense_over_grouped': (profiling.paired_ratio(times['dense'], times['grouped'])
-                                   if time_dense else _NAN),
+               for v in ('one_expert', 'grouped') + references},
+            **{f'{v}_over_grouped': (profiling.paired_ratio(times[v], times['grouped'])
+                                     if v in times else _NAN) for v in references},
             'grouped_over_one_expert': profiling.paired_ratio(times['grouped'],
                                                               times['one_expert']),
         }
         if i == 0:
-          out = {v: calls[v]() for v in ('grouped', 'dense') if v in calls}
-      diff = (float(jnp.max(jnp.abs(out['grouped'] - out['dense']))) if 'dense' in out
-              else _NAN)
+          out = {v: calls[v]() for v in ('grouped',) + references if v in calls}
+      diffs = [float(jnp.max(jnp.abs(out['grouped'] - out[v]))) for v in references if v in out]
       for name in PASSES:
-        results[name]['max_abs_diff'] = diff
+        results[name]['max_abs_diff'] = max(diffs) if diffs else _NAN
         rows_out.append(results[name])
   return rows_out
 
@@ -184,24 +283,34 @@ def _fmt(value: float, spec: str) -> str:
   return '-' if np.isnan(value) else format(value, spec)
 
 
+def _references(rows: list[dict]) -> tuple[str, ...]:
+  return tuple(v for v in ('dense', 'all') if f'{v}_gflop' in rows[0])
+
+
 def flops_table(rows: list[dict]) -> str:
-  header = ['E', 'B', 'pass', 'block x blocks', 'ideal GF', 'grouped XLA raw GF',
-            'grouped GF (loops x trips)', 'grouped/ideal', 'dense GF', 'dense/ideal']
-  body = [[r['E'], r['B'], r['pass'], f"{r['block']} x {r['blocks']}",
+  refs = _references(rows)
+  header = ['E', 'B', 'k', 'pass', 'block x blocks', 'ideal GF', 'grouped XLA raw GF',
+            'grouped GF (loops x trips)', 'grouped/ideal']
+  header += [h for v in refs for h in (f'{v} GF', f'{v}/ideal')]
+  body = [[r['E'], r['B'], r['k'], r['pass'], f"{r['block']} x {r['blocks']}",
            f"{r['ideal_gflop']:.2f}", f"{r['grouped_xla_gflop']:.3f}",
-           f"{r['grouped_gflop']:.2f}", f"{r['grouped_gflop'] / r['ideal_gflop']:.3f}",
-           f"{r['dense_gflop']:.1f}", f"{r['dense_gflop'] / r['ideal_gflop']:.2f}"]
+           f"{r['grouped_gflop']:.2f}", f"{r['grouped_gflop'] / r['ideal_gflop']:.3f}"]
+          + [c for v in refs for c in (f"{r[f'{v}_gflop']:.1f}",
+                                       f"{r[f'{v}_gflop'] / r['ideal_gflop']:.2f}")]
           for r in rows]
   return profiling.format_table(header, body)
 
 
 def time_table(rows: list[dict]) -> str:
-  header = ['E', 'B', 'pass', '1-expert ms', 'grouped ms', 'dense ms',
-            'dense/grouped', 'grouped/1-expert', 'max|grouped-dense|']
-  body = [[r['E'], r['B'], r['pass'], f"{r['one_expert_ms']:.1f}",
-           f"{r['grouped_ms']:.1f}", _fmt(r['dense_ms'], '.1f'),
-           _fmt(r['dense_over_grouped'], '.2f'), f"{r['grouped_over_one_expert']:.2f}",
-           _fmt(r['max_abs_diff'], '.1e')]
+  refs = _references(rows)
+  header = (['E', 'B', 'k', 'pass', '1-expert ms', 'grouped ms']
+            + [f'{v} ms' for v in refs] + [f'{v}/grouped' for v in refs]
+            + ['grouped/1-expert', 'max|grouped-' + '/'.join(refs) + '|'])
+  body = [[r['E'], r['B'], r['k'], r['pass'], f"{r['one_expert_ms']:.1f}",
+           f"{r['grouped_ms']:.1f}"]
+          + [_fmt(r[f'{v}_ms'], '.1f') for v in refs]
+          + [_fmt(r[f'{v}_over_grouped'], '.2f') for v in refs]
+          + [f"{r['grouped_over_one_expert']:.2f}", _fmt(r['max_abs_diff'], '.1e')]
           for r in rows]
   return profiling.format_table(header, body)
 
@@ -209,15 +318,19 @@ def time_table(rows: list[dict]) -> str:
 def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  num_experts = [int(v) for v in FLAGS.num_experts]
-  batch_sizes = [int(v) for v in FLAGS.batch_sizes]
-  print(f'one sparse layer: d_model={FLAGS.d_model} d_ff={FLAGS.d_ff} '
-        f'S={FLAGS.seq_len} capacity={FLAGS.expert_capacity} top-1; '
-        f'{jax.devices()[0].platform}, jax {jax.__version__}; '
+  spec = FAMILIES[FLAGS.family]
+  pick = lambda name: spec[name] if FLAGS[name].value is None else FLAGS[name].value
+  num_experts = [int(v) for v in pick('num_experts')]
+  batch_sizes = [int(v) for v in pick('batch_sizes')]
+  top_k, d_model, d_ff = pick('top_k'), pick('d_model'), pick('d_ff')
+  routing = (f'top-1, capacity={FLAGS.expert_capacity}, ReLU experts'
+             if FLAGS.family == 'switch' else f'top-{top_k}, no capacity, SwiGLU experts')
+  print(f'one {FLAGS.family} sparse layer: d_model={d_model} d_ff={d_ff} S={FLAGS.seq_len} '
+        f'{routing}; {jax.devices()[0].platform}, jax {jax.__version__}; '
         f'medians of {FLAGS.repeats} interleaved rounds; ratios are medians of '
         'per-round ratios', flush=True)
-  rows = run(num_experts=num_experts, batch_sizes=batch_sizes, seq_len=FLAGS.seq_len,
-             d_model=FLAGS.d_model, d_ff=FLAGS.d_ff,
+  rows = run(family=FLAGS.family, num_experts=num_experts, batch_sizes=batch_sizes,
+             top_k=top_k, seq_len=FLAGS.seq_len, d_model=d_model, d_ff=d_ff,
              expert_capacity=FLAGS.expert_capacity, repeats=FLAGS.repeats,
              max_dense_gflop=FLAGS.max_dense_gflop)
   print('\nFLOPs (GF = 1e9; XLA cost analysis counts a loop body once)')

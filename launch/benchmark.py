@@ -1,7 +1,13 @@
 r"""Benchmarks a DP training step against a non-private one, and expert-stream memory.
 
-One process, a small randomly initialised Switch classifier
-(`SequenceClassifier(SwitchEncoder)`), fixed shapes, every step jitted once:
+One process, a small randomly initialised classifier, fixed shapes, every step
+jitted once. `--family=switch` (default): `SequenceClassifier(SwitchEncoder)`,
+top-1, every 2nd block sparse, mean pooling. `--family=olmoe`:
+`SequenceClassifier(OlmoeDecoder)`, every block sparse with SwiGLU experts
+(gate, up, down), top-k routing (`--top_k`, default 8 at every E, so only E
+changes between the expert-stream rows), as many key/value heads as heads,
+last-token pooling; the same width flags (d_model = hidden size, d_ff = each
+expert's intermediate size; d_kv and expert_capacity are unused).
 
 1. Shared stream. Trainable: LoRA (rank r) on attention q, k, v, o of every
    block plus the classification head (LoRA-scale); everything else frozen
@@ -14,19 +20,24 @@ One process, a small randomly initialised Switch classifier
    Prints their wall times (medians of interleaved runs), the ratio, compile
    times and XLA's temporary memory.
 2. Expert stream at one sparse layer l (the last): trainable = that layer's
-   expert LoRA; each record differentiates only its owner's slice
-   (`models.OwnerOverride`, `grads.owner_slices`,
-   `grads.owner_clipped_grad_sum`), noise for every expert
-   (`privatize_sums`, denominator m/E), Adam on the stacked [E, ...] LoRA. For
-   each E it prints XLA's memory analysis of the compiled step: temporary
-   memory (scratch; arguments, so parameters, excluded) should not grow with
-   E, since a record's gradient is one expert slice. The largest buffers of
-   the smallest and the largest E are listed with the JAX op that makes them,
-   to see which one grows if it does.
+   expert LoRA (wi/wo, or gate/up/down); each record differentiates only its
+   owner's slice (`models.OwnerOverride`, `grads.owner_slices`,
+   `grads.owner_clipped_grad_sum`), noise for every expert (`privatize_sums`,
+   denominator m/E), Adam on the stacked [E, ...] LoRA. For each E it prints
+   XLA's memory analysis of the compiled step: temporary memory (scratch;
+   arguments, so parameters, excluded) should not grow with E, since a
+   record's gradient is one expert slice; and XLA's FLOPs of the step with
+   every `lax.scan` body counted once per iteration
+   (`profiling.loop_corrected_flops`). The largest buffers of the smallest and
+   the largest E are listed with the JAX op that makes them, to see which one
+   grows if it does.
 
   python launch/benchmark.py
   python launch/benchmark.py --microbatch_sizes=32 --expert_num_experts=8,64 \
       --num_layers=12 --d_model=768 --d_ff=3072 --num_heads=12   # base width
+  python launch/benchmark.py --family=olmoe --microbatch_sizes=   # expert stream only
+
+An empty --microbatch_sizes skips the shared stream.
 """
 
 import dataclasses
@@ -50,8 +61,11 @@ from raptor_jax import grads, models, profiling, transforms  # noqa: E402
 def define_flags() -> None:
   """Defines the command-line flags; only when run as a script, so that tests can
   import several scripts into one process."""
+  flags.DEFINE_enum('family', 'switch', ['switch', 'olmoe'],
+                    'Model: switch (top-1, ReLU experts) or olmoe (top-k, SwiGLU experts).')
+  flags.DEFINE_integer('top_k', 8, 'Experts per token (olmoe only; Switch is top-1).')
   flags.DEFINE_list('microbatch_sizes', ['8', '32', '128'],
-                    'Microbatch sizes m of the shared-stream steps.')
+                    'Microbatch sizes m of the shared-stream steps (empty: skip them).')
   flags.DEFINE_list('expert_num_experts', ['8', '64'], 'Values of E for the expert-stream step.')
   flags.DEFINE_integer('expert_microbatch', 32, 'Microbatch size of the expert-stream step.')
   flags.DEFINE_integer('num_experts', 8, 'E of the shared-stream model.')
@@ -84,9 +98,25 @@ def model_config(**overrides) -> models.SwitchConfig:
   return dataclasses.replace(config, expert_lora_layers=(config.sparse_layers[-1],))
 
 
-def build(config: models.SwitchConfig, seq_len: int, seed: int = 0):
-  """(module, params) of a randomly initialised SequenceClassifier."""
-  module = models.SequenceClassifier(models.SwitchEncoder(config), num_labels=2)
+def olmoe_config(**overrides) -> models.OlmoeConfig:
+  """A small OLMoE (`overrides` on top of the defaults: 4 blocks, all sparse, top-8)
+  with LoRA on attention and on the experts of the last block, the expert-stream layer."""
+  base = dict(vocab_size=8000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+              num_experts_per_tok=8, lora_rank=8, attention_lora=True)
+  base.update(overrides)
+  config = models.OlmoeConfig(**base)
+  return dataclasses.replace(config, expert_lora_layers=(config.sparse_layers[-1],))
+
+
+def build(config: models.SwitchConfig | models.OlmoeConfig, seq_len: int, seed: int = 0):
+  """(module, params) of a randomly initialised SequenceClassifier (mean pooling for
+  Switch, last token for the OLMoE decoder)."""
+  if isinstance(config, models.OlmoeConfig):
+    module = models.SequenceClassifier(models.OlmoeDecoder(config), num_labels=2,
+                                       pooling='last')
+  else:
+    module = models.SequenceClassifier(models.SwitchEncoder(config), num_labels=2)
   ids = jnp.zeros((1, seq_len), jnp.int32)
   params = jax.jit(module.init)(jax.random.PRNGKey(seed), ids, jnp.ones_like(ids))
   return module, params['params']
@@ -187,8 +217,8 @@ def _num_params(tree) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
-def run_shared(config: models.SwitchConfig, *, microbatch_sizes=(8, 32, 128),
-               seq_len=128, repeats=5) -> list[dict]:
+def run_shared(config: models.SwitchConfig | models.OlmoeConfig, *,
+               microbatch_sizes=(8, 32, 128), seq_len=128, repeats=5) -> list[dict]:
   """Non-private vs DP shared-stream step per microbatch size; one dict per m."""
   module, params = build(config, seq_len)
   trainable, frozen = split(params, is_shared)
@@ -213,16 +243,17 @@ def run_shared(config: models.SwitchConfig, *, microbatch_sizes=(8, 32, 128),
   return rows
 
 
-def run_expert(config: models.SwitchConfig, *, num_experts=(8, 64), microbatch=32,
-               seq_len=128, repeats=5, num_buffers=8):
-  """Expert-stream step per E: memory analysis and time; (rows, largest buffers)."""
+def run_expert(config: models.SwitchConfig | models.OlmoeConfig, *, num_experts=(8, 64),
+               microbatch=32, seq_len=128, repeats=5, num_buffers=8):
+  """Expert-stream step per E: memory analysis, FLOPs and time; (rows, largest buffers)."""
   rows, calls, buffers = [], {}, {}
   for e in num_experts:
     cfg = dataclasses.replace(config, num_experts=e)
     layer = cfg.expert_lora_layers[0]
     module, params = build(cfg, seq_len)
     experts = params['backbone'][f'block_{layer}']['mlp']['experts']
-    lora = {m: {k: experts[m][k] for k in ('lora_a', 'lora_b')} for m in ('wi', 'wo')}
+    lora = {m: {k: leaves[k] for k in ('lora_a', 'lora_b')}  # wi, wo | gate, up, down
+            for m, leaves in experts.items()}
     _, frozen = split(params, lambda p: p[1:4] == (f'block_{layer}', 'mlp', 'experts')
                       and p[-1] in ('lora_a', 'lora_b'))
     records, owners = batch(microbatch, seq_len, cfg.vocab_size, e, seed=e)
@@ -230,6 +261,7 @@ def run_expert(config: models.SwitchConfig, *, num_experts=(8, 64), microbatch=3
     args = (lora, tx.init(lora), frozen, records, owners)
     compiled = profiling.compile_timed(step, *args)
     stats = profiling.memory_stats(compiled.compiled) or {}
+    _, step_flops = profiling.loop_corrected_flops(step, *args, compiled=compiled.compiled)
     one_slice = _num_params(lora) // e
     rows.append({
         'E': e, 'layer': layer, 'm': microbatch,
@@ -238,6 +270,7 @@ def run_expert(config: models.SwitchConfig, *, num_experts=(8, 64), microbatch=3
         'temp_mb': stats.get('temp', float('nan')) / _MB,
         'argument_mb': stats.get('argument', float('nan')) / _MB,
         'output_mb': stats.get('output', float('nan')) / _MB,
+        'gflop': step_flops / 1e9,
         'compile_s': compiled.lower_s + compiled.compile_s,
     })
     calls[e] = functools.partial(compiled.compiled, *args)
@@ -246,6 +279,7 @@ def run_expert(config: models.SwitchConfig, *, num_experts=(8, 64), microbatch=3
   for row in rows:
     row['step_ms'] = profiling.median(times[row['E']]) * 1e3
     row['temp_over_first'] = row['temp_mb'] / rows[0]['temp_mb']
+    row['flops_over_first'] = row['gflop'] / rows[0]['gflop']
     row['time_over_first'] = profiling.paired_ratio(times[row['E']], times[rows[0]['E']])
   return rows, buffers
 
@@ -262,11 +296,13 @@ def shared_table(rows: list[dict]) -> str:
 
 def expert_table(rows: list[dict]) -> str:
   header = ['E', 'expert LoRA params', 'per-record grads MB', 'temp MB', 'temp / first',
-            'argument MB', 'output MB', 'step ms', 'time / first', 'compile s']
+            'argument MB', 'output MB', 'GF (loops x trips)', 'GF / first', 'step ms',
+            'time / first', 'compile s']
   body = [[r['E'], r['expert_lora_params'], f"{r['per_record_grad_mb']:.2f}",
            f"{r['temp_mb']:.1f}", f"{r['temp_over_first']:.2f}", f"{r['argument_mb']:.1f}",
-           f"{r['output_mb']:.2f}", f"{r['step_ms']:.1f}", f"{r['time_over_first']:.2f}",
-           f"{r['compile_s']:.1f}"] for r in rows]
+           f"{r['output_mb']:.2f}", f"{r['gflop']:.1f}", f"{r['flops_over_first']:.2f}",
+           f"{r['step_ms']:.1f}", f"{r['time_over_first']:.2f}", f"{r['compile_s']:.1f}"]
+          for r in rows]
   return profiling.format_table(header, body)
 
 
@@ -279,28 +315,38 @@ def buffer_table(buffers: list[profiling.Buffer]) -> str:
 def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  config = model_config(
-      vocab_size=FLAGS.vocab_size, d_model=FLAGS.d_model, d_kv=FLAGS.d_kv, d_ff=FLAGS.d_ff,
-      num_layers=FLAGS.num_layers, num_heads=FLAGS.num_heads,
-      num_experts=FLAGS.num_experts, expert_capacity=FLAGS.expert_capacity,
-      lora_rank=FLAGS.lora_rank)
-  print(f'Switch classifier: d_model={config.d_model} d_ff={config.d_ff} '
-        f'layers={config.num_layers} (sparse {list(config.sparse_layers)}) '
-        f'heads={config.num_heads} vocab={config.vocab_size} S={FLAGS.seq_len} '
+  if FLAGS.family == 'olmoe':
+    config = olmoe_config(
+        vocab_size=FLAGS.vocab_size, hidden_size=FLAGS.d_model, intermediate_size=FLAGS.d_ff,
+        num_hidden_layers=FLAGS.num_layers, num_attention_heads=FLAGS.num_heads,
+        num_key_value_heads=FLAGS.num_heads, num_experts=FLAGS.num_experts,
+        num_experts_per_tok=FLAGS.top_k, lora_rank=FLAGS.lora_rank)
+    routing = f'top-{config.top_k}, SwiGLU experts'
+  else:
+    config = model_config(
+        vocab_size=FLAGS.vocab_size, d_model=FLAGS.d_model, d_kv=FLAGS.d_kv, d_ff=FLAGS.d_ff,
+        num_layers=FLAGS.num_layers, num_heads=FLAGS.num_heads,
+        num_experts=FLAGS.num_experts, expert_capacity=FLAGS.expert_capacity,
+        lora_rank=FLAGS.lora_rank)
+    routing = f'top-1, capacity {config.expert_capacity}'
+  print(f'{FLAGS.family} classifier: d_model={FLAGS.d_model} d_ff={FLAGS.d_ff} '
+        f'layers={FLAGS.num_layers} (sparse {list(config.sparse_layers)}, {routing}) '
+        f'heads={FLAGS.num_heads} vocab={config.vocab_size} S={FLAGS.seq_len} '
         f'LoRA r={config.lora_rank}; {jax.devices()[0].platform}, jax {jax.__version__}; '
         f'medians of {FLAGS.repeats} interleaved rounds', flush=True)
-  shared = run_shared(config, microbatch_sizes=[int(m) for m in FLAGS.microbatch_sizes],
-                      seq_len=FLAGS.seq_len, repeats=FLAGS.repeats)
-  print(f"\nShared stream, E={config.num_experts}: {shared[0]['trainable']:,} trainable "
-        f"(attention LoRA + head), {shared[0]['frozen']:,} frozen parameters")
-  print(shared_table(shared), flush=True)
+  if FLAGS.microbatch_sizes:
+    shared = run_shared(config, microbatch_sizes=[int(m) for m in FLAGS.microbatch_sizes],
+                        seq_len=FLAGS.seq_len, repeats=FLAGS.repeats)
+    print(f"\nShared stream, E={config.num_experts}: {shared[0]['trainable']:,} trainable "
+          f"(attention LoRA + head), {shared[0]['frozen']:,} frozen parameters")
+    print(shared_table(shared), flush=True)
   expert, buffers = run_expert(config, num_experts=[int(e) for e in FLAGS.expert_num_experts],
                                microbatch=FLAGS.expert_microbatch, seq_len=FLAGS.seq_len,
                                repeats=FLAGS.repeats)
   print(f"\nExpert stream at block {expert[0]['layer']}, m={expert[0]['m']} "
         '(XLA memory analysis; temp excludes arguments, so parameters)')
   print(expert_table(expert))
-  for row in (expert[0], expert[-1]):
+  for row in expert[:1] + expert[1:][-1:]:  # the smallest and the largest E
     print(f"\nLargest buffers of the E={row['E']} expert step (optimized HLO)")
     print(buffer_table(buffers[row['E']]))
 

@@ -1,13 +1,17 @@
 """Smoke tests: the benchmark scripts and profiling helpers run at toy sizes.
 
 Not timed tests (the numbers are machine- and load-dependent); they only keep
-`launch/bench_dispatch.py` and `launch/benchmark.py` from rotting, and check
-what the tables are made of (FLOP counts, memory analysis) where it is exact.
+`launch/bench_dispatch.py`, `launch/benchmark.py` and `launch/bench_parallel.py`
+from rotting, and check what the tables are made of (FLOP counts, memory
+analysis) where it is exact.
 """
 
 import importlib.util
 import math
+import os
 import pathlib
+import subprocess
+import sys
 
 from absl import flags
 import jax
@@ -79,6 +83,36 @@ def test_bench_dispatch_toy():
 
 
 @pytest.mark.slow
+def test_bench_dispatch_olmoe_toy():
+  """Top-k SwiGLU layer: grouped ~ k x tokens rows, all ~ E x tokens, dense ~ k x E x tokens."""
+  bench = _load("bench_dispatch")
+  d_model, d_ff, seq, e, b, k = 16, 32, 8, 4, 2, 2
+  rows = bench.run(family="olmoe", num_experts=(e,), batch_sizes=(b,), top_k=k, seq_len=seq,
+                   d_model=d_model, d_ff=d_ff, repeats=1)
+  assert [(r["E"], r["B"], r["k"], r["pass"]) for r in rows] == [(e, b, k, p)
+                                                                 for p in bench.PASSES]
+  tokens = b * seq
+  block, blocks = bench.grouped_blocks(tokens * k, e)
+  assert rows[0]["ideal_gflop"] * 1e9 == bench.ideal_flops(tokens, d_model, d_ff, e, k, 3)
+  for i, r in enumerate(rows):
+    for key in ("ideal_gflop", "grouped_gflop", "dense_gflop", "all_gflop", "one_expert_ms",
+                "grouped_ms", "dense_ms", "all_ms", "dense_over_grouped", "all_over_grouped"):
+      assert _positive(r[key]), (key, r[key])
+    # Three expert matmuls (gate, up, down) over every padded block of the k x tokens rows.
+    assert r["grouped_gflop"] * 1e9 >= (i + 1) * blocks * block * 6 * d_model * d_ff
+    assert r["grouped_gflop"] < r["all_gflop"] < r["dense_gflop"]
+    assert r["max_abs_diff"] < 1e-5  # same router and top-k: grouped = dense = all
+  assert rows[0]["all_gflop"] * 1e9 >= tokens * e * 6 * d_model * d_ff
+  assert "all/grouped" in bench.time_table(rows) and "all/ideal" in bench.flops_table(rows)
+
+
+def test_bench_dispatch_switch_is_top1():
+  bench = _load("bench_dispatch")
+  with pytest.raises(ValueError, match="top-1"):
+    bench.layer_config("switch", num_experts=4, d_model=8, d_ff=8, top_k=2)
+
+
+@pytest.mark.slow
 def test_benchmark_toy():
   bench = _load("benchmark")
   config = bench.model_config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1,
@@ -103,9 +137,54 @@ def test_benchmark_toy():
   assert "DP/non-private" in bench.shared_table(shared)
 
 
+@pytest.mark.slow
+def test_benchmark_olmoe_expert_toy():
+  """OLMoE expert stream: owner slices of gate, up and down; one slice per record."""
+  bench = _load("benchmark")
+  d_model, d_ff, rank = 16, 32, 2
+  config = bench.olmoe_config(vocab_size=50, hidden_size=d_model, intermediate_size=d_ff,
+                              num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=2, num_experts_per_tok=2, lora_rank=rank)
+  expert, _ = bench.run_expert(config, num_experts=(2, 4), microbatch=2, seq_len=8, repeats=1)
+  one_expert = 3 * rank * (d_model + d_ff)  # A and B of gate, up (d->f), down (f->d)
+  assert [r["expert_lora_params"] for r in expert] == [2 * one_expert, 4 * one_expert]
+  assert expert[0]["per_record_grad_mb"] == expert[1]["per_record_grad_mb"] > 0
+  for r in expert:
+    assert _positive(r["temp_mb"]) and _positive(r["step_ms"]), r
+
+
+def _env_without_device_count():
+  flags_ = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+  return dict(os.environ, XLA_FLAGS=" ".join(flags_), JAX_PLATFORMS="cpu")
+
+
+@pytest.mark.slow
+def test_bench_parallel_toy():
+  """Runs the script as a user would (it re-executes itself with 4 CPU devices)."""
+  args = ["--method=baseline_c", "--microbatch=4", "--microbatches=1", "--repeats=1",
+          "--seq_len=8", "--d_model=16", "--d_ff=16", "--num_layers=2", "--num_heads=2",
+          "--d_kv=8"]
+  proc = subprocess.run([sys.executable, str(_ROOT / "launch" / "bench_parallel.py"), *args],
+                        env=_env_without_device_count(), cwd=_ROOT, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  out = proc.stdout
+  assert "4 cpu devices" in out
+  rows = [line.split() for line in out.splitlines() if line.startswith("expert ")]
+  assert [(r[1], r[2]) for r in rows] == [("1", "4"), ("4", "1")]  # devices, records/device
+  assert all(float(r[-1]) < 1e-5 for r in rows)  # same update on 1 and 4 devices
+  assert _load("bench_parallel").MULTI_HOST_COMMAND in out
+
+
+def test_bench_parallel_prints_the_readme_command():
+  readme = (_ROOT / "README.md").read_text()
+  assert _load("bench_parallel").MULTI_HOST_COMMAND in readme
+
+
 def test_scripts_define_flags_only_when_run():
-  """Importing both scripts into one process (as these tests do) must not clash."""
-  for name in ("bench_dispatch", "benchmark"):
+  """Importing the scripts into one process (as these tests do) must not clash."""
+  for name in ("bench_dispatch", "benchmark", "bench_parallel"):
     module = _load(name)
     assert callable(module.define_flags) and callable(module.main)
     assert "repeats" not in flags.FLAGS
