@@ -99,24 +99,30 @@ class ExpertLinear(nn.Module):
     x = x.astype(self.dtype)
     kernel = kernel.astype(self.dtype)
     owner_params = owner_params or {}
-    if "kernel" in owner_params:
-      y = moe.owner_linear(x, experts, kernel, owner,
-                           owner_params["kernel"].astype(self.dtype))
-    elif self.dispatch == "grouped":
-      y = moe.grouped_linear(x, experts, kernel)
-    elif self.dispatch == "dense":
-      y = moe.dense_linear(x, experts, kernel)
-    else:
-      raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'grouped' or 'dense'")
     if self.rank > 0:
       a = self.param("lora_a", lora_a_init, (self.num_experts, d_in, self.rank))
       b = self.param("lora_b", nn.initializers.zeros,
                      (self.num_experts, self.rank, self.features))
-      own = "lora_a" in owner_params
-      y = y + moe.expert_lora(
-          x, experts, a.astype(self.dtype), b.astype(self.dtype),
-          self.alpha / self.rank,
-          owner=owner if own else None,
-          owner_a=owner_params["lora_a"].astype(self.dtype) if own else None,
-          owner_b=owner_params["lora_b"].astype(self.dtype) if own else None)
+      a, b, scale = a.astype(self.dtype), b.astype(self.dtype), self.alpha / self.rank
+    # An owner LoRA slice trains alone: every stacked weight is then frozen.
+    frozen_lora = self.rank > 0 and "lora_a" in owner_params
+    if "kernel" in owner_params:
+      y = moe.owner_linear(x, experts, kernel, owner,
+                           owner_params["kernel"].astype(self.dtype))
+    elif self.dispatch == "grouped":
+      # Frozen adapters ride along in the same blocks: no factor E.
+      y = moe.grouped_linear(x, experts, kernel, (a, scale * b) if frozen_lora else None)
+    elif self.dispatch == "dense":
+      y = moe.dense_linear(x, experts, kernel)
+      if frozen_lora:
+        y = y + moe.expert_lora(x, experts, jax.lax.stop_gradient(a),
+                                jax.lax.stop_gradient(b), scale)
+    else:
+      raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'grouped' or 'dense'")
+    if frozen_lora:
+      y = y + moe.owner_lora_delta(x, experts, scale, owner,
+                                   owner_params["lora_a"].astype(self.dtype),
+                                   owner_params["lora_b"].astype(self.dtype))
+    elif self.rank > 0:
+      y = y + moe.expert_lora(x, experts, a, b, scale)
     return y

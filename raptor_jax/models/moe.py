@@ -147,9 +147,15 @@ def _dispatch_plan(experts: jax.Array, num_experts: int, block: int):
   return dest, block_expert, num_blocks
 
 
-def _grouped_linear_flat(x: jax.Array, experts: jax.Array, w: jax.Array,
+def _grouped_linear_flat(x: jax.Array, experts: jax.Array, w: jax.Array, *lora: jax.Array,
                          transpose: bool) -> jax.Array:
-  """Unbatched grouped dispatch: y[t] = x[t] @ w[experts[t]] (0 if dropped)."""
+  """Unbatched grouped dispatch: y[t] = x[t] @ w[e_t] (+ x[t] @ a[e_t] @ b[e_t]).
+
+  `lora` is () or a frozen low-rank pair (a [E, d_in, r], b [E, r, d_out]),
+  applied in the same block as the base matrix, so it costs rows x r x
+  (d_in + d_out) more and no second dispatch. With `transpose`, the
+  transposed map (the input gradient): dy @ w^T (+ dy @ b^T @ a^T).
+  """
   num_rows, d_in = x.shape
   num_experts = w.shape[0]
   d_out = w.shape[1] if transpose else w.shape[2]
@@ -158,11 +164,17 @@ def _grouped_linear_flat(x: jax.Array, experts: jax.Array, w: jax.Array,
   buf = jnp.zeros((num_blocks * block, d_in), x.dtype).at[dest].set(x, mode="drop")
   buf = buf.reshape(num_blocks, block, d_in)
   contract = (((1,), (1,)), ((), ())) if transpose else (((1,), (0,)), ((), ()))
+  low_rank = tuple(reversed(lora)) if transpose else lora
+
+  def matmul(rows, w):
+    return jax.lax.dot_general(rows, w, contract, preferred_element_type=jnp.float32)
 
   def one_block(_, inputs):
     rows, expert = inputs
-    out = jax.lax.dot_general(rows, w[expert], contract,
-                              preferred_element_type=jnp.float32)
+    out = matmul(rows, w[expert])
+    if low_rank:
+      first, second = low_rank
+      out = out + matmul(matmul(rows, first[expert]).astype(x.dtype), second[expert])
     return None, out.astype(x.dtype)
 
   _, out = jax.lax.scan(one_block, None, (buf, block_expert))
@@ -171,13 +183,13 @@ def _grouped_linear_flat(x: jax.Array, experts: jax.Array, w: jax.Array,
 
 
 def _rowwise(fn):
-  """Wraps a row-wise fn(x[T, d], experts[T], w) so that vmap flattens rows."""
+  """Wraps a row-wise fn(x[T, d], experts[T], *ws) so that vmap flattens rows."""
   wrapped = custom_vmap(fn)
 
   @wrapped.def_vmap
-  def _rule(axis_size, in_batched, x, experts, w):
-    x_batched, experts_batched, w_batched = in_batched
-    if w_batched:
+  def _rule(axis_size, in_batched, x, experts, *ws):
+    x_batched, experts_batched, *ws_batched = in_batched
+    if any(ws_batched):
       raise NotImplementedError(
           "grouped_linear: per-record expert weights are not supported; pass "
           "trainable expert parameters through the LoRA/owner path or use "
@@ -186,7 +198,7 @@ def _rowwise(fn):
       x = jnp.broadcast_to(x, (axis_size,) + x.shape)
     if not experts_batched:
       experts = jnp.broadcast_to(experts, (axis_size,) + experts.shape)
-    y = wrapped(x.reshape(-1, x.shape[-1]), experts.reshape(-1), w)
+    y = wrapped(x.reshape(-1, x.shape[-1]), experts.reshape(-1), *ws)
     return y.reshape(x.shape[:-1] + y.shape[-1:]), True
 
   return wrapped
@@ -197,35 +209,42 @@ _grouped_backward = _rowwise(functools.partial(_grouped_linear_flat, transpose=T
 
 
 @jax.custom_vjp
-def _grouped_linear(x, experts, w):
-  return _grouped_forward(x, experts, w)
+def _grouped_linear(x, experts, *ws):
+  return _grouped_forward(x, experts, *ws)
 
 
-def _grouped_linear_fwd(x, experts, w):
-  return _grouped_forward(x, experts, w), (experts, w)
+def _grouped_linear_fwd(x, experts, *ws):
+  return _grouped_forward(x, experts, *ws), (experts, ws)
 
 
 def _grouped_linear_bwd(residuals, dy):
-  experts, w = residuals
-  return _grouped_backward(dy, experts, w), None, None
+  experts, ws = residuals
+  return (_grouped_backward(dy, experts, *ws), None) + (None,) * len(ws)
 
 
 _grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
 
 
-def grouped_linear(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:
+def grouped_linear(x: jax.Array, experts: jax.Array, w: jax.Array,
+                   lora: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """y[t] = x[t] @ w[experts[t]] with work proportional to the rows, not to E.
 
   Args:
     x: [T, d_in] rows (one per token and routed slot).
     experts: int32 [T] expert of each row; E (= w.shape[0]) drops the row.
-    w: [E, d_in, d_out] stacked expert weights, treated as constants: the
-      gradient flows to `x` only (frozen base weights).
+    w: [E, d_in, d_out] stacked expert weights.
+    lora: optional frozen low-rank pair (a [E, d_in, r], b [E, r, d_out]),
+      scale already folded in: y[t] += x[t] @ a[e_t] @ b[e_t], computed in
+      the same blocks.
+
+  All weights are treated as constants (frozen): the gradient flows to `x`
+  only.
 
   Returns:
     [T, d_out]; zero rows where dropped.
   """
-  return _grouped_linear(x, experts, jax.lax.stop_gradient(w))
+  ws = (w,) + (tuple(lora) if lora is not None else ())
+  return _grouped_linear(x, experts, *(jax.lax.stop_gradient(v) for v in ws))
 
 
 def dense_linear(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:
@@ -245,48 +264,64 @@ def dense_linear(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def expert_lora(x: jax.Array, experts: jax.Array, lora_a: jax.Array,
-                lora_b: jax.Array, scale: float,
-                owner: jax.Array | None = None,
-                owner_a: jax.Array | None = None,
-                owner_b: jax.Array | None = None) -> jax.Array:
+                lora_b: jax.Array, scale: float) -> jax.Array:
   """Per-row LoRA update  scale * x[t] @ A[e_t] @ B[e_t]  (0 if dropped).
 
-  Costs T * E * r * (d_in + d_out) multiply-adds (r << d), independent of the
-  frozen base weights' dispatch.
-
-  Owner slice (RAPTOR's expert stream, Sec. 5.2): when `owner` is given
-  (a scalar: this function then runs for ONE record, i.e. under vmap), rows
-  routed to the owner expert use `owner_a`/`owner_b` (that record's own copy
-  of the owner's LoRA factors) and every other expert's factors are wrapped
-  in stop_gradient. The forward value is unchanged (the copies equal
-  A[owner], B[owner]); the gradient of the record flows into its owner's
-  slice only, so the per-record gradient has the shape of one expert, never E.
+  Differentiable in the stacked factors (every expert's adapter trains from
+  one sample, e.g. monolithic LoRA), at T * E * r * (d_in + d_out)
+  multiply-adds (r << d): every expert's factors on every row, then select.
+  The owner-slice path (`owner_lora_delta`) does not pay the factor E.
 
   Args:
     x: [T, d_in] rows.
     experts: int32 [T] expert per row (E = dropped).
     lora_a: [E, d_in, r]; lora_b: [E, r, d_out].
     scale: alpha / r.
-    owner: optional int32 scalar owner expert of this record.
-    owner_a: [d_in, r] and owner_b: [r, d_out], the owner slice.
 
   Returns:
     [T, d_out] update.
   """
   num_experts = lora_a.shape[0]
   one_hot = jax.nn.one_hot(experts, num_experts, dtype=x.dtype)  # [T, E]
-  if owner is not None:
-    lora_a = jax.lax.stop_gradient(lora_a)
-    lora_b = jax.lax.stop_gradient(lora_b)
   u_all = jnp.einsum("td,edr->ter", x, lora_a)
   u = jnp.einsum("ter,te->tr", u_all, one_hot)
   v = jnp.einsum("ter,erf->tf", one_hot[..., None] * u[:, None, :], lora_b)
-  if owner is not None:
-    is_owner = (experts == owner)[:, None]
-    u_own = x @ owner_a
-    v_own = u_own @ owner_b
-    v = jnp.where(is_owner, v_own, v)
   return scale * v
+
+
+def owner_lora_delta(x: jax.Array, experts: jax.Array, scale: float,
+                     owner: jax.Array, owner_a: jax.Array,
+                     owner_b: jax.Array) -> jax.Array:
+  """The owner slice's gradient path of a frozen expert layer with LoRA.
+
+  RAPTOR's expert stream (Sec. 5.2), for ONE record (this runs under vmap).
+  The caller computes the layer with every weight frozen, adapters included,
+  e.g. `grouped_linear(x, experts, w, (A, scale * B))`: rows x (d_in d_out +
+  r (d_in + d_out)) work whatever E. Adding this function's output,
+
+    delta - stop_gradient(delta),  delta = scale * stop_gradient(x) @ owner_a @ owner_b
+
+  on the rows routed to `owner` (0 elsewhere), leaves the value exactly
+  unchanged and gives `owner_a`/`owner_b` (the record's own copy of A[owner],
+  B[owner]) the gradient they have in the layer. The record's gradient thus
+  reaches its owner's slice only: its per-record gradient has the shape of one
+  expert, never E. The input gradient comes from the frozen layer alone,
+  which already holds A[owner] B[owner] = owner_a owner_b in value, so the
+  owner's adapter is not counted twice.
+
+  Args:
+    x: [T, d_in] rows of one record.
+    experts: int32 [T] expert per row (E = dropped).
+    scale: alpha / r.
+    owner: int32 scalar owner expert of this record.
+    owner_a: [d_in, r] and owner_b: [r, d_out], the trainable owner slice.
+
+  Returns:
+    [T, d_out], zero in value.
+  """
+  delta = scale * ((jax.lax.stop_gradient(x) @ owner_a) @ owner_b)
+  delta = jnp.where((experts == owner)[:, None], delta, 0.0).astype(x.dtype)
+  return delta - jax.lax.stop_gradient(delta)
 
 
 def owner_linear(x: jax.Array, experts: jax.Array, w: jax.Array,
