@@ -18,8 +18,11 @@ Under `jax.vmap` (per-record gradients) the dispatch does not run per record:
 a `custom_vmap` rule flattens the vmapped axis into the row axis, so the whole
 microbatch shares one sorted dispatch. This is exact because the operation is
 row-wise. The weights of `grouped_linear` are treated as constants (frozen
-base weights); trainable expert parameters (LoRA, owner slices) are applied
-with the differentiable helpers below.
+base weights, and optionally a frozen LoRA pair computed in the same blocks);
+trainable expert parameters are applied with the differentiable helpers
+below: `expert_lora` (every expert's adapter differentiable), and for
+RAPTOR's owner slices `owner_lora_delta` / `owner_linear`, whose cost does not
+grow with E.
 """
 
 from __future__ import annotations
