@@ -146,6 +146,29 @@ def test_overrides_and_limit(tmp_path, tokenizer):
     assert single.input_ids[0, 1] == tokenizer.get_vocab()["soup"]
 
 
+def test_host_shards_partition_the_records_in_order(tmp_path, tokenizer):
+    """Host p of P tokenises records i % P == p (of the first `limit`), as the
+    trainer's sampling numbers them; the shards together are the whole split."""
+    rows = "".join(f"w{i} tea\t{i % 2}\n" for i in range(11))
+    path = _write(tmp_path / "train.tsv", "sentence\tlabel\n" + rows)
+    whole = data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path, limit=10)
+    shards = [data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path, limit=10,
+                                   shard=(p, 3)) for p in range(3)]
+    assert [len(s) for s in shards] == [4, 3, 3]
+    for p, shard in enumerate(shards):
+        np.testing.assert_array_equal(shard.input_ids, whole.input_ids[p::3])
+        np.testing.assert_array_equal(shard.labels, whole.labels[p::3])
+    with pytest.raises(ValueError, match=r"shard index 3 is not in \[0, 3\)"):
+        data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path, shard=(3, 3))
+
+
+def test_a_bad_label_fails_on_every_host(tmp_path, tokenizer):
+    path = _write(tmp_path / "train.tsv", "sentence\tlabel\ntea\t1\nsoup\t7\n")
+    for p in range(2):  # row 2 belongs to host 1, host 0 still refuses the file
+        with pytest.raises(ValueError, match="data row 2"):
+            data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path, shard=(p, 2))
+
+
 # --------------------------------------------------------------------- errors
 
 

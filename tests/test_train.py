@@ -44,6 +44,9 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
   assert 0 < report["epsilon"] < report["target_epsilon"]
   resumed = train_and_evaluate(micro_config(), str(tmp_path))
   assert resumed["finished"] and resumed["cycles"] == 6
+  # Wall time counts both segments; the second session's own time is shown apart.
+  assert resumed["wall_time_s"] > first["wall_time_s"]
+  assert resumed["wall_time_s"] > resumed["wall_time_this_session_s"] > 0
   step_a, state_a, meta_a = latest_state(workdir)
   step_b, state_b, meta_b = latest_state(tmp_path)
   assert step_a == step_b == 6

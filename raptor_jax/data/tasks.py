@@ -135,6 +135,7 @@ def load_task_split(
     text_fields: str | Sequence[str] | None = None,
     label_field: str | None = None,
     limit: int | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> encoding.TextClassificationData:
     """Loads one split of a task as right-padded ``int32`` arrays.
 
@@ -155,9 +156,13 @@ def load_task_split(
             overriding the task's aliases.
         label_field: column name of the label, overriding the aliases.
         limit: keep only the first ``limit`` records (quick runs).
+        shard: ``(index, count)``: tokenise and return only the records ``i``
+            (of the first ``limit``) with ``i % count == index``, this host's
+            share in a multi-host run. Every label is still checked, so a bad
+            file fails on every host alike.
 
     Returns:
-        The split, one row per record in file order.
+        The split (or its shard), one row per record in file order.
 
     Raises:
         ValueError: unknown task or split, missing text or label column, a
@@ -195,12 +200,16 @@ def load_task_split(
         kind="label",
         option="label_field",
     )
+    index, count = shard
+    if not 0 <= index < count:
+        raise ValueError(f"shard index {index} is not in [0, {count}).")
     stop = limit if limit is not None else len(columns[label_name])
-    texts = [[_as_text(value) for value in columns[name][:stop]] for name in text_names]
     labels = [
         _label_id(value, spec, row=row, column=label_name, source=source)
         for row, value in enumerate(columns[label_name][:stop], start=1)
-    ]
+    ][index::count]
+    texts = [[_as_text(value) for value in columns[name][:stop][index::count]]
+             for name in text_names]
     return encoding.encode(
         tokenizer,
         texts[0],

@@ -101,15 +101,6 @@ def _batch(train: data.TextClassificationData, owners: np.ndarray, indices: np.n
               labels=train.labels[indices], owners=owners[indices])
 
 
-def _host_share(train: data.TextClassificationData) -> data.TextClassificationData:
-  """This process's records (i % P == p); all of them in a single-process run."""
-  if jax.process_count() == 1:
-    return train
-  rows = parallel.host_records(len(train))
-  return data.TextClassificationData(train.input_ids[rows], train.attention_mask[rows],
-                                     train.labels[rows])
-
-
 def secret_seed(config) -> int:
   """The seed of the Poisson samples and the noise: secret unless the user fixes it.
 
@@ -140,11 +131,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     raise ValueError(f"unknown method {config.method!r}; choose one of "
                      f"{', '.join(methods.METHODS)}")
   mesh = parallel.make_mesh(config.num_devices)
-  run_data = setup.load_run_data(config)
-  n = len(run_data.train)  # all records, over every host
+  # This host tokenises and keeps only its records (i % P == p); n counts all.
+  run_data = setup.load_run_data(config, host=parallel.host_shard())
+  n = parallel.global_count(len(run_data.train))
   data.check_batch_size(config.batch_size, n)
   sampling.check_microbatch_size(config.microbatch_size)
-  run_data.train = _host_share(run_data.train)
   backbone, backbone_params = setup.load_backbone(config, run_data)
   bc = backbone.config
   if not bc.sparse_layers:
@@ -186,6 +177,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     opt_states.update(fns.init_opt_states(trainable))
   trainable, frozen, opt_states = parallel.replicate((trainable, frozen, opt_states), mesh)
   ledger, cycle = PrivacyLedger(), 0
+  # Wall time of earlier segments of a resumed run (0 for a fresh one).
+  earlier_wall_s = float(meta.get("wall_time_s", 0.0)) if meta else 0.0
   if meta:
     state = checkpointer.restore_state({"trainable": trainable, "opt": opt_states})
     trainable, opt_states = state["trainable"], state["opt"]
@@ -216,7 +209,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   def save():
     checkpointer.save(cycle, {"trainable": trainable, "opt": opt_states},
-                      {"ledger": ledger.to_json(), "cycle": cycle, "secret_seed": secret})
+                      {"ledger": ledger.to_json(), "cycle": cycle, "secret_seed": secret,
+                       "wall_time_s": earlier_wall_s + time.time() - start_time})
 
   stop_at = plan.cycles if not config.stop_after_cycles else min(
       plan.cycles, cycle + config.stop_after_cycles)
@@ -296,7 +290,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   _write_json(workdir / "privacy_report.json", report)
   results = dict(
       method=plan.method, task=run_data.task.name, finished=finished, cycles=cycle,
-      wall_time_s=time.time() - start_time, epsilon=report["epsilon"],
+      wall_time_s=earlier_wall_s + time.time() - start_time,  # every segment of the run
+      wall_time_this_session_s=time.time() - start_time, epsilon=report["epsilon"],
       trainable_parameters={part.name: int(sum(np.size(v) for v in trainable[part.name].values()))
                             for part in all_parts},
       parameters_by_role=roles.count_by_role(step.merged_params(frozen, trainable)),

@@ -63,6 +63,20 @@ def agree(value: int) -> int:
   return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
+def host_shard() -> tuple[int, int]:
+  """(this process's index, process count): the records this host loads
+  (i % count == index; `setup.load_run_data(config, host=...)`)."""
+  return jax.process_index(), jax.process_count()
+
+
+def global_count(local: int) -> int:
+  """The sum of `local` over every process (e.g. n from the hosts' shares)."""
+  if jax.process_count() == 1:
+    return local
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return int(np.sum(multihost_utils.process_allgather(np.int32(local))))
+
+
 def make_mesh(num_devices: int = 0) -> Mesh:
   """A 1-D 'data' mesh: all devices of every process, or the first `num_devices` (1 process)."""
   devices = jax.devices()
@@ -92,11 +106,6 @@ def shard_records(tree: Any, mesh: Mesh) -> Any:
   sharding = NamedSharding(mesh, PartitionSpec(AXIS))
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
                       tree)
-
-
-def host_records(n: int) -> np.ndarray:
-  """Global indices of the records this process owns (i % P == p)."""
-  return np.arange(jax.process_index(), n, jax.process_count())
 
 
 def local_microbatches(sample: np.ndarray, local_size: int) -> list[sampling.Microbatch]:

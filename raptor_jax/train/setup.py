@@ -21,7 +21,11 @@ PUBLIC_WORDS = "public-words"
 
 @dataclasses.dataclass
 class RunData:
-  """Tokenised splits, the public corpus and the task's metadata."""
+  """Tokenised splits, the public corpus and the task's metadata.
+
+  `train` holds this host's share of the training records when loaded with
+  `host` (all of them by default).
+  """
 
   task: data.TaskSpec
   train: data.TextClassificationData
@@ -31,8 +35,24 @@ class RunData:
   token_groups: np.ndarray | None  # synthetic task: token -> topic (-1 none)
 
 
-def load_run_data(config: ml_collections.ConfigDict) -> RunData:
-  """Loads train/dev and the public corpus, tokenised for the model."""
+def _shard_of(train: data.TextClassificationData, index: int,
+              count: int) -> data.TextClassificationData:
+  return data.TextClassificationData(train.input_ids[index::count],
+                                     train.attention_mask[index::count],
+                                     train.labels[index::count])
+
+
+def load_run_data(config: ml_collections.ConfigDict,
+                  host: tuple[int, int] = (0, 1)) -> RunData:
+  """Loads train/dev and the public corpus, tokenised for the model.
+
+  Args:
+    config: the run's config.
+    host: (process index, process count): only the training records i with
+      i % count == index are tokenised and kept, record i becoming local
+      record i // count (as `parallel.local_microbatches` numbers them). Dev
+      and the public corpus are loaded whole.
+  """
   dc = config.data
   task = data.get_task(dc.task)
   if task.name == "synthetic":
@@ -40,8 +60,8 @@ def load_run_data(config: ml_collections.ConfigDict) -> RunData:
                               n_dev=dc.synthetic.n_dev, n_pub=dc.n_pub,
                               max_length=dc.max_length, label_noise=dc.synthetic.label_noise)
     public = data.tokenize(syn.tokenizer, syn.public_texts, max_length=dc.max_length)
-    return RunData(task, syn.train, syn.dev, public if dc.public_corpus else None,
-                   syn.tokenizer, syn.token_groups)
+    return RunData(task, _shard_of(syn.train, *host), syn.dev,
+                   public if dc.public_corpus else None, syn.tokenizer, syn.token_groups)
   texts = None
   if dc.public_corpus or dc.public_path:
     texts = data.load_public_corpus(
@@ -57,7 +77,7 @@ def load_run_data(config: ml_collections.ConfigDict) -> RunData:
   kwargs = dict(tokenizer=tokenizer, max_length=dc.max_length,
                 text_fields=tuple(dc.text_fields) or None, label_field=dc.label_field or None)
   train = data.load_task_split(task.name, "train", path=dc.train_path or None,
-                               limit=dc.train_limit or None, **kwargs)
+                               limit=dc.train_limit or None, shard=host, **kwargs)
   dev = data.load_task_split(task.name, "dev", path=dc.dev_path or None,
                              limit=dc.dev_limit or None, **kwargs)
   public = None if texts is None else data.tokenize(tokenizer, texts, max_length=dc.max_length)
