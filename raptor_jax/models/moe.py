@@ -169,8 +169,8 @@ def _grouped_linear_flat(x: jax.Array, experts: jax.Array, w: jax.Array, *lora: 
   contract = (((1,), (1,)), ((), ())) if transpose else (((1,), (0,)), ((), ()))
   low_rank = tuple(reversed(lora)) if transpose else lora
 
-  def matmul(rows, w):
-    return jax.lax.dot_general(rows, w, contract, preferred_element_type=jnp.float32)
+  def matmul(rows, matrix):
+    return jax.lax.dot_general(rows, matrix, contract, preferred_element_type=jnp.float32)
 
   def one_block(_, inputs):
     rows, expert = inputs
