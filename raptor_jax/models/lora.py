@@ -104,25 +104,28 @@ class ExpertLinear(nn.Module):
       b = self.param("lora_b", nn.initializers.zeros,
                      (self.num_experts, self.rank, self.features))
       a, b, scale = a.astype(self.dtype), b.astype(self.dtype), self.alpha / self.rank
-    # An owner LoRA slice trains alone: every stacked weight is then frozen.
-    frozen_lora = self.rank > 0 and "lora_a" in owner_params
+    # An owner LoRA slice trains alone: the stacked factors are then constants,
+    # so a record's gradient can only reach its owner's slice.
+    owner_lora = self.rank > 0 and "lora_a" in owner_params
+    if owner_lora:
+      a, b = jax.lax.stop_gradient(a), jax.lax.stop_gradient(b)
+    lora = (a, scale * b) if self.rank > 0 else None
     if "kernel" in owner_params:
       y = moe.owner_linear(x, experts, kernel, owner,
                            owner_params["kernel"].astype(self.dtype))
+      if lora is not None:
+        y = y + moe.expert_lora(x, experts, a, b, scale)
     elif self.dispatch == "grouped":
-      # Frozen adapters ride along in the same blocks: no factor E.
-      y = moe.grouped_linear(x, experts, kernel, (a, scale * b) if frozen_lora else None)
+      # Adapters ride in the base weights' blocks: no factor E in the forward.
+      y = moe.grouped_linear(x, experts, kernel, lora)
     elif self.dispatch == "dense":
       y = moe.dense_linear(x, experts, kernel)
-      if frozen_lora:
-        y = y + moe.expert_lora(x, experts, jax.lax.stop_gradient(a),
-                                jax.lax.stop_gradient(b), scale)
+      if lora is not None:
+        y = y + moe.expert_lora(x, experts, a, b, scale)
     else:
       raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'grouped' or 'dense'")
-    if frozen_lora:
+    if owner_lora:
       y = y + moe.owner_lora_delta(x, experts, scale, owner,
                                    owner_params["lora_a"].astype(self.dtype),
                                    owner_params["lora_b"].astype(self.dtype))
-    elif self.rank > 0:
-      y = y + moe.expert_lora(x, experts, a, b, scale)
     return y

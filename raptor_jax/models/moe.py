@@ -17,12 +17,11 @@ computed from the number of rows and E), so one compilation serves every batch.
 Under `jax.vmap` (per-record gradients) the dispatch does not run per record:
 a `custom_vmap` rule flattens the vmapped axis into the row axis, so the whole
 microbatch shares one sorted dispatch. This is exact because the operation is
-row-wise. The weights of `grouped_linear` are treated as constants (frozen
-base weights, and optionally a frozen LoRA pair computed in the same blocks);
-trainable expert parameters are applied with the differentiable helpers
-below: `expert_lora` (every expert's adapter differentiable), and for
-RAPTOR's owner slices `owner_lora_delta` / `owner_linear`, whose cost does not
-grow with E.
+row-wise. The base weights of `grouped_linear` are constants (frozen); a
+LoRA pair rides in the same blocks and is differentiable, its gradient (every
+expert's factors) computed only where asked for. RAPTOR's owner slices use
+`owner_lora_delta` / `owner_linear`, whose cost does not grow with E;
+`dense_linear` and `expert_lora` are the every-expert references.
 """
 
 from __future__ import annotations
@@ -212,17 +211,37 @@ _grouped_backward = _rowwise(functools.partial(_grouped_linear_flat, transpose=T
 
 
 @jax.custom_vjp
-def _grouped_linear(x, experts, *ws):
-  return _grouped_forward(x, experts, *ws)
+def _grouped_linear(x, experts, w, *lora):
+  return _grouped_forward(x, experts, w, *lora)
 
 
-def _grouped_linear_fwd(x, experts, *ws):
-  return _grouped_forward(x, experts, *ws), (experts, ws)
+def _grouped_linear_fwd(x, experts, w, *lora):
+  # x is kept only for the adapter's gradient.
+  return _grouped_forward(x, experts, w, *lora), (x if lora else None, experts, w, lora)
 
 
 def _grouped_linear_bwd(residuals, dy):
-  experts, ws = residuals
-  return (_grouped_backward(dy, experts, *ws), None) + (None,) * len(ws)
+  x, experts, w, lora = residuals
+  dx = _grouped_backward(dy, experts, w, *lora)
+  if not lora:
+    return dx, None, None
+  return (dx, None, None) + _stacked_lora_grads(x, experts, *lora, dy)
+
+
+def _stacked_lora_grads(x, experts, a, b, dy):
+  """Gradients of sum(dy * x @ a[e] @ b[e]) for EVERY expert's factors.
+
+  Every expert's slice of the result is nonzero in general, so this is a
+  one-hot over E (rows x E x r x (d_in + d_out)). Only computed where the
+  stacked factors are differentiated (e.g. monolithic LoRA); XLA drops it
+  everywhere else.
+  """
+  one_hot = jax.nn.one_hot(experts, a.shape[0], dtype=dy.dtype)  # dropped -> 0
+  u = jnp.einsum("td,edr,te->tr", x.astype(dy.dtype), a.astype(dy.dtype), one_hot)
+  g = jnp.einsum("tf,erf,te->tr", dy, b.astype(dy.dtype), one_hot)
+  da = jnp.einsum("td,te,tr->edr", x.astype(dy.dtype), one_hot, g)
+  db = jnp.einsum("tr,te,tf->erf", u, one_hot, dy)
+  return da.astype(a.dtype), db.astype(b.dtype)
 
 
 _grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
@@ -235,19 +254,18 @@ def grouped_linear(x: jax.Array, experts: jax.Array, w: jax.Array,
   Args:
     x: [T, d_in] rows (one per token and routed slot).
     experts: int32 [T] expert of each row; E (= w.shape[0]) drops the row.
-    w: [E, d_in, d_out] stacked expert weights.
-    lora: optional frozen low-rank pair (a [E, d_in, r], b [E, r, d_out]),
-      scale already folded in: y[t] += x[t] @ a[e_t] @ b[e_t], computed in
-      the same blocks.
-
-  All weights are treated as constants (frozen): the gradient flows to `x`
-  only.
+    w: [E, d_in, d_out] stacked expert weights, treated as constants (frozen
+      base weights: no gradient).
+    lora: optional low-rank pair (a [E, d_in, r], b [E, r, d_out]), scale
+      already folded into b: y[t] += x[t] @ a[e_t] @ b[e_t], computed in the
+      same blocks (rows x r x (d_in + d_out) more work, whatever E). The pair
+      is differentiable; its gradient covers every expert's factors, costs a
+      one-hot over E, and is only computed where it is used.
 
   Returns:
     [T, d_out]; zero rows where dropped.
   """
-  ws = (w,) + (tuple(lora) if lora is not None else ())
-  return _grouped_linear(x, experts, *(jax.lax.stop_gradient(v) for v in ws))
+  return _grouped_linear(x, experts, jax.lax.stop_gradient(w), *(lora or ()))
 
 
 def dense_linear(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:
@@ -270,10 +288,10 @@ def expert_lora(x: jax.Array, experts: jax.Array, lora_a: jax.Array,
                 lora_b: jax.Array, scale: float) -> jax.Array:
   """Per-row LoRA update  scale * x[t] @ A[e_t] @ B[e_t]  (0 if dropped).
 
-  Differentiable in the stacked factors (every expert's adapter trains from
-  one sample, e.g. monolithic LoRA), at T * E * r * (d_in + d_out)
-  multiply-adds (r << d): every expert's factors on every row, then select.
-  The owner-slice path (`owner_lora_delta`) does not pay the factor E.
+  The plain-autodiff reference (every expert's factors on every row, then
+  select: T * E * r * (d_in + d_out) multiply-adds, r << d), used with
+  `dispatch='dense'`; the grouped dispatch computes the same update inside
+  its blocks (`grouped_linear(..., lora=...)`) without the factor E.
 
   Args:
     x: [T, d_in] rows.
