@@ -178,8 +178,9 @@ def loop_corrected_flops(fn: Callable, *args,
     ``custom_vjp``, ``custom_vmap``, ...), ``length - 1`` more copies of the
     scan body, whose FLOPs XLA counts on the body compiled alone; nested scans
     are corrected recursively. This assumes XLA keeps each scan a loop (it
-    does on CPU and GPU for the trip counts here); a loop XLA unrolls would be
-    over-counted. ``while_loop``s with a data-dependent trip count cannot be
+    does on CPU and GPU for the trip counts here); a loop XLA unrolls, or
+    removes because its results are unused (e.g. the grouped dispatch's
+    adapter-gradient scans where the adapters are frozen), is over-counted. ``while_loop``s with a data-dependent trip count cannot be
     corrected and stay counted once.
 
     Args:

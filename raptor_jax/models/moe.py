@@ -231,14 +231,15 @@ def _grouped_linear_bwd(residuals, dy):
 def _stacked_lora_grads(x, experts, a, b, dy):
   """Gradients of sum(dy * x @ a[e] @ b[e]) for EVERY expert's factors.
 
-  Every expert's slice of the result is nonzero in general, so this is a
-  one-hot over E (rows x E x r x (d_in + d_out)). Only computed where the
-  stacked factors are differentiated (e.g. monolithic LoRA); XLA drops it
-  everywhere else.
+  The rank-r factors of each row, u = x @ a[e] and g = dy @ b[e]^T, come
+  from the grouped dispatch; the outer products are then summed into every
+  expert's slice with a one-hot over E (rows x E x r x (d_in + d_out)), the
+  size of the result. Only computed where the stacked factors are
+  differentiated (e.g. monolithic LoRA); XLA drops it everywhere else.
   """
   one_hot = jax.nn.one_hot(experts, a.shape[0], dtype=dy.dtype)  # dropped -> 0
-  u = jnp.einsum("td,edr,te->tr", x.astype(dy.dtype), a.astype(dy.dtype), one_hot)
-  g = jnp.einsum("tf,erf,te->tr", dy, b.astype(dy.dtype), one_hot)
+  u = _grouped_forward(x, experts, a).astype(dy.dtype)
+  g = _grouped_backward(dy, experts, b).astype(dy.dtype)
   da = jnp.einsum("td,te,tr->edr", x.astype(dy.dtype), one_hot, g)
   db = jnp.einsum("tr,te,tf->erf", u, one_hot, dy)
   return da.astype(a.dtype), db.astype(b.dtype)
