@@ -26,7 +26,7 @@ from raptor_jax.data.encoding import (
 )
 from raptor_jax.data.synthetic import SyntheticTask, synthetic_task, topic_groups
 from raptor_jax.data.tables import read_columns
-from raptor_jax.data.tasks import TASKS, TaskSpec, get_task, load_task_split
+from raptor_jax.data.tasks import TASKS, TaskSpec, get_task, load_task_split, load_task_texts
 
 __all__ = [
     "PUBLIC_CORPORA",
@@ -43,6 +43,7 @@ __all__ = [
     "get_task",
     "load_public_corpus",
     "load_task_split",
+    "load_task_texts",
     "load_tokenizer",
     "public_word_tokenizer",
     "read_columns",

@@ -219,6 +219,35 @@ def load_task_split(
     )
 
 
+def load_task_texts(
+    task: str,
+    split: str,
+    *,
+    path: str | Path | None = None,
+    text_fields: Sequence[str] | None = None,
+) -> list[str]:
+    """Every text of one split (both sides of a pair), untokenised, in file order.
+
+    For checks that must see the raw text, such as dropping a task's sentences
+    from a public pretraining corpus. Arguments as :func:`load_task_split`.
+    """
+    spec = get_task(task)
+    if split not in spec.splits:
+        raise ValueError(
+            f"Unknown split {split!r} for task {spec.name}; use one of"
+            f" {', '.join(spec.splits)}."
+        )
+    columns, source = _split_columns(spec, split, path)
+    candidates = (
+        [(name,) for name in text_fields] if text_fields is not None else spec.text_fields
+    )
+    names = [
+        tables.pick_column(columns, names, source=source, kind="text", option="text_fields")
+        for names in candidates
+    ]
+    return [_as_text(value) for name in names for value in columns[name]]
+
+
 def _split_columns(
     spec: TaskSpec, split: str, path: str | Path | None
 ) -> tuple[tables.Columns, str]:

@@ -61,9 +61,10 @@ class ExpertLinear(nn.Module):
     features: d_out.
     rank: LoRA rank (0 = no adapter).
     alpha: LoRA alpha; the update is scaled by alpha / rank.
-    dispatch: 'grouped' (sorted blocks, work ~ rows; base kernel frozen) or
+    dispatch: 'grouped' (sorted blocks, work ~ rows; base kernel frozen),
       'dense' (every expert on every row; differentiable in the kernel, used
-      when full expert weights train).
+      when full expert weights train) or 'grouped_train' (sorted blocks,
+      differentiable in the kernel; pretraining, without adapters).
   """
 
   num_experts: int
@@ -118,12 +119,17 @@ class ExpertLinear(nn.Module):
     elif self.dispatch == "grouped":
       # Adapters ride in the base weights' blocks: no factor E in the forward.
       y = moe.grouped_linear(x, experts, kernel, lora)
+    elif self.dispatch == "grouped_train":
+      if lora is not None:
+        raise ValueError("dispatch='grouped_train' trains the base kernels; it takes no adapters")
+      y = moe.grouped_linear_trainable(x, experts, kernel)
     elif self.dispatch == "dense":
       y = moe.dense_linear(x, experts, kernel)
       if lora is not None:
         y = y + moe.expert_lora(x, experts, a, b, scale)
     else:
-      raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'grouped' or 'dense'")
+      raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'grouped', 'dense' or "
+                       "'grouped_train' (pretraining: differentiable kernels, no adapters)")
     if owner_lora:
       y = y + moe.owner_lora_delta(x, experts, scale, owner,
                                    owner_params["lora_a"].astype(self.dtype),

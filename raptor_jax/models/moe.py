@@ -269,6 +269,53 @@ def grouped_linear(x: jax.Array, experts: jax.Array, w: jax.Array,
   return _grouped_linear(x, experts, jax.lax.stop_gradient(w), *(lora or ()))
 
 
+@jax.custom_vjp
+def _grouped_linear_trainable(x, experts, w):
+  return _grouped_forward(x, experts, w)
+
+
+def _grouped_linear_trainable_fwd(x, experts, w):
+  return _grouped_forward(x, experts, w), (x, experts, w)
+
+
+def _grouped_linear_trainable_bwd(residuals, dy):
+  x, experts, w = residuals
+  num_experts = w.shape[0]
+  block = block_size(x.shape[0], num_experts)
+  dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
+
+  def blocks(rows):
+    buf = jnp.zeros((num_blocks * block, rows.shape[-1]), rows.dtype)
+    return buf.at[dest].set(rows, mode="drop").reshape(num_blocks, block, rows.shape[-1])
+
+  per_block = jnp.einsum("nbi,nbo->nio", blocks(x), blocks(dy),
+                         preferred_element_type=jnp.float32)
+  dw = jax.ops.segment_sum(per_block, block_expert, num_segments=num_experts)
+  return _grouped_backward(dy, experts, w), None, dw.astype(w.dtype)
+
+
+_grouped_linear_trainable.defvjp(_grouped_linear_trainable_fwd, _grouped_linear_trainable_bwd)
+
+
+def grouped_linear_trainable(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:
+  """`grouped_linear` differentiable in the stacked weights (pretraining).
+
+  The weight gradient dw[e] = sum_{t: e_t = e} x[t]^T dy[t] is computed in
+  the same sorted blocks (one outer product per block, summed into its
+  expert), so training costs rows x d_in x d_out, not E times that. Not for
+  per-record gradients: under `vmap` the weights must stay unbatched.
+
+  Args:
+    x: [T, d_in] rows.
+    experts: int32 [T] expert of each row; E drops the row.
+    w: [E, d_in, d_out].
+
+  Returns:
+    [T, d_out]; zero rows where dropped.
+  """
+  return _grouped_linear_trainable(x, experts, w)
+
+
 def dense_linear(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:
   """Reference dispatch: every expert on every row, then select (E x work).
 

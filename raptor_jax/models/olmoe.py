@@ -56,7 +56,7 @@ class OlmoeConfig:
   lora_alpha: float = 16.0  # LoRA scale is alpha / r.
   attention_lora: bool = False  # adapters on q, k, v, o of every block.
   expert_lora_layers: tuple[int, ...] = ()  # blocks whose experts get adapters.
-  dispatch: str = "grouped"  # expert dispatch: 'grouped' or 'dense'.
+  dispatch: str = "grouped"  # expert dispatch: 'grouped', 'dense' or 'grouped_train' (pretraining).
   dtype: str = "float32"  # activation dtype; router and norm statistics use float32.
 
   def __post_init__(self):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import ml_collections
@@ -21,10 +21,11 @@ import orbax.checkpoint as ocp
 from raptor_jax.train.config import RESUME_INSENSITIVE
 
 
-def fingerprint(config: ml_collections.ConfigDict) -> str:
+def fingerprint(config: ml_collections.ConfigDict,
+                insensitive: Sequence[str] = RESUME_INSENSITIVE) -> str:
   """Hash of every config field that changes what the run computes."""
   values = config.to_dict()
-  for key in RESUME_INSENSITIVE:
+  for key in insensitive:
     values.pop(key, None)
   return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -32,9 +33,10 @@ def fingerprint(config: ml_collections.ConfigDict) -> str:
 class Checkpointer:
   """Saves and restores (state, meta) under `<workdir>/checkpoints`."""
 
-  def __init__(self, workdir: str | Path, config: ml_collections.ConfigDict, max_to_keep: int = 2):
+  def __init__(self, workdir: str | Path, config: ml_collections.ConfigDict, max_to_keep: int = 2,
+               insensitive: Sequence[str] = RESUME_INSENSITIVE):
     self.directory = Path(workdir).expanduser().resolve() / "checkpoints"
-    self.fingerprint = fingerprint(config)
+    self.fingerprint = fingerprint(config, insensitive)
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 

@@ -1,0 +1,227 @@
+"""Public pretraining text: sources, cleaning, deduplication, decontamination.
+
+Pretraining must never see the fine-tuning task's text, or the later DP
+fine-tuning would be evaluated on (and partly trained on) data the model
+already memorised outside the privacy accounting. So every public document
+that contains a train or dev text of the task verbatim is dropped, and the
+count is reported. Matching is on a normalised form (lowercase letters and
+digits only), so tokenisation differences (SST-2's PTB style ``does n't``
+against ``doesn't``, WikiText's `` @-@ ``) do not hide a copy.
+
+Documents are split into a training part and a held-out part by a hash of
+their text, so the split does not depend on file order or on which other
+documents exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from raptor_jax.data import synthetic, tables, tasks
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainSource:
+  """A public corpus on the Hub and in a local copy.
+
+  Attributes:
+    hub_id, hub_config, split, text_field: where `datasets` finds it.
+    local_name: its file under a local data directory (`corpus.local_dir`).
+  """
+
+  hub_id: str
+  hub_config: str | None
+  split: str
+  text_field: str
+  local_name: str
+
+
+# WikiText-2 *train* only: its valid split quotes an SST-2 dev sentence.
+PRETRAIN_SOURCES: dict[str, PretrainSource] = {
+    "wikitext2": PretrainSource("Salesforce/wikitext", "wikitext-2-raw-v1", "train", "text",
+                                "wikitext2/train.txt"),
+    "imdb": PretrainSource("stanfordnlp/imdb", None, "unsupervised", "text", "imdb/unsup.tsv"),
+}
+# Generated offline (the `:tiny` presets): unlabeled reviews and descriptions
+# in the synthetic task's vocabulary, from other random streams than the task.
+SYNTHETIC = "synthetic"
+
+_WIKITEXT_MARKUP = ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."))
+_HTML_BREAK = re.compile(r"<br\s*/?>", re.IGNORECASE)
+_SPACES = re.compile(r"\s+")
+_NOT_ALNUM = re.compile(r"[^0-9a-z]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+  """Cleaned public documents and what cleaning removed."""
+
+  train: list[str]
+  heldout: list[str]
+  stats: dict[str, int]
+
+
+def clean(text: str, source: str) -> str:
+  """One document as plain text: markup removed, whitespace collapsed.
+
+  WikiText headings (`= Title =`) become empty, so they are dropped.
+  """
+  text = _HTML_BREAK.sub(" ", text)
+  if source == "wikitext2":
+    if text.strip().startswith("="):
+      return ""
+    for markup, plain in _WIKITEXT_MARKUP:
+      text = text.replace(markup, plain)
+  return _SPACES.sub(" ", text).strip()
+
+
+def normalize(text: str) -> str:
+  """The matching form: lowercase letters and digits, nothing else."""
+  return _NOT_ALNUM.sub("", text.lower())
+
+
+def read_source(name: str, *, local_dir: str = "", seed: int = 0,
+                n_synthetic: int = 4000) -> list[str]:
+  """The raw documents of one source, in corpus order.
+
+  Args:
+    name: a key of `PRETRAIN_SOURCES`, `"synthetic"`, or `name=path` for a
+      local file of that source (`.txt`: one document per line; `.tsv`,
+      `.csv`, `.parquet`, `.jsonl`: a `text` column).
+    local_dir: a directory holding the sources' local copies under their
+      `local_name` (e.g. `../shared/data/pretrain`); '' reads the Hub.
+    seed: the seed of the synthetic source.
+    n_synthetic: documents of the synthetic source.
+  """
+  name, _, path = name.partition("=")
+  if name == SYNTHETIC:
+    reviews = synthetic.generate_records(seed + 1_000_003, n_synthetic // 2).texts
+    return reviews + synthetic.generate_public_texts(seed + 1_000_003, n_synthetic // 2)
+  if name not in PRETRAIN_SOURCES:
+    raise ValueError(f"unknown pretraining source {name!r}; use {', '.join(PRETRAIN_SOURCES)}, "
+                     f"{SYNTHETIC!r} or name=/path/to/file")
+  spec = PRETRAIN_SOURCES[name]
+  if not path and local_dir:
+    path = str(Path(local_dir) / spec.local_name)
+  if path:
+    columns = tables.read_columns(path)
+  else:
+    columns = tables.load_hub_columns(
+        spec.hub_id, spec.hub_config, spec.split,
+        fix=f"set --config.corpus.local_dir to a directory with {spec.local_name}, or give "
+        f"--config.corpus.sources={name}=/path/to/file")
+  field = tables.pick_column(columns, (spec.text_field,), source=path or spec.hub_id,
+                             kind="text", option="corpus.sources")
+  return [str(t) for t in columns[field] if t is not None]
+
+
+def task_texts(task: str, *, train_path: str = "", dev_path: str = "", seed: int = 0
+               ) -> list[str]:
+  """Every text of the fine-tuning task's train and dev splits.
+
+  Sentence pairs contribute both sides. The synthetic task is regenerated
+  from `seed` with its default sizes (`data.synthetic_task`).
+  """
+  if task == SYNTHETIC:
+    return synthetic.generate_records(seed, 4000 + 500).texts
+  texts = []
+  for split, path in (("train", train_path), ("dev", dev_path)):
+    texts.extend(tasks.load_task_texts(task, split, path=path or None))
+  return texts
+
+
+def contamination_index(task_texts_: Iterable[str], *, min_chars: int) -> dict[str, set[str]]:
+  """The task's normalised texts of at least `min_chars`, keyed by their prefix.
+
+  Shorter texts (SST-2 train holds phrases such as "good") would match
+  almost every document without being a copy of the task.
+  """
+  index: dict[str, set[str]] = {}
+  for text in task_texts_:
+    norm = normalize(text)
+    if len(norm) >= min_chars:
+      index.setdefault(norm[:min_chars], set()).add(norm)
+  return index
+
+
+def is_contaminated(document: str, index: dict[str, set[str]], min_chars: int) -> bool:
+  """Whether any indexed task text occurs verbatim (normalised) in `document`.
+
+  Candidate positions are the starts of the document's words; each window of
+  `min_chars` normalised characters is looked up, and a hit is confirmed by
+  comparing the whole task text.
+  """
+  if not index:
+    return False
+  lowered = document.lower()
+  starts, norm_parts, position = [], [], 0
+  for match in re.finditer(r"[0-9a-z]+", lowered):
+    starts.append(position)
+    norm_parts.append(match.group())
+    position += len(match.group())
+  norm = "".join(norm_parts)
+  for start in starts:
+    candidates = index.get(norm[start:start + min_chars])
+    if candidates and any(norm.startswith(c, start) for c in candidates):
+      return True
+  return False
+
+
+def heldout_bucket(text: str) -> float:
+  """A uniform number in [0, 1) from the text's hash (order independent)."""
+  return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") / 2.0**64
+
+
+def build_corpus(sources: Sequence[str], *, contaminants: Iterable[str] = (),
+                 local_dir: str = "", heldout_fraction: float = 0.01, min_chars: int = 32,
+                 seed: int = 0, n_synthetic: int = 4000) -> Corpus:
+  """Reads, cleans, deduplicates and decontaminates the public documents.
+
+  Args:
+    sources: see `read_source`.
+    contaminants: the fine-tuning task's train and dev texts.
+    local_dir: local copies of the sources (see `read_source`).
+    heldout_fraction: share of documents held out for evaluation.
+    min_chars: task texts with fewer normalised characters are not matched.
+    seed: the synthetic source's seed.
+    n_synthetic: documents of the synthetic source.
+
+  Returns:
+    The corpus; `stats` counts documents read, empty, duplicate and
+    contaminated (dropped), and kept for training and held out.
+  """
+  if not sources:
+    raise ValueError("no pretraining source; set --config.corpus.sources")
+  if not 0.0 < heldout_fraction < 1.0:
+    raise ValueError(f"corpus.heldout_fraction must be in (0, 1), got {heldout_fraction}")
+  index = contamination_index(contaminants, min_chars=min_chars)
+  stats = dict(read=0, empty=0, duplicate=0, contaminated=0, task_texts_indexed=sum(
+      len(v) for v in index.values()))
+  seen: set[str] = set()
+  train, heldout = [], []
+  for source in sources:
+    name = source.partition("=")[0]
+    for raw in read_source(source, local_dir=local_dir, seed=seed, n_synthetic=n_synthetic):
+      stats["read"] += 1
+      text = clean(raw, name)
+      if not text:
+        stats["empty"] += 1
+        continue
+      key = normalize(text)
+      if key in seen:
+        stats["duplicate"] += 1
+        continue
+      seen.add(key)
+      if is_contaminated(text, index, min_chars):
+        stats["contaminated"] += 1
+        continue
+      (heldout if heldout_bucket(key) < heldout_fraction else train).append(text)
+  stats.update(train=len(train), heldout=len(heldout))
+  if not train or not heldout:
+    raise ValueError(f"the pretraining corpus has {len(train)} training and {len(heldout)} "
+                     "held-out documents; add sources or change corpus.heldout_fraction")
+  return Corpus(train, heldout, stats)

@@ -1,0 +1,53 @@
+"""A WordPiece tokenizer trained on the public pretraining corpus only.
+
+The vocabulary is a statistic of the text it is trained on, so it is never
+trained on private data: here it sees only the (decontaminated) public
+training documents. It is saved next to the model, and fine-tuning loads it
+from the model directory (`AutoTokenizer.from_pretrained(model_dir)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import tokenizers
+import transformers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from raptor_jax.data.encoding import CLS, PAD, SEP, UNK
+
+MASK = "[MASK]"
+SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)  # ids 0..4
+
+
+def train_wordpiece(texts: Iterable[str], *, vocab_size: int, min_frequency: int = 2,
+                    model_max_length: int = 512) -> transformers.PreTrainedTokenizerFast:
+  """Trains a lowercase BERT-style WordPiece tokenizer.
+
+  Args:
+    texts: the public training documents.
+    vocab_size: target vocabulary size, special tokens included.
+    min_frequency: a merge must occur at least this often.
+    model_max_length: the longest sequence the model takes.
+
+  Returns:
+    A fast tokenizer: `[CLS] a [SEP]` for one text, `[CLS] a [SEP] b [SEP]`
+    for a pair, with `[PAD]` = 0 and a `[MASK]` token for masked LM.
+  """
+  if vocab_size <= len(SPECIAL_TOKENS):
+    raise ValueError(f"tokenizer vocab_size must exceed {len(SPECIAL_TOKENS)}, got {vocab_size}")
+  backend = tokenizers.Tokenizer(models.WordPiece(unk_token=UNK))
+  backend.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True,
+                                                  clean_text=True)
+  backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+  backend.decoder = decoders.WordPiece()
+  trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                      special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+  backend.train_from_iterator(texts, trainer=trainer)
+  cls_id, sep_id = backend.token_to_id(CLS), backend.token_to_id(SEP)
+  backend.post_processor = processors.TemplateProcessing(
+      single=f"{CLS} $A {SEP}", pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
+      special_tokens=[(CLS, cls_id), (SEP, sep_id)])
+  return transformers.PreTrainedTokenizerFast(
+      tokenizer_object=backend, pad_token=PAD, unk_token=UNK, cls_token=CLS, sep_token=SEP,
+      mask_token=MASK, model_max_length=model_max_length)
