@@ -162,6 +162,18 @@ def test_host_shards_partition_the_records_in_order(tmp_path, tokenizer):
         data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path, shard=(3, 3))
 
 
+def test_offset_selects_a_held_out_slice_after_the_training_records(tmp_path, tokenizer):
+    rows = "".join(f"w{i} tea\t{i % 2}\n" for i in range(10))
+    path = _write(tmp_path / "train.tsv", "sentence\tlabel\n" + rows)
+    whole = data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path)
+    held = data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path, offset=6,
+                                limit=3)
+    np.testing.assert_array_equal(held.input_ids, whole.input_ids[6:9])
+    np.testing.assert_array_equal(held.labels, whole.labels[6:9])
+    with pytest.raises(ValueError, match="fewer than the 11"):
+        data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path, offset=6, limit=5)
+
+
 def test_a_bad_label_fails_on_every_host(tmp_path, tokenizer):
     path = _write(tmp_path / "train.tsv", "sentence\tlabel\ntea\t1\nsoup\t7\n")
     for p in range(2):  # row 2 belongs to host 1, host 0 still refuses the file

@@ -52,7 +52,65 @@ def test_run_is_resumable_and_skips_finished_cells(tmp_path):
   sweep.run(micro_config(), tmp_path, train=fake_train, **grid)
   assert len(calls) == 3
   cell = json.loads((tmp_path / "synthetic/raptor/eps2/seed0/cell.json").read_text())
-  assert cell == {"task": "synthetic", "variant": "raptor", "target_epsilon": 2.0, "seed": 0}
+  assert cell == {"task": "synthetic", "variant": "raptor", "target_epsilon": 2.0, "seed": 0,
+                  "tune_clip": None, "clip_shared": 1.0, "clip_expert": 1.0}
+
+
+def test_clip_tuning_scores_on_the_holdout_and_every_seed_uses_the_choice(tmp_path):
+  """Each (variant, epsilon) tries the grid with the tuning seed on held-out train
+  records, picks the best (ties: first in the grid), and its table cells use it."""
+  calls = []
+  holdout_accuracy = {0.1: 0.70, 1.0: 0.75, 10.0: 0.75}
+
+  def fake_train(config, workdir):
+    calls.append((config.method, config.seed, config.privacy.clip_shared,
+                  config.privacy.clip_expert, config.data.eval_split))
+    accuracy = holdout_accuracy[config.privacy.clip_shared]
+    if config.method == "monolithic_lora":
+      accuracy = 1.0 - accuracy  # its best clip is 0.1
+    (tmp_path / workdir / "results.json").write_text(json.dumps(dict(accuracy=accuracy)))
+
+  base = micro_config()
+  with pytest.raises(ValueError, match="holdout"):
+    sweep.run(base, tmp_path, variants=["raptor"], epsilons=[8.0], seeds=[0],
+              clip_grid=[0.1, 1.0], train=fake_train)
+  base.data.train_limit, base.data.holdout = 100, 20
+  with pytest.raises(ValueError, match="tune_seed"):
+    sweep.run(base, tmp_path, variants=["raptor"], epsilons=[8.0], seeds=[0, 100],
+              clip_grid=[0.1], train=fake_train)
+  grid = dict(variants=["raptor", "monolithic_lora", "nonprivate_lora"], epsilons=[8.0],
+              seeds=[0, 1], clip_grid=[0.1, 1.0, 10.0], tune_seed=100)
+  sweep.run(base, tmp_path, train=fake_train, **grid)
+  tuning = [c for c in calls if c[1] == 100]
+  assert all(c[4] == "holdout" and c[2] == c[3] for c in tuning) and len(tuning) == 6
+  table = [c for c in calls if c[1] != 100]
+  assert all(c[4] == "dev" for c in table)
+  assert [c[:3] for c in table] == [("raptor", 0, 1.0), ("monolithic_lora", 0, 0.1),
+                                    ("nonprivate_lora", 0, 1.0), ("raptor", 1, 1.0),
+                                    ("monolithic_lora", 1, 0.1), ("nonprivate_lora", 1, 1.0)]
+  chosen = json.loads((tmp_path / "synthetic/raptor/eps8/tuning.json").read_text())
+  assert chosen["chosen_clip"] == 1.0 and chosen["holdout_accuracy"] == {
+      "0.1": 0.7, "1": 0.75, "10": 0.75}
+  assert len(sweep.collect(tmp_path)) == 6 and len(sweep.collect(tmp_path, tuning=True)) == 6
+  sweep.run(base, tmp_path, train=fake_train, **grid)  # everything done: nothing reruns
+  assert len(calls) == 12
+  assert "| 8 | Ours, entropy-sel. | 70.00 | 75.00 | 75.00 | 1 |" in report.tuning_markdown(
+      tmp_path)
+
+
+def test_paired_difference_and_its_interval(tmp_path):
+  diffs = [1.0, 3.0, 2.0]
+  for seed, d in enumerate(diffs):
+    _fake_cell(tmp_path, "sst2", "raptor", 1.0, seed, 0.60 + d / 100)
+    _fake_cell(tmp_path, "sst2", "monolithic_lora", 1.0, seed, 0.60)
+  _fake_cell(tmp_path, "sst2", "raptor", 8.0, 0, 0.7)  # no partner: no 8.0 row
+  (pair,) = report.paired_differences(sweep.collect(tmp_path))
+  assert pair["epsilon"] == 1.0 and pair["seeds"] == [0, 1, 2]
+  assert pair["mean"] == pytest.approx(2.0)
+  half = 4.302652729911275 * 1.0 / 3 ** 0.5  # t_{0.975, 2} * sd / sqrt(n)
+  assert pair["ci95"] == pytest.approx((2.0 - half, 2.0 + half))
+  text = report.paired_markdown([pair])
+  assert "+1.00, +3.00, +2.00 | +2.00 | [-0.48, +4.48]" in text
 
 
 def _fake_cell(root, task, variant, eps, seed, accuracy, wall=10.0):

@@ -173,6 +173,9 @@ def test_residual_weights_in_unit_interval_and_applied_before_clipping():
     ({"batch_size": 5000}, "larger than the dataset"),
     ({"method": "magic"}, "unknown method"),
     ({"raptor.residual_gamma": 0.0}, "residual_gamma"),
+    ({"model.name": ""}, "model.name"),
+    ({"data.eval_split": "holdout"}, "data.holdout"),
+    ({"data.holdout": 10}, "train_limit"),
 ])
 def test_bad_configs_fail_with_one_clear_line(tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):

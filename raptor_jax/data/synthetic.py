@@ -120,7 +120,7 @@ class SyntheticTask(NamedTuple):
     dev: encoding.TextClassificationData
     public_texts: list[str]
     tokenizer: encoding.Tokenizer
-    token_groups: np.ndarray  # int32 [vocab size], topic of each token id or -1
+    token_groups: np.ndarray | None  # int32 [vocab size], topic of each token id or -1
 
 
 def word_polarity(word: str, topic: int) -> int:
@@ -235,6 +235,7 @@ def synthetic_task(
     n_pub: int = 1000,
     max_length: int = 32,
     label_noise: float = 0.05,
+    tokenizer: encoding.Tokenizer | None = None,
 ) -> SyntheticTask:
     """Generates the offline task: train/dev splits, public corpus, tokenizer.
 
@@ -249,6 +250,9 @@ def synthetic_task(
         n_pub: public (unlabeled) texts for layer selection.
         max_length: tokens per record (reviews have at most 20 words + 2).
         label_noise: probability of a flipped label, train and dev alike.
+        tokenizer: tokenise with this tokenizer (e.g. a pretrained model's)
+            instead of the task's word-level one; ``token_groups`` is then
+            ``None`` (it only serves randomly initialised models).
 
     Returns:
         The task.
@@ -263,14 +267,17 @@ def synthetic_task(
         )
     records = generate_records(seed, n_train + n_dev, label_noise=label_noise)
     public = generate_public_texts(seed, n_pub, exclude=frozenset(records.texts))
-    tokenizer = build_tokenizer(max_length)
+    groups = None
+    if tokenizer is None:
+        tokenizer = build_tokenizer(max_length)
+        groups = topic_groups(tokenizer)
     train, dev = (
         encoding.encode(
             tokenizer, records.texts[part], records.labels[part], max_length=max_length
         )
         for part in (slice(0, n_train), slice(n_train, n_train + n_dev))
     )
-    return SyntheticTask(train, dev, public, tokenizer, topic_groups(tokenizer))
+    return SyntheticTask(train, dev, public, tokenizer, groups)
 
 
 def _pick(rng: np.random.Generator, words: tuple[str, ...]) -> str:

@@ -135,6 +135,7 @@ def load_task_split(
     text_fields: str | Sequence[str] | None = None,
     label_field: str | None = None,
     limit: int | None = None,
+    offset: int = 0,
     shard: tuple[int, int] = (0, 1),
 ) -> encoding.TextClassificationData:
     """Loads one split of a task as right-padded ``int32`` arrays.
@@ -156,6 +157,9 @@ def load_task_split(
             overriding the task's aliases.
         label_field: column name of the label, overriding the aliases.
         limit: keep only the first ``limit`` records (quick runs).
+        offset: skip this many records first (``offset`` and ``limit`` select
+            records ``offset .. offset + limit - 1``, e.g. a held-out slice
+            after the training records).
         shard: ``(index, count)``: tokenise and return only the records ``i``
             (of the first ``limit``) with ``i % count == index``, this host's
             share in a multi-host run. Every label is still checked, so a bad
@@ -178,6 +182,8 @@ def load_task_split(
         )
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be at least 1 or None, got {limit}.")
+    if offset < 0:
+        raise ValueError(f"offset must be at least 0, got {offset}.")
     if isinstance(text_fields, str):
         text_fields = (text_fields,)
     if text_fields is not None and len(text_fields) not in (1, 2):
@@ -203,12 +209,18 @@ def load_task_split(
     index, count = shard
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} is not in [0, {count}).")
-    stop = limit if limit is not None else len(columns[label_name])
+    total = len(columns[label_name])
+    stop = total if limit is None else offset + limit
+    if stop > total:
+        raise ValueError(
+            f"{source} has {total} records, fewer than the {stop} that offset {offset} and"
+            f" limit {limit} ask for; lower the limit (train_limit/holdout)."
+        )
     labels = [
         _label_id(value, spec, row=row, column=label_name, source=source)
-        for row, value in enumerate(columns[label_name][:stop], start=1)
+        for row, value in enumerate(columns[label_name][offset:stop], start=offset + 1)
     ][index::count]
-    texts = [[_as_text(value) for value in columns[name][:stop][index::count]]
+    texts = [[_as_text(value) for value in columns[name][offset:stop][index::count]]
              for name in text_names]
     return encoding.encode(
         tokenizer,

@@ -48,9 +48,9 @@ def base_config(family: str = "switch") -> ml_collections.ConfigDict:
 
   c.seq_len = 64  # tokens per training row (documents packed, no padding)
   c.batch_size = 128  # rows per step
-  c.steps = 1200  # optimizer steps
+  c.steps = 900  # optimizer steps
   c.warmup_steps = 60  # linear warmup, then cosine decay
-  c.learning_rate = 1.5e-3  # peak AdamW learning rate
+  c.learning_rate = 5e-3  # peak AdamW learning rate
   c.end_learning_rate_ratio = 0.1  # final learning rate / peak
   c.weight_decay = 0.01  # AdamW decay (not on norm scales)
   c.adam_b2 = 0.98  # AdamW second-moment decay
@@ -81,8 +81,8 @@ def tiny_preset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.seq_len = 32
   c.batch_size = 16
   c.steps = 60
-  c.warmup_steps = 10
-  c.learning_rate = 3e-3
+  c.warmup_steps = 5
+  c.learning_rate = 1e-2
   c.eval.records = 200
   c.eval.record_length = 32
   c.eval_every = 0

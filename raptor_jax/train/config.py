@@ -42,6 +42,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.max_length = 128  # tokens per record, right padding
   c.data.train_limit = 0  # use only the first N train records (0 = all)
   c.data.dev_limit = 0  # use only the first N dev records (0 = all)
+  c.data.holdout = 0  # N train-file records after the first train_limit, never trained on (0 = none)
+  c.data.eval_split = "dev"  # dev | holdout (tuning: evaluate on the held-out train records, not dev)
   c.data.public_corpus = "imdb"  # preset (imdb | squad | anli_r2 | paws), hub id, or '' for none
   c.data.public_path = ""  # local public corpus file (overrides the hub)
   c.data.public_split = ""  # hub split ('' = the preset's)
@@ -123,6 +125,30 @@ def cpu_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return config
 
 
+def small_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A small pretrained MoE (`launch/pretrain.py`) on the real task's files.
+
+  Set --config.model.name=<pretrain workdir>/model (its WordPiece tokenizer is
+  used) and the data paths. Sized so that one run takes at most ~8 minutes
+  on 2 CPU cores: the first 20,000 training records (one epoch of 40 cycles
+  at B=500), the next 2,000 held out for tuning, max length 64.
+  """
+  config.model.name = ""
+  config.model.lora_rank = 8
+  config.model.lora_alpha = 16.0
+  config.data.max_length = 64
+  config.data.train_limit = 20000
+  config.data.holdout = 2000
+  config.batch_size = 500
+  config.microbatch_size = 100
+  config.epochs = 1
+  config.learning_rate = 2e-3
+  config.eval_batch_size = 250
+  config.log_every_cycles = 10
+  config.checkpoint_every_cycles = 20
+  return config
+
+
 def olmoe_family(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """OLMoE-1B-7B (E=64, top-8, 16 sparse blocks) instead of Switch-base-8."""
   config.model.name = "allenai/OLMoE-1B-7B-0924"
@@ -138,11 +164,12 @@ def with_preset(config: ml_collections.ConfigDict, arg: str,
 
   Args:
     config: the task's config.
-    arg: '' (paper scale), 'tiny' (embedded offline task) or 'cpu' (tiny
-      model on the real task's files).
+    arg: '' (paper scale), 'tiny' (embedded offline task), 'cpu' (tiny
+      random model on the real task's files) or 'small' (a small pretrained
+      model from launch/pretrain.py on the real task's files).
     family: 'switch' or 'olmoe'.
   """
-  presets = {"": lambda c: c, "tiny": tiny_preset, "cpu": cpu_preset}
+  presets = {"": lambda c: c, "tiny": tiny_preset, "cpu": cpu_preset, "small": small_preset}
   if arg not in presets:
     raise ValueError(f"unknown preset {arg!r}; use one of {sorted(presets)}")
   if family == "olmoe":

@@ -127,6 +127,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   start_time = time.time()
   workdir = Path(workdir).expanduser().resolve()
   workdir.mkdir(parents=True, exist_ok=True)
+  if not config.model.name:
+    raise ValueError("set --config.model.name to a Hub id or a save_pretrained directory "
+                     "(e.g. <pretrain workdir>/model from launch/pretrain.py)")
   if config.method not in methods.METHODS:
     raise ValueError(f"unknown method {config.method!r}; choose one of "
                      f"{', '.join(methods.METHODS)}")
@@ -187,6 +190,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   else:
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
+  if config.data.eval_split == "holdout":
+    log.warning("data.eval_split='holdout': accuracy is measured on held-out records of the "
+                "private train file; it is not differentially private (use it to tune "
+                "hyperparameters, as the paper does, and do not publish it as private)")
   if config.log_private_stats:
     log.warning("log_private_stats=True: the private training loss will be logged; it is NOT "
                 "differentially private and must not leave your trust boundary")
@@ -289,7 +296,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       batch_size=config.batch_size, n=n)
   _write_json(workdir / "privacy_report.json", report)
   results = dict(
-      method=plan.method, task=run_data.task.name, finished=finished, cycles=cycle,
+      method=plan.method, task=run_data.task.name, eval_split=config.data.eval_split,
+      finished=finished, cycles=cycle,
       wall_time_s=earlier_wall_s + time.time() - start_time,  # every segment of the run
       wall_time_this_session_s=time.time() - start_time, epsilon=report["epsilon"],
       trainable_parameters={part.name: int(sum(np.size(v) for v in trainable[part.name].values()))

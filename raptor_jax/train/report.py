@@ -218,8 +218,76 @@ def diagnostics_markdown(rows: Sequence[dict[str, Any]]) -> str | None:
   return "\n".join(lines) + "\n"
 
 
-def write(workdir: str | Path) -> list[Path]:
-  """Writes the table, the plots and any diagnostics table under `workdir`.
+def paired_differences(rows: Sequence[dict[str, Any]], a: str = "raptor",
+                       b: str = "monolithic_lora") -> list[dict[str, Any]]:
+  """Per (task, epsilon): the seed-paired accuracy difference a - b, in points.
+
+  Cells of the same seed share the initialisation (`config.seed`), so the
+  difference is paired; the interval is the two-sided 95% Student t interval
+  of the mean difference over the seeds both variants finished.
+  """
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  by_key: dict[tuple, dict[int, float]] = {}
+  for row in rows:
+    if row["variant"] in (a, b) and row["target_epsilon"] is not None:
+      by_key.setdefault((row["task"], row["target_epsilon"], row["variant"]), {})[
+          row["seed"]] = 100.0 * row[METRIC]
+  out = []
+  for task, eps in sorted({(t, e) for t, e, _ in by_key}):
+    first, second = by_key.get((task, eps, a), {}), by_key.get((task, eps, b), {})
+    seeds = sorted(set(first) & set(second))
+    if not seeds:
+      continue
+    diffs = np.array([first[s] - second[s] for s in seeds])
+    entry = dict(task=task, epsilon=eps, a=a, b=b, seeds=seeds, differences=diffs.tolist(),
+                 mean=float(diffs.mean()), std=None, ci95=None)
+    if len(diffs) > 1:
+      sd = float(diffs.std(ddof=1))
+      half = float(stats.t.ppf(0.975, len(diffs) - 1) * sd / math.sqrt(len(diffs)))
+      entry.update(std=sd, ci95=(entry["mean"] - half, entry["mean"] + half))
+    out.append(entry)
+  return out
+
+
+def paired_markdown(pairs: Sequence[dict[str, Any]]) -> str | None:
+  if not pairs:
+    return None
+  a, b = pairs[0]["a"], pairs[0]["b"]
+  lines = [f"Paired difference {sweep.LABELS.get(a, a)} − {sweep.LABELS.get(b, b)} "
+           "(points, same seed = same initialisation; 95% Student t interval).", "",
+           "| Task | ε | seeds | per-seed differences | mean | 95% interval |",
+           "|---|---|---|---|---|---|"]
+  for p in pairs:
+    interval = "-" if p["ci95"] is None else f"[{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}]"
+    lines.append(f"| {p['task']} | {p['epsilon']:g} | {len(p['seeds'])} | "
+                 + ", ".join(f"{d:+.2f}" for d in p["differences"])
+                 + f" | {p['mean']:+.2f} | {interval} |")
+  return "\n".join(lines) + "\n"
+
+
+def tuning_markdown(workdir: str | Path) -> str | None:
+  """The clip-norm search of each (variant, epsilon): held-out accuracy per candidate."""
+  found = [json.loads(p.read_text()) for p in sorted(Path(workdir).rglob("tuning.json"))]
+  if not found:
+    return None
+  order = _order({t["variant"] for t in found})
+  found.sort(key=lambda t: (t["epsilon"], order.index(t["variant"])))
+  clips = sorted({c for t in found for c in t["holdout_accuracy"]}, key=float)
+  lines = ["Clip-norm tuning: held-out train-record accuracy (%) per candidate C "
+           f"(seed {found[0]['tune_seed']}, never the dev set); the chosen C is used for every "
+           "seed of the table.", "",
+           "| ε | Method | " + " | ".join(f"C={c}" for c in clips) + " | chosen |",
+           "|---|---|" + "---|" * (len(clips) + 1)]
+  for t in found:
+    accs = t["holdout_accuracy"]
+    lines.append(f"| {t['epsilon']:g} | {sweep.LABELS.get(t['variant'], t['variant'])} | "
+                 + " | ".join("-" if c not in accs else f"{100 * accs[c]:.2f}" for c in clips)
+                 + f" | {t['chosen_clip']:g} |")
+  return "\n".join(lines) + "\n"
+
+
+def write(workdir: str | Path, out: str | Path | None = None) -> list[Path]:
+  """Writes the table, the plots and any diagnostics table under `out` (default `workdir`).
 
   Returns:
     Paths of results.csv, results.md, accuracy_vs_epsilon.png,
@@ -230,14 +298,22 @@ def write(workdir: str | Path) -> list[Path]:
   entries = summarize(rows)
   if not entries:
     raise ValueError(f"no finished cells (cell.json + results.json) under {workdir}")
-  paths = [workdir / name for name in ("results.csv", "results.md", "accuracy_vs_epsilon.png",
-                                       "routing_entropy.png")]
+  out = Path(out) if out is not None else workdir
+  out.mkdir(parents=True, exist_ok=True)
+  paths = [out / name for name in ("results.csv", "results.md", "accuracy_vs_epsilon.png",
+                                   "routing_entropy.png")]
   write_csv(entries, paths[0])
-  paths[1].write_text(markdown(entries), encoding="utf-8")
+  extra = [paired_markdown(paired_differences(rows)), tuning_markdown(workdir)]
+  paths[1].write_text("\n".join([markdown(entries)] + [e for e in extra if e]),
+                      encoding="utf-8")
   plot_accuracy(entries, paths[2])
   plot_routing_entropy(routing_tables(workdir), paths[3])
+  environment = workdir / "environment.json"
+  if environment.exists() and out != workdir:
+    paths.append(out / "environment.json")
+    paths[-1].write_text(environment.read_text(), encoding="utf-8")
   diagnostics = diagnostics_markdown(rows)
   if diagnostics is not None:
-    paths.append(workdir / "diagnostics.md")
+    paths.append(out / "diagnostics.md")
     paths[-1].write_text(diagnostics, encoding="utf-8")
   return paths

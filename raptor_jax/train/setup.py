@@ -42,6 +42,21 @@ def _shard_of(train: data.TextClassificationData, index: int,
                                      train.labels[index::count])
 
 
+def check_eval_split(dc: ml_collections.ConfigDict) -> None:
+  """The evaluation split exists and the holdout never overlaps training records."""
+  if dc.eval_split not in ("dev", "holdout"):
+    raise ValueError(f"data.eval_split must be 'dev' or 'holdout', got {dc.eval_split!r}")
+  if dc.holdout < 0:
+    raise ValueError(f"data.holdout must be >= 0, got {dc.holdout}")
+  if dc.holdout and not dc.train_limit:
+    raise ValueError("data.holdout takes the records after the first data.train_limit; set "
+                     "--config.data.train_limit so that they are not trained on")
+  if dc.eval_split == "holdout" and not dc.holdout:
+    raise ValueError("data.eval_split='holdout' needs --config.data.holdout=N (N > 0)")
+  if dc.eval_split == "holdout" and dc.task == "synthetic":
+    raise ValueError("the synthetic task has no holdout; use data.eval_split='dev'")
+
+
 def load_run_data(config: ml_collections.ConfigDict,
                   host: tuple[int, int] = (0, 1)) -> RunData:
   """Loads train/dev and the public corpus, tokenised for the model.
@@ -55,10 +70,15 @@ def load_run_data(config: ml_collections.ConfigDict,
   """
   dc = config.data
   task = data.get_task(dc.task)
+  check_eval_split(dc)
   if task.name == "synthetic":
+    # A pretrained model reads the task through its own tokenizer.
+    model_tokenizer = None if config.model.name == "random" else data.load_tokenizer(
+        config.model.tokenizer or config.model.name)
     syn = data.synthetic_task(config.seed, n_train=dc.synthetic.n_train,
                               n_dev=dc.synthetic.n_dev, n_pub=dc.n_pub,
-                              max_length=dc.max_length, label_noise=dc.synthetic.label_noise)
+                              max_length=dc.max_length, label_noise=dc.synthetic.label_noise,
+                              tokenizer=model_tokenizer)
     public = data.tokenize(syn.tokenizer, syn.public_texts, max_length=dc.max_length)
     return RunData(task, _shard_of(syn.train, *host), syn.dev,
                    public if dc.public_corpus else None, syn.tokenizer, syn.token_groups)
@@ -78,8 +98,12 @@ def load_run_data(config: ml_collections.ConfigDict,
                 text_fields=tuple(dc.text_fields) or None, label_field=dc.label_field or None)
   train = data.load_task_split(task.name, "train", path=dc.train_path or None,
                                limit=dc.train_limit or None, shard=host, **kwargs)
-  dev = data.load_task_split(task.name, "dev", path=dc.dev_path or None,
-                             limit=dc.dev_limit or None, **kwargs)
+  if dc.eval_split == "holdout":
+    dev = data.load_task_split(task.name, "train", path=dc.train_path or None,
+                               offset=dc.train_limit, limit=dc.holdout, **kwargs)
+  else:
+    dev = data.load_task_split(task.name, "dev", path=dc.dev_path or None,
+                               limit=dc.dev_limit or None, **kwargs)
   public = None if texts is None else data.tokenize(tokenizer, texts, max_length=dc.max_length)
   return RunData(task, train, dev, public, tokenizer, None)
 

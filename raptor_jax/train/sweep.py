@@ -58,16 +58,25 @@ LABELS = {
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-  """One run of the grid."""
+  """One run of the grid.
+
+  A tuning cell (`tune_clip` set) trains with that clip norm and is
+  evaluated on the held-out train records, never on dev; it is not a row of
+  the table.
+  """
 
   task: str
   variant: str
   target_epsilon: float | None  # None: non-private (one cell per seed)
   seed: int
+  tune_clip: float | None = None
 
   def directory(self, workdir: str | Path) -> Path:
     eps = "inf" if self.target_epsilon is None else f"{self.target_epsilon:g}"
-    return Path(workdir) / self.task / self.variant / f"eps{eps}" / f"seed{self.seed}"
+    base = Path(workdir) / self.task / self.variant / f"eps{eps}"
+    if self.tune_clip is not None:
+      return base / "tune" / f"clip{self.tune_clip:g}"
+    return base / f"seed{self.seed}"
 
 
 def is_private_variant(variant: str) -> bool:
@@ -99,19 +108,77 @@ def _set(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
   target[last] = value
 
 
-def cell_config(base: ml_collections.ConfigDict, cell: Cell) -> ml_collections.ConfigDict:
-  """`base` with the cell's variant overrides, epsilon and seed."""
+def cell_config(base: ml_collections.ConfigDict, cell: Cell,
+                clip: float | None = None) -> ml_collections.ConfigDict:
+  """`base` with the cell's variant overrides, epsilon and seed.
+
+  `clip` (or the tuning cell's own clip norm) sets every clip norm of the
+  method (C_s and C_e; one-stream methods read C_s). A tuning cell evaluates
+  on the held-out train records (`data.eval_split='holdout'`).
+  """
   config = ml_collections.ConfigDict(base.to_dict())
   for key, value in VARIANTS[cell.variant].items():
     _set(config, key, value)
   if cell.target_epsilon is not None:
     config.privacy.epsilon = cell.target_epsilon
   config.seed = cell.seed
+  clip = cell.tune_clip if cell.tune_clip is not None else clip
+  if clip is not None:
+    config.privacy.clip_shared = config.privacy.clip_expert = float(clip)
+  if cell.tune_clip is not None:
+    config.data.eval_split = "holdout"
   return config
 
 
+def _train_cell(cell: Cell, config: ml_collections.ConfigDict, directory: Path, train,
+                after) -> None:
+  directory.mkdir(parents=True, exist_ok=True)
+  (directory / "cell.json").write_text(json.dumps(
+      dict(dataclasses.asdict(cell), clip_shared=config.privacy.clip_shared,
+           clip_expert=config.privacy.clip_expert), indent=2))
+  train(config, str(directory))
+  if after is not None and cell.tune_clip is None:
+    after(config, directory)
+
+
+def tune_clip(base: ml_collections.ConfigDict, workdir: str | Path, variant: str,
+              epsilon: float, clip_grid: Sequence[float], tune_seed: int,
+              train: Callable[[ml_collections.ConfigDict, str], Mapping] | None = None
+              ) -> float:
+  """The clip norm of (variant, epsilon): best held-out accuracy over `clip_grid`.
+
+  Each candidate trains once with seed `tune_seed` (kept apart from the
+  table's seeds) and is scored on `data.holdout` train records that no cell
+  trains on, so the dev accuracies of the table are not selected on. Ties go
+  to the first candidate of the grid. Finished candidates are reused; the
+  choice is written to `<variant>/eps<epsilon>/tuning.json`.
+
+  Tuning reads private data outside the privacy accounting, as the paper's
+  hyperparameter search does (App. C): report it as such.
+  """
+  train = train or loop.train_and_evaluate
+  if not base.data.holdout:
+    raise ValueError("clip tuning scores candidates on held-out train records; set "
+                     "--config.data.holdout=N (and --config.data.train_limit)")
+  scores = {}
+  for clip in clip_grid:
+    cell = Cell(base.data.task, variant, float(epsilon), tune_seed, tune_clip=float(clip))
+    directory = cell.directory(workdir)
+    if not (directory / "results.json").exists():
+      log.info("tuning %s eps %g: clip %g", variant, epsilon, clip)
+      _train_cell(cell, cell_config(base, cell), directory, train, None)
+    scores[float(clip)] = float(json.loads((directory / "results.json").read_text())["accuracy"])
+  chosen = max(scores, key=lambda c: (scores[c], -list(scores).index(c)))
+  path = Cell(base.data.task, variant, float(epsilon), tune_seed).directory(workdir).parent
+  (path / "tuning.json").write_text(json.dumps(dict(
+      variant=variant, epsilon=epsilon, tune_seed=tune_seed, metric="holdout accuracy",
+      holdout_accuracy={f"{c:g}": v for c, v in scores.items()}, chosen_clip=chosen), indent=2))
+  return chosen
+
+
 def run(base: ml_collections.ConfigDict, workdir: str | Path, *, variants: Sequence[str],
-        epsilons: Sequence[float], seeds: Sequence[int],
+        epsilons: Sequence[float], seeds: Sequence[int], clip_grid: Sequence[float] = (),
+        tune_seed: int = 100,
         train: Callable[[ml_collections.ConfigDict, str], Mapping] = loop.train_and_evaluate,
         after: Callable[[ml_collections.ConfigDict, Path], None] | None = None) -> list[Path]:
   """Runs every cell of the grid that has no `results.json` yet.
@@ -120,6 +187,9 @@ def run(base: ml_collections.ConfigDict, workdir: str | Path, *, variants: Seque
     base: the config every cell starts from (task, model, data, steps).
     workdir: root of the sweep.
     variants, epsilons, seeds: the grid.
+    clip_grid: if given, each private (variant, epsilon) first tunes its clip
+      norm over these values (`tune_clip`) and its cells use the choice.
+    tune_seed: the seed of the tuning runs.
     train: the training function (`train_and_evaluate`).
     after: optional hook run on each freshly trained cell (config, directory),
       e.g. the diagnostics.
@@ -128,6 +198,8 @@ def run(base: ml_collections.ConfigDict, workdir: str | Path, *, variants: Seque
     The directories of all cells of the grid.
   """
   cells = grid(base.data.task, variants, epsilons, seeds)
+  if clip_grid and tune_seed in seeds:
+    raise ValueError(f"tune_seed {tune_seed} is also a table seed; use a seed outside {seeds}")
   directories = []
   for i, cell in enumerate(cells):
     directory = cell.directory(workdir)
@@ -135,24 +207,47 @@ def run(base: ml_collections.ConfigDict, workdir: str | Path, *, variants: Seque
     if (directory / "results.json").exists():
       log.info("[%d/%d] %s: done, skipped", i + 1, len(cells), directory)
       continue
+    clip = None
+    if clip_grid and cell.target_epsilon is not None:
+      clip = tune_clip(base, workdir, cell.variant, cell.target_epsilon, clip_grid, tune_seed,
+                       train)
     log.info("[%d/%d] %s", i + 1, len(cells), directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "cell.json").write_text(json.dumps(dataclasses.asdict(cell), indent=2))
-    config = cell_config(base, cell)
-    train(config, str(directory))
-    if after is not None:
-      after(config, directory)
+    _train_cell(cell, cell_config(base, cell, clip), directory, train, after)
   return directories
 
 
-def collect(workdir: str | Path) -> list[dict[str, Any]]:
-  """Every finished cell under `workdir`: its cell.json merged with results.json."""
+def write_environment(workdir: str | Path, argv: Sequence[str]) -> Path:
+  """Appends this invocation and the software versions to `<workdir>/environment.json`."""
+  import platform  # pylint: disable=g-import-not-at-top
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  path = Path(workdir) / "environment.json"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  env = json.loads(path.read_text()) if path.exists() else {"invocations": []}
+  packages = ("jax", "jaxlib", "flax", "optax", "dp-accounting", "orbax-checkpoint",
+              "transformers", "tokenizers", "numpy")
+  env["python"] = platform.python_version()
+  env["platform"] = platform.platform()
+  env["packages"] = {p: metadata.version(p) for p in packages}
+  env["invocations"].append(" ".join(argv))
+  path.write_text(json.dumps(env, indent=2))
+  return path
+
+
+def collect(workdir: str | Path, tuning: bool = False) -> list[dict[str, Any]]:
+  """Every finished cell under `workdir`: its cell.json merged with results.json.
+
+  Args:
+    workdir: root of the sweep.
+    tuning: return the clip-tuning cells instead of the table's cells.
+  """
   rows = []
   for results_path in sorted(Path(workdir).rglob("results.json")):
     cell_path = results_path.with_name("cell.json")
     if not cell_path.exists():
       continue
     row = {**json.loads(results_path.read_text()), **json.loads(cell_path.read_text())}
+    if (row.get("tune_clip") is not None) != tuning:
+      continue
     row["directory"] = str(results_path.parent)
     rows.append(row)
   return rows
