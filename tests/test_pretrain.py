@@ -107,6 +107,24 @@ def test_topk_aux_loss_matches_olmoe_transformers():
   assert objectives.topk_load_balancing_loss(logits, full, 2) > 2.0
 
 
+def test_spectral_embeddings_put_words_of_shared_contexts_together():
+  """Tokens 10 and 11 always appear between the same neighbours, 20 and 21 between
+  others: PPMI + SVD gives each pair nearly the same direction, far from the other."""
+  from raptor_jax.pretrain import embeddings
+  rng = np.random.default_rng(0)
+  rows = []
+  for _ in range(400):
+    a, b = rng.integers(0, 2), rng.integers(0, 2)
+    rows.append([30 + a, 10 + b, 31 + a, 40, 50 + a, 20 + b, 51 + a, 41])
+  emb = embeddings.spectral_embeddings(np.array(rows), 64, 8, std=1.0, seed=0)
+  unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+  assert unit[10] @ unit[11] > 0.9 and unit[20] @ unit[21] > 0.9
+  assert abs(unit[10] @ unit[20]) < 0.5
+  assert emb.shape == (64, 8) and abs(float(emb.std()) - 1.0) < 0.2
+  np.testing.assert_array_equal(emb, embeddings.spectral_embeddings(np.array(rows), 64, 8,
+                                                                    std=1.0, seed=0))
+
+
 # ---------------------------------------------------------------------------
 # Corpus.
 

@@ -23,6 +23,7 @@ def base_config(family: str = "switch") -> ml_collections.ConfigDict:
   c.model.top_k = 2  # olmoe: experts per token
   c.model.num_kv_heads = 4  # olmoe: key/value heads
   c.model.norm_topk_prob = False  # olmoe: renormalise the top-k weights
+  c.model.embedding_init = "spectral"  # spectral (PPMI + SVD of the corpus) | normal (HF's random init)
 
   c.tokenizer = ml_collections.ConfigDict()
   c.tokenizer.vocab_size = 8192  # WordPiece vocabulary (special tokens included)

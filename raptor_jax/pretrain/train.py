@@ -40,7 +40,7 @@ from raptor_jax import models
 from raptor_jax.data import encoding
 from raptor_jax.models import export
 from raptor_jax.pretrain import corpus as corpus_lib
-from raptor_jax.pretrain import evaluate, model, tokenizer as tokenizer_lib
+from raptor_jax.pretrain import embeddings, evaluate, model, tokenizer as tokenizer_lib
 from raptor_jax.train import metrics
 from raptor_jax.train.checkpoint import Checkpointer
 
@@ -78,6 +78,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not 0 <= config.warmup_steps < config.steps:
     raise ValueError(f"warmup_steps must be in [0, steps={config.steps}), got "
                      f"{config.warmup_steps}")
+  if config.model.embedding_init not in ("normal", "spectral"):
+    raise ValueError(f"model.embedding_init must be 'normal' or 'spectral', got "
+                     f"{config.model.embedding_init!r}")
   if not 0.0 < config.objective.mlm_rate < 1.0:
     raise ValueError(f"objective.mlm_rate must be in (0, 1), got {config.objective.mlm_rate}")
 
@@ -186,7 +189,14 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
   tok, special = data["tokenizer"], special_ids(data["tokenizer"])
   train_rows = data["train_rows"]
   module = model.backbone(config.family, config.model, len(tok))
+  checkpointer = Checkpointer(workdir, config, insensitive=RESUME_INSENSITIVE)
+  meta = checkpointer.restore_meta()
   params = model.init_params(module, jax.random.PRNGKey(config.seed))
+  if config.model.embedding_init == "spectral" and not meta:
+    embedding = params["backbone"]["embed_tokens"]["embedding"]
+    params["backbone"]["embed_tokens"]["embedding"] = jnp.asarray(
+        embeddings.spectral_embeddings(train_rows, len(tok), embedding.shape[1],
+                                       std=float(jnp.std(embedding)), seed=config.seed))
   tx = optimizer(config)
   opt_state = tx.init(params)
   aux_coef, z_coef = coefficients(config)
@@ -203,8 +213,6 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
     return optax.apply_updates(params, updates), opt_state, dict(
         parts, grad_norm=optax.global_norm(grads))
 
-  checkpointer = Checkpointer(workdir, config, insensitive=RESUME_INSENSITIVE)
-  meta = checkpointer.restore_meta()
   step, earlier_wall_s, train_time_s = 0, 0.0, 0.0
   if meta:
     state = checkpointer.restore_state({"params": params, "opt_state": opt_state})
