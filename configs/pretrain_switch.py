@@ -23,7 +23,10 @@ from raptor_jax.pretrain.config import base_config, with_preset
 def get_config(arg: str = ""):
   config = base_config("switch")
   # Load balancing at 10x HF's 0.001: with 0.001 the last sparse block's token
-  # load ranged from 3.6% to 30% per expert after 500 of these steps, too
-  # uneven for RAPTOR's owner map. The z-loss keeps HF's 0.001.
+  # load ranged from 3.6% to 30% per expert after 500 of these steps. Token
+  # balance alone still left an expert owning 0.1% of held-out records (300
+  # steps at 0.01), so the owner-balance term balances RAPTOR's record owners
+  # too. The z-loss keeps HF's 0.001.
   config.objective.aux_loss_coef = 0.01
+  config.objective.owner_balance_coef = 0.01
   return with_preset(config, arg)

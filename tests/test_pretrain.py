@@ -85,6 +85,25 @@ def test_switch_aux_losses_match_transformers_and_are_minimised_by_uniform_routi
                              objectives.switch_load_balancing_loss(logits, mask), rtol=1e-6)
 
 
+def test_owner_balance_loss_is_minimised_by_balanced_owners_and_pushes_the_top_owner_down():
+  num_experts = 4
+  balanced = jnp.stack([jnp.zeros((6, num_experts)).at[:, b % num_experts].set(5.0)
+                        for b in range(8)])  # record b: every token to expert b % 4
+  mask = jnp.ones((8, 6))
+  assert objectives.owner_balance_loss(balanced, mask) == pytest.approx(1.0, abs=1e-3)
+  collapsed = jnp.zeros((8, 6, num_experts)).at[..., 0].set(5.0)
+  assert objectives.owner_balance_loss(collapsed, mask) > 3.5
+  noisy = collapsed + jax.random.normal(jax.random.PRNGKey(0), collapsed.shape)
+  grad = jax.grad(lambda l: objectives.owner_balance_loss(l, mask))(noisy)
+  assert float(grad[..., 0].sum()) > 0 > float(grad[..., 1:].sum())  # descent moves records off
+  # Padding never votes: a record's padded tail routed elsewhere changes nothing.
+  tail = jnp.zeros((8, 3, num_experts)).at[..., 3].set(9.0)
+  np.testing.assert_allclose(
+      objectives.owner_balance_loss(jnp.concatenate([balanced, tail], 1),
+                                    jnp.concatenate([mask, jnp.zeros((8, 3))], 1)),
+      objectives.owner_balance_loss(balanced, mask), rtol=1e-6)
+
+
 def test_topk_aux_loss_matches_olmoe_transformers():
   from transformers.models.olmoe import modeling_olmoe as hf_olmoe
   keys = jax.random.split(jax.random.PRNGKey(2), 2)

@@ -46,6 +46,7 @@ def base_config(family: str = "switch") -> ml_collections.ConfigDict:
   c.objective.mlm_rate = 0.15  # switch: share of tokens predicted (80% [MASK], 10% random, 10% kept)
   c.objective.aux_loss_coef = -1.0  # load-balancing weight; -1 = HF default (switch 0.001, olmoe 0.01)
   c.objective.z_loss_coef = -1.0  # router z-loss weight; -1 = HF default (switch 0.001, olmoe 0)
+  c.objective.owner_balance_coef = 0.0  # weight of the record-owner balance loss (not in HF; 0 = off)
 
   c.seq_len = 64  # tokens per training row (documents packed, no padding)
   c.batch_size = 128  # rows per step

@@ -89,7 +89,7 @@ def evaluate(module, params: dict, loss: Callable, heldout_rows: np.ndarray,
       top_k=cfg.top_k, weighting="count" if cfg.top_k == 1 else "prob",
       normalize=bool(getattr(cfg, "norm_topk_prob", False)), min_share=min_share)
   scalars = {"lm_loss": totals["lm_loss"], "accuracy": totals["accuracy"],
-             "aux_loss": totals["aux_loss"],
+             "aux_loss": totals["aux_loss"], "owner_balance_loss": totals["owner_balance_loss"],
              "selected_min_owner_share": routing["selected_min_owner_share"]}
   for row in routing["layers"]:
     scalars[f"token_entropy_norm/layer_{row['layer']}"] = row["token_entropy_norm"]

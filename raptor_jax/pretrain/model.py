@@ -9,7 +9,9 @@ Every parameter trains, routers included: the expert kernels use the grouped
 dispatch that is differentiable in the kernels (`dispatch='grouped_train'`),
 so training costs tokens x k expert work, not tokens x E. Each family adds its
 own router auxiliary losses (Switch: load balancing and z-loss per sparse
-layer, averaged over layers; OLMoE: load balancing over all layers' tokens).
+layer, averaged over layers; OLMoE: load balancing over all layers' tokens),
+and optionally an owner-balance term (`objectives.owner_balance_loss`) that
+balances RAPTOR's record owners, not only tokens.
 """
 
 from __future__ import annotations
@@ -114,20 +116,20 @@ def lm_logits(module: nn.Module, params: dict, hidden: jax.Array) -> jax.Array:
 
 
 def router_losses(module: nn.Module, router_logits, mask: jax.Array) -> dict[str, jax.Array]:
-  """The family's auxiliary router losses (unweighted)."""
+  """The family's auxiliary router losses and the owner-balance term (unweighted)."""
+  layers = len(router_logits)
+  mean = lambda fn: sum(fn(l, mask) for l in router_logits) / layers
+  owner = dict(owner_balance_loss=mean(objectives.owner_balance_loss))
   if isinstance(module, models.SwitchEncoder):
-    layers = len(router_logits)
-    return dict(
-        aux_loss=sum(objectives.switch_load_balancing_loss(l, mask) for l in router_logits)
-        / layers,
-        z_loss=sum(objectives.router_z_loss(l, mask) for l in router_logits) / layers)
+    return dict(aux_loss=mean(objectives.switch_load_balancing_loss),
+                z_loss=mean(objectives.router_z_loss), **owner)
   return dict(aux_loss=objectives.topk_load_balancing_loss(router_logits, mask,
-                                                           module.config.top_k))
+                                                           module.config.top_k), **owner)
 
 
 def loss_fn(module: nn.Module, params: dict, input_ids: jax.Array, key: jax.Array,
-            special: SpecialIds, *, mlm_rate: float, aux_loss_coef: float, z_loss_coef: float
-            ) -> tuple[jax.Array, dict[str, jax.Array]]:
+            special: SpecialIds, *, mlm_rate: float, aux_loss_coef: float, z_loss_coef: float,
+            owner_balance_coef: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Total loss and its parts for one batch of packed rows [B, S].
 
   Padding (id `special.pad`) is masked out; the masked-LM family predicts
@@ -150,5 +152,6 @@ def loss_fn(module: nn.Module, params: dict, input_ids: jax.Array, key: jax.Arra
                                                      targets, weights)
   parts = router_losses(module, out.router_logits, mask)
   total = (lm_loss + aux_loss_coef * parts["aux_loss"]
-           + z_loss_coef * parts.get("z_loss", 0.0))
+           + z_loss_coef * parts.get("z_loss", 0.0)
+           + owner_balance_coef * parts["owner_balance_loss"])
   return total, dict(loss=total, lm_loss=lm_loss, accuracy=accuracy, **parts)

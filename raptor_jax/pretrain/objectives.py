@@ -123,3 +123,28 @@ def topk_load_balancing_loss(router_logits: Sequence[jax.Array], mask: jax.Array
     probs_sum = probs_sum + (probs * m).sum(axis=0)
   rows = len(router_logits) * jnp.maximum(m.sum(), 1.0)
   return num_experts * jnp.sum((counts / rows) * (probs_sum / rows))
+
+
+def owner_balance_loss(router_logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """The Switch balancing loss applied to records' owners instead of tokens.
+
+  RAPTOR partitions records by owner: a record's owner is the expert that
+  most of its tokens route to (top-1 vote, the owner rule of Eq. 5). Token
+  balance does not give owner balance (an expert can take 10% of the tokens
+  and win no record), so this term is E * sum_e f_e P_e over the batch's
+  records, f_e the share of records that e owns and P_e the mean over
+  records of each record's mean router probability for e. The gradient
+  reaches the router through P, as in the token loss; uniform ownership
+  gives the minimum 1.
+
+  Args:
+    router_logits: [B, S, E] float32 of one layer (each row a record).
+    mask: [B, S] {0, 1}.
+  """
+  num_experts = router_logits.shape[-1]
+  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  m = mask.astype(jnp.float32)[..., None]
+  votes = (jax.nn.one_hot(jnp.argmax(probs, axis=-1), num_experts) * m).sum(axis=1)
+  owned = jax.nn.one_hot(jnp.argmax(votes, axis=-1), num_experts)  # ties: lowest index
+  record_probs = (probs * m).sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
+  return num_experts * jnp.sum(owned.mean(axis=0) * record_probs.mean(axis=0))

@@ -202,10 +202,13 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
   aux_coef, z_coef = coefficients(config)
   loss = functools.partial(model.loss_fn, module, special=special,
                            mlm_rate=config.objective.mlm_rate, aux_loss_coef=aux_coef,
-                           z_loss_coef=z_coef)
+                           z_loss_coef=z_coef,
+                           owner_balance_coef=config.objective.owner_balance_coef)
   mask_key = jax.random.PRNGKey(config.seed + 1)
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  # No buffer donation: an interrupt mid-step must leave the last finished
+  # step's (params, opt_state) intact for the checkpoint saved on the way out.
+  @jax.jit
   def train_step(params, opt_state, input_ids, step):
     grads, parts = jax.grad(
         lambda p: loss(p, input_ids, jax.random.fold_in(mask_key, step)), has_aux=True)(params)
@@ -247,10 +250,10 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
       ids = jnp.asarray(train_rows[batch_rows(len(train_rows), config.batch_size, step,
                                               config.seed)])
       step_start = time.time()
-      params, opt_state, parts = train_step(params, opt_state, ids, step)
+      new_params, new_opt_state, parts = train_step(params, opt_state, ids, step)
       if (step + 1) % config.log_every == 0 or step + 1 == stop_at:
         parts = {k: float(v) for k, v in parts.items()}  # waits for the step
-      step += 1
+      params, opt_state, step = new_params, new_opt_state, step + 1  # commit together
       train_time_s += time.time() - step_start
       window_steps += 1
       if step % config.log_every == 0 or step == stop_at:
