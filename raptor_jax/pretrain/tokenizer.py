@@ -4,11 +4,21 @@ The vocabulary is a statistic of the text it is trained on, so it is never
 trained on private data: here it sees only the (decontaminated) public
 training documents. It is saved next to the model, and fine-tuning loads it
 from the model directory (`AutoTokenizer.from_pretrained(model_dir)`).
+
+Determinism: the `tokenizers` trainer numbers the word-internal characters
+(`##a`, `##b`, ...) in the order it meets them in a hash map, which changes
+from run to run, and it breaks ties between equally frequent merges by those
+numbers. So two trainings on the same text could give different
+vocabularies. We fix the numbering by handing the trainer every `##c` first,
+in code-point order, then strip them from the special tokens: the same text
+always gives the same tokenizer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+import json
 
 import tokenizers
 import transformers
@@ -41,9 +51,14 @@ def train_wordpiece(texts: Iterable[str], *, vocab_size: int, min_frequency: int
                                                   clean_text=True)
   backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
   backend.decoder = decoders.WordPiece()
-  trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                      special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+  texts = list(texts)
+  continuations = _continuation_alphabet(backend.normalizer, texts)
+  trainer = trainers.WordPieceTrainer(vocab_size=vocab_size,
+                                      min_frequency=min_frequency,
+                                      special_tokens=list(SPECIAL_TOKENS) + continuations,
+                                      show_progress=False)
   backend.train_from_iterator(texts, trainer=trainer)
+  backend = _demote_to_vocabulary(backend, set(continuations))
   cls_id, sep_id = backend.token_to_id(CLS), backend.token_to_id(SEP)
   backend.post_processor = processors.TemplateProcessing(
       single=f"{CLS} $A {SEP}", pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
@@ -51,3 +66,26 @@ def train_wordpiece(texts: Iterable[str], *, vocab_size: int, min_frequency: int
   return transformers.PreTrainedTokenizerFast(
       tokenizer_object=backend, pad_token=PAD, unk_token=UNK, cls_token=CLS, sep_token=SEP,
       mask_token=MASK, model_max_length=model_max_length)
+
+
+def _continuation_alphabet(normalizer, texts: list[str]) -> list[str]:
+  """`##c` for every character c that can continue a normalised word, sorted.
+
+  The normaliser (cleaning, accent stripping, lowercasing) acts on each
+  character alone, so normalising the distinct raw characters is enough.
+  """
+  raw = set()
+  for text in texts:
+    raw.update(text)
+  chars = set(normalizer.normalize_str("".join(sorted(raw))))
+  split = pre_tokenizers.BertPreTokenizer()
+  return [f"##{c}" for c in sorted(chars)
+          if len(split.pre_tokenize_str(f"a{c}a")) == 1]  # c can continue a word
+
+
+def _demote_to_vocabulary(backend: tokenizers.Tokenizer,
+                          continuations: set[str]) -> tokenizers.Tokenizer:
+  """Makes the seeded `##c` ordinary vocabulary entries, not special tokens."""
+  state = json.loads(backend.to_str())
+  state["added_tokens"] = [t for t in state["added_tokens"] if t["content"] not in continuations]
+  return tokenizers.Tokenizer.from_str(json.dumps(state))
