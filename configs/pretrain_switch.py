@@ -1,6 +1,6 @@
 """Pretrains a small Switch encoder (masked LM) on public text.
 
-Default: d_model 256, 4 blocks (2 sparse, E=8), WordPiece 8192, on WikiText-2
+Default: d_model 128, 4 blocks (2 sparse, E=8, d_ff 512), WordPiece 8192, on WikiText-2
 train + IMDb unsup, decontaminated against SST-2 train/dev (local copies):
 
   python launch/pretrain.py --config=configs/pretrain_switch.py --workdir=/tmp/pt_switch \

@@ -452,6 +452,7 @@ def _calibrate(epsilon_at: Callable[[float, float], float], target: float,
   return x
 
 
+@functools.lru_cache(maxsize=256)  # pure in its (hashable) arguments
 def calibrate_dpsgd(*, target_epsilon: float, delta: float,
                     sample_rate: float, steps: int) -> float:
   """Noise multiplier that spends ``target_epsilon`` in ``steps`` DP-SGD steps.
@@ -479,6 +480,7 @@ def calibrate_dpsgd(*, target_epsilon: float, delta: float,
   return _calibrate(epsilon_at, target_epsilon, 'noise_multiplier', _HINT)
 
 
+@functools.lru_cache(maxsize=256)  # pure in its (hashable) arguments
 def calibrate_raptor(*, target_epsilon: float, delta: float,
                      sample_rate: float, steps: int, rho: float = 0.9,
                      joint: bool = False) -> tuple[float, float]:

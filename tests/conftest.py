@@ -17,7 +17,10 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 
 # Identical programs (e.g. the same training step in a resumed run) compile once
-# per test session: a persistent cache keyed by the XLA program.
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="raptor_jax_cache_"))
+# per test session: a persistent cache keyed by the XLA program, one directory
+# for the whole session (the pytest-xdist workers inherit it from the
+# controller, which loads this file first).
+_CACHE = os.environ.setdefault("RAPTOR_JAX_TEST_CACHE", tempfile.mkdtemp(prefix="raptor_jax_cache_"))
+jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,7 +1,11 @@
 """Shared test helpers: a seconds-scale training config and checkpoint reading."""
 
 import importlib.util
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -72,3 +76,24 @@ def micro_model(config=None):
   backbone, params = hf.with_options(backbone, params, **plan.model_options)
   model, params = setup.classifier(backbone, params, 2, "mean", 0)
   return config, run_data, plan, model, params, bc
+
+
+def launch_main(tmp_path, config, *flags, fast_compile=False):
+  """`launch/main.py` in a subprocess, as the README runs it; returns results.json.
+
+  By default with XLA's default optimisation, as a user runs it;
+  `fast_compile` keeps the suite's compile-fast flags (conftest.py), which
+  change code generation, not results, and pay off only for short runs.
+  """
+  env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+  if not fast_compile:
+    env["XLA_FLAGS"] = ""
+  proc = subprocess.run(
+      [sys.executable, "launch/main.py", f"--config={config}", f"--workdir={tmp_path}",
+       "--config.progress_bar=False", "--config.privacy.secret_seed=0", *flags],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads((tmp_path / "privacy_report.json").read_text())
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert report["finished"] and report["epsilon"] <= report["target_epsilon"] == 8.0
+  return results

@@ -68,23 +68,24 @@ def test_device_and_process_counts_give_the_same_parameters(tmp_path):
   four devices restores and finishes on one, equal to one device throughout; two
   processes through jax.distributed (CPU collectives on loopback) agree with one."""
   one, four = {"num_devices": 1}, {"num_devices": 4}
-  _runs([(tmp_path / "raptor1", {**one, "stop_after_cycles": 4}),
-         (tmp_path / "split", {**four, "stop_after_cycles": 2}),
-         (tmp_path / "mono1", {**one, "method": "monolithic", "stop_after_cycles": 2}),
-         (tmp_path / "mono4", {**four, "method": "monolithic", "stop_after_cycles": 2})])
+  *_, resumed, _, _ = _runs([
+      (tmp_path / "raptor1", {**one, "stop_after_cycles": 2, "checkpoint_every_cycles": 1}),
+      (tmp_path / "split", {**four, "stop_after_cycles": 1}),
+      (tmp_path / "split", {**one, "stop_after_cycles": 1}),  # restored on one device
+      (tmp_path / "mono1", {**one, "method": "monolithic", "stop_after_cycles": 1}),
+      (tmp_path / "mono4", {**four, "method": "monolithic", "stop_after_cycles": 1})])
   assert json.loads((tmp_path / "split" / "config.json").read_text())["num_devices"] == 4
-  (resumed,) = _runs([(tmp_path / "split", {**one, "stop_after_cycles": 2})], devices=1)
-  assert resumed["cycles"] == 4
+  assert resumed["cycles"] == 2
   _assert_same_state(tmp_path / "raptor1", tmp_path / "split")
   _assert_same_state(tmp_path / "mono1", tmp_path / "mono4")
 
   coordinator = f"127.0.0.1:{_free_port()}"
-  procs = [_run(tmp_path / "multi", {"stop_after_cycles": 2}, devices=1,
+  procs = [_run(tmp_path / "multi", {"stop_after_cycles": 1}, devices=1,
                 process=(pid, 2, coordinator)) for pid in range(2)]
   for proc in procs:
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-4000:]
-  _assert_same_state(tmp_path / "raptor1", tmp_path / "multi", step_a=2)
+  _assert_same_state(tmp_path / "raptor1", tmp_path / "multi", step_a=1)
 
 
 def _free_port():

@@ -16,7 +16,7 @@ from raptor_jax.pretrain import corpus, model, objectives, pretrain, tokenizer, 
 
 def tiny_config(steps=20, family="switch"):
   config = pretrain_config.with_preset(pretrain_config.base_config(family), "tiny")
-  config.steps, config.warmup_steps, config.log_every = steps, 4, 5
+  config.steps, config.warmup_steps, config.log_every = steps, min(4, steps - 1), 5
   config.checkpoint_every, config.progress_bar = 10, False
   return config
 

@@ -279,7 +279,7 @@ def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(checkpoints
     for owner in range(module.config.num_experts):
       slice_ = jax.tree.map(lambda p: p[owner], lora)
       value, got = owner_value_and_grad(slice_, jnp.int32(owner), x, m)
-      np.testing.assert_allclose(value, plain, rtol=1e-5)
+      np.testing.assert_allclose(value, plain, rtol=1e-4)  # float32, another op order
       jax.tree.map(lambda g, f: _assert_close(g, f[owner]), got, full)
       touched += bool(np.any(np.asarray(got["wi"]["lora_b"]) != 0))
     assert touched >= 2  # the record's tokens reach several experts
