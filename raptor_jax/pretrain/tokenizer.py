@@ -16,9 +16,8 @@ always gives the same tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import json
+from collections.abc import Iterable
 
 import tokenizers
 import transformers
