@@ -57,7 +57,8 @@ def test_build_run_assembles_the_plan_model_and_partition():
 def test_an_unversioned_checkpoint_is_refused_with_one_clear_line(tmp_path):
   """Checkpoints of the old layout ({"noise", "adam"} states, no format version)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from raptor_jax.train.checkpoint import FORMAT_VERSION, Checkpointer  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
+  Checkpointer = checkpoint.Checkpointer  # pylint: disable=invalid-name
   config = micro_config()
   old = Checkpointer(tmp_path, config)
   old.manager.save(3, args=ocp.args.Composite(
@@ -68,7 +69,7 @@ def test_an_unversioned_checkpoint_is_refused_with_one_clear_line(tmp_path):
   with pytest.raises(ValueError, match="unversioned") as info:
     Checkpointer(tmp_path, config).restore_meta()
   message = str(info.value)
-  assert "\n" not in message and "checkpoints/3" in message and str(FORMAT_VERSION) in message
+  assert "\n" not in message and "checkpoints/3" in message and str(checkpoint.FORMAT_VERSION) in message
 
 
 def test_phase_step_is_the_trainers_step_and_takes_typed_keys():

@@ -19,8 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from raptor_jax import grads, roles, transforms
 from raptor_jax.models.switch import OwnerOverride
-from raptor_jax.train.methods import Phase
 from raptor_jax.train import parallel, setup
+from raptor_jax.train.methods import Phase
 from raptor_jax.train.parallel import AXIS
 
 Flat = dict[str, jax.Array]
@@ -177,7 +177,8 @@ class PhaseFunctions:
         if part.residual:
           per_record[part.name] = grads.scale_records(per_record[part.name], weights)
     if not self.phase.private:
-      return {name: grads.scale_records(jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask)
+      return {name: grads.scale_records(
+          jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask)
               for name, g_part in per_record.items()}
     return self._clip(per_record, mask)
 
