@@ -1,10 +1,10 @@
 r"""Times one training phase step on a 1-device mesh vs a 4-device mesh.
 
-The trainer's own jitted pieces (`train.step.PhaseFunctions`, built as
-`train_and_evaluate` builds them: `setup`, `methods.build_plan`,
-`parallel.make_mesh`) for a small random Switch classifier on the embedded
-synthetic task. One phase step = `zero_sums`, `accumulate` over a fixed number
-of microbatches of the same GLOBAL size (so records per device = microbatch /
+The public step API (`train.step.PhaseStep`, the trainer's own jitted
+pieces) on a run built by `train.run.build_run`, as `train_and_evaluate`
+builds it, for a small random Switch classifier on the embedded synthetic
+task. One phase step = `zero_sums`, `accumulate` over a fixed number of
+microbatches of the same GLOBAL size (so records per device = microbatch /
 devices), then `update` (noise drawn once, Adam): exactly what the loop runs
 per phase and cycle. Every phase of the method's plan (RAPTOR: shared, then
 expert) is timed on every mesh, all variants interleaved round by round.
@@ -41,9 +41,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from raptor_jax import profiling  # noqa: E402
-from raptor_jax.models import hf  # noqa: E402
 from raptor_jax.train import config as train_config  # noqa: E402
-from raptor_jax.train import methods, parallel, setup, step  # noqa: E402
+from raptor_jax.train import methods, parallel, step  # noqa: E402
+from raptor_jax.train import run as run_lib  # noqa: E402
 
 DEVICE_FLAG = '--xla_force_host_platform_device_count'
 # README.md, "Several GPUs and several hosts" (tests check it is still there).
@@ -87,26 +87,21 @@ def run_config(*, method='raptor', records=256, seq_len=32, **random):
 
 
 def build(config):
-  """(run data, backbone config, plan, classifier, params), as `train_and_evaluate`."""
-  run_data = setup.load_run_data(config)
-  backbone, params = setup.load_backbone(config, run_data)
-  bc = backbone.config
-  plan = methods.build_plan(config, n=len(run_data.train), num_experts=bc.num_experts,
-                            sparse_layers=bc.sparse_layers, expert_layer=bc.sparse_layers[-1])
-  backbone, params = hf.with_options(backbone, params, seed=config.seed,
-                                     dtype=config.model.dtype, **plan.model_options)
-  model, params = setup.classifier(backbone, params, run_data.task.num_labels,
-                                   setup.default_pooling(backbone), config.seed)
-  return run_data, bc, plan, model, params
+  """(run data, backbone config, plan, classifier, params), by `build_run` as the
+  trainer builds them (l* = the last sparse block)."""
+  config = config.copy_and_resolve_references()
+  config.raptor.layer = 'last'
+  r = run_lib.build_run(config)
+  return r.data, r.backbone_config, r.plan, r.model, step.merged_params(r.frozen, r.trainable)
 
 
-def _phase_step(fns, trainable, frozen, opt, batches):
+def _phase_step(dp: step.PhaseStep, state: step.StepState, batches):
   """A zero-argument call running one phase step: zero sums, accumulate, update."""
   def call():
-    sums = fns.zero_sums(trainable)
+    sums = dp.zero_sums(state)
     for batch, mask in batches:
-      sums = fns.accumulate(trainable, frozen, sums, batch, mask)
-    return fns.update(trainable, opt, sums)
+      sums = dp.accumulate(state, sums, batch, mask)
+    return dp.update(state, sums)
   return call
 
 
@@ -127,7 +122,6 @@ def run(*, num_devices=(1, 4), method='raptor', microbatch=64, microbatches=4, s
   records = microbatch * microbatches
   config = run_config(method=method, records=records, seq_len=seq_len, **random)
   run_data, bc, plan, model, params = build(config)
-  trainable, frozen = setup.partition(params, [p for phase in plan.phases for p in phase.parts])
   rng = np.random.default_rng(seed)
   owners = rng.integers(0, bc.num_experts, records, dtype=np.int32)
   host_batches = [({'input_ids': run_data.train.input_ids[rows],
@@ -138,22 +132,20 @@ def run(*, num_devices=(1, 4), method='raptor', microbatch=64, microbatches=4, s
   calls = {}
   for d in num_devices:
     mesh = parallel.make_mesh(d)
-    batches = [parallel.shard_records(b, mesh) for b in host_batches]
     for i, phase in enumerate(plan.phases):
-      fns = step.PhaseFunctions(
-          model, phase, mesh=mesh, expert_layer=plan.expert_layer, num_experts=bc.num_experts,
-          learning_rate=config.learning_rate, residual=config.raptor.residual,
-          residual_gamma=config.raptor.residual_gamma, key=jax.random.PRNGKey(i))
-      placed = parallel.replicate((trainable, frozen, fns.init_opt_states(trainable)), mesh)
-      calls[f'{phase.name}/{d}'] = _phase_step(fns, *placed, batches)
+      dp = step.PhaseStep(model, phase, key=jax.random.key(i), mesh=mesh,
+                          learning_rate=config.learning_rate, expert_layer=plan.expert_layer,
+                          residual=config.raptor.residual,
+                          residual_gamma=config.raptor.residual_gamma)
+      calls[f'{phase.name}/{d}'] = _phase_step(dp, dp.init(params), host_batches)
   times = profiling.interleaved_times(calls, repeats=repeats)
   rows = []
   for phase in plan.phases:
     first = f'{phase.name}/{num_devices[0]}'
-    reference = jax.tree.map(np.asarray, calls[first]()[0])
+    reference = jax.tree.map(np.asarray, calls[first]().trainable)
     for d in num_devices:
       name = f'{phase.name}/{d}'
-      updated = jax.tree.map(np.asarray, calls[name]()[0])
+      updated = jax.tree.map(np.asarray, calls[name]().trainable)
       diff = max(float(np.max(np.abs(a - b)))
                  for a, b in zip(jax.tree.leaves(updated), jax.tree.leaves(reference)))
       rows.append({'phase': phase.name, 'devices': d, 'microbatch': microbatch,

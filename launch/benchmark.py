@@ -14,17 +14,19 @@ expert's intermediate size; d_kv and expert_capacity are unused).
    (passed as a non-differentiated argument). For each microbatch size m,
    on the same batch of m records:
    * non-private step: `jax.grad` of the mean loss + Adam;
-   * DP step: `grads.clipped_grad_sum` (vmap(grad) per record, clip, float32
-     sum) + `transforms.privatize_sums` (noise once, public denominator m) +
-     Adam.
+   * DP step: the trainer's own step through the public API
+     (`train.step.PhaseStep`): `accumulate` (vmap(grad) per record, clip,
+     float32 sum) + `update` (`optax.chain(transforms.privatize_sums, adam)`:
+     noise once, public denominator m, Adam).
    Prints their wall times (medians of interleaved runs), the ratio, compile
-   times and XLA's temporary memory.
+   times and XLA's temporary memory (of the DP `accumulate`).
 2. Expert stream at one sparse layer l (the last): trainable = that layer's
-   expert LoRA (wi/wo, or gate/up/down); each record differentiates only its
-   owner's slice (`models.OwnerOverride`, `grads.owner_slices`,
-   `grads.owner_clipped_grad_sum`), noise for every expert (`privatize_sums`,
-   denominator m/E), Adam on the stacked [E, ...] LoRA. For each E it prints
-   XLA's memory analysis of the compiled step: temporary memory (scratch;
+   expert LoRA (wi/wo, or gate/up/down), RAPTOR's expert phase through
+   `PhaseStep` as the trainer runs it: each record differentiates only its
+   owner's slice (`models.OwnerOverride`, `grads.owner_slices`), weighted by
+   its residual weight, clipped and summed by owner; noise for every expert
+   (`privatize_sums`, denominator m/E), Adam on the stacked [E, ...] LoRA. For
+   each E it prints XLA's memory analysis of the compiled `accumulate`: temporary memory (scratch;
    arguments, so parameters, excluded) should not grow with E, since a
    record's gradient is one expert slice; and XLA's FLOPs of the step with
    every `lax.scan` body counted once per iteration
@@ -55,7 +57,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from raptor_jax import grads, models, profiling, transforms  # noqa: E402
+from raptor_jax import models, profiling, roles  # noqa: E402
+from raptor_jax.train import methods, parallel  # noqa: E402
+from raptor_jax.train import step as step_lib  # noqa: E402
 
 
 def define_flags() -> None:
@@ -138,8 +142,8 @@ def merge(*trees):
 
 
 def is_shared(path) -> bool:
-  """Shared stream (paper App. C): attention LoRA of every block + the head."""
-  return path[0] == 'head' or ('attention' in path and path[-1] in ('lora_a', 'lora_b'))
+  """Shared stream (paper App. C, `roles.SHARED_ROLES`): attention LoRA + the head."""
+  return roles.role_of('/'.join(path)) in roles.SHARED_ROLES
 
 
 def batch(num_records: int, seq_len: int, vocab_size: int, num_experts: int, seed: int = 0):
@@ -158,14 +162,11 @@ def _xent(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def shared_steps(module, num_records: int):
-  """Jittable (non-private step, DP step), both (trainable, opt, frozen, batch) -> same."""
+def nonprivate_step(module):
+  """Jittable non-private step: (trainable, opt, frozen, records) -> (trainable, opt)."""
   adam = optax.adam(LEARNING_RATE)
-  dp_tx = optax.chain(transforms.privatize_sums(L2_CLIP, NOISE_MULTIPLIER,
-                                                float(num_records), jax.random.key(0)),
-                      optax.adam(LEARNING_RATE))
 
-  def nonprivate_step(trainable, opt_state, frozen, records):
+  def step(trainable, opt_state, frozen, records):
     def mean_loss(trainable):
       ids, mask, labels = records
       logits, _ = module.apply({'params': merge(frozen, trainable)}, ids, mask)
@@ -173,44 +174,43 @@ def shared_steps(module, num_records: int):
     updates, opt_state = adam.update(jax.grad(mean_loss)(trainable), opt_state, trainable)
     return optax.apply_updates(trainable, updates), opt_state
 
-  def dp_step(trainable, opt_state, frozen, records):
-    def record_loss(trainable, record):
-      ids, mask, label = record
-      logits, _ = module.apply({'params': merge(frozen, trainable)}, ids[None], mask[None])
-      return _xent(logits, label[None])[0]
-    real = jnp.ones(records[0].shape[:1], jnp.float32)  # no padding records
-    sums, _ = grads.clipped_grad_sum(record_loss, trainable, records, l2_clip=L2_CLIP,
-                                     mask=real)
-    updates, opt_state = dp_tx.update(sums, opt_state, trainable)
-    return optax.apply_updates(trainable, updates), opt_state
-
-  return (nonprivate_step, adam), (dp_step, dp_tx)
+  return step, adam
 
 
-def expert_step(module, layer: int, num_experts: int, num_records: int):
-  """Jittable expert-stream step: (lora, opt, frozen, records, owners) -> (lora, opt)."""
-  tx = optax.chain(transforms.privatize_sums(L2_CLIP, NOISE_MULTIPLIER,
-                                             num_records / num_experts, jax.random.key(1)),
-                   optax.adam(LEARNING_RATE))
+def one_part_phase(name: str, part_roles, *, denominator: float, blocks=None,
+                   owner: bool = False, residual: bool = False) -> methods.Phase:
+  """A phase of one part with the benchmark's clip and noise multiplier."""
+  return methods.Phase(name=name, stream=0, parts=(methods.Part(
+      name=name, roles=tuple(part_roles), blocks=blocks, owner=owner, l2_clip=L2_CLIP,
+      noise_multiplier=NOISE_MULTIPLIER, denominator=denominator, residual=residual),))
 
-  def step(lora, opt_state, frozen, records, owners):
-    params = merge(frozen, {'backbone': {f'block_{layer}': {'mlp': {'experts': lora}}}})
 
-    def record_loss(owner_slice, record):
-      ids, mask, label, owner = record
-      override = models.OwnerOverride(layer, owner, owner_slice)
-      logits, _ = module.apply({'params': params}, ids[None], mask[None],
-                               owner_override=override)
-      return _xent(logits, label[None])[0]
+def dp_step(module, params, phase: methods.Phase, records, owners, *, key, expert_layer=None,
+            residual: str = 'none'):
+  """The trainer's DP step through the public API (`train.step.PhaseStep`, 1 device).
 
-    sums, _ = grads.owner_clipped_grad_sum(
-        record_loss, grads.owner_slices(lora, owners), records + (owners,),
-        owners=owners, num_experts=num_experts, l2_clip=L2_CLIP,
-        mask=jnp.ones(owners.shape, jnp.float32))
-    updates, opt_state = tx.update(sums, opt_state, lora)
-    return optax.apply_updates(lora, updates), opt_state
+  Returns (state, (jitted accumulate, its compiled program, its arguments),
+  update compile seconds, call): `call()` runs one phase step on the microbatch exactly as training
+  does: zero sums, place the records, accumulate (vmap(grad) per record,
+  clip, float32 sums), update (noise once, public denominator, Adam).
+  """
+  dp = step_lib.PhaseStep(module, phase, key=key, learning_rate=LEARNING_RATE,
+                          mesh=parallel.make_mesh(1), expert_layer=expert_layer,
+                          residual=residual)
+  state = dp.init(params)
+  ids, mask, labels = records
+  batch = {'input_ids': ids, 'attention_mask': mask, 'labels': labels, 'owners': owners}
+  placed = parallel.shard_records((batch, np.ones(len(labels), np.float32)), dp.mesh)
+  args = (state.trainable, state.frozen, dp.zero_sums(state), *placed)
+  compiled = profiling.compile_timed(dp.functions.accumulate, *args)
+  update = profiling.compile_timed(dp.functions.update, state.trainable, state.opt_state,
+                                   args[2])
 
-  return step, tx
+  def call():
+    return dp.update(state, dp.accumulate(state, dp.zero_sums(state), batch))
+
+  return (state, (dp.functions.accumulate, compiled, args), update.lower_s + update.compile_s,
+          call)
 
 
 def _num_params(tree) -> int:
@@ -224,16 +224,20 @@ def run_shared(config: models.SwitchConfig | models.OlmoeConfig, *,
   trainable, frozen = split(params, is_shared)
   rows = []
   for m in microbatch_sizes:
-    records, _ = batch(m, seq_len, config.vocab_size, config.num_experts, seed=m)
-    variants = dict(zip(('nonprivate', 'dp'), shared_steps(module, m)))
+    records, owners = batch(m, seq_len, config.vocab_size, config.num_experts, seed=m)
     calls, row = {}, {'m': m, 'trainable': _num_params(trainable),
                       'frozen': _num_params(frozen)}
-    for name, (step, tx) in variants.items():
-      args = (trainable, tx.init(trainable), frozen, records)
-      compiled = profiling.compile_timed(step, *args)
-      calls[name] = functools.partial(compiled.compiled, *args)
-      row[f'{name}_compile_s'] = compiled.lower_s + compiled.compile_s
-      stats = profiling.memory_stats(compiled.compiled)
+    step, adam = nonprivate_step(module)
+    args = (trainable, adam.init(trainable), frozen, records)
+    nonprivate = profiling.compile_timed(step, *args)
+    calls['nonprivate'] = functools.partial(nonprivate.compiled, *args)
+    row['nonprivate_compile_s'] = nonprivate.lower_s + nonprivate.compile_s
+    phase = one_part_phase('shared', roles.SHARED_ROLES, denominator=float(m))
+    _, (_, compiled, _), update_s, calls['dp'] = dp_step(module, params, phase, records,
+                                                         owners, key=jax.random.key(0))
+    row['dp_compile_s'] = compiled.lower_s + compiled.compile_s + update_s
+    for name, program in (('nonprivate', nonprivate.compiled), ('dp', compiled.compiled)):
+      stats = profiling.memory_stats(program)
       row[f'{name}_temp_mb'] = stats['temp'] / _MB if stats else float('nan')
     times = profiling.interleaved_times(calls, repeats=repeats)
     for name in calls:
@@ -245,35 +249,37 @@ def run_shared(config: models.SwitchConfig | models.OlmoeConfig, *,
 
 def run_expert(config: models.SwitchConfig | models.OlmoeConfig, *, num_experts=(8, 64),
                microbatch=32, seq_len=128, repeats=5, num_buffers=8):
-  """Expert-stream step per E: memory analysis, FLOPs and time; (rows, largest buffers)."""
+  """Expert-stream step per E: memory analysis, FLOPs and time; (rows, largest buffers).
+
+  RAPTOR's expert phase as the trainer runs it: owner slices of l*'s expert
+  LoRA, the residual weight from the shared-only logits, denominator m/E.
+  """
   rows, calls, buffers = [], {}, {}
   for e in num_experts:
     cfg = dataclasses.replace(config, num_experts=e)
     layer = cfg.expert_lora_layers[0]
     module, params = build(cfg, seq_len)
-    experts = params['backbone'][f'block_{layer}']['mlp']['experts']
-    lora = {m: {k: leaves[k] for k in ('lora_a', 'lora_b')}  # wi, wo | gate, up, down
-            for m, leaves in experts.items()}
-    _, frozen = split(params, lambda p: p[1:4] == (f'block_{layer}', 'mlp', 'experts')
-                      and p[-1] in ('lora_a', 'lora_b'))
     records, owners = batch(microbatch, seq_len, cfg.vocab_size, e, seed=e)
-    step, tx = expert_step(module, layer, e, microbatch)
-    args = (lora, tx.init(lora), frozen, records, owners)
-    compiled = profiling.compile_timed(step, *args)
+    phase = one_part_phase('expert', roles.EXPERT_ROLES, denominator=microbatch / e,
+                           blocks=(layer,), owner=True, residual=True)
+    state, (accumulate, compiled, args), update_s, calls[e] = dp_step(
+        module, params, phase, records, owners, key=jax.random.key(1), expert_layer=layer,
+        residual='shared')
     stats = profiling.memory_stats(compiled.compiled) or {}
-    _, step_flops = profiling.loop_corrected_flops(step, *args, compiled=compiled.compiled)
-    one_slice = _num_params(lora) // e
+    _, step_flops = profiling.loop_corrected_flops(accumulate, *args,
+                                                   compiled=compiled.compiled)
+    one_slice = _num_params(state.trainable) // e
     rows.append({
         'E': e, 'layer': layer, 'm': microbatch,
-        'expert_lora_params': _num_params(lora), 'frozen_params': _num_params(frozen),
+        'expert_lora_params': _num_params(state.trainable),
+        'frozen_params': _num_params(state.frozen),
         'per_record_grad_mb': microbatch * one_slice * 4 / _MB,
         'temp_mb': stats.get('temp', float('nan')) / _MB,
         'argument_mb': stats.get('argument', float('nan')) / _MB,
         'output_mb': stats.get('output', float('nan')) / _MB,
         'gflop': step_flops / 1e9,
-        'compile_s': compiled.lower_s + compiled.compile_s,
+        'compile_s': compiled.lower_s + compiled.compile_s + update_s,
     })
-    calls[e] = functools.partial(compiled.compiled, *args)
     buffers[e] = profiling.largest_buffers(compiled.compiled, num_buffers)
   times = profiling.interleaved_times(calls, repeats=repeats)
   for row in rows:

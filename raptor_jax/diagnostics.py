@@ -48,25 +48,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from raptor_jax import grads, roles, sampling
-from raptor_jax.models import hf
-from raptor_jax.train import loop, methods, parallel, setup, step
+from raptor_jax.train import methods, parallel, step
+from raptor_jax.train.run import build_run
 from raptor_jax.train.checkpoint import Checkpointer
 
 log = logging.getLogger("raptor_jax")
 
-# The paper's top-level roles (App. G) as unions of `roles.ROLES`.
-DIAGNOSTIC_ROLES = {
-    "shared": ("attention_adapter", "attention_kernel", "base"),
-    "router": ("router",),
-    "head": ("head",),
-    "experts": ("expert_adapter", "expert_kernel"),
-}
-_ROLE_OF = {role: group for group, members in DIAGNOSTIC_ROLES.items() for role in members}
-
-
-def diagnostic_role(path: str) -> str:
-  """The App. G role (shared | router | head | experts) of a flat parameter path."""
-  return _ROLE_OF[roles.role_of(path)]
+# The paper's top-level roles (App. G) as unions of `roles.ROLES` (defined there).
+DIAGNOSTIC_ROLES = roles.DIAGNOSTIC_ROLES
+diagnostic_role = roles.diagnostic_role
 
 
 # -- formulas -------------------------------------------------------------------
@@ -133,17 +123,13 @@ def noise_sensitivity(delta_loss: float, noise_std: float, num_params: int) -> f
 # -- per-record statistics of a trained run ------------------------------------------
 
 
-def _expert_prefix(layer: int) -> str:
-  return f"backbone/block_{layer}/mlp/experts/"
-
-
 def _phase_statistics(fns: step.PhaseFunctions, expert_layer: int, num_experts: int,
                       trainable, frozen, batch, mask):
   """Per role: sum of squared per-record norms; per part at l*: [E, ...] signal sums."""
   per_record = fns.released_per_record(trainable, frozen, batch, mask)
   squared = dict.fromkeys(DIAGNOSTIC_ROLES, jnp.zeros((), jnp.float32))
   signal = {}
-  prefix = _expert_prefix(expert_layer)
+  prefix = roles.expert_prefix(expert_layer)
   for part in fns.phase.parts:
     for path, g in per_record[part.name].items():
       role = diagnostic_role(path)
@@ -222,7 +208,7 @@ def _gradient_statistics(phase_fns, trainable, frozen, records, owners, *, exper
 def _snr_of_plan(plan: methods.Plan, signals, trainable, *, num_records: int,
                  batch_size: float, num_experts: int) -> dict[str, Any] | None:
   """Per-expert SNR of the private part that trains l*'s experts (None if none does)."""
-  prefix = _expert_prefix(plan.expert_layer)
+  prefix = roles.expert_prefix(plan.expert_layer)
   for phase in plan.phases:
     for part in phase.parts:
       paths = sorted(p for p in trainable[part.name] if p.startswith(prefix))
@@ -233,6 +219,23 @@ def _snr_of_plan(plan: methods.Plan, signals, trainable, *, num_records: int,
                          noise_multiplier=part.noise_multiplier, l2_clip=part.l2_clip)
         return dict(per_expert=snr.tolist(), **snr_summary(snr))
   return None
+
+
+def _sensitivities(config, model, trainable, frozen, records, param_counts, *,
+                   noise_std: float, draws: int) -> tuple[float, dict[str, Any]]:
+  """(base loss, per trainable role: params, mean dL over antithetic draws, lambda_+)."""
+  logits_fn = step.make_eval_fn(model)
+  base_loss = _mean_loss(logits_fn, trainable, frozen, records, config.eval_batch_size)
+  sensitivity = {}
+  for role in (r for r, count in param_counts.items() if count):
+    keys = [jax.random.fold_in(jax.random.PRNGKey(config.seed), draw) for draw in range(draws)]
+    deltas = [_mean_loss(logits_fn, _perturbed(trainable, role, sign * noise_std, key), frozen,
+                         records, config.eval_batch_size) - base_loss
+              for key in keys for sign in (1.0, -1.0)]
+    delta = float(np.mean(deltas))
+    sensitivity[role] = dict(params=param_counts[role], delta_loss=delta,
+                             lambda_plus=noise_sensitivity(delta, noise_std, param_counts[role]))
+  return base_loss, sensitivity
 
 
 def compute(config: ml_collections.ConfigDict, workdir: str | Path, *, split: str = "dev",
@@ -259,22 +262,12 @@ def compute(config: ml_collections.ConfigDict, workdir: str | Path, *, split: st
   if split == "train":
     log.warning("diagnostics on the private training split: the output is a private audit "
                 "statistic, NOT differentially private; keep it inside your trust boundary")
-  run_data = setup.load_run_data(config)
-  backbone, backbone_params = setup.load_backbone(config, run_data)
-  bc = backbone.config
-  expert_layer, _ = loop.select_expert_layer(config, backbone, backbone_params, run_data)
-  plan = methods.build_plan(config, n=len(run_data.train), num_experts=bc.num_experts,
-                            sparse_layers=bc.sparse_layers, expert_layer=expert_layer)
-  data = run_data.dev if split == "dev" else run_data.train
+  run = build_run(config, owner_records=split)
+  plan, bc, expert_layer = run.plan, run.backbone_config, run.expert_layer
+  data = run.data.dev if split == "dev" else run.data.train
   n = min(len(data.labels), max_records) if max_records else len(data.labels)
   records = (data.input_ids[:n], data.attention_mask[:n], data.labels[:n])
-  owners = loop.private_owner_map(config, backbone, backbone_params, data, expert_layer)[:n]
-  backbone, backbone_params = hf.with_options(backbone, backbone_params, seed=config.seed,
-                                              dtype=config.model.dtype, **plan.model_options)
-  model, params = setup.classifier(backbone, backbone_params, run_data.task.num_labels,
-                                   config.model.pooling or setup.default_pooling(backbone),
-                                   config.seed)
-  _, frozen = setup.partition(params, plan.parts)
+  owners, model, frozen = run.owners[:n], run.model, run.frozen
   trainable = _restore_trainable(config, workdir)
   # Only the per-record loss and residual weights are used (no noise, no update).
   phase_fns = [step.PhaseFunctions(
@@ -291,17 +284,8 @@ def compute(config: ml_collections.ConfigDict, workdir: str | Path, *, split: st
     for path, value in part_params.items():
       param_counts[diagnostic_role(path)] += int(np.size(value))
 
-  logits_fn = step.make_eval_fn(model)
-  base_loss = _mean_loss(logits_fn, trainable, frozen, records, config.eval_batch_size)
-  sensitivity = {}
-  for role in (r for r, count in param_counts.items() if count):
-    keys = [jax.random.fold_in(jax.random.PRNGKey(config.seed), draw) for draw in range(draws)]
-    deltas = [_mean_loss(logits_fn, _perturbed(trainable, role, sign * noise_std, key), frozen,
-                         records, config.eval_batch_size) - base_loss
-              for key in keys for sign in (1.0, -1.0)]
-    delta = float(np.mean(deltas))
-    sensitivity[role] = dict(params=param_counts[role], delta_loss=delta,
-                             lambda_plus=noise_sensitivity(delta, noise_std, param_counts[role]))
+  base_loss, sensitivity = _sensitivities(config, model, trainable, frozen, records,
+                                          param_counts, noise_std=noise_std, draws=draws)
   return dict(
       data=f"{split} split, first {n} records" + (
           " (PRIVATE AUDIT: not differentially private)" if split == "train"

@@ -21,9 +21,9 @@ from ``zeros_like_f32``; noise is added ONCE per step, to the total.
 Owner slices (RAPTOR's expert stream). With expert parameters stacked
 ``[E, ...]``, the per-record gradient is taken with respect to the record's
 owner slice only. ``owner_slices`` gathers each record's owner slice
-(``[n, ...]``, passed with ``params_axis=0``), and ``with_owner_slice`` rebuilds
-a stacked tensor in which only the owner's slice carries gradient while every
-expert still runs in the forward pass.
+(``[n, ...]``, passed with ``params_axis=0``); the model takes the slice in
+place of its owner's stacked weights, so every expert still runs in the
+forward pass while only the owner's slice carries gradient.
 """
 
 import numbers
@@ -132,19 +132,24 @@ def sum_by_owner(tree: PyTree, owners: jax.Array, num_experts: int) -> PyTree:
         tree)
 
 
-def _weighted(loss_fn: LossFn) -> LossFn:
-    def weighted_loss(params, record_and_weight):
-        record, weight = record_and_weight
-        return weight * loss_fn(params, record)
+def scale_records(tree: PyTree, weights: jax.Array) -> PyTree:
+    """Multiplies each record's leaves ``[n, ...]`` by its weight ``[n]``.
 
-    return weighted_loss
+    The one residual-weight path (RAPTOR Eq. 8): applied to per-record
+    gradients BEFORE clipping, so the sensitivity stays ``l2_clip`` whatever
+    the weights (they must carry no gradient: ``jax.lax.stop_gradient``).
+    Also used to zero padding records of unclipped (non-private) gradients.
+    """
+    return jax.tree.map(
+        lambda g: g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype),
+        tree)
 
 
 def _clipped_per_record_grads(loss_fn, params, batch, l2_clip, mask, weights,
                               params_axis):
-    if weights is not None:
-        loss_fn, batch = _weighted(loss_fn), (batch, weights)
     grads = per_record_grads(loss_fn, params, batch, params_axis=params_axis)
+    if weights is not None:
+        grads = scale_records(grads, weights)
     return clip_per_record(grads, l2_clip, mask)
 
 
@@ -169,10 +174,10 @@ def clipped_grad_sum(
       batch: pytree with a leading record axis n.
       l2_clip: clipping norm C, a public Python number > 0.
       mask: ``[n]``, 1 real, 0 padding; None means all real.
-      weights: optional ``[n]`` per-record loss weights (RAPTOR's residual
-        weight w_i, Eq. 8). Each record's loss is multiplied by its weight
-        before differentiation, hence before clipping: the sensitivity stays
-        ``l2_clip`` whatever the weights.
+      weights: optional ``[n]`` per-record weights (RAPTOR's residual
+        weight w_i, Eq. 8), without gradient. Each record's gradient is
+        multiplied by its weight (``scale_records``) before clipping: the
+        sensitivity stays ``l2_clip`` whatever the weights.
       params_axis: ``None`` (shared params) or ``0`` (per-record params).
 
     Returns:
@@ -207,8 +212,7 @@ def owner_clipped_grad_sum(
 
     Args:
       loss_fn: ``loss_fn(slice, record) -> scalar`` for a single record; if it
-        needs the owner index (e.g. for ``with_owner_slice``), put it in the
-        record.
+        needs the owner index, put it in the record.
       slices: each record's owner slice, leaves ``[n, ...]``.
       batch: pytree with a leading record axis n.
       owners: int ``[n]``, each record's owner expert in ``[0, num_experts)``.
@@ -235,33 +239,3 @@ def owner_slices(stacked: PyTree, owners: jax.Array) -> PyTree:
     gradients of size one slice per record instead of E.
     """
     return jax.tree.map(lambda p: p[owners], stacked)
-
-
-def with_owner_slice(stacked: PyTree, owner: jax.Array,
-                     owner_slice: PyTree) -> PyTree:
-    """Stacked experts ``[E, ...]`` whose gradient flows into one slice only.
-
-    Returns ``stacked`` with row ``owner`` replaced by ``owner_slice`` and a
-    stop-gradient on everything else. Called with
-    ``owner_slice = stacked[owner]`` the values, and so the forward pass
-    (every expert still runs), are unchanged; the gradient with respect to
-    ``owner_slice`` is the full gradient's ``owner`` row, and no gradient
-    reaches the other experts.
-
-    This generic form materialises a full ``[E, ...]`` copy per record inside
-    ``vmap``. A model can implement the same contract natively (take the owner
-    slice as a separate input and use it in place of the owner's stacked
-    weights), keeping per-record memory independent of E; the raptor_jax MoE
-    layers do that.
-
-    Args:
-      stacked: expert parameters, leaves ``[E, ...]``.
-      owner: the record's owner index (a scalar).
-      owner_slice: the record's owner slice, leaves ``[...]``.
-
-    Returns:
-      A pytree like ``stacked``.
-    """
-    return jax.tree.map(
-        lambda p, s: jax.lax.stop_gradient(p).at[owner].set(s.astype(p.dtype)),
-        stacked, owner_slice)

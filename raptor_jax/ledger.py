@@ -45,7 +45,9 @@ class PrivacyLedger:
   so the merged ledger accounts for exactly the same mechanism. Separate
   entries compose sequentially, which is right for streams that draw
   independent Poisson samples (alternating RAPTOR). Streams that share one
-  sample are recorded together with ``record_joint``.
+  sample are one Gaussian mechanism per step: record them as one stream with
+  ``accounting.sigma_eff`` of their noise multipliers (as the trainer does
+  for a joint phase).
   """
 
   def __init__(self, entries: Iterable[LedgerEntry] = ()):
@@ -72,23 +74,6 @@ class PrivacyLedger:
     key = (stream, float(sample_rate), float(noise_multiplier))
     self._steps[key] = self._steps.get(key, 0) + int(steps)
     self._epsilons.clear()
-
-  def record_joint(self, noise_multipliers: Mapping[str, float], *,
-                   sample_rate: float, steps: int = 1) -> None:
-    """Records steps that update several streams from ONE Poisson sample.
-
-    Such a step is one Gaussian mechanism with ``accounting.sigma_eff`` of the
-    streams' noise multipliers; it is recorded under the joined stream name
-    (e.g. 'shared+expert').
-
-    Args:
-      noise_multipliers: stream name -> noise multiplier of that stream.
-      sample_rate: Poisson inclusion probability of every record.
-      steps: how many steps to record.
-    """
-    self.record('+'.join(noise_multipliers), sample_rate=sample_rate,
-                noise_multiplier=accounting.sigma_eff(
-                    *noise_multipliers.values()), steps=steps)
 
   @property
   def entries(self) -> tuple[LedgerEntry, ...]:

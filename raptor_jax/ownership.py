@@ -161,3 +161,76 @@ def select_layer(how: str | int, layers: Sequence[int],
     return int(best["layer"])
   raise ValueError(f"unknown layer choice {how!r}; use 'entropy', 'first', 'last' "
                    "or a sparse block index")
+
+
+# -- a backbone's owner maps (the trainer's glue) ---------------------------------
+
+
+def _router_fn(backbone, params, layer_positions=None) -> RouterFn:
+  """Jitted (ids, mask) -> router logits of every (or the given) sparse layer."""
+  @jax.jit
+  def fn(ids, mask):
+    logits = backbone.apply({"params": params}, ids, mask).router_logits
+    return logits if layer_positions is None else tuple(logits[i] for i in layer_positions)
+  return fn
+
+
+def owner_weighting(weighting: str, backbone_config) -> str:
+  """Top-k models vote with their gate weights (SPEC 1.2); top-1 as configured."""
+  return weighting if backbone_config.top_k == 1 else "prob"
+
+
+def _normalize(backbone_config) -> bool:
+  return bool(getattr(backbone_config, "norm_topk_prob", False))
+
+
+def select_expert_layer(config, backbone, params, run_data) -> tuple[int, list | None]:
+  """l* by the public corpus (Eq. 4) as `config.raptor.layer` says.
+
+  Only the public corpus (`run_data.public`) is routed, so the choice costs
+  no privacy budget.
+
+  Returns:
+    (layer, `layer_table` of the public corpus or None).
+  """
+  bc = backbone.config
+  how = config.raptor.layer
+  if isinstance(how, str) and how.lstrip("-").isdigit():
+    how = int(how)
+  table = None
+  if how == "entropy" and run_data.public is not None:
+    ids, mask = run_data.public
+    if len(ids) == 0:
+      raise ValueError("the public corpus is empty; set --config.data.public_corpus or "
+                       "--config.data.public_path to a corpus with texts")
+    public_owners = owners_per_layer(
+        _router_fn(backbone, params), ids, mask, batch_size=config.eval_batch_size,
+        top_k=bc.top_k, weighting=owner_weighting(config.raptor.owner_weighting, bc),
+        normalize=_normalize(bc))
+    table = layer_table(public_owners, bc.sparse_layers, bc.num_experts)
+  return select_layer(how, bc.sparse_layers, table), table
+
+
+def private_owner_map(config, backbone, params, records, layer: int) -> np.ndarray:
+  """Owners (int32 [N]) of `records` (input_ids, attention_mask) at block `layer`.
+
+  Computed from the frozen pretrained model. For private records the result
+  is private: never log, save or return it outside the process (SPEC 1.2).
+  """
+  bc = backbone.config
+  position = bc.sparse_layers.index(layer)
+  result = owners_per_layer(
+      _router_fn(backbone, params, (position,)), records.input_ids, records.attention_mask,
+      batch_size=config.eval_batch_size, top_k=bc.top_k,
+      weighting=owner_weighting(config.raptor.owner_weighting, bc), normalize=_normalize(bc))
+  return result[0]
+
+
+def format_layer_table(table: Sequence[dict[str, float]], chosen: int) -> str:
+  """The public layer-selection table as text, l* marked."""
+  lines = ["layer  H/logE  deficit    chi2      cv   (public corpus)"]
+  for row in table:
+    mark = "  <- l*" if row["layer"] == chosen else ""
+    lines.append(f"{row['layer']:>5}  {row['entropy_norm']:.4f}  {row['entropy_deficit']:.4f}"
+                 f"  {row['chi2']:.4f}  {row['cv']:.4f}{mark}")
+  return "\n".join(lines)

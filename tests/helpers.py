@@ -64,18 +64,19 @@ def latest_state(workdir, step=None):
 
 def micro_model(config=None):
   """(config, run_data, plan, classifier, params, backbone config) of a micro run,
-  built as the trainer builds them (l* = the last sparse block)."""
-  from raptor_jax.models import hf  # pylint: disable=g-import-not-at-top
-  from raptor_jax.train import methods, setup  # pylint: disable=g-import-not-at-top
+  built by `build_run` as the trainer builds it, with l* = the last sparse block."""
+  from raptor_jax.train import step  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train.run import build_run  # pylint: disable=g-import-not-at-top
   config = config or micro_config()
-  run_data = setup.load_run_data(config)
-  backbone, params = setup.load_backbone(config, run_data)
-  bc = backbone.config
-  plan = methods.build_plan(config, n=len(run_data.train), num_experts=bc.num_experts,
-                            sparse_layers=bc.sparse_layers, expert_layer=bc.sparse_layers[-1])
-  backbone, params = hf.with_options(backbone, params, **plan.model_options)
-  model, params = setup.classifier(backbone, params, 2, "mean", 0)
-  return config, run_data, plan, model, params, bc
+  run = build_run(_with_layer(config, "last"))
+  params = step.merged_params(run.frozen, run.trainable)
+  return config, run.data, run.plan, run.model, params, run.backbone_config
+
+
+def _with_layer(config, layer):
+  config = config.copy_and_resolve_references()
+  config.raptor.layer = layer
+  return config
 
 
 def launch_main(tmp_path, config, *flags, fast_compile=False):

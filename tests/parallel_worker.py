@@ -39,10 +39,13 @@ def noise_std(num_devices):
   batch, mask = parallel.shard_records((batch, np.zeros(local, np.float32)), mesh)
   sums = fns.accumulate(trainable, frozen, fns.zero_sums(trainable), batch, mask)
   noise = []
+  # The first link of each part's chain(privatize_sums, adam), on the replicated state.
+  privatize = {name: jax.jit(tx.update) for name, tx in fns.privatizers.items()}
   for _ in range(3):
-    noisy, states = fns.privatize(sums, opt)
-    opt = {k: {**v, "noise": states[k]} for k, v in opt.items()}
-    noise += [np.asarray(x).ravel() for x in jax.tree.leaves(noisy)]
+    for name, part_state in opt.items():
+      noisy, noise_state = privatize[name](sums[name], part_state[0])
+      opt[name] = (noise_state, *part_state[1:])
+      noise += [np.asarray(x).ravel() for x in jax.tree.leaves(noisy)]
   part = phase.parts[0]
   return float(np.std(np.concatenate(noise))), part.noise_multiplier * part.l2_clip / part.denominator
 

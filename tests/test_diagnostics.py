@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raptor_jax import accounting, diagnostics, roles
+from raptor_jax import accounting, diagnostics, ownership, roles
 from raptor_jax.models import hf
-from raptor_jax.train import loop, methods, parallel, setup, step
+from raptor_jax.train import methods, parallel, setup, step
 
 from helpers import micro_config
 
@@ -74,7 +74,7 @@ def two_block_run():
   config = micro_config(**TWO_BLOCKS)
   run_data = setup.load_run_data(config)
   backbone, params = setup.load_backbone(config, run_data)
-  owners = loop.private_owner_map(config, backbone, params, run_data.train, 1)
+  owners = ownership.private_owner_map(config, backbone, params, run_data.train, 1)
   backbone, params = hf.with_options(backbone, params, lora_rank=4, lora_alpha=8.0,
                                      attention_lora=True, expert_lora_layers=(1,))
   model, params = setup.classifier(backbone, params, 2, "mean", 0)

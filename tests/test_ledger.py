@@ -45,17 +45,6 @@ def test_epsilon_grows_with_steps():
   assert all(a < b for a, b in zip(spent, spent[1:]))
 
 
-def test_record_joint_is_one_sample_event():
-  ledger = PrivacyLedger()
-  ledger.record_joint({'shared': _SIGMA_SHARED, 'expert': _SIGMA_EXPERT},
-                      sample_rate=_Q, steps=40)
-  (entry,) = ledger.entries
-  assert entry.stream == 'shared+expert' and entry.steps == 40
-  assert ledger.epsilon(_DELTA) == accounting.raptor_epsilon(
-      sigma_shared=_SIGMA_SHARED, sigma_expert=_SIGMA_EXPERT, sample_rate=_Q,
-      steps_shared=40, steps_expert=40, delta=_DELTA, joint=True)
-
-
 def test_json_round_trip_and_resume():
   ledger = _alternating(20)
   ledger.record('shared', sample_rate=1 / 3, noise_multiplier=(0.1 + 0.2) * 10)

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raptor_jax import accounting, roles, sampling
+from raptor_jax import accounting, ownership, roles, sampling
 from raptor_jax.models import hf
-from raptor_jax.train import loop, methods, parallel, setup, step
+from raptor_jax.train import methods, parallel, setup, step
 
 import helpers
 
@@ -182,7 +182,7 @@ def test_monolithic_variants():
 def test_layer_choice(how, expected, micro_model):
   config = micro_config(**{"raptor.layer": how})
   run_data, backbone, params, _ = micro_model
-  layer, _ = loop.select_expert_layer(config, backbone, params, run_data)
+  layer, _ = ownership.select_expert_layer(config, backbone, params, run_data)
   assert layer == expected
   plan = methods.build_plan(config, n=N, num_experts=E, sparse_layers=SPARSE,
                             expert_layer=layer)

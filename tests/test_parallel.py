@@ -82,10 +82,19 @@ def test_device_and_process_counts_give_the_same_parameters(tmp_path):
   coordinator = f"127.0.0.1:{_free_port()}"
   procs = [_run(tmp_path / "multi", {"stop_after_cycles": 1}, devices=1,
                 process=(pid, 2, coordinator)) for pid in range(2)]
+  results = []
   for proc in procs:
-    _, err = proc.communicate(timeout=900)
+    out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-4000:]
+    results.append(json.loads(out.strip().splitlines()[-1]))
   _assert_same_state(tmp_path / "raptor1", tmp_path / "multi", step_a=1)
+  # Only process 0 writes the shared workdir (metrics, TensorBoard, reports);
+  # every process returns the same results.
+  assert results[0]["accuracy"] == results[1]["accuracy"]
+  lines = (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()
+  assert lines and len(lines) == len(set(lines)), lines
+  assert len(list((tmp_path / "multi" / "tensorboard").glob("events.*"))) == 1
+  assert json.loads((tmp_path / "multi" / "results.json").read_text())["cycles"] == 1
 
 
 def _free_port():

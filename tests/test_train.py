@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from raptor_jax import data, roles
-from raptor_jax.train import loop, parallel, setup, step
+from raptor_jax.train import parallel, setup, step
 from raptor_jax.train import train_and_evaluate
+from raptor_jax.train.run import build_run
 
 from helpers import latest_state, micro_config, micro_model
 
@@ -75,12 +76,11 @@ def test_a_checkpoint_of_another_config_is_refused(full_run):
 def test_no_private_statistics_reach_the_workdir(full_run):
   """Owner map, per-expert counts and private per-step statistics stay in memory."""
   workdir, _ = full_run
-  config = micro_config()
-  run_data = setup.load_run_data(config)
-  backbone, params = setup.load_backbone(config, run_data)
+  run = build_run(micro_config())
   layer = json.loads((workdir / "layer_selection.json").read_text())["selected_layer"]
-  owner_map = loop.private_owner_map(config, backbone, params, run_data.train, layer)
-  counts = np.bincount(owner_map, minlength=backbone.config.num_experts)
+  assert layer == run.expert_layer
+  owner_map = run.owners
+  counts = np.bincount(owner_map, minlength=run.num_experts)
   assert len(set(owner_map.tolist())) > 1  # a non-trivial map, so the scan means something
   needles = [owner_map.astype(np.int32).tobytes(), owner_map.astype(np.int64).tobytes(),
              json.dumps(owner_map.tolist()).encode(), json.dumps(counts.tolist()).encode(),

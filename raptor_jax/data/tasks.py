@@ -125,6 +125,46 @@ def get_task(name: str) -> TaskSpec:
     return spec
 
 
+def _check_split_args(spec, split, text_fields, limit, offset):
+    """Validates `load_task_split`'s arguments; returns text_fields as a tuple (or None)."""
+    if split not in spec.splits:
+        raise ValueError(
+            f"Unknown split {split!r} for task {spec.name}; use one of"
+            f" {', '.join(spec.splits)}."
+        )
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1 or None, got {limit}.")
+    if offset < 0:
+        raise ValueError(f"offset must be at least 0, got {offset}.")
+    if isinstance(text_fields, str):
+        text_fields = (text_fields,)
+    if text_fields is not None and len(text_fields) not in (1, 2):
+        raise ValueError(
+            f"text_fields names {len(text_fields)} columns; give one text column or two for"
+            " a sentence pair."
+        )
+    return text_fields
+
+
+def _pick_columns(spec, columns, source, text_fields, label_field):
+    """(text column names, label column name) by explicit names or the task's aliases."""
+    text_candidates = (
+        [(name,) for name in text_fields] if text_fields is not None else spec.text_fields
+    )
+    text_names = [
+        tables.pick_column(columns, names, source=source, kind="text", option="text_fields")
+        for names in text_candidates
+    ]
+    label_name = tables.pick_column(
+        columns,
+        (label_field,) if label_field is not None else spec.label_fields,
+        source=source,
+        kind="label",
+        option="label_field",
+    )
+    return text_names, label_name
+
+
 def load_task_split(
     task: str,
     split: str,
@@ -175,37 +215,9 @@ def load_task_split(
             reachable nor cached.
     """
     spec = get_task(task)
-    if split not in spec.splits:
-        raise ValueError(
-            f"Unknown split {split!r} for task {spec.name}; use one of"
-            f" {', '.join(spec.splits)}."
-        )
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be at least 1 or None, got {limit}.")
-    if offset < 0:
-        raise ValueError(f"offset must be at least 0, got {offset}.")
-    if isinstance(text_fields, str):
-        text_fields = (text_fields,)
-    if text_fields is not None and len(text_fields) not in (1, 2):
-        raise ValueError(
-            f"text_fields names {len(text_fields)} columns; give one text column or two for"
-            " a sentence pair."
-        )
+    text_fields = _check_split_args(spec, split, text_fields, limit, offset)
     columns, source = _split_columns(spec, split, path)
-    text_candidates = (
-        [(name,) for name in text_fields] if text_fields is not None else spec.text_fields
-    )
-    text_names = [
-        tables.pick_column(columns, names, source=source, kind="text", option="text_fields")
-        for names in text_candidates
-    ]
-    label_name = tables.pick_column(
-        columns,
-        (label_field,) if label_field is not None else spec.label_fields,
-        source=source,
-        kind="label",
-        option="label_field",
-    )
+    text_names, label_name = _pick_columns(spec, columns, source, text_fields, label_field)
     index, count = shard
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} is not in [0, {count}).")

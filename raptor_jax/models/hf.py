@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax.models import olmoe, switch
+from raptor_jax import roles
+from raptor_jax.models import heads, olmoe, switch
 
 Params = Mapping[str, Any]
 
@@ -97,8 +98,7 @@ def merge_params(initialised: Params, pretrained: Params) -> dict:
   return flax.traverse_util.unflatten_dict(init_flat, sep="/")
 
 
-def is_adapter(path: str) -> bool:
-  return path.rsplit("/", 1)[-1] in ("lora_a", "lora_b")
+is_adapter = roles.is_adapter  # a LoRA factor (the leaves `init_missing` adds)
 
 
 def init_missing(module: nn.Module, pretrained: Params, example_args: tuple,
@@ -316,6 +316,7 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
+                    num_labels: int | None = None, pooling: str = "",
                     **options) -> tuple[nn.Module, dict]:
   """Loads a Hugging Face MoE checkpoint as a Flax backbone.
 
@@ -325,6 +326,9 @@ def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
       "allenai/OLMoE-1B-7B-0924"; `model_type` in config.json selects the
       backbone (SwitchEncoder or OlmoeDecoder).
     seed: PRNG seed for parameters the checkpoint lacks (LoRA adapters).
+    num_labels: if set, return a `SequenceClassifier` with a linear head of
+      this many labels instead of the bare backbone (see `with_head`).
+    pooling: the classifier's pooling ('' = the family's default).
     **options: fine-tuning options of the model config, any of
       `FINE_TUNING_OPTIONS` (e.g. lora_rank=8, attention_lora=True,
       expert_lora_layers=(5,), dtype='bfloat16'); anything else is an error.
@@ -351,7 +355,27 @@ def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
     raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
                      "supported: 'switch_transformers', 'olmoe'")
   params = init_missing(module, params, example_inputs(), jax.random.PRNGKey(seed))
+  if num_labels is not None:
+    return with_head(module, params, num_labels, pooling=pooling, seed=seed)
   return module, params
+
+
+def with_head(backbone: nn.Module, backbone_params: Params, num_labels: int, *,
+              pooling: str = "", seed: int = 0) -> tuple[nn.Module, dict]:
+  """A `SequenceClassifier` of `backbone`: pooling and a linear head.
+
+  The head is initialised from `PRNGKey(seed + 1)`, as the trainer does; only
+  the head is new (anything else missing is an error). `pooling` '' picks
+  mean pooling for encoders (Switch) and the last token for decoders (OLMoE).
+
+      model, params = models.from_pretrained("google/switch-base-8", num_labels=2)
+      logits, aux = model.apply({"params": params}, input_ids, attention_mask)
+  """
+  pooling = pooling or ("mean" if isinstance(backbone, switch.SwitchEncoder) else "last")
+  clf = heads.SequenceClassifier(backbone, num_labels, pooling=pooling)
+  params = init_missing(clf, {"backbone": backbone_params}, example_inputs(),
+                        jax.random.PRNGKey(seed + 1), is_new=lambda p: p.startswith("head/"))
+  return clf, params
 
 
 def example_inputs() -> tuple[jax.Array, jax.Array]:

@@ -22,6 +22,7 @@ an interrupt or a crash saves the last finished step first.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -175,37 +176,19 @@ def count_parameters(module, params: dict) -> dict[str, int]:
   return dict(total=total, active_per_token=active)
 
 
-def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
-  """Pretrains per `config` in `workdir` (resuming), exports `<workdir>/model`.
-
-  Returns:
-    The report (also written to `<workdir>/pretrain_report.json`).
-  """
-  validate(config)
-  start = time.time()
-  workdir = Path(workdir).expanduser().resolve()
-  workdir.mkdir(parents=True, exist_ok=True)
-  data = prepare_data(config, workdir)
-  tok, special = data["tokenizer"], special_ids(data["tokenizer"])
-  train_rows = data["train_rows"]
-  module = model.backbone(config.family, config.model, len(tok))
-  checkpointer = Checkpointer(workdir, config, insensitive=RESUME_INSENSITIVE)
-  meta = checkpointer.restore_meta()
+def _initial_params(config, module, train_rows, vocab_size: int, *, spectral: bool) -> dict:
+  """Fresh parameters; spectral token embeddings when configured (fresh runs only)."""
   params = model.init_params(module, jax.random.PRNGKey(config.seed))
-  if config.model.embedding_init == "spectral" and not meta:
+  if config.model.embedding_init == "spectral" and spectral:
     embedding = params["backbone"]["embed_tokens"]["embedding"]
     params["backbone"]["embed_tokens"]["embedding"] = jnp.asarray(
-        embeddings.spectral_embeddings(train_rows, len(tok), embedding.shape[1],
+        embeddings.spectral_embeddings(train_rows, vocab_size, embedding.shape[1],
                                        std=float(jnp.std(embedding)), seed=config.seed))
-  tx = optimizer(config)
-  opt_state = tx.init(params)
-  aux_coef, z_coef = coefficients(config)
-  loss = functools.partial(model.loss_fn, module, special=special,
-                           mlm_rate=config.objective.mlm_rate, aux_loss_coef=aux_coef,
-                           z_loss_coef=z_coef,
-                           owner_balance_coef=config.objective.owner_balance_coef)
-  mask_key = jax.random.PRNGKey(config.seed + 1)
+  return params
 
+
+def _train_step(loss, tx, mask_key):
+  """The jitted (params, opt_state, input_ids, step) -> (params, opt_state, parts)."""
   # No buffer donation: an interrupt mid-step must leave the last finished
   # step's (params, opt_state) intact for the checkpoint saved on the way out.
   @jax.jit
@@ -215,46 +198,64 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, dict(
         parts, grad_norm=optax.global_norm(grads))
+  return train_step
 
-  step, earlier_wall_s, train_time_s = 0, 0.0, 0.0
-  if meta:
-    state = checkpointer.restore_state({"params": params, "opt_state": opt_state})
-    params, opt_state = state["params"], state["opt_state"]
-    step, earlier_wall_s = int(meta["step"]), float(meta["wall_time_s"])
-    train_time_s = float(meta["train_time_s"])
-    log.info("resumed pretraining at step %d of %d", step, config.steps)
-  else:
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-  writer = metrics.MetricWriter(workdir)
+
+def _export(config, module, params, model_dir: Path, tok, special, aux_coef, z_coef) -> None:
+  """Writes the pretrained backbone (and LM head) in `save_pretrained` format."""
+  export.save_pretrained(
+      module, params["backbone"], model_dir, tokenizer=tok,
+      lm_head=params["lm_head"]["kernel"] if "lm_head" in params else None,
+      hf_config_extra=dict(
+          pad_token_id=special.pad, router_aux_loss_coef=aux_coef,
+          **({"router_z_loss_coef": z_coef, "decoder_start_token_id": special.pad}
+             if config.family == "switch" else {})))
+
+
+@dataclasses.dataclass
+class _Progress:
+  """Pretraining's state; (params, opt_state, step) change together."""
+
+  params: Any
+  opt_state: Any
+  step: int = 0
+  train_time_s: float = 0.0
+  earlier_wall_s: float = 0.0  # earlier segments of a resumed run
+  start: float = 0.0
+
+  def wall_time_s(self) -> float:
+    return self.earlier_wall_s + time.time() - self.start
+
+
+def _train_loop(config, run: _Progress, train_step, train_rows, checkpointer, writer,
+                heldout) -> None:
+  """Steps until config.steps (or stop_after_steps), logging and checkpointing."""
   tokens_per_step = config.batch_size * config.seq_len
 
   def save():
-    checkpointer.save(step, {"params": params, "opt_state": opt_state},
-                      dict(step=step, wall_time_s=earlier_wall_s + time.time() - start,
-                           train_time_s=train_time_s))
-
-  def heldout():
-    return evaluate.evaluate(module, params, loss, data["heldout_rows"], data["record_ids"],
-                             data["record_mask"], batch_size=config.batch_size,
-                             seed=config.seed, min_share=config.eval.min_owner_share)
+    checkpointer.save(run.step, {"params": run.params, "opt_state": run.opt_state},
+                      dict(step=run.step, wall_time_s=run.wall_time_s(),
+                           train_time_s=run.train_time_s))
 
   stop_at = config.steps if not config.stop_after_steps else min(
-      config.steps, step + config.stop_after_steps)
+      config.steps, run.step + config.stop_after_steps)
   progress = None
   if config.progress_bar:
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-    progress = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
-  last_saved, window_start, window_steps = step, time.time(), 0
+    progress = tqdm(total=config.steps, initial=run.step, unit="step", dynamic_ncols=True)
+  last_saved, window_start, window_steps = run.step, time.time(), 0
   try:
-    while step < stop_at:
+    while run.step < stop_at:
+      step = run.step
       ids = jnp.asarray(train_rows[batch_rows(len(train_rows), config.batch_size, step,
                                               config.seed)])
       step_start = time.time()
-      new_params, new_opt_state, parts = train_step(params, opt_state, ids, step)
+      new_params, new_opt_state, parts = train_step(run.params, run.opt_state, ids, step)
       if (step + 1) % config.log_every == 0 or step + 1 == stop_at:
         parts = {k: float(v) for k, v in parts.items()}  # waits for the step
-      params, opt_state, step = new_params, new_opt_state, step + 1  # commit together
-      train_time_s += time.time() - step_start
+      run.params, run.opt_state, run.step = new_params, new_opt_state, step + 1  # together
+      step = run.step
+      run.train_time_s += time.time() - step_start
       window_steps += 1
       if step % config.log_every == 0 or step == stop_at:
         rate = window_steps * tokens_per_step / max(time.time() - window_start, 1e-9)
@@ -272,15 +273,62 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
         save()
         last_saved = step
   except BaseException:
-    if step > last_saved:  # a crash or an interrupt loses no finished step
+    if run.step > last_saved:  # a crash or an interrupt loses no finished step
       save()
     raise
   finally:
     if progress is not None:
       progress.close()
-  if step > last_saved:
+  if run.step > last_saved:
     save()
+
+
+def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
+  """Pretrains per `config` in `workdir` (resuming), exports `<workdir>/model`.
+
+  Returns:
+    The report (also written to `<workdir>/pretrain_report.json`).
+  """
+  validate(config)
+  start = time.time()
+  workdir = Path(workdir).expanduser().resolve()
+  workdir.mkdir(parents=True, exist_ok=True)
+  data = prepare_data(config, workdir)
+  tok, special = data["tokenizer"], special_ids(data["tokenizer"])
+  train_rows = data["train_rows"]
+  module = model.backbone(config.family, config.model, len(tok))
+  checkpointer = Checkpointer(workdir, config, insensitive=RESUME_INSENSITIVE,
+                              format_version=None)  # pretraining's layout never changed
+  meta = checkpointer.restore_meta()
+  params = _initial_params(config, module, train_rows, len(tok), spectral=not meta)
+  tx = optimizer(config)
+  opt_state = tx.init(params)
+  aux_coef, z_coef = coefficients(config)
+  loss = functools.partial(model.loss_fn, module, special=special,
+                           mlm_rate=config.objective.mlm_rate, aux_loss_coef=aux_coef,
+                           z_loss_coef=z_coef,
+                           owner_balance_coef=config.objective.owner_balance_coef)
+  train_step = _train_step(loss, tx, jax.random.PRNGKey(config.seed + 1))
+  run = _Progress(params, opt_state, start=start)
+  if meta:
+    state = checkpointer.restore_state({"params": params, "opt_state": opt_state})
+    run.params, run.opt_state = state["params"], state["opt_state"]
+    run.step, run.earlier_wall_s = int(meta["step"]), float(meta["wall_time_s"])
+    run.train_time_s = float(meta["train_time_s"])
+    log.info("resumed pretraining at step %d of %d", run.step, config.steps)
+  else:
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  writer = metrics.MetricWriter(workdir)
+  tokens_per_step = config.batch_size * config.seq_len
+
+  def heldout():
+    return evaluate.evaluate(module, run.params, loss, data["heldout_rows"], data["record_ids"],
+                             data["record_mask"], batch_size=config.batch_size,
+                             seed=config.seed, min_share=config.eval.min_owner_share)
+
+  _train_loop(config, run, train_step, train_rows, checkpointer, writer, heldout)
   checkpointer.close()
+  params, step, train_time_s = run.params, run.step, run.train_time_s
 
   report = heldout()
   writer.write(step, {f"heldout/{k}": v for k, v in report["scalars"].items()})
@@ -288,19 +336,13 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
   finished = step >= config.steps
   model_dir = workdir / "model"
   if finished:
-    export.save_pretrained(
-        module, params["backbone"], model_dir, tokenizer=tok,
-        lm_head=params["lm_head"]["kernel"] if "lm_head" in params else None,
-        hf_config_extra=dict(
-            pad_token_id=special.pad, router_aux_loss_coef=aux_coef,
-            **({"router_z_loss_coef": z_coef, "decoder_start_token_id": special.pad}
-               if config.family == "switch" else {})))
+    _export(config, module, params, model_dir, tok, special, aux_coef, z_coef)
   result = dict(
       family=config.family, finished=finished, steps=step, planned_steps=config.steps,
       tokens_seen=step * tokens_per_step, batch_size=config.batch_size, seq_len=config.seq_len,
       parameters=count_parameters(module, params), vocab_size=len(tok),
       aux_loss_coef=aux_coef, z_loss_coef=z_coef, corpus=data["corpus"],
-      wall_time_s=earlier_wall_s + time.time() - start, train_time_s=train_time_s,
+      wall_time_s=run.wall_time_s(), train_time_s=train_time_s,
       tokens_per_s=step * tokens_per_step / max(train_time_s, 1e-9),
       heldout=report["scalars"], routing=report["routing"],
       model_dir=str(model_dir) if finished else None,

@@ -20,6 +20,11 @@ import orbax.checkpoint as ocp
 
 from raptor_jax.train.config import RESUME_INSENSITIVE
 
+# Version of the checkpoint layout, saved in every checkpoint's meta. 2: each
+# part's optimizer state is the state of `optax.chain(privatize_sums, adam)`
+# (1, unversioned: a {"noise", "adam"} dict per part).
+FORMAT_VERSION = 2
+
 
 def fingerprint(config: ml_collections.ConfigDict,
                 insensitive: Sequence[str] = RESUME_INSENSITIVE) -> str:
@@ -34,7 +39,11 @@ class Checkpointer:
   """Saves and restores (state, meta) under `<workdir>/checkpoints`."""
 
   def __init__(self, workdir: str | Path, config: ml_collections.ConfigDict, max_to_keep: int = 2,
-               insensitive: Sequence[str] = RESUME_INSENSITIVE):
+               insensitive: Sequence[str] = RESUME_INSENSITIVE,
+               format_version: int | None = FORMAT_VERSION):
+    """`format_version`: written to and required of every checkpoint's meta
+    (None: neither, for layouts that never changed, e.g. pretraining's)."""
+    self.format_version = format_version
     self.directory = Path(workdir).expanduser().resolve() / "checkpoints"
     self.fingerprint = fingerprint(config, insensitive)
     self.manager = ocp.CheckpointManager(
@@ -47,12 +56,20 @@ class Checkpointer:
     """The latest checkpoint's metadata, or None for a fresh workdir.
 
     Raises:
-      ValueError: the workdir holds a checkpoint of a different config.
+      ValueError: the workdir holds a checkpoint of another format version
+        or of a different config.
     """
     step = self.manager.latest_step()
     if step is None:
       return None
     meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    version = meta.get("format_version")
+    if self.format_version is not None and version != self.format_version:
+      raise ValueError(
+          f"{self.directory / str(step)} is a checkpoint of format "
+          f"{version or '1 (unversioned)'}, this raptor_jax reads format "
+          f"{self.format_version}; train in a new --workdir, or resume with the raptor_jax "
+          "version that wrote it")
     if meta.get("fingerprint") != self.fingerprint:
       raise ValueError(
           f"{self.directory} holds a checkpoint of a different config; use another --workdir "
@@ -68,6 +85,8 @@ class Checkpointer:
   def save(self, step: int, state: Any, meta: dict) -> None:
     """Writes a checkpoint atomically (orbax commits a finished directory)."""
     meta = dict(meta, fingerprint=self.fingerprint)
+    if self.format_version is not None:
+      meta["format_version"] = self.format_version
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     self.manager.wait_until_finished()

@@ -5,6 +5,25 @@ from __future__ import annotations
 import ml_collections
 
 
+def _random_model_config() -> ml_collections.ConfigDict:
+  """`model.random`: the randomly initialised stand-in of a pretrained model."""
+  r = ml_collections.ConfigDict()
+  r.family = "switch"  # switch | olmoe
+  r.d_model = 64  # hidden size
+  r.num_layers = 4  # blocks
+  r.num_heads = 4  # attention heads
+  r.d_kv = 16  # head size
+  r.d_ff = 128  # feed-forward width (each expert)
+  r.num_experts = 4  # experts per sparse block
+  r.sparse_step = 2  # HF placement: block i sparse iff i % step == 1
+  r.expert_capacity = 16  # per-sequence expert capacity (switch)
+  r.top_k = 2  # experts per token (olmoe)
+  r.num_kv_heads = 2  # key/value heads (olmoe)
+  r.norm_topk_prob = False  # renormalise the top-k weights (olmoe)
+  r.topic_scale = 2.0  # embedding boost shared by same-topic words (routing matters)
+  return r
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Paper defaults (Sec. 8, App. C) for Switch-base-8 on SST-2."""
   c = ml_collections.ConfigDict()
@@ -18,21 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.lora_alpha = 16.0  # LoRA alpha (scale alpha / r)
   c.model.dtype = "float32"  # activation dtype ('bfloat16' on GPUs); DP sums and noise stay float32
   c.model.pooling = ""  # '' = model default ('mean' for encoders, 'last' for decoders)
-  c.model.random = ml_collections.ConfigDict()  # architecture of the 'random' model
-  c.model.random.family = "switch"  # switch | olmoe
-  c.model.random.d_model = 64  # hidden size
-  c.model.random.num_layers = 4  # blocks
-  c.model.random.num_heads = 4  # attention heads
-  c.model.random.d_kv = 16  # head size
-  c.model.random.d_ff = 128  # feed-forward width (each expert)
-  c.model.random.num_experts = 4  # experts per sparse block
-  c.model.random.sparse_step = 2  # HF placement: block i sparse iff i % step == 1
-  c.model.random.expert_capacity = 16  # per-sequence expert capacity (switch)
-  c.model.random.top_k = 2  # experts per token (olmoe)
-  c.model.random.num_kv_heads = 2  # key/value heads (olmoe)
-  c.model.random.norm_topk_prob = False  # renormalise the top-k weights (olmoe)
-  c.model.random.topic_scale = 2.0  # embedding boost shared by same-topic words (routing matters)
-
+  c.model.random = _random_model_config()  # architecture of the 'random' model
   c.data = ml_collections.ConfigDict()
   c.data.task = "sst2"  # sst2 | mnli | qnli | qqp | synthetic
   c.data.train_path = ""  # local train file (tsv/csv/parquet/jsonl); '' = the hub dataset

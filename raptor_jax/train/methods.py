@@ -49,16 +49,17 @@ import dataclasses
 
 import dp_accounting
 
-from raptor_jax import accounting, sampling
+from raptor_jax import accounting, roles, sampling
 
 METHODS = ("raptor", "baseline_a", "baseline_b", "baseline_c", "monolithic",
            "monolithic_lora", "nonprivate_lora", "nonprivate_full")
 PRIVATE_METHODS = ("raptor", "baseline_a", "baseline_b", "baseline_c", "monolithic",
                    "monolithic_lora")
-SHARED_ROLES = ("attention_adapter", "head")
-SHARED_FULL_ROLES = ("attention_kernel", "head")
-LORA_ROLES = ("attention_adapter", "head", "expert_adapter")
-ALL_ROLES = ("attention_kernel", "head", "expert_kernel", "router", "base")
+# The streams' role sets live in `roles`; kept here under their old names.
+SHARED_ROLES = roles.SHARED_ROLES
+SHARED_FULL_ROLES = roles.SHARED_FULL_ROLES
+LORA_ROLES = roles.LORA_ROLES
+ALL_ROLES = roles.ALL_ROLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,8 @@ class Plan:
         for p in self.phases])
 
 
-def _check(config) -> None:
+def check_config(config) -> None:
+  """Checks the method's fields of `config` (no data or model needed)."""
   rc = config.raptor
   if config.method not in METHODS:
     raise ValueError(f"unknown method {config.method!r}; choose one of {', '.join(METHODS)}")
@@ -188,8 +190,8 @@ def _phases(config, *, b: float, num_experts: int, expert_layer: int,
   """The phases of `config.method`, with noise from `sigmas`."""
   method, rc, pc = config.method, config.raptor, config.privacy
   d_e = b / num_experts if rc.expert_denominator == "B/E" else b
-  shared_roles = SHARED_FULL_ROLES if rc.shared_full_weights else SHARED_ROLES
-  expert_roles = ("expert_kernel",) if rc.expert_full_weights else ("expert_adapter",)
+  shared_roles = roles.SHARED_FULL_ROLES if rc.shared_full_weights else roles.SHARED_ROLES
+  expert_roles = roles.EXPERT_FULL_ROLES if rc.expert_full_weights else roles.EXPERT_ROLES
   residual = rc.residual != "none"
 
   def shared(sigma, clip=pc.clip_shared):
@@ -218,8 +220,8 @@ def _phases(config, *, b: float, num_experts: int, expert_layer: int,
   if method == "baseline_c":
     return (Phase("expert", sampling.EXPERT_STREAM, (expert(sigmas.dpsgd()),)),)
   private = method in PRIVATE_METHODS
-  roles = ALL_ROLES if method in ("monolithic", "nonprivate_full") else LORA_ROLES
-  part = Part("all", roles, None, False, pc.clip_shared, sigmas.dpsgd() if private else 0.0, b)
+  every = roles.ALL_ROLES if method in ("monolithic", "nonprivate_full") else roles.LORA_ROLES
+  part = Part("all", every, None, False, pc.clip_shared, sigmas.dpsgd() if private else 0.0, b)
   return (Phase("dpsgd" if private else "nonprivate", sampling.SHARED_STREAM, (part,),
                 private=private),)
 
@@ -261,7 +263,7 @@ def build_plan(config, *, n: int, num_experts: int, sparse_layers: tuple[int, ..
   Returns:
     The Plan.
   """
-  _check(config)
+  check_config(config)
   q = config.batch_size / n
   sampling.check_sample_rate(q)
   cycles = config.epochs * accounting.steps_per_epoch(q)

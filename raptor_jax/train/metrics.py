@@ -47,14 +47,24 @@ def evaluate(logits_fn: Callable, input_ids: np.ndarray, attention_mask: np.ndar
 
 
 class MetricWriter:
-  """Appends scalars to `<workdir>/metrics.jsonl` and TensorBoard event files."""
+  """Appends scalars to `<workdir>/metrics.jsonl` and TensorBoard event files.
 
-  def __init__(self, workdir: Path):
+  With `just_logging=True` (every process but 0 of a multi-host run, as in
+  flax's examples: `just_logging=jax.process_index() > 0`) nothing is opened
+  or written: one process writes the shared workdir.
+  """
+
+  def __init__(self, workdir: Path, just_logging: bool = False):
+    self._just_logging = just_logging
+    if just_logging:
+      return
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
     self._jsonl = open(workdir / "metrics.jsonl", "a", encoding="utf-8")
     self._tb = SummaryWriter(str(workdir / "tensorboard"))
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    if self._just_logging:
+      return
     self._jsonl.write(json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}})
                       + "\n")
     self._jsonl.flush()
@@ -63,5 +73,7 @@ class MetricWriter:
     self._tb.flush()
 
   def close(self) -> None:
+    if self._just_logging:
+      return
     self._jsonl.close()
     self._tb.close()

@@ -90,11 +90,22 @@ def make_mesh(num_devices: int = 0) -> Mesh:
   return Mesh(np.asarray(devices), (AXIS,))
 
 
+def _is_typed_key(x) -> bool:
+  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def replicate(tree: Any, mesh: Mesh) -> Any:
-  """Places identical host values on every device of the mesh."""
+  """Places identical host values on every device of the mesh.
+
+  Typed PRNG keys (`jax.random.key`) stay typed keys (their key data is
+  replicated); raw `PRNGKey` arrays are ordinary uint32 arrays.
+  """
   sharding = NamedSharding(mesh, PartitionSpec())
 
   def put(x):
+    if _is_typed_key(x):
+      return jax.random.wrap_key_data(put(jax.random.key_data(x)),
+                                      impl=jax.random.key_impl(x))
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 

@@ -154,12 +154,8 @@ def load_backbone(config: ml_collections.ConfigDict, run_data: RunData) -> tuple
 
 def classifier(backbone: nn.Module, backbone_params: dict, num_labels: int, pooling: str,
                seed: int) -> tuple[models.SequenceClassifier, dict]:
-  """Wraps a backbone with pooling and a freshly initialised linear head."""
-  clf = models.SequenceClassifier(backbone, num_labels, pooling=pooling)
-  params = hf.init_missing(clf, {"backbone": backbone_params}, hf.example_inputs(),
-                           jax.random.PRNGKey(seed + 1),
-                           is_new=lambda p: p.startswith("head/"))
-  return clf, params
+  """Wraps a backbone with pooling and a freshly initialised linear head (`hf.with_head`)."""
+  return hf.with_head(backbone, backbone_params, num_labels, pooling=pooling, seed=seed)
 
 
 def default_pooling(backbone: nn.Module) -> str:

@@ -8,7 +8,7 @@ function has fixed input shapes, so each compiles once per run.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from raptor_jax import grads, roles, transforms
 from raptor_jax.models.switch import OwnerOverride
+from raptor_jax.train import parallel, setup
 from raptor_jax.train.methods import Phase
 from raptor_jax.train.parallel import AXIS
 
@@ -33,18 +34,12 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def _owner_params(flat_slice: Flat, layer: int) -> dict:
   """{'backbone/block_l/mlp/experts/wi/lora_a': s} -> {'wi': {'lora_a': s}}."""
-  prefix = f"backbone/block_{layer}/mlp/experts/"
+  prefix = roles.expert_prefix(layer)
   nested: dict[str, dict[str, jax.Array]] = {}
   for path, value in flat_slice.items():
     matrix, leaf = path[len(prefix):].split("/")
     nested.setdefault(matrix, {})[leaf] = value
   return nested
-
-
-def _scale_records(tree, weights: jax.Array):
-  """Multiplies each record's leaves ([n, ...]) by its weight ([n])."""
-  return jax.tree.map(
-      lambda g: g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype), tree)
 
 
 def merged_params(frozen: Flat, trainable: Mapping[str, Flat]) -> dict:
@@ -73,18 +68,20 @@ class PhaseFunctions:
     self.num_experts = num_experts
     self.residual = residual
     self.residual_gamma = residual_gamma
+    # Per part, as README documents: chain(privatize_sums, adam). The noise
+    # key of part i is fold_in(key, i): distinct and secret per transform.
     self.privatizers = {
         part.name: transforms.privatize_sums(part.l2_clip, part.noise_multiplier,
                                              part.denominator, jax.random.fold_in(key, i))
         for i, part in enumerate(phase.parts)}
-    self.optimizer = optax.adam(learning_rate)
+    self.optimizers = {name: optax.chain(privatizer, optax.adam(learning_rate))
+                       for name, privatizer in self.privatizers.items()}
     replicated, records = PartitionSpec(), PartitionSpec(AXIS)
     self.accumulate = jax.jit(jax.shard_map(
         self._accumulate, mesh=mesh,
         in_specs=(replicated, replicated, replicated, records, records),
         out_specs=replicated, check_vma=False), donate_argnums=(2,))
     self.update = jax.jit(self._update)
-    self.privatize = jax.jit(self._privatize)
     self.loss_sum = jax.jit(jax.shard_map(
         self._loss_sum, mesh=mesh, in_specs=(replicated, replicated, records, records),
         out_specs=replicated, check_vma=False))
@@ -120,7 +117,7 @@ class PhaseFunctions:
     value); 'full' uses the current model.
     """
     if self.residual == "shared":
-      prefix = f"backbone/block_{self.expert_layer}/mlp/experts/"
+      prefix = roles.expert_prefix(self.expert_layer)
       params_flat = {p: (jnp.zeros_like(v) if p.startswith(prefix) and p.endswith("lora_b")
                          else v) for p, v in params_flat.items()}
     logits, _ = self.model.apply({"params": roles.unflatten(params_flat)},
@@ -178,9 +175,10 @@ class PhaseFunctions:
       weights = self._residual_weights(current, batch)
       for part in parts:
         if part.residual:
-          per_record[part.name] = _scale_records(per_record[part.name], weights)
+          per_record[part.name] = grads.scale_records(per_record[part.name], weights)
     if not self.phase.private:
-      return {name: _scale_records(jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask)
+      return {name: grads.scale_records(
+          jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask)
               for name, g_part in per_record.items()}
     return self._clip(per_record, mask)
 
@@ -222,31 +220,24 @@ class PhaseFunctions:
       return jnp.sum(cross_entropy(logits, batch["labels"]) * mask)
     return jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(total_loss)(dense))
 
-  def _privatize(self, sums: Mapping[str, Flat], opt_states: Mapping[str, Any]):
-    """Noisy gradients (sums + N(0, (sigma C)^2)) / denominator, and new noise states."""
-    noisy, states = {}, {}
-    for part in self.phase.parts:
-      noisy[part.name], states[part.name] = self.privatizers[part.name].update(
-          sums[part.name], opt_states[part.name]["noise"])
-    return noisy, states
-
   def _update(self, trainable: dict[str, Flat], opt_states: dict[str, Any],
               sums: Mapping[str, Flat]):
-    """One noisy DP-Adam update of every part of the phase (noise drawn once)."""
+    """One noisy DP-Adam update of every part of the phase (noise drawn once).
+
+    Each part's `optax.chain(privatize_sums, adam)` adds N(0, (sigma C)^2) to
+    its clipped sums, divides by the public denominator, then takes the Adam
+    step: the release is the privatized sum, Adam is post-processing.
+    """
     trainable, opt_states = dict(trainable), dict(opt_states)
-    noisy, noise_states = self._privatize(sums, opt_states)
     for part in self.phase.parts:
-      updates, adam = self.optimizer.update(noisy[part.name], opt_states[part.name]["adam"],
-                                            trainable[part.name])
+      updates, opt_states[part.name] = self.optimizers[part.name].update(
+          sums[part.name], opt_states[part.name], trainable[part.name])
       trainable[part.name] = optax.apply_updates(trainable[part.name], updates)
-      opt_states[part.name] = {"noise": noise_states[part.name], "adam": adam}
     return trainable, opt_states
 
   def init_opt_states(self, trainable: Mapping[str, Flat]) -> dict[str, Any]:
-    """Per part: the noise transform's PRNG state and the Adam state."""
-    return {p.name: {"noise": self.privatizers[p.name].init(trainable[p.name]),
-                     "adam": self.optimizer.init(trainable[p.name])}
-            for p in self.phase.parts}
+    """Per part: the chain's state (noise transform's PRNG state, Adam state)."""
+    return {p.name: self.optimizers[p.name].init(trainable[p.name]) for p in self.phase.parts}
 
 
 def make_eval_fn(model: nn.Module) -> Callable:
@@ -257,3 +248,100 @@ def make_eval_fn(model: nn.Module) -> Callable:
                             attention_mask)
     return logits
   return logits_fn
+
+
+class StepState(NamedTuple):
+  """The state `PhaseStep` threads: replicated on its mesh.
+
+  Attributes:
+    trainable: {part name: {path: array}} the phase's parts.
+    frozen: {path: array} every other parameter.
+    opt_state: {part name: state of chain(privatize_sums, adam)}; holds the
+      secret noise key: as private as the training data.
+  """
+
+  trainable: dict[str, Flat]
+  frozen: Flat
+  opt_state: dict[str, Any]
+
+
+class PhaseStep:
+  """One phase's DP step, exactly as the trainer runs it.
+
+      phase = run.plan.phases[0]   # or methods.Phase(name=..., stream=..., parts=(...))
+      dp = PhaseStep(model, phase, key=jax.random.key(0), learning_rate=1e-3)
+      state = dp.init(params)      # the classifier's full parameter tree
+      sums = dp.zero_sums(state)
+      for batch, mask in microbatches:  # fixed-size; dict of input_ids,
+        sums = dp.accumulate(state, sums, batch, mask)  # attention_mask, labels, owners
+      state = dp.update(state, sums)   # noise drawn once, then Adam
+      params = dp.params(state)
+
+  `accumulate` adds the microbatch's clipped per-record gradient sums (float32,
+  psum over the mesh's devices); `update` makes the phase's one noisy update.
+  Guarantee (private phase): each record moves the sums of each part by at
+  most its clip norm (jointly for `joint_clip`), and `update` adds Gaussian
+  noise of std sigma * C to every element before dividing by the public
+  denominator; with a Poisson sample per step (`sampling.poisson_sample`) it
+  is the subsampled Gaussian mechanism the ledger accounts for. Call
+  `update` once per sample, never per microbatch.
+
+  Args:
+    model: the classifier (`models.SequenceClassifier`).
+    phase: a `methods.Phase`.
+    key: secret PRNG key (`jax.random.key(seed)` or a raw `PRNGKey`); part i
+      of the phase draws its noise from `fold_in(key, i)`.
+    learning_rate: Adam's learning rate.
+    mesh: a 1-D 'data' mesh (`parallel.make_mesh`; default: every device).
+    expert_layer: l* (default: the block of the phase's owner part, else the
+      last sparse block).
+    residual, residual_gamma: the residual weight (Eq. 8): 'none', 'shared'
+      or 'full', and gamma.
+  """
+
+  def __init__(self, model: nn.Module, phase: Phase, *, key: jax.Array,
+               learning_rate: float = 1e-3, mesh: Mesh | None = None,
+               expert_layer: int | None = None, residual: str = "none",
+               residual_gamma: float = 1.0):
+    bc = model.backbone.config
+    if expert_layer is None:
+      blocks = [part.blocks[0] for part in phase.parts if part.owner and part.blocks]
+      expert_layer = blocks[0] if blocks else bc.sparse_layers[-1]
+    self.mesh = mesh if mesh is not None else parallel.make_mesh()
+    self.phase = phase
+    self.functions = PhaseFunctions(
+        model, phase, mesh=self.mesh, expert_layer=expert_layer, num_experts=bc.num_experts,
+        learning_rate=learning_rate, residual=residual, residual_gamma=residual_gamma, key=key)
+
+  def init(self, params: Mapping[str, Any]) -> StepState:
+    """Splits `params` into the phase's parts and the rest; fresh optimizer states."""
+    trainable, frozen = setup.partition(params, self.phase.parts)
+    opt_state = self.functions.init_opt_states(trainable)
+    return StepState(*parallel.replicate((trainable, frozen, opt_state), self.mesh))
+
+  def zero_sums(self, state: StepState) -> dict[str, Flat]:
+    """Float32 zero sums: the start of every step."""
+    return self.functions.zero_sums(state.trainable)
+
+  def accumulate(self, state: StepState, sums: dict[str, Flat], batch: Batch,
+                 mask: Any = None) -> dict[str, Flat]:
+    """`sums` + the clipped gradient sums of one microbatch of host records.
+
+    `batch`: input_ids, attention_mask, labels, owners (int [n], zeros when no
+    part uses owners); `mask`: [n], 1 real, 0 padding (default: all real).
+    n must be a multiple of the mesh's devices and fixed (one compilation).
+    `sums` is donated: use the returned sums.
+    """
+    n = len(batch["labels"])
+    mask = jnp.ones((n,), jnp.float32) if mask is None else mask
+    placed, placed_mask = parallel.shard_records((dict(batch), mask), self.mesh)
+    return self.functions.accumulate(state.trainable, state.frozen, sums, placed, placed_mask)
+
+  def update(self, state: StepState, sums: Mapping[str, Flat]) -> StepState:
+    """The phase's one noisy DP-Adam update from the step's total sums."""
+    trainable, opt_state = self.functions.update(state.trainable, state.opt_state, sums)
+    return StepState(trainable, state.frozen, opt_state)
+
+  def params(self, state: StepState) -> dict:
+    """The full nested parameter tree of `state`."""
+    return merged_params(state.frozen, state.trainable)

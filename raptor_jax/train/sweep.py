@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
-from raptor_jax.train import loop, methods
+from raptor_jax.train import methods, train_and_evaluate
 
 log = logging.getLogger("raptor_jax")
 
@@ -156,7 +156,7 @@ def tune_clip(base: ml_collections.ConfigDict, workdir: str | Path, variant: str
   Tuning reads private data outside the privacy accounting, as the paper's
   hyperparameter search does (App. C): report it as such.
   """
-  train = train or loop.train_and_evaluate
+  train = train or train_and_evaluate
   if not base.data.holdout:
     raise ValueError("clip tuning scores candidates on held-out train records; set "
                      "--config.data.holdout=N (and --config.data.train_limit)")
@@ -179,7 +179,7 @@ def tune_clip(base: ml_collections.ConfigDict, workdir: str | Path, variant: str
 def run(base: ml_collections.ConfigDict, workdir: str | Path, *, variants: Sequence[str],
         epsilons: Sequence[float], seeds: Sequence[int], clip_grid: Sequence[float] = (),
         tune_seed: int = 100,
-        train: Callable[[ml_collections.ConfigDict, str], Mapping] = loop.train_and_evaluate,
+        train: Callable[[ml_collections.ConfigDict, str], Mapping] = train_and_evaluate,
         after: Callable[[ml_collections.ConfigDict, Path], None] | None = None) -> list[Path]:
   """Runs every cell of the grid that has no `results.json` yet.
 
