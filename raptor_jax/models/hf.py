@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax.models import olmoe, switch
+from raptor_jax.models import common, olmoe, switch
 
 Params = Mapping[str, Any]
 
@@ -300,8 +300,7 @@ def olmoe_params_from_hf(tensors: Mapping[str, np.ndarray],
 # ---------------------------------------------------------------------------
 # Entry point.
 
-FINE_TUNING_OPTIONS = ("lora_rank", "lora_alpha", "attention_lora", "expert_lora_layers",
-                       "dispatch", "dtype")
+FINE_TUNING_OPTIONS = common.FINE_TUNING_OPTIONS
 
 
 def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
