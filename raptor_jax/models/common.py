@@ -3,8 +3,9 @@
 A family (Switch, OLMoE, ...) is one module with a frozen config dataclass
 that subclasses `FineTuningOptions` and adds its architecture fields, and a
 backbone whose `__call__(input_ids, attention_mask, owner_override)` returns
-a `BackboneOutput`. The fine-tuning options are written once, here, so every
-family takes the same `from_pretrained` options and the same LoRA layout.
+a `BackboneOutput`; `hf.FAMILIES` maps its Hugging Face `model_type` to the
+backbone and its checkpoint name table. The fine-tuning options are written
+once, here, so every family takes the same `from_pretrained` options.
 """
 
 from __future__ import annotations
