@@ -88,7 +88,6 @@ def train_microbatched(steps=150, batch_size=100, microbatch_size=32,
 
     for step in range(steps):
         sample = sampling.poisson_sample(N, batch_size / N, seed=seed,
-                                         stream=sampling.SHARED_STREAM,
                                          step=step)
         sums = grads.zeros_like_f32(params)  # an empty sample: noise only
         for mb in sampling.microbatches(sample, microbatch_size):
@@ -120,7 +119,6 @@ def train_one_call(steps=150, batch_size=100, l2_clip=1.0,
     for step in range(steps):
         mask = np.zeros(N, np.float32)
         mask[sampling.poisson_sample(N, batch_size / N, seed=seed,
-                                     stream=sampling.SHARED_STREAM,
                                      step=step)] = 1.0
         params, opt_state = step_fn(params, opt_state, mask)
     return params, mse(params, data)

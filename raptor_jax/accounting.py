@@ -337,6 +337,13 @@ def dpsgd_epsilon(*, noise_multiplier: float, sample_rate: float, steps: int,
 
   Returns:
     Epsilon of ``dpsgd_event`` under add/remove adjacency.
+
+  Example:
+    >>> from raptor_jax import accounting
+    >>> eps = accounting.dpsgd_epsilon(
+    ...     noise_multiplier=1.1, sample_rate=0.01, steps=1000, delta=1e-5)
+    >>> round(eps, 2)
+    1.52
   """
   return epsilon(dpsgd_event(noise_multiplier=noise_multiplier,
                              sample_rate=sample_rate, steps=steps), delta)

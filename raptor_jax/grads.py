@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -49,7 +50,7 @@ def zeros_like_f32(tree: PyTree) -> PyTree:
 
     For owner sums pass the stacked expert parameters ``[E, ...]``.
     """
-    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+    return optax.tree.zeros_like(tree, dtype=jnp.float32)
 
 
 def per_record_grads(
@@ -183,6 +184,18 @@ def clipped_grad_sum(
     Returns:
       ``(sums, norms)``: float32 sums shaped like one record's gradient, and
       the ``[n]`` unclipped norms (see ``clip_per_record``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from raptor_jax import grads
+      >>> loss_fn = lambda p, record: jnp.sum(p['w'] * record['x'])
+      >>> params = {'w': jnp.zeros(2)}
+      >>> batch = {'x': jnp.array([[3.0, 4.0], [0.3, 0.4], [9.0, 9.0]])}
+      >>> mask = jnp.array([1.0, 1.0, 0.0])  # the last row is padding
+      >>> sums, _ = grads.clipped_grad_sum(
+      ...     loss_fn, params, batch, l2_clip=1.0, mask=mask)
+      >>> [round(float(x), 3) for x in sums['w']]  # (.6, .8) + (.3, .4) + 0
+      [0.9, 1.2]
     """
     clipped, norms = _clipped_per_record_grads(
         loss_fn, params, batch, l2_clip, mask, weights, params_axis)

@@ -5,14 +5,20 @@ how many steps ran with each (sample rate, noise multiplier), serialises to
 JSON for checkpoints, and reports the epsilon spent so far. Accounting is by
 counts, so the ledger stays a few entries long however long the run.
 
-Example::
+Example:
 
-  ledger = PrivacyLedger()
-  for step in range(steps):
-    ...  # one shared step and one expert step, each on its own Poisson sample
-    ledger.record('shared', sample_rate=q, noise_multiplier=sigma_shared)
-    ledger.record('expert', sample_rate=q, noise_multiplier=sigma_expert)
-  spent = ledger.epsilon(delta)
+  >>> from raptor_jax import ledger as ledger_lib
+  >>> ledger = ledger_lib.PrivacyLedger()
+  >>> for step in range(500):
+  ...   # one shared and one expert step, each on its own Poisson sample
+  ...   ledger.record('shared', sample_rate=0.01, noise_multiplier=1.1)
+  ...   ledger.record('expert', sample_rate=0.01, noise_multiplier=1.1)
+  >>> ledger.steps('shared'), ledger.steps('expert')
+  (500, 500)
+  >>> round(ledger.epsilon(1e-5), 2)
+  1.52
+  >>> ledger_lib.PrivacyLedger.from_json(ledger.to_json()) == ledger
+  True
 """
 
 from collections.abc import Iterable, Mapping

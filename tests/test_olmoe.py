@@ -152,7 +152,7 @@ def test_unsupported_configs_and_options_fail_clearly(checkpoints):
     hf_lib.olmoe_config_from_hf({"attention_bias": True})
   with pytest.raises(ValueError, match=r"unknown from_pretrained option\(s\) \['lora_rnak'\]"):
     models.from_pretrained(checkpoints["e8k2_norm_clip"], lora_rnak=2)
-  with pytest.raises(ValueError, match="not blocks of this model"):
+  with pytest.raises(ValueError, match="not sparse blocks of this model"):
     models.OlmoeConfig(num_hidden_layers=2, expert_lora_layers=(2,))
 
 

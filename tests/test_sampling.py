@@ -101,3 +101,11 @@ def test_microbatches_rejects_non_integer_indices():
         sampling.microbatches(np.array([0.5, 1.0]), 4)
     with pytest.raises(ValueError, match='1-D integer'):
         sampling.microbatches(np.zeros((2, 2), np.int64), 4)
+
+
+def test_default_stream_serves_a_run_with_one_sampler():
+    """Plain DP-SGD needs no stream; the default is the shared stream."""
+    default = sampling.poisson_sample(1000, 0.05, seed=7, step=4)
+    np.testing.assert_array_equal(default, _sample(step=4))
+    assert not np.array_equal(
+        default, _sample(step=4, stream=sampling.EXPERT_STREAM))

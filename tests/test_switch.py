@@ -365,3 +365,17 @@ def test_grouped_lora_gradients_equal_plain_autodiff_per_record(num_experts, row
   for got, want in zip(grads, ref_grads):  # dx [2, T, 5], da [2, E, 5, 3], db [2, E, 3, 7]
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_families_share_one_set_of_fine_tuning_options():
+  """Options are declared once (models.common); every family config has them."""
+  from raptor_jax.models import common, hf, switch  # pylint: disable=g-import-not-at-top
+  names = common.FINE_TUNING_OPTIONS
+  assert names == hf.FINE_TUNING_OPTIONS == (
+      "lora_rank", "lora_alpha", "attention_lora", "expert_lora_layers", "dispatch", "dtype")
+  for config in (models.SwitchConfig(), models.OlmoeConfig()):
+    assert isinstance(config, common.FineTuningOptions)
+  assert set(hf.FAMILIES) == {"switch_transformers", "olmoe"}
+  # The old import path keeps working.
+  assert switch.BackboneOutput is models.BackboneOutput is common.BackboneOutput
+  assert switch.OwnerOverride is models.OwnerOverride is common.OwnerOverride

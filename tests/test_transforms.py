@@ -357,3 +357,19 @@ def test_jitted_step_compiles_once_across_realised_sample_sizes():
         num_microbatches.append(len(mbs))
     assert len(set(num_microbatches)) > 1  # realised sizes did differ
     assert traces == {'microbatch': 1, 'apply': 1}
+
+
+def test_state_names_its_key_as_optax_does():
+    state = transforms.privatize_sums(1.0, 1.0, 1.0, 3).init(None)
+    assert state._fields == optax.AddNoiseState._fields == ('count', 'rng_key')
+
+
+def test_multisteps_would_privatize_a_mean_not_the_sum():
+    """Why the docstrings forbid optax.MultiSteps: the released update is no
+    longer the step's (sum + noise) / denominator."""
+    tx = optax.MultiSteps(transforms.privatize_sums(1.0, 0.0, 1.0, 0),
+                          every_k_schedule=2)
+    state = tx.init({'w': jnp.zeros(2)})
+    _, state = tx.update({'w': jnp.array([2.0, 0.0])}, state)
+    out, _ = tx.update({'w': jnp.array([0.0, 4.0])}, state)
+    np.testing.assert_allclose(out['w'], [1.0, 2.0])  # the sum is [2, 4]

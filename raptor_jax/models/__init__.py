@@ -7,15 +7,16 @@
     out.router_logits   # one float32 [B, S, E] per sparse layer
 """
 
+from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.heads import SequenceClassifier, last_token, masked_mean
 from raptor_jax.models.hf import from_pretrained, init_missing, merge_params, with_options
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 from raptor_jax.models.olmoe import OlmoeConfig, OlmoeDecoder
-from raptor_jax.models.switch import (BackboneOutput, OwnerOverride, SwitchConfig,
-                                      SwitchEncoder)
+from raptor_jax.models.switch import SwitchConfig, SwitchEncoder
 
 __all__ = [
-    "BackboneOutput", "ExpertLinear", "LoRADense", "OlmoeConfig", "OlmoeDecoder",
-    "OwnerOverride", "SequenceClassifier", "SwitchConfig", "SwitchEncoder", "from_pretrained",
-    "init_missing", "last_token", "masked_mean", "merge_params", "with_options",
+    "BackboneOutput", "ExpertLinear", "FineTuningOptions", "LoRADense", "OlmoeConfig",
+    "OlmoeDecoder", "OwnerOverride", "SequenceClassifier", "SwitchConfig", "SwitchEncoder",
+    "from_pretrained", "init_missing", "last_token", "masked_mean", "merge_params",
+    "with_options",
 ]

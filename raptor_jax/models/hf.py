@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raptor_jax import roles
-from raptor_jax.models import heads, olmoe, switch
+from raptor_jax.models import common, heads, olmoe, switch
 
 Params = Mapping[str, Any]
 
@@ -300,8 +300,26 @@ def olmoe_params_from_hf(tensors: Mapping[str, np.ndarray],
 # ---------------------------------------------------------------------------
 # Entry point.
 
-FINE_TUNING_OPTIONS = ("lora_rank", "lora_alpha", "attention_lora", "expert_lora_layers",
-                       "dispatch", "dtype")
+FINE_TUNING_OPTIONS = common.FINE_TUNING_OPTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """How `from_pretrained` reads one HF `model_type`."""
+
+  backbone: type[nn.Module]  # built from the config: Backbone(config)
+  config_from_hf: Callable[..., common.FineTuningOptions]  # (hf dict, **options)
+  params_from_hf: Callable[[Mapping[str, np.ndarray], Any], dict]  # (tensors, config)
+  ignored_prefix: str  # checkpoint tensors the backbone does not use
+
+
+# A new family adds its entry here, next to its name table above.
+FAMILIES = {
+    "switch_transformers": Family(switch.SwitchEncoder, switch_config_from_hf,
+                                  switch_params_from_hf, ignored_prefix="decoder."),
+    "olmoe": Family(olmoe.OlmoeDecoder, olmoe_config_from_hf, olmoe_params_from_hf,
+                    ignored_prefix="lm_head."),
+}
 
 
 def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -341,19 +359,14 @@ def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
   model_dir = resolve_model_dir(path_or_hub_id)
   hf = read_config(model_dir)
   model_type = hf.get("model_type")
-  if model_type == "switch_transformers":
-    config = switch_config_from_hf(hf, **options)
-    module = switch.SwitchEncoder(config)
-    tensors = load_tensors(model_dir, keep=lambda n: not n.startswith("decoder."))
-    params = switch_params_from_hf(tensors, config)
-  elif model_type == "olmoe":
-    config = olmoe_config_from_hf(hf, **options)
-    module = olmoe.OlmoeDecoder(config)
-    tensors = load_tensors(model_dir, keep=lambda n: not n.startswith("lm_head."))
-    params = olmoe_params_from_hf(tensors, config)
-  else:
+  family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+  if family is None:
     raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
-                     "supported: 'switch_transformers', 'olmoe'")
+                     f"supported: {', '.join(map(repr, FAMILIES))}")
+  config = family.config_from_hf(hf, **options)
+  module = family.backbone(config)
+  tensors = load_tensors(model_dir, keep=lambda n: not n.startswith(family.ignored_prefix))
+  params = family.params_from_hf(tensors, config)
   params = init_missing(module, params, example_inputs(), jax.random.PRNGKey(seed))
   if num_labels is not None:
     return with_head(module, params, num_labels, pooling=pooling, seed=seed)

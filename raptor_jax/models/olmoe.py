@@ -29,14 +29,14 @@ import jax
 import jax.numpy as jnp
 
 from raptor_jax.models import moe
+from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import ExpertLinear, LoRADense
-from raptor_jax.models.switch import BackboneOutput, OwnerOverride
 
 
 
 @dataclasses.dataclass(frozen=True)
-class OlmoeConfig:
-  """Architecture (from HF config.json) plus fine-tuning options."""
+class OlmoeConfig(FineTuningOptions):
+  """Architecture (from HF config.json) plus the shared fine-tuning options."""
 
   vocab_size: int = 50304
   hidden_size: int = 2048
@@ -51,13 +51,6 @@ class OlmoeConfig:
   rope_theta: float = 10000.0
   clip_qkv: float | None = None
   hidden_act: str = "silu"
-  # Fine-tuning options (not part of the checkpoint).
-  lora_rank: int = 0  # LoRA rank r; 0 disables every adapter.
-  lora_alpha: float = 16.0  # LoRA scale is alpha / r.
-  attention_lora: bool = False  # adapters on q, k, v, o of every block.
-  expert_lora_layers: tuple[int, ...] = ()  # blocks whose experts get adapters.
-  dispatch: str = "grouped"  # expert dispatch: 'grouped', 'dense' or 'grouped_train' (pretraining).
-  dtype: str = "float32"  # activation dtype; router and norm statistics use float32.
 
   def __post_init__(self):
     if self.hidden_act not in moe.ACTIVATIONS:
@@ -72,10 +65,7 @@ class OlmoeConfig:
     if not 1 <= self.num_experts_per_tok <= self.num_experts:
       raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
                        f"[1, num_experts={self.num_experts}]")
-    bad = [l for l in self.expert_lora_layers if l not in self.sparse_layers]
-    if bad:
-      raise ValueError(f"expert_lora_layers {bad} are not blocks of this model; its "
-                       f"blocks are 0..{self.num_hidden_layers - 1}")
+    super().__post_init__()
 
   @property
   def top_k(self) -> int:

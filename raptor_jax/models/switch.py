@@ -22,20 +22,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from raptor_jax.models import moe
+from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 
 
 
 @dataclasses.dataclass(frozen=True)
-class SwitchConfig:
-  """Architecture (from HF config.json) plus fine-tuning options."""
+class SwitchConfig(FineTuningOptions):
+  """Architecture (from HF config.json) plus the shared fine-tuning options."""
 
   vocab_size: int = 32128
   d_model: int = 768
@@ -51,22 +52,12 @@ class SwitchConfig:
   layer_norm_epsilon: float = 1e-6
   dense_act_fn: str = "relu"
   router_bias: bool = False
-  # Fine-tuning options (not part of the checkpoint).
-  lora_rank: int = 0  # LoRA rank r; 0 disables every adapter.
-  lora_alpha: float = 16.0  # LoRA scale is alpha / r.
-  attention_lora: bool = False  # adapters on q, k, v, o of every block.
-  expert_lora_layers: tuple[int, ...] = ()  # blocks whose experts get adapters.
-  dispatch: str = "grouped"  # expert dispatch: 'grouped', 'dense' or 'grouped_train' (pretraining).
-  dtype: str = "float32"  # activation dtype; router and norms use float32.
 
   def __post_init__(self):
     if self.dense_act_fn not in moe.ACTIVATIONS:
       raise ValueError(f"unsupported dense_act_fn {self.dense_act_fn!r}; "
                        f"supported: {sorted(moe.ACTIVATIONS)}")
-    bad = [l for l in self.expert_lora_layers if l not in self.sparse_layers]
-    if bad:
-      raise ValueError(f"expert_lora_layers {bad} are not sparse blocks; the sparse "
-                       f"blocks of this model are {list(self.sparse_layers)}")
+    super().__post_init__()
 
   @property
   def top_k(self) -> int:
@@ -80,28 +71,6 @@ class SwitchConfig:
       return ()
     return tuple(i for i in range(self.num_layers)
                  if self.sparse_step == 1 or i % self.sparse_step == 1)
-
-
-class BackboneOutput(NamedTuple):
-  """Output of a backbone: final hidden states and per-sparse-layer logits."""
-
-  hidden_states: jax.Array  # [B, S, D]
-  router_logits: tuple[jax.Array, ...]  # one float32 [B, S, E] per sparse layer
-
-
-class OwnerOverride(NamedTuple):
-  """Routes one record's expert-stream gradient into its owner's slice.
-
-  Attributes:
-    layer: index of the block whose experts train (a Python int).
-    owner: int32 scalar, the record's owner expert.
-    params: this block's trainable expert parameters without the expert
-      axis, {'wi': {'lora_a', 'lora_b'} | {'kernel'}, 'wo': {...}}.
-  """
-
-  layer: int
-  owner: jax.Array
-  params: Mapping[str, Mapping[str, jax.Array]]
 
 
 class T5RMSNorm(nn.Module):

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from raptor_jax import grads, roles, transforms
-from raptor_jax.models.switch import OwnerOverride
+from raptor_jax.models.common import OwnerOverride
 from raptor_jax.train import parallel, setup
 from raptor_jax.train.methods import Phase
 from raptor_jax.train.parallel import AXIS
