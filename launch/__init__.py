@@ -1,0 +1,1 @@
+"""Entry points (`python launch/main.py ...`); importable as `launch.<script>` from the repository root."""
