@@ -1,1 +1,4 @@
-"""Entry points (`python launch/main.py ...`); importable as `launch.<script>` from the repository root."""
+"""Entry points, run from the repository root: `python launch/main.py ...`.
+
+A package so that a script is importable too (`launch.main`, `launch.bench`).
+"""
