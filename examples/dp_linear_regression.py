@@ -1,8 +1,9 @@
-"""raptor_jax's DP optax transforms in a plain Flax/optax training loop.
+"""raptor_jax's DP optax transforms in a plain JAX/optax training loop.
 
-No raptor_jax model is involved: a one-layer Flax regressor on synthetic data,
-trained three ways with differential privacy (DP-SGD accounting applies, with
-sample rate q = batch_size / n and the noise multiplier below):
+No raptor_jax model and no Flax are involved, so ``pip install .`` (the core
+dependencies) is enough: a linear regressor on synthetic data, trained three
+ways with differential privacy (DP-SGD accounting applies, with sample rate
+q = batch_size / n and the noise multiplier below):
 
 * ``train_microbatched``: Poisson sampling on the host, fixed-size padded
   microbatches, ``grads.clipped_grad_sum`` per microbatch, then
@@ -13,21 +14,15 @@ sample rate q = batch_size / n and the noise multiplier below):
   "experts"; each record trains only its owner expert, a fixed function of
   the record (like RAPTOR's frozen router).
 
-Run from the repository root: ``python examples/dp_linear_regression.py``.
+Run: ``python examples/dp_linear_regression.py``.
 """
 
-import pathlib
-import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from raptor_jax import grads, sampling, transforms  # noqa: E402
+from raptor_jax import grads, sampling, transforms
 
 N, DIM, NUM_EXPERTS = 2000, 8, 4
 
@@ -42,31 +37,30 @@ def make_data(seed: int = 0) -> dict[str, np.ndarray]:
     return {'x': x, 'y': y.astype(np.float32), 'owner': owner}
 
 
-class Regressor(nn.Module):
+def init_params(key):
+    """A linear layer with one output, initialised as Flax's ``nn.Dense``."""
+    kernel = jax.nn.initializers.lecun_normal()(key, (DIM, 1))
+    return {'kernel': kernel, 'bias': jnp.zeros((1,))}
 
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(1)(x)[..., 0]
 
-
-MODEL = Regressor()
+def predict(params, x):
+    return (x @ params['kernel'] + params['bias'])[..., 0]
 
 
 def loss_fn(params, record):
     """Squared error of ONE record: per-record gradients via vmap(grad)."""
-    return (MODEL.apply({'params': params}, record['x']) - record['y']) ** 2
+    return (predict(params, record['x']) - record['y']) ** 2
 
 
 def mse(params, data) -> float:
-    return float(jnp.mean((MODEL.apply({'params': params}, data['x'])
-                           - data['y']) ** 2))
+    return float(jnp.mean((predict(params, data['x']) - data['y']) ** 2))
 
 
 def train_microbatched(steps=150, batch_size=100, microbatch_size=32,
                        l2_clip=1.0, noise_multiplier=1.0, lr=0.05, seed=0):
     data = make_data(seed)
     params_key, noise_key = jax.random.split(jax.random.key(seed))
-    params = MODEL.init(params_key, data['x'][0])['params']
+    params = init_params(params_key)
     # Noise std noise_multiplier * l2_clip, then divide by the PUBLIC expected
     # batch size, never by the realised one.
     tx = optax.chain(
@@ -101,7 +95,7 @@ def train_one_call(steps=150, batch_size=100, l2_clip=1.0,
                    noise_multiplier=1.0, lr=0.05, seed=0):
     data = make_data(seed)
     params_key, noise_key = jax.random.split(jax.random.key(seed))
-    params = MODEL.init(params_key, data['x'][0])['params']
+    params = init_params(params_key)
     tx = optax.chain(
         transforms.dp_aggregate(l2_clip, noise_multiplier, batch_size,
                                 noise_key),

@@ -5,12 +5,9 @@
 
 import logging
 import os
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from absl import app, flags, logging as absl_logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
 from raptor_jax.train import parallel, train_and_evaluate

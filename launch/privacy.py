@@ -14,13 +14,10 @@ shows what basic composition and an RDP accountant would give for the same
 noise multipliers.
 """
 
-import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from absl import app  # pylint: disable=g-import-not-at-top
+from absl import app
 from absl import flags
 import dp_accounting
 

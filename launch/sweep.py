@@ -23,12 +23,9 @@ held-out train records (`--config.data.holdout`), never on dev.
 """
 
 import logging
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from absl import app, flags, logging as absl_logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
 from raptor_jax import diagnostics

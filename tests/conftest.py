@@ -1,7 +1,13 @@
 """Shared pytest setup: offline Hugging Face, float32 JAX on CPU."""
 
 import os
+import pathlib
 
+# Subprocesses (launch scripts, tests/parallel_worker.py) import this
+# checkout's raptor_jax too, as pytest.ini's `pythonpath` does for the tests.
+_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [_ROOT, os.environ.get("PYTHONPATH", "")]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

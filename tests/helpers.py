@@ -38,12 +38,7 @@ def micro_config(**overrides):
   config.progress_bar = False
   config.checkpoint_every_cycles = 2
   config.privacy.secret_seed = 0  # reproducible Poisson samples and noise across runs
-  for key, value in overrides.items():
-    target = config
-    *path, last = key.split(".")
-    for part in path:
-      target = target[part]
-    target[last] = value
+  config.update_from_flattened_dict(overrides)
   return config
 
 

@@ -9,11 +9,7 @@ CPU devices. Prints the results dict as JSON on the last line.
 """
 
 import json
-import pathlib
 import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 
 def noise_std(num_devices):

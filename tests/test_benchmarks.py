@@ -1,12 +1,12 @@
 """Smoke tests: the benchmark scripts and profiling helpers run at toy sizes.
 
 Not timed tests (the numbers are machine- and load-dependent); they only keep
-`launch/bench_dispatch.py`, `launch/benchmark.py` and `launch/bench_parallel.py`
+`launch/bench/bench_dispatch.py`, `benchmark.py` and `bench_parallel.py`
 from rotting, and check what the tables are made of (FLOP counts, memory
 analysis) where it is exact.
 """
 
-import importlib.util
+import importlib
 import math
 import os
 import pathlib
@@ -18,17 +18,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from raptor_jax import profiling
+from launch.bench import profiling
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(f"raptor_launch_{name}",
-                                                _ROOT / "launch" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return importlib.import_module(f"launch.bench.{name}")
 
 
 def _positive(value):
@@ -165,7 +161,7 @@ def test_bench_parallel_toy():
   args = ["--method=baseline_c", "--microbatch=4", "--microbatches=1", "--repeats=1",
           "--seq_len=8", "--d_model=16", "--d_ff=16", "--num_layers=2", "--num_heads=2",
           "--d_kv=8"]
-  proc = subprocess.run([sys.executable, str(_ROOT / "launch" / "bench_parallel.py"), *args],
+  proc = subprocess.run([sys.executable, "-m", "launch.bench.bench_parallel", *args],
                         env=_env_without_device_count(), cwd=_ROOT, capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]

@@ -16,7 +16,7 @@ def _load_example():
     return module
 
 
-def test_readme_example_trains_privately_with_plain_flax_and_optax():
+def test_readme_example_trains_privately_with_plain_jax_and_optax():
     results = _load_example().main(steps=60)
     baseline = results['zero predictor']
     microbatched = results['microbatched privatize_sums']

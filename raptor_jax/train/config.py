@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from raptor_jax import data
+
 
 def _random_model_config() -> ml_collections.ConfigDict:
   """`model.random`: the randomly initialised stand-in of a pretrained model."""
@@ -185,6 +187,41 @@ def with_preset(config: ml_collections.ConfigDict, arg: str,
   if arg and family == "olmoe":
     config.model.dtype = "float32"
   return config
+
+
+def glue_config(task: str = "sst2", model: str = "switch",
+                preset: str = "") -> ml_collections.ConfigDict:
+  """A GLUE task with its public corpus (`data.TASK_CORPUS`), a model family and a preset.
+
+  Args:
+    task: 'sst2', 'qnli', 'qqp' or 'mnli'.
+    model: 'switch' (google/switch-base-8) or 'olmoe' (OLMoE-1B-7B).
+    preset: see `with_preset`.
+  """
+  if task not in data.TASK_CORPUS:
+    raise ValueError(f"unknown task {task!r}; use one of {', '.join(data.TASK_CORPUS)}")
+  config = base_config()
+  config.data.task = task
+  config.data.public_corpus = data.TASK_CORPUS[task]
+  return with_preset(config, preset, family=model)
+
+
+def parse_arg(arg: str, **defaults: str) -> dict[str, str]:
+  """The `key=value,...` argument of a config file (big_vision style) over `defaults`.
+
+  `parse_arg("model=olmoe,preset=tiny", task="sst2", model="switch", preset="")`
+  is `{"task": "sst2", "model": "olmoe", "preset": "tiny"}`. Only the keys of
+  `defaults` are accepted; values are strings ('preset=' is the empty string).
+  """
+  accepted = ", ".join(f"{k}=..." for k in defaults)
+  values = dict(defaults)
+  for pair in filter(None, arg.split(",")):
+    key, eq, value = pair.partition("=")
+    if not eq or key.strip() not in defaults:
+      raise ValueError(f"config argument {pair!r} is not one of {accepted} "
+                       f"(comma-separated, e.g. task=mnli,model=olmoe,preset=tiny)")
+    values[key.strip()] = value.strip()
+  return values
 
 
 # Fields that do not change what the run computes: resuming with other values is fine.

@@ -100,14 +100,6 @@ def grid(task: str, variants: Sequence[str], epsilons: Sequence[float],
   return cells
 
 
-def _set(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
-  *path, last = key.split(".")
-  target = config
-  for name in path:
-    target = target[name]
-  target[last] = value
-
-
 def cell_config(base: ml_collections.ConfigDict, cell: Cell,
                 clip: float | None = None) -> ml_collections.ConfigDict:
   """`base` with the cell's variant overrides, epsilon and seed.
@@ -117,8 +109,7 @@ def cell_config(base: ml_collections.ConfigDict, cell: Cell,
   on the held-out train records (`data.eval_split='holdout'`).
   """
   config = ml_collections.ConfigDict(base.to_dict())
-  for key, value in VARIANTS[cell.variant].items():
-    _set(config, key, value)
+  config.update_from_flattened_dict(VARIANTS[cell.variant])
   if cell.target_epsilon is not None:
     config.privacy.epsilon = cell.target_epsilon
   config.seed = cell.seed

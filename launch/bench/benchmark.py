@@ -34,32 +34,29 @@ expert's intermediate size; d_kv and expert_capacity are unused).
    the largest E are listed with the JAX op that makes them, to see which one
    grows if it does.
 
-  python launch/benchmark.py
-  python launch/benchmark.py --microbatch_sizes=32 --expert_num_experts=8,64 \
+  python -m launch.bench.benchmark
+  python -m launch.bench.benchmark --microbatch_sizes=32 --expert_num_experts=8,64 \
       --num_layers=12 --d_model=768 --d_ff=3072 --num_heads=12   # base width
-  python launch/benchmark.py --family=olmoe --microbatch_sizes=   # expert stream only
+  python -m launch.bench.benchmark --family=olmoe --microbatch_sizes=   # expert stream only
 
 An empty --microbatch_sizes skips the shared stream.
 """
 
 import dataclasses
 import functools
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from absl import app
+from absl import flags
+from flax import traverse_util
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from flax import traverse_util  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from raptor_jax import models, profiling, roles  # noqa: E402
-from raptor_jax.train import methods, parallel  # noqa: E402
-from raptor_jax.train import step as step_lib  # noqa: E402
+from launch.bench import profiling
+from raptor_jax import models, roles
+from raptor_jax.train import methods, parallel
+from raptor_jax.train import step as step_lib
 
 
 def define_flags() -> None:

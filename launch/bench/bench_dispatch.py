@@ -37,15 +37,15 @@ what per-record DP gradients need):
 
 Paper scale (switch-base-8 / -64 widths; the defaults), and more records:
 
-  python launch/bench_dispatch.py
-  python launch/bench_dispatch.py --num_experts=8 --batch_sizes=32 \
+  python -m launch.bench.bench_dispatch
+  python -m launch.bench.bench_dispatch --num_experts=8 --batch_sizes=32 \
       --max_dense_gflop=1000
 
 OLMoE-1B-7B's sparse layer (d_model 2048, intermediate 1024, E=64, top-8;
 the olmoe defaults), and at a smaller width:
 
-  python launch/bench_dispatch.py --family=olmoe
-  python launch/bench_dispatch.py --family=olmoe --d_model=1024 --d_ff=512 \
+  python -m launch.bench.bench_dispatch --family=olmoe
+  python -m launch.bench.bench_dispatch --family=olmoe --d_model=1024 --d_ff=512 \
       --num_experts=8,64 --batch_sizes=1,8
 
 The wall time of an all-experts variant (dense, all) is skipped (its FLOPs
@@ -56,19 +56,15 @@ buffer.
 
 import dataclasses
 import functools
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from raptor_jax import profiling  # noqa: E402
-from raptor_jax.models import moe, olmoe, switch  # noqa: E402
+from launch.bench import profiling
+from raptor_jax.models import moe, olmoe, switch
 
 # Per family: the defaults of the size flags (switch-base-8/-64; OLMoE-1B-7B),
 # the matrices of one expert MLP in order, and the all-experts variants run.

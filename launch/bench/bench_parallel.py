@@ -21,29 +21,26 @@ Needs 4 host devices; the script re-executes itself with
 XLA_FLAGS=--xla_force_host_platform_device_count=4 (and JAX_PLATFORMS=cpu,
 unless set) when the flag is missing. For other counts set it yourself:
 
-  python launch/bench_parallel.py
+  python -m launch.bench.bench_parallel
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-      python launch/bench_parallel.py --num_devices=1,2,4,8
+      python -m launch.bench.bench_parallel --num_devices=1,2,4,8
 
 It ends with the multi-host command line of README.md ("Several GPUs and
 several hosts").
 """
 
 import os
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from absl import app
+from absl import flags
+import jax
+import numpy as np
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from raptor_jax import profiling  # noqa: E402
-from raptor_jax.train import config as train_config  # noqa: E402
-from raptor_jax.train import methods, parallel, step  # noqa: E402
-from raptor_jax.train import run as run_lib  # noqa: E402
+from launch.bench import profiling
+from raptor_jax.train import config as train_config
+from raptor_jax.train import methods, parallel, step
+from raptor_jax.train import run as run_lib
 
 DEVICE_FLAG = '--xla_force_host_platform_device_count'
 # README.md, "Several GPUs and several hosts" (tests check it is still there).
@@ -188,6 +185,7 @@ if __name__ == '__main__':
   if DEVICE_FLAG not in os.environ.get('XLA_FLAGS', ''):
     os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {DEVICE_FLAG}=4".strip()
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+    # Run again the same way: `python -m launch.bench.bench_parallel` from the repository root.
+    os.execv(sys.executable, [sys.executable, '-m', __spec__.name, *sys.argv[1:]])
   define_flags()
   app.run(main)

@@ -1,4 +1,4 @@
-"""Measurement helpers for the benchmark scripts in ``launch/``.
+"""Measurement helpers for the benchmark scripts next to it in ``launch/bench/``.
 
 Small, model-agnostic tools, written so that numbers measured on a noisy
 shared machine are still comparable:
