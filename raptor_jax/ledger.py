@@ -60,11 +60,21 @@ class PrivacyLedger:
     self._steps: dict[tuple[str, float, float], int] = {}
     self._epsilons: dict[float, float] = {}
     for entry in entries:
-      self.record(entry.stream, sample_rate=entry.sample_rate,
-                  noise_multiplier=entry.noise_multiplier, steps=entry.steps)
+      self.record(
+          entry.stream,
+          sample_rate=entry.sample_rate,
+          noise_multiplier=entry.noise_multiplier,
+          steps=entry.steps,
+      )
 
-  def record(self, stream: str, *, sample_rate: float, noise_multiplier: float,
-             steps: int = 1) -> None:
+  def record(
+      self,
+      stream: str,
+      *,
+      sample_rate: float,
+      noise_multiplier: float,
+      steps: int = 1,
+  ) -> None:
     """Records ``steps`` releases of ``stream``, each on a fresh Poisson sample.
 
     Args:
@@ -75,8 +85,9 @@ class PrivacyLedger:
     """
     if not (isinstance(stream, str) and stream):
       raise ValueError(f'stream must be a non-empty string, got {stream!r}.')
-    accounting.dpsgd_event(noise_multiplier=noise_multiplier,
-                           sample_rate=sample_rate, steps=steps)  # Validates.
+    accounting.dpsgd_event(
+        noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps
+    )  # Validates.
     key = (stream, float(sample_rate), float(noise_multiplier))
     self._steps[key] = self._steps.get(key, 0) + int(steps)
     self._epsilons.clear()
@@ -84,22 +95,29 @@ class PrivacyLedger:
   @property
   def entries(self) -> tuple[LedgerEntry, ...]:
     """The merged entries, in order of first appearance."""
-    return tuple(LedgerEntry(stream, sample_rate, sigma, steps)
-                 for (stream, sample_rate, sigma), steps in self._steps.items())
+    return tuple(
+        LedgerEntry(stream, sample_rate, sigma, steps)
+        for (stream, sample_rate, sigma), steps in self._steps.items()
+    )
 
   def steps(self, stream: str) -> int:
     """Total steps recorded for ``stream`` (its exact name)."""
-    return sum(steps for (name, _, _), steps in self._steps.items()
-               if name == stream)
+    return sum(
+        steps for (name, _, _), steps in self._steps.items() if name == stream
+    )
 
   def event(self) -> dp_accounting.DpEvent:
     """The composition of everything recorded, as one DpEvent."""
-    return dp_accounting.ComposedDpEvent([
-        accounting.dpsgd_event(noise_multiplier=entry.noise_multiplier,
-                               sample_rate=entry.sample_rate,
-                               steps=entry.steps)
-        for entry in self.entries
-    ])
+    return dp_accounting.ComposedDpEvent(
+        [
+            accounting.dpsgd_event(
+                noise_multiplier=entry.noise_multiplier,
+                sample_rate=entry.sample_rate,
+                steps=entry.steps,
+            )
+            for entry in self.entries
+        ]
+    )
 
   def epsilon(self, delta: float) -> float:
     """Epsilon spent so far at ``delta`` (``accounting.epsilon`` of ``event``).
@@ -130,7 +148,8 @@ class PrivacyLedger:
     if state.get('version') != _FORMAT_VERSION:
       raise ValueError(
           f'unsupported privacy ledger version {state.get("version")!r};'
-          f' expected {_FORMAT_VERSION}.')
+          f' expected {_FORMAT_VERSION}.'
+      )
     return cls(LedgerEntry(**entry) for entry in state['entries'])
 
   def to_json(self) -> str:

@@ -27,18 +27,38 @@ from typing import Any, Iterable, Mapping
 import flax
 import numpy as np
 
-ROLES = ("attention_adapter", "attention_kernel", "head", "expert_adapter",
-         "expert_kernel", "router", "base")
+ROLES = (
+    "attention_adapter",
+    "attention_kernel",
+    "head",
+    "expert_adapter",
+    "expert_kernel",
+    "router",
+    "base",
+)
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 _BLOCK = re.compile(r"(?:^|/)block_(\d+)/")
 
 # Stream membership: the roles each stream (or method) trains.
 SHARED_ROLES = ("attention_adapter", "head")  # RAPTOR's shared stream (LoRA)
-SHARED_FULL_ROLES = ("attention_kernel", "head")  # ... with full attention weights
+SHARED_FULL_ROLES = (
+    "attention_kernel",
+    "head",
+)  # ... with full attention weights
 EXPERT_ROLES = ("expert_adapter",)  # RAPTOR's expert stream at l* (LoRA)
 EXPERT_FULL_ROLES = ("expert_kernel",)  # ... with full expert weights
-LORA_ROLES = ("attention_adapter", "head", "expert_adapter")  # every adapter + head
-ALL_ROLES = ("attention_kernel", "head", "expert_kernel", "router", "base")  # every weight
+LORA_ROLES = (
+    "attention_adapter",
+    "head",
+    "expert_adapter",
+)  # every adapter + head
+ALL_ROLES = (
+    "attention_kernel",
+    "head",
+    "expert_kernel",
+    "router",
+    "base",
+)  # every weight
 
 # The paper's top-level roles (App. G diagnostics) as unions of `ROLES`.
 DIAGNOSTIC_ROLES = {
@@ -47,8 +67,11 @@ DIAGNOSTIC_ROLES = {
     "head": ("head",),
     "experts": ("expert_adapter", "expert_kernel"),
 }
-_DIAGNOSTIC_OF = {role: group for group, members in DIAGNOSTIC_ROLES.items()
-                  for role in members}
+_DIAGNOSTIC_OF = {
+    role: group
+    for group, members in DIAGNOSTIC_ROLES.items()
+    for role in members
+}
 
 
 def expert_prefix(layer: int, root: str = "backbone/") -> str:
@@ -97,16 +120,22 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
   return flax.traverse_util.unflatten_dict(dict(flat), sep="/")
 
 
-def select(params: Mapping[str, Any], roles: Iterable[str],
-           blocks: Iterable[int] | None = None) -> list[str]:
+def select(
+    params: Mapping[str, Any],
+    roles: Iterable[str],
+    blocks: Iterable[int] | None = None,
+) -> list[str]:
   """Sorted flat paths of the leaves with one of `roles` (in `blocks`, if given)."""
   roles = set(roles)
   unknown = roles - set(ROLES)
   if unknown:
     raise ValueError(f"unknown roles {sorted(unknown)}; roles are {ROLES}")
   blocks = None if blocks is None else set(blocks)
-  return sorted(p for p in flatten(params)
-                if role_of(p) in roles and (blocks is None or block_of(p) in blocks))
+  return sorted(
+      p
+      for p in flatten(params)
+      if role_of(p) in roles and (blocks is None or block_of(p) in blocks)
+  )
 
 
 def count_by_role(params: Mapping[str, Any]) -> dict[str, int]:

@@ -135,11 +135,13 @@ def poisson_sample(
   """
   n = _check_non_negative_int('n', n)
   sample_rate = check_sample_rate(sample_rate)
-  rng = np.random.default_rng((
-      _check_non_negative_int('seed', seed),
-      _check_non_negative_int('stream', stream),
-      _check_non_negative_int('step', step),
-  ))
+  rng = np.random.default_rng(
+      (
+          _check_non_negative_int('seed', seed),
+          _check_non_negative_int('stream', stream),
+          _check_non_negative_int('step', step),
+      )
+  )
   return np.flatnonzero(rng.random(n) < sample_rate).astype(np.int64)
 
 

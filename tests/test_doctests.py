@@ -20,7 +20,8 @@ def test_a_wrong_example_fails():
   """The check above is not vacuous: a wrong expected output is caught."""
   runner = doctest.DocTestRunner(verbose=False)
   test = doctest.DocTestParser().get_doctest(
-      '>>> 1 + 1\n3\n', {}, 'wrong', None, 0)
+      '>>> 1 + 1\n3\n', {}, 'wrong', None, 0
+  )
   with open('/dev/null', 'w') as devnull:
     runner.run(test, out=devnull.write)
   assert runner.failures == 1

@@ -26,14 +26,32 @@ def test_core_dependencies_are_declared():
 
 
 def test_dp_core_and_example_import_without_the_train_extra():
-  blocked = {"flax", "orbax", "ml_collections", "transformers", "datasets", "pyarrow",
-             "tokenizers", "safetensors", "huggingface_hub", "tensorboardX", "tqdm",
-             "matplotlib", "torch"}
+  blocked = {
+      "flax",
+      "orbax",
+      "ml_collections",
+      "transformers",
+      "datasets",
+      "pyarrow",
+      "tokenizers",
+      "safetensors",
+      "huggingface_hub",
+      "tensorboardX",
+      "tqdm",
+      "matplotlib",
+      "torch",
+  }
   code = _BLOCK.format(blocked=blocked) + "\n".join(
       [f"import raptor_jax.{m}" for m in _CORE]
-      + ["import runpy", "runpy.run_path('examples/dp_linear_regression.py')"])
-  proc = subprocess.run([sys.executable, "-c", code], cwd=_ROOT, capture_output=True,
-                        text=True, timeout=300)
+      + ["import runpy", "runpy.run_path('examples/dp_linear_regression.py')"]
+  )
+  proc = subprocess.run(
+      [sys.executable, "-c", code],
+      cwd=_ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -52,8 +52,12 @@ class FineTuningOptions:
   lora_alpha: float = 16.0  # LoRA scale is alpha / r.
   attention_lora: bool = False  # adapters on q, k, v, o of every block.
   expert_lora_layers: tuple[int, ...] = ()  # blocks whose experts get adapters.
-  dispatch: str = "grouped"  # expert dispatch: 'grouped', 'dense' or 'grouped_train' (pretraining).
-  dtype: str = "float32"  # activation dtype; routers and norm statistics use float32.
+  dispatch: str = (
+      "grouped"  # expert dispatch: 'grouped', 'dense' or 'grouped_train' (pretraining).
+  )
+  dtype: str = (
+      "float32"  # activation dtype; routers and norm statistics use float32.
+  )
 
   @property
   def sparse_layers(self) -> tuple[int, ...]:
@@ -62,8 +66,12 @@ class FineTuningOptions:
   def __post_init__(self):
     bad = [l for l in self.expert_lora_layers if l not in self.sparse_layers]
     if bad:
-      raise ValueError(f"expert_lora_layers {bad} are not sparse blocks of this model; its "
-                       f"sparse blocks are {list(self.sparse_layers)}")
+      raise ValueError(
+          f"expert_lora_layers {bad} are not sparse blocks of this model; its "
+          f"sparse blocks are {list(self.sparse_layers)}"
+      )
 
 
-FINE_TUNING_OPTIONS = tuple(f.name for f in dataclasses.fields(FineTuningOptions))
+FINE_TUNING_OPTIONS = tuple(
+    f.name for f in dataclasses.fields(FineTuningOptions)
+)

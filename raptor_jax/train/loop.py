@@ -44,9 +44,15 @@ def _write_json(path: Path, payload: dict) -> None:
   tmp.replace(path)
 
 
-def _batch(train: data.TextClassificationData, owners: np.ndarray, indices: np.ndarray):
-  return dict(input_ids=train.input_ids[indices], attention_mask=train.attention_mask[indices],
-              labels=train.labels[indices], owners=owners[indices])
+def _batch(
+    train: data.TextClassificationData, owners: np.ndarray, indices: np.ndarray
+):
+  return dict(
+      input_ids=train.input_ids[indices],
+      attention_mask=train.attention_mask[indices],
+      labels=train.labels[indices],
+      owners=owners[indices],
+  )
 
 
 def secret_seed(config) -> int:
@@ -76,42 +82,70 @@ class TrainState:
 def _phase_functions(run: Run, mesh, secret: int) -> list[step.PhaseFunctions]:
   """The jitted step of every phase; phase i's noise keys fold i into the secret key."""
   config, key = run.config, jax.random.PRNGKey(secret)
-  return [step.PhaseFunctions(
-      run.model, phase, mesh=mesh, expert_layer=run.expert_layer, num_experts=run.num_experts,
-      learning_rate=config.learning_rate, residual=config.raptor.residual,
-      residual_gamma=config.raptor.residual_gamma, key=jax.random.fold_in(key, i))
-      for i, phase in enumerate(run.plan.phases)]
+  return [
+      step.PhaseFunctions(
+          run.model,
+          phase,
+          mesh=mesh,
+          expert_layer=run.expert_layer,
+          num_experts=run.num_experts,
+          learning_rate=config.learning_rate,
+          residual=config.raptor.residual,
+          residual_gamma=config.raptor.residual_gamma,
+          key=jax.random.fold_in(key, i),
+      )
+      for i, phase in enumerate(run.plan.phases)
+  ]
 
 
-def _initial_state(run: Run, phase_fns, mesh, checkpointer: Checkpointer,
-                   meta: dict | None) -> tuple[TrainState, Any]:
+def _initial_state(
+    run: Run, phase_fns, mesh, checkpointer: Checkpointer, meta: dict | None
+) -> tuple[TrainState, Any]:
   """(state, frozen) placed on the mesh: fresh, or the latest checkpoint's."""
   opt_states = {}
   for fns in phase_fns:
     opt_states.update(fns.init_opt_states(run.trainable))
-  trainable, frozen, opt_states = parallel.replicate((run.trainable, run.frozen, opt_states),
-                                                     mesh)
+  trainable, frozen, opt_states = parallel.replicate(
+      (run.trainable, run.frozen, opt_states), mesh
+  )
   state = TrainState(trainable, opt_states, PrivacyLedger(), 0)
   if meta:
-    restored = checkpointer.restore_state({"trainable": trainable, "opt": opt_states})
-    state = TrainState(restored["trainable"], restored["opt"],
-                       PrivacyLedger.from_json(meta["ledger"]), int(meta["cycle"]))
+    restored = checkpointer.restore_state(
+        {"trainable": trainable, "opt": opt_states}
+    )
+    state = TrainState(
+        restored["trainable"],
+        restored["opt"],
+        PrivacyLedger.from_json(meta["ledger"]),
+        int(meta["cycle"]),
+    )
     log.info("resumed from cycle %d of %d", state.cycle, run.plan.cycles)
   return state, frozen
 
 
 def _warn_if_not_private(config) -> None:
   if config.data.eval_split == "holdout":
-    log.warning("data.eval_split='holdout': accuracy is measured on held-out records of the "
-                "private train file; it is not differentially private (use it to tune "
-                "hyperparameters, as the paper does, and do not publish it as private)")
+    log.warning(
+        "data.eval_split='holdout': accuracy is measured on held-out records of the "
+        "private train file; it is not differentially private (use it to tune "
+        "hyperparameters, as the paper does, and do not publish it as private)"
+    )
   if config.log_private_stats:
-    log.warning("log_private_stats=True: the private training loss will be logged; it is NOT "
-                "differentially private and must not leave your trust boundary")
+    log.warning(
+        "log_private_stats=True: the private training loss will be logged; it is NOT "
+        "differentially private and must not leave your trust boundary"
+    )
 
 
-def _train_cycle(run: Run, phase_fns, mesh, state: TrainState, frozen, secret: int,
-                 writer: metrics.MetricWriter) -> TrainState:
+def _train_cycle(
+    run: Run,
+    phase_fns,
+    mesh,
+    state: TrainState,
+    frozen,
+    secret: int,
+    writer: metrics.MetricWriter,
+) -> TrainState:
   """Runs every phase of one cycle and returns the committed next state.
 
   Each phase draws its own Poisson sample, sums clipped gradients over
@@ -123,23 +157,33 @@ def _train_cycle(run: Run, phase_fns, mesh, state: TrainState, frozen, secret: i
   local_microbatch = config.microbatch_size * len(mesh.local_devices)
   trainable, opt_states = state.trainable, state.opt_states
   for phase, fns in zip(plan.phases, phase_fns):
-    sample = sampling.poisson_sample(run.n, plan.sample_rate, seed=secret,
-                                     stream=phase.stream, step=cycle)
+    sample = sampling.poisson_sample(
+        run.n, plan.sample_rate, seed=secret, stream=phase.stream, step=cycle
+    )
     sums, loss_sum = fns.zero_sums(trainable), 0.0
     for mb in parallel.local_microbatches(sample, local_microbatch):
       batch, mask = parallel.shard_records(
-          (_batch(run.data.train, run.owners, mb.indices), mb.mask), mesh)
+          (_batch(run.data.train, run.owners, mb.indices), mb.mask), mesh
+      )
       if config.log_private_stats:
         loss_sum += float(fns.loss_sum(trainable, frozen, batch, mask))
       sums = fns.accumulate(trainable, frozen, sums, batch, mask)
     trainable, opt_states = fns.update(trainable, opt_states, sums)
     if config.log_private_stats:  # opted in, warned: a non-private statistic
-      writer.write(cycle, {f"private/{phase.name}_train_loss": loss_sum / max(len(sample), 1)})
-  ledger = PrivacyLedger(state.ledger.entries)  # a copy: `state` stays as it was
+      writer.write(
+          cycle,
+          {f"private/{phase.name}_train_loss": loss_sum / max(len(sample), 1)},
+      )
+  ledger = PrivacyLedger(
+      state.ledger.entries
+  )  # a copy: `state` stays as it was
   for phase in plan.phases:
     if phase.private:
-      ledger.record(phase.name, sample_rate=plan.sample_rate,
-                    noise_multiplier=phase.noise_multiplier)
+      ledger.record(
+          phase.name,
+          sample_rate=plan.sample_rate,
+          noise_multiplier=phase.noise_multiplier,
+      )
   return TrainState(trainable, opt_states, ledger, cycle + 1)
 
 
@@ -153,39 +197,73 @@ def _progress_bar(config, plan: methods.Plan, cycle: int):
   if not config.progress_bar or not _is_writer():
     return None
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  return tqdm(total=plan.cycles, initial=cycle, unit="cycle", dynamic_ncols=True)
+
+  return tqdm(
+      total=plan.cycles, initial=cycle, unit="cycle", dynamic_ncols=True
+  )
 
 
-def write_reports(workdir: Path, run: Run, state: TrainState, frozen, dev: dict[str, float],
-                  wall_time_s: float, session_s: float) -> dict[str, Any]:
+def write_reports(
+    workdir: Path,
+    run: Run,
+    state: TrainState,
+    frozen,
+    dev: dict[str, float],
+    wall_time_s: float,
+    session_s: float,
+) -> dict[str, Any]:
   """Writes privacy_report.json and results.json (public quantities only); returns results."""
   config, plan, cycle = run.config, run.plan, state.cycle
   private = methods.is_private(plan)
   noise = methods.noise_summary(plan)
   finished = cycle >= plan.cycles
   report = dict(
-      method=plan.method, epsilon=_epsilon_spent(plan, state),
+      method=plan.method,
+      epsilon=_epsilon_spent(plan, state),
       target_epsilon=plan.target_epsilon if private else None,
-      delta=plan.delta, sample_rate=plan.sample_rate, rho=config.privacy.rho,
-      sigma_shared=noise.get("shared", noise.get("all", {})).get("noise_multiplier"),
+      delta=plan.delta,
+      sample_rate=plan.sample_rate,
+      rho=config.privacy.rho,
+      sigma_shared=noise.get("shared", noise.get("all", {})).get(
+          "noise_multiplier"
+      ),
       sigma_expert=noise.get("expert", {}).get("noise_multiplier"),
       steps_shared=cycle if ("shared" in noise or "all" in noise) else 0,
       steps_expert=cycle if "expert" in noise else 0,
-      cycles=cycle, planned_cycles=plan.cycles, finished=finished, private=private,
+      cycles=cycle,
+      planned_cycles=plan.cycles,
+      finished=finished,
+      private=private,
       accountant="PLD (dp_accounting.pld.PLDAccountant, add/remove adjacency, Poisson sampling)",
-      parts=noise, ledger=state.ledger.to_dict(), expert_layer=run.expert_layer,
-      batch_size=config.batch_size, n=run.n)
+      parts=noise,
+      ledger=state.ledger.to_dict(),
+      expert_layer=run.expert_layer,
+      batch_size=config.batch_size,
+      n=run.n,
+  )
   _write_json(workdir / "privacy_report.json", report)
   results = dict(
-      method=plan.method, task=run.data.task.name, eval_split=config.data.eval_split,
-      finished=finished, cycles=cycle,
+      method=plan.method,
+      task=run.data.task.name,
+      eval_split=config.data.eval_split,
+      finished=finished,
+      cycles=cycle,
       wall_time_s=wall_time_s,  # every segment of the run
-      wall_time_this_session_s=session_s, epsilon=report["epsilon"],
-      trainable_parameters={part.name: int(sum(np.size(v)
-                                               for v in state.trainable[part.name].values()))
-                            for part in plan.parts},
-      parameters_by_role=roles.count_by_role(step.merged_params(frozen, state.trainable)),
-      expert_layer=run.expert_layer, **{f"dev_{k}": v for k, v in dev.items()}, **dev)
+      wall_time_this_session_s=session_s,
+      epsilon=report["epsilon"],
+      trainable_parameters={
+          part.name: int(
+              sum(np.size(v) for v in state.trainable[part.name].values())
+          )
+          for part in plan.parts
+      },
+      parameters_by_role=roles.count_by_role(
+          step.merged_params(frozen, state.trainable)
+      ),
+      expert_layer=run.expert_layer,
+      **{f"dev_{k}": v for k, v in dev.items()},
+      **dev,
+  )
   _write_json(workdir / "results.json", results)
   return results
 
@@ -198,9 +276,13 @@ class _Session:
     config = run.config
     self.checkpointer = Checkpointer(workdir, config)
     meta = self.checkpointer.restore_meta()
-    self.secret = meta["secret_seed"] if meta else parallel.agree(secret_seed(config))
+    self.secret = (
+        meta["secret_seed"] if meta else parallel.agree(secret_seed(config))
+    )
     self.phase_fns = _phase_functions(run, mesh, self.secret)
-    self.state, self.frozen = _initial_state(run, self.phase_fns, mesh, self.checkpointer, meta)
+    self.state, self.frozen = _initial_state(
+        run, self.phase_fns, mesh, self.checkpointer, meta
+    )
     # Wall time of earlier segments of a resumed run (0 for a fresh one).
     self.earlier_wall_s = float(meta.get("wall_time_s", 0.0)) if meta else 0.0
     if not meta and _is_writer():
@@ -218,15 +300,31 @@ class _Session:
     """Metrics of the current parameters on the evaluation split."""
     dev, state = self.run.data.dev, self.state
     logits = lambda ids, mask: self.logits_fn(
-        state.trainable, self.frozen, *parallel.replicate((ids, mask), self.mesh))
-    return metrics.evaluate(logits, dev.input_ids, dev.attention_mask, dev.labels,
-                            self.run.data.task.metrics, self.run.config.eval_batch_size)
+        state.trainable,
+        self.frozen,
+        *parallel.replicate((ids, mask), self.mesh),
+    )
+    return metrics.evaluate(
+        logits,
+        dev.input_ids,
+        dev.attention_mask,
+        dev.labels,
+        self.run.data.task.metrics,
+        self.run.config.eval_batch_size,
+    )
 
   def save(self) -> None:
     state = self.state
-    self.checkpointer.save(state.cycle, {"trainable": state.trainable, "opt": state.opt_states},
-                           {"ledger": state.ledger.to_json(), "cycle": state.cycle,
-                            "secret_seed": self.secret, "wall_time_s": self.wall_time_s()})
+    self.checkpointer.save(
+        state.cycle,
+        {"trainable": state.trainable, "opt": state.opt_states},
+        {
+            "ledger": state.ledger.to_json(),
+            "cycle": state.cycle,
+            "secret_seed": self.secret,
+            "wall_time_s": self.wall_time_s(),
+        },
+    )
     self.last_saved = state.cycle
 
   def log_cycle(self, progress) -> None:
@@ -237,26 +335,50 @@ class _Session:
     end_of_epoch = cycle % self.cycles_per_epoch == 0 or cycle == plan.cycles
     if cycle % config.log_every_cycles == 0 or end_of_epoch:
       eps = _epsilon_spent(plan, self.state)
-      self.writer.write(cycle, {"epoch": cycle / self.cycles_per_epoch,
-                                **({} if eps is None else {"epsilon_spent": eps})})
+      self.writer.write(
+          cycle,
+          {
+              "epoch": cycle / self.cycles_per_epoch,
+              **({} if eps is None else {"epsilon_spent": eps}),
+          },
+      )
       if progress is not None:
-        progress.set_postfix(eps="n/a" if eps is None else f"{eps:.3f}", refresh=False)
-    if end_of_epoch and (cycle // self.cycles_per_epoch) % config.eval_every_epochs == 0:
+        progress.set_postfix(
+            eps="n/a" if eps is None else f"{eps:.3f}", refresh=False
+        )
+    if (
+        end_of_epoch
+        and (cycle // self.cycles_per_epoch) % config.eval_every_epochs == 0
+    ):
       dev = self.evaluate()
       self.writer.write(cycle, {f"dev/{k}": v for k, v in dev.items()})
-      log.info("cycle %d: dev %s, epsilon spent %s", cycle, dev,
-               _epsilon_spent(plan, self.state))
+      log.info(
+          "cycle %d: dev %s, epsilon spent %s",
+          cycle,
+          dev,
+          _epsilon_spent(plan, self.state),
+      )
 
   def train(self) -> None:
     """Cycles until the plan (or config.stop_after_cycles) ends, checkpointing."""
     config, plan = self.run.config, self.run.plan
-    stop_at = plan.cycles if not config.stop_after_cycles else min(
-        plan.cycles, self.state.cycle + config.stop_after_cycles)
+    stop_at = (
+        plan.cycles
+        if not config.stop_after_cycles
+        else min(plan.cycles, self.state.cycle + config.stop_after_cycles)
+    )
     progress = _progress_bar(config, plan, self.state.cycle)
     try:
       while self.state.cycle < stop_at:
-        self.state = _train_cycle(self.run, self.phase_fns, self.mesh, self.state, self.frozen,
-                                  self.secret, self.writer)
+        self.state = _train_cycle(
+            self.run,
+            self.phase_fns,
+            self.mesh,
+            self.state,
+            self.frozen,
+            self.secret,
+            self.writer,
+        )
         self.log_cycle(progress)
         if self.state.cycle - self.last_saved >= config.checkpoint_every_cycles:
           self.save()
@@ -273,7 +395,9 @@ class _Session:
     self.checkpointer.close()
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str
+) -> dict[str, Any]:
   """Trains per `config` in `workdir` (resuming if it holds a checkpoint).
 
   Writes `privacy_report.json`, `results.json`, `layer_selection.json` (public
@@ -292,19 +416,37 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   workdir.mkdir(parents=True, exist_ok=True)
   # This host tokenises and keeps only its records (i % P == p); n counts all.
   run = build_run(config, host=parallel.host_shard())
-  _write_json(workdir / "layer_selection.json", dict(
-      selected_layer=run.expert_layer, rule=str(config.raptor.layer),
-      public_corpus=run.layer_table))
+  _write_json(
+      workdir / "layer_selection.json",
+      dict(
+          selected_layer=run.expert_layer,
+          rule=str(config.raptor.layer),
+          public_corpus=run.layer_table,
+      ),
+  )
   if run.layer_table:
-    log.info("layer selection:\n%s",
-             ownership.format_layer_table(run.layer_table, run.expert_layer))
+    log.info(
+        "layer selection:\n%s",
+        ownership.format_layer_table(run.layer_table, run.expert_layer),
+    )
   session = _Session(run, mesh, workdir, start_time)
   session.train()
   dev = session.evaluate()
-  results = write_reports(workdir, run, session.state, session.frozen, dev,
-                          wall_time_s=session.wall_time_s(),
-                          session_s=time.time() - start_time)
-  session.writer.write(session.state.cycle, {f"final/dev_{k}": v for k, v in dev.items()})
+  results = write_reports(
+      workdir,
+      run,
+      session.state,
+      session.frozen,
+      dev,
+      wall_time_s=session.wall_time_s(),
+      session_s=time.time() - start_time,
+  )
+  session.writer.write(
+      session.state.cycle, {f"final/dev_{k}": v for k, v in dev.items()}
+  )
   session.writer.close()
-  log.info("done: %s", {k: results[k] for k in ("finished", "cycles", "epsilon", *dev)})
+  log.info(
+      "done: %s",
+      {k: results[k] for k in ("finished", "cycles", "epsilon", *dev)},
+  )
   return results

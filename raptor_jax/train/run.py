@@ -31,8 +31,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     ValueError: a field is missing or invalid (one line naming it).
   """
   if not config.model.name:
-    raise ValueError("set --config.model.name to a Hub id or a save_pretrained directory "
-                     "(e.g. <pretrain workdir>/model from launch/pretrain.py)")
+    raise ValueError(
+        "set --config.model.name to a Hub id or a save_pretrained directory "
+        "(e.g. <pretrain workdir>/model from launch/pretrain.py)"
+    )
   methods.check_config(config)
   setup.check_eval_split(config.data)
   sampling.check_microbatch_size(config.microbatch_size)
@@ -76,8 +78,12 @@ class Run:
     return self.backbone_config.num_experts
 
 
-def build_run(config: ml_collections.ConfigDict, *, host: tuple[int, int] = (0, 1),
-              owner_records: str = "train") -> Run:
+def build_run(
+    config: ml_collections.ConfigDict,
+    *,
+    host: tuple[int, int] = (0, 1),
+    owner_records: str = "train",
+) -> Run:
   """Validates `config`, then loads and assembles its run as the trainer does.
 
   Args:
@@ -93,27 +99,54 @@ def build_run(config: ml_collections.ConfigDict, *, host: tuple[int, int] = (0, 
   """
   validate(config)
   if owner_records not in ("train", "dev"):
-    raise ValueError(f"owner_records must be 'train' or 'dev', got {owner_records!r}")
+    raise ValueError(
+        f"owner_records must be 'train' or 'dev', got {owner_records!r}"
+    )
   run_data = setup.load_run_data(config, host=host)
-  n = len(run_data.train) if host[1] == 1 else parallel.global_count(len(run_data.train))
+  n = (
+      len(run_data.train)
+      if host[1] == 1
+      else parallel.global_count(len(run_data.train))
+  )
   data.check_batch_size(config.batch_size, n)
   backbone, backbone_params = setup.load_backbone(config, run_data)
   bc = backbone.config
   if not bc.sparse_layers:
-    raise ValueError(f"{config.model.name} has no sparse (MoE) layer; RAPTOR needs an MoE model")
-  expert_layer, table = ownership.select_expert_layer(config, backbone, backbone_params,
-                                                      run_data)
-  plan = methods.build_plan(config, n=n, num_experts=bc.num_experts,
-                            sparse_layers=bc.sparse_layers, expert_layer=expert_layer)
+    raise ValueError(
+        f"{config.model.name} has no sparse (MoE) layer; RAPTOR needs an MoE model"
+    )
+  expert_layer, table = ownership.select_expert_layer(
+      config, backbone, backbone_params, run_data
+  )
+  plan = methods.build_plan(
+      config,
+      n=n,
+      num_experts=bc.num_experts,
+      sparse_layers=bc.sparse_layers,
+      expert_layer=expert_layer,
+  )
   records = run_data.train if owner_records == "train" else run_data.dev
   needs_owners = any(part.owner for part in plan.parts)
-  owners = (ownership.private_owner_map(config, backbone, backbone_params, records, expert_layer)
-            if needs_owners else np.zeros((len(records),), np.int32))
-  backbone, backbone_params = hf.with_options(backbone, backbone_params, seed=config.seed,
-                                              dtype=config.model.dtype, **plan.model_options)
+  owners = (
+      ownership.private_owner_map(
+          config, backbone, backbone_params, records, expert_layer
+      )
+      if needs_owners
+      else np.zeros((len(records),), np.int32)
+  )
+  backbone, backbone_params = hf.with_options(
+      backbone,
+      backbone_params,
+      seed=config.seed,
+      dtype=config.model.dtype,
+      **plan.model_options,
+  )
   pooling = config.model.pooling or setup.default_pooling(backbone)
-  model, params = setup.classifier(backbone, backbone_params, run_data.task.num_labels,
-                                   pooling, config.seed)
+  model, params = setup.classifier(
+      backbone, backbone_params, run_data.task.num_labels, pooling, config.seed
+  )
   del backbone_params
   trainable, frozen = setup.partition(params, plan.parts)
-  return Run(config, run_data, n, plan, table, model, trainable, frozen, owners, bc)
+  return Run(
+      config, run_data, n, plan, table, model, trainable, frozen, owners, bc
+  )
