@@ -1,23 +1,11 @@
-"""RAPTOR on GLUE QNLI with allenai/OLMoE-1B-7B-0924 (Tab. 2: E=64, top-8).
+"""RAPTOR on GLUE QNLI with allenai/OLMoE-1B-7B-0924.
 
-Public corpus: SQuAD contexts. Paper scale (GPU, bf16 activations):
-
-  python launch/main.py --config=configs/olmoe_qnli.py --workdir=/tmp/raptor_olmoe_qnli
-
-Embedded offline default (a small random OLMoE, 8 experts, top-2):
-
-  python launch/main.py --config=configs/olmoe_qnli.py:tiny --workdir=/tmp/raptor_olmoe_tiny
-
-The classifier reads the last non-padding token (right padding). Every block is
-sparse, so layer selection ranks all of them; owners are the gate-weighted
-plurality of the top-k weights exactly as the model uses them.
+The same as `configs/glue.py:task=qnli,model=olmoe,preset=<arg>`; see
+configs/glue.py for the presets (`:tiny`, `:cpu`, `:small`; none = paper scale).
 """
 
-from raptor_jax.train.config import base_config, with_preset
+from raptor_jax.train.config import glue_config
 
 
 def get_config(arg: str = ""):
-  config = base_config()
-  config.data.task = "qnli"
-  config.data.public_corpus = "squad"
-  return with_preset(config, arg, family="olmoe")
+  return glue_config(task="qnli", model="olmoe", preset=arg)

@@ -1,17 +1,11 @@
-"""RAPTOR on GLUE QQP with google/switch-base-8; public corpus: PAWS-Wiki sentence pairs.
+"""RAPTOR on GLUE QQP with google/switch-base-8.
 
-  python launch/main.py --config=configs/switch_qqp.py --workdir=/tmp/raptor_qqp
-
-Local files: --config.data.train_path=... --config.data.dev_path=...
---config.data.public_path=... (see configs/switch_sst2.py). Presets:
-`:tiny` (embedded offline task) and `:cpu` (tiny model on the real files).
+The same as `configs/glue.py:task=qqp,model=switch,preset=<arg>`; see
+configs/glue.py for the presets (`:tiny`, `:cpu`, `:small`; none = paper scale).
 """
 
-from raptor_jax.train.config import base_config, with_preset
+from raptor_jax.train.config import glue_config
 
 
 def get_config(arg: str = ""):
-  config = base_config()
-  config.data.task = "qqp"
-  config.data.public_corpus = "paws"
-  return with_preset(config, arg)
+  return glue_config(task="qqp", model="switch", preset=arg)

@@ -1,5 +1,7 @@
 """RAPTOR on GLUE SST-2 with google/switch-base-8 (the paper's setting).
 
+The same as `configs/glue.py:task=sst2,model=switch,preset=<arg>`.
+
 Paper scale (GPU; downloads the model and GLUE through Hugging Face):
 
   python launch/main.py --config=configs/switch_sst2.py --workdir=/tmp/raptor_sst2
@@ -18,11 +20,8 @@ Embedded offline default (a small random Switch on a generated task; CPU, minute
 Any field can be overridden, e.g. --config.privacy.epsilon=1 --config.method=baseline_a.
 """
 
-from raptor_jax.train.config import base_config, with_preset
+from raptor_jax.train.config import glue_config
 
 
 def get_config(arg: str = ""):
-  config = base_config()
-  config.data.task = "sst2"
-  config.data.public_corpus = "imdb"
-  return with_preset(config, arg)
+  return glue_config(task="sst2", model="switch", preset=arg)

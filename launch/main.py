@@ -1,32 +1,45 @@
 """Trains with RAPTOR (or a baseline) per an ml_collections config.
 
-  python launch/main.py --config=configs/switch_sst2.py:tiny --workdir=/tmp/raptor_tiny
+python launch/main.py --config=configs/switch_sst2.py:tiny --workdir=/tmp/raptor_tiny
 """
 
 import logging
 import os
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from absl import app, flags, logging as absl_logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
 from raptor_jax.train import parallel, train_and_evaluate
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training configuration file.",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and reports; "
-                               "rerunning with the same workdir resumes.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", "", "Multi-host: host:port of "
-                                   "process 0 (or JAX_COORDINATOR_ADDRESS).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Multi-host: number of processes "
-                                      "(or JAX_NUM_PROCESSES).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "Multi-host: this process's id "
-                                   "(or JAX_PROCESS_ID).")
-_DIAGNOSTICS = flags.DEFINE_bool("diagnostics", False, "After training, write the App. G "
-                                 "diagnostics of the dev split to <workdir>/diagnostics.json.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Training configuration file.", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir",
+    None,
+    "Directory for checkpoints and reports; "
+    "rerunning with the same workdir resumes.",
+)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address",
+    "",
+    "Multi-host: host:port of " "process 0 (or JAX_COORDINATOR_ADDRESS).",
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes",
+    0,
+    "Multi-host: number of processes " "(or JAX_NUM_PROCESSES).",
+)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", -1, "Multi-host: this process's id " "(or JAX_PROCESS_ID)."
+)
+_DIAGNOSTICS = flags.DEFINE_bool(
+    "diagnostics",
+    False,
+    "After training, write the App. G "
+    "diagnostics of the dev split to <workdir>/diagnostics.json.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -35,10 +48,13 @@ def main(argv):
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax/jax chatter
   logging.getLogger("raptor_jax").setLevel(logging.INFO)
   try:
-    parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    parallel.initialize_distributed(
+        _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
+    )
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     if _DIAGNOSTICS.value:
       from raptor_jax import diagnostics  # pylint: disable=g-import-not-at-top
+
       diagnostics.write_for_run(_CONFIG.value, _WORKDIR.value)
   except (ValueError, FileNotFoundError, OSError) as e:
     if os.environ.get("RAPTOR_TRACEBACK"):

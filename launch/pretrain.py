@@ -8,20 +8,22 @@ Rerunning with the same --workdir resumes; the model is written to
 
 import logging
 import os
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from absl import app, flags, logging as absl_logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
 from raptor_jax.pretrain import pretrain
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Pretraining configuration file.",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for data, checkpoints and the "
-                               "model; rerunning with the same workdir resumes.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Pretraining configuration file.", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir",
+    None,
+    "Directory for data, checkpoints and the "
+    "model; rerunning with the same workdir resumes.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -37,15 +39,23 @@ def main(argv):
       raise
     sys.exit(f"error: {e}  (RAPTOR_TRACEBACK=1 shows the traceback)")
   held, routing = report["heldout"], report["routing"]
-  print(f"steps {report['steps']}/{report['planned_steps']}, tokens {report['tokens_seen']:,}, "
-        f"{report['tokens_per_s']:,.0f} tokens/s, wall {report['wall_time_s']:.0f} s")
-  print(f"held-out LM loss {held['lm_loss']:.4f}, accuracy {held['accuracy']:.4f}")
+  print(
+      f"steps {report['steps']}/{report['planned_steps']}, tokens {report['tokens_seen']:,}, "
+      f"{report['tokens_per_s']:,.0f} tokens/s, wall {report['wall_time_s']:.0f} s"
+  )
+  print(
+      f"held-out LM loss {held['lm_loss']:.4f}, accuracy {held['accuracy']:.4f}"
+  )
   for row in routing["layers"]:
-    print(f"  layer {row['layer']}: token entropy {row['token_entropy_norm']:.3f}, owner "
-          f"entropy {row['entropy_norm']:.3f}, min owner share {row['min_owner_share']:.3f}")
-  print(f"selected layer {routing['selected_layer']}: min owner share "
-        f"{routing['selected_min_owner_share']:.3f} (required {routing['min_share_required']})"
-        + ("  COLLAPSED" if routing["collapsed"] else ""))
+    print(
+        f"  layer {row['layer']}: token entropy {row['token_entropy_norm']:.3f}, owner "
+        f"entropy {row['entropy_norm']:.3f}, min owner share {row['min_owner_share']:.3f}"
+    )
+  print(
+      f"selected layer {routing['selected_layer']}: min owner share "
+      f"{routing['selected_min_owner_share']:.3f} (required {routing['min_share_required']})"
+      + ("  COLLAPSED" if routing["collapsed"] else "")
+  )
   if report["model_dir"]:
     print(f"model: {report['model_dir']}")
 

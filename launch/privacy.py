@@ -14,13 +14,10 @@ shows what basic composition and an RDP accountant would give for the same
 noise multipliers.
 """
 
-import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from absl import app  # pylint: disable=g-import-not-at-top
+from absl import app
 from absl import flags
 import dp_accounting
 
@@ -28,15 +25,22 @@ from raptor_jax import accounting
 
 _EPSILON = flags.DEFINE_float('epsilon', 8.0, 'Target epsilon of the run.')
 _DELTA = flags.DEFINE_float('delta', None, 'Target delta; default 1/n**1.1.')
-_N = flags.DEFINE_integer('n', None, 'Number of private records.',
-                          required=True)
-_BATCH_SIZE = flags.DEFINE_integer('batch_size', 1000,
-                                   'Expected (Poisson) batch size B.')
-_EPOCHS = flags.DEFINE_integer('epochs', 20,
-                               'Epochs; one epoch is ceil(n / B) cycles.')
+_N = flags.DEFINE_integer(
+    'n', None, 'Number of private records.', required=True
+)
+_BATCH_SIZE = flags.DEFINE_integer(
+    'batch_size', 1000, 'Expected (Poisson) batch size B.'
+)
+_EPOCHS = flags.DEFINE_integer(
+    'epochs', 20, 'Epochs; one epoch is ceil(n / B) cycles.'
+)
 _RHO = flags.DEFINE_float('rho', 0.9, "Shared stream's share of the budget.")
-_METHOD = flags.DEFINE_enum('method', 'raptor', ['raptor', 'joint', 'dpsgd'],
-                            'Which mechanism to plan for.')
+_METHOD = flags.DEFINE_enum(
+    'method',
+    'raptor',
+    ['raptor', 'joint', 'dpsgd'],
+    'Which mechanism to plan for.',
+)
 
 
 def rdp_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
@@ -44,47 +48,82 @@ def rdp_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
   return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta)
 
 
-def plan(*, epsilon: float, delta: float, sample_rate: float, steps: int,
-         rho: float, method: str) -> list[tuple[str, str]]:
+def plan(
+    *,
+    epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    rho: float,
+    method: str,
+) -> list[tuple[str, str]]:
   """Calibrates the noise for ``method`` and returns the table rows."""
   start = time.perf_counter()
   if method == 'dpsgd':
-    sigma = accounting.calibrate_dpsgd(target_epsilon=epsilon, delta=delta,
-                                       sample_rate=sample_rate, steps=steps)
+    sigma = accounting.calibrate_dpsgd(
+        target_epsilon=epsilon,
+        delta=delta,
+        sample_rate=sample_rate,
+        steps=steps,
+    )
     seconds = time.perf_counter() - start
-    event = accounting.dpsgd_event(noise_multiplier=sigma,
-                                   sample_rate=sample_rate, steps=steps)
-    rows = [('noise_multiplier', f'{sigma:.4f}'),
-            ('epsilon (PLD)', f'{accounting.epsilon(event, delta):.4f}')]
+    event = accounting.dpsgd_event(
+        noise_multiplier=sigma, sample_rate=sample_rate, steps=steps
+    )
+    rows = [
+        ('noise_multiplier', f'{sigma:.4f}'),
+        ('epsilon (PLD)', f'{accounting.epsilon(event, delta):.4f}'),
+    ]
   else:
     joint = method == 'joint'
     sigmas = accounting.calibrate_raptor(
-        target_epsilon=epsilon, delta=delta, sample_rate=sample_rate,
-        steps=steps, rho=rho, joint=joint)
+        target_epsilon=epsilon,
+        delta=delta,
+        sample_rate=sample_rate,
+        steps=steps,
+        rho=rho,
+        joint=joint,
+    )
     seconds = time.perf_counter() - start
-    own = [accounting.dpsgd_epsilon(noise_multiplier=sigma,
-                                    sample_rate=sample_rate, steps=steps,
-                                    delta=delta / 2) for sigma in sigmas]
+    own = [
+        accounting.dpsgd_epsilon(
+            noise_multiplier=sigma,
+            sample_rate=sample_rate,
+            steps=steps,
+            delta=delta / 2,
+        )
+        for sigma in sigmas
+    ]
     event = accounting.raptor_event(
-        sigma_shared=sigmas[0], sigma_expert=sigmas[1],
-        sample_rate=sample_rate, steps_shared=steps, steps_expert=steps,
-        joint=joint)
-    rows = [('sigma_shared', f'{sigmas[0]:.4f}'),
-            ('sigma_expert', f'{sigmas[1]:.4f}'),
-            ('epsilon shared alone (delta/2)', f'{own[0]:.4f}'),
-            ('epsilon expert alone (delta/2)', f'{own[1]:.4f}')]
+        sigma_shared=sigmas[0],
+        sigma_expert=sigmas[1],
+        sample_rate=sample_rate,
+        steps_shared=steps,
+        steps_expert=steps,
+        joint=joint,
+    )
+    rows = [
+        ('sigma_shared', f'{sigmas[0]:.4f}'),
+        ('sigma_expert', f'{sigmas[1]:.4f}'),
+        ('epsilon shared alone (delta/2)', f'{own[0]:.4f}'),
+        ('epsilon expert alone (delta/2)', f'{own[1]:.4f}'),
+    ]
     spent = accounting.epsilon(event, delta)
     if joint:
-      rows += [('sigma_eff (one sample)',
-                f'{accounting.sigma_eff(*sigmas):.4f}'),
-               ('epsilon (PLD, joint)', f'{spent:.4f}'),
-               ('basic composition', 'n/a: one sample, epsilons do not add')]
+      rows += [
+          ('sigma_eff (one sample)', f'{accounting.sigma_eff(*sigmas):.4f}'),
+          ('epsilon (PLD, joint)', f'{spent:.4f}'),
+          ('basic composition', 'n/a: one sample, epsilons do not add'),
+      ]
     else:
-      rows += [('epsilon (PLD, composed)', f'{spent:.4f}'),
-               ('basic composition (sum)', f'{sum(own):.4f}')]
-  return rows + [('epsilon (RDP, same sigmas)',
-                  f'{rdp_epsilon(event, delta):.4f}'),
-                 ('calibration time', f'{seconds:.1f} s')]
+      rows += [
+          ('epsilon (PLD, composed)', f'{spent:.4f}'),
+          ('basic composition (sum)', f'{sum(own):.4f}'),
+      ]
+  return rows + [
+      ('epsilon (RDP, same sigmas)', f'{rdp_epsilon(event, delta):.4f}'),
+      ('calibration time', f'{seconds:.1f} s'),
+  ]
 
 
 def main(argv: list[str]) -> None:
@@ -101,11 +140,19 @@ def main(argv: list[str]) -> None:
     if delta is None:
       delta = accounting.default_delta(n)
     accounting.validate_delta(delta, n)
-    print(f'{_METHOD.value}: n={n} B={batch_size} q={q:.6g} epochs={epochs}'
-          f' steps={steps} delta={delta:.3g} target epsilon={_EPSILON.value:g}'
-          + ('' if _METHOD.value == 'dpsgd' else f' rho={_RHO.value:g}'))
-    rows = plan(epsilon=_EPSILON.value, delta=delta, sample_rate=q,
-                steps=steps, rho=_RHO.value, method=_METHOD.value)
+    print(
+        f'{_METHOD.value}: n={n} B={batch_size} q={q:.6g} epochs={epochs}'
+        f' steps={steps} delta={delta:.3g} target epsilon={_EPSILON.value:g}'
+        + ('' if _METHOD.value == 'dpsgd' else f' rho={_RHO.value:g}')
+    )
+    rows = plan(
+        epsilon=_EPSILON.value,
+        delta=delta,
+        sample_rate=q,
+        steps=steps,
+        rho=_RHO.value,
+        method=_METHOD.value,
+    )
   except ValueError as error:
     sys.exit(f'error: {error}')
   width = max(len(label) for label, _ in rows)

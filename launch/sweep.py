@@ -23,33 +23,52 @@ held-out train records (`--config.data.holdout`), never on dev.
 """
 
 import logging
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from absl import app, flags, logging as absl_logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
 from raptor_jax import diagnostics
 from raptor_jax.train import report, sweep
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Base training configuration file.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Base training configuration file."
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Root directory of the sweep.")
-_VARIANTS = flags.DEFINE_list("variants", "raptor,monolithic_lora,baseline_a",
-                              f"Table rows, from: {', '.join(sweep.VARIANTS)}.")
-_EPSILONS = flags.DEFINE_list("epsilons", "1,8", "Target epsilons of the private variants.")
-_SEEDS = flags.DEFINE_list("seeds", "0,1,2", "Seeds (adapters, Poisson samples, noise).")
+_VARIANTS = flags.DEFINE_list(
+    "variants",
+    "raptor,monolithic_lora,baseline_a",
+    f"Table rows, from: {', '.join(sweep.VARIANTS)}.",
+)
+_EPSILONS = flags.DEFINE_list(
+    "epsilons", "1,8", "Target epsilons of the private variants."
+)
+_SEEDS = flags.DEFINE_list(
+    "seeds", "0,1,2", "Seeds (adapters, Poisson samples, noise)."
+)
 _CLIP_GRID = flags.DEFINE_list(
-    "clip_grid", [], "Tune each private (variant, epsilon)'s clip norm over these values on "
-    "held-out train records (needs --config.data.holdout), e.g. 0.1,1,10.")
-_TUNE_SEED = flags.DEFINE_integer("tune_seed", 100, "Seed of the clip-tuning runs (not a "
-                                  "table seed).")
+    "clip_grid",
+    [],
+    "Tune each private (variant, epsilon)'s clip norm over these values on "
+    "held-out train records (needs --config.data.holdout), e.g. 0.1,1,10.",
+)
+_TUNE_SEED = flags.DEFINE_integer(
+    "tune_seed", 100, "Seed of the clip-tuning runs (not a " "table seed)."
+)
 _DIAGNOSTICS = flags.DEFINE_bool(
-    "diagnostics", False, "Also write App. G diagnostics (on the dev split) per new cell.")
-_TABLE_ONLY = flags.DEFINE_bool("table_only", False, "Only rebuild the table and plots.")
-_RESULTS_DIR = flags.DEFINE_string("results_dir", "", "Write the table and plots here "
-                                   "(default: --workdir), e.g. a committed results/ folder.")
+    "diagnostics",
+    False,
+    "Also write App. G diagnostics (on the dev split) per new cell.",
+)
+_TABLE_ONLY = flags.DEFINE_bool(
+    "table_only", False, "Only rebuild the table and plots."
+)
+_RESULTS_DIR = flags.DEFINE_string(
+    "results_dir",
+    "",
+    "Write the table and plots here "
+    "(default: --workdir), e.g. a committed results/ folder.",
+)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -64,15 +83,22 @@ def main(argv):
     def after(config, directory):
       if _DIAGNOSTICS.value:
         diagnostics.write_for_run(config, directory)
-      report.write(_WORKDIR.value, _RESULTS_DIR.value or None)  # the table so far
+      report.write(
+          _WORKDIR.value, _RESULTS_DIR.value or None
+      )  # the table so far
 
     try:
       sweep.write_environment(_WORKDIR.value, sys.argv)
-      sweep.run(_CONFIG.value, _WORKDIR.value, variants=_VARIANTS.value,
-                epsilons=[float(e) for e in _EPSILONS.value],
-                seeds=[int(s) for s in _SEEDS.value],
-                clip_grid=[float(c) for c in _CLIP_GRID.value], tune_seed=_TUNE_SEED.value,
-                after=after)
+      sweep.run(
+          _CONFIG.value,
+          _WORKDIR.value,
+          variants=_VARIANTS.value,
+          epsilons=[float(e) for e in _EPSILONS.value],
+          seeds=[int(s) for s in _SEEDS.value],
+          clip_grid=[float(c) for c in _CLIP_GRID.value],
+          tune_seed=_TUNE_SEED.value,
+          after=after,
+      )
     except (ValueError, FileNotFoundError, OSError) as e:
       sys.exit(f"error: {e}")
   for path in report.write(_WORKDIR.value, _RESULTS_DIR.value or None):

@@ -58,8 +58,10 @@ NOISE_MULTIPLIER_RANGE = (0.2, 1e3)
 _COARSE_VALUE_DISCRETIZATION_INTERVAL = 1e-3
 _MAX_LOG_STEP = math.log(3.0)
 _MAX_EVALUATIONS = 60
-_HINT = ('Raise target_epsilon or delta, or use fewer steps or a smaller'
-         ' sample rate.')
+_HINT = (
+    'Raise target_epsilon or delta, or use fewer steps or a smaller'
+    ' sample rate.'
+)
 
 _Mechanism = tuple[float, float, int]  # (sample_rate, noise_multiplier, count)
 
@@ -76,7 +78,8 @@ def _check_sample_rate(sample_rate: float) -> None:
   if not (isinstance(sample_rate, numbers.Real) and 0 < sample_rate <= 1):
     raise ValueError(
         f'sample_rate must be in (0, 1] (expected batch size / dataset size),'
-        f' got {sample_rate!r}.')
+        f' got {sample_rate!r}.'
+    )
 
 
 def _check_steps(name: str, steps: int) -> None:
@@ -91,8 +94,9 @@ def _check_steps(name: str, steps: int) -> None:
 def _check_rho(rho: float) -> None:
   if not (isinstance(rho, numbers.Real) and 0 < rho < 1):
     raise ValueError(
-        f'rho (the shared stream\'s share of the budget) must be in (0, 1),'
-        f' got {rho!r}; the paper uses 0.9.')
+        f"rho (the shared stream's share of the budget) must be in (0, 1),"
+        f' got {rho!r}; the paper uses 0.9.'
+    )
 
 
 def default_delta(n: int) -> float:
@@ -118,7 +122,8 @@ def validate_delta(delta: float, n: int | None = None) -> None:
   if n is not None and delta >= 1.0 / n:
     raise ValueError(
         f'delta={delta:.3g} must be below 1/n={1.0 / n:.3g} (n={n}); the'
-        f' default is 1/n**1.1={default_delta(n):.3g}.')
+        f' default is 1/n**1.1={default_delta(n):.3g}.'
+    )
 
 
 # Small helpers the trainer shares with the accountant.
@@ -159,8 +164,9 @@ def sigma_eff(*noise_multipliers: float) -> float:
 # DpEvents: the one description of what ran, for accountants and ledgers.
 
 
-def dpsgd_event(*, noise_multiplier: float, sample_rate: float,
-                steps: int) -> dp_accounting.DpEvent:
+def dpsgd_event(
+    *, noise_multiplier: float, sample_rate: float, steps: int
+) -> dp_accounting.DpEvent:
   """``steps`` Poisson-sampled Gaussian releases with one noise multiplier.
 
   Args:
@@ -177,12 +183,15 @@ def dpsgd_event(*, noise_multiplier: float, sample_rate: float,
   return dp_accounting.SelfComposedDpEvent(
       dp_accounting.PoissonSampledDpEvent(
           float(sample_rate),
-          dp_accounting.GaussianDpEvent(float(noise_multiplier))),
-      int(steps))
+          dp_accounting.GaussianDpEvent(float(noise_multiplier)),
+      ),
+      int(steps),
+  )
 
 
-def joint_event(*, noise_multipliers: Sequence[float], sample_rate: float,
-                steps: int) -> dp_accounting.DpEvent:
+def joint_event(
+    *, noise_multipliers: Sequence[float], sample_rate: float, steps: int
+) -> dp_accounting.DpEvent:
   """``steps`` releases of several groups updated from ONE Poisson sample.
 
   Each step is one subsampled Gaussian with ``sigma_eff(*noise_multipliers)``
@@ -197,13 +206,22 @@ def joint_event(*, noise_multipliers: Sequence[float], sample_rate: float,
   Returns:
     ``SelfComposed(PoissonSampled(q, Gaussian(sigma_eff)), steps)``.
   """
-  return dpsgd_event(noise_multiplier=sigma_eff(*noise_multipliers),
-                     sample_rate=sample_rate, steps=steps)
+  return dpsgd_event(
+      noise_multiplier=sigma_eff(*noise_multipliers),
+      sample_rate=sample_rate,
+      steps=steps,
+  )
 
 
-def raptor_event(*, sigma_shared: float, sigma_expert: float,
-                 sample_rate: float, steps_shared: int, steps_expert: int,
-                 joint: bool = False) -> dp_accounting.DpEvent:
+def raptor_event(
+    *,
+    sigma_shared: float,
+    sigma_expert: float,
+    sample_rate: float,
+    steps_shared: int,
+    steps_expert: int,
+    joint: bool = False,
+) -> dp_accounting.DpEvent:
   """The DpEvent of a RAPTOR run (SPEC 1.6).
 
   Alternating (default): each cycle draws independent Poisson samples for the
@@ -232,22 +250,35 @@ def raptor_event(*, sigma_shared: float, sigma_expert: float,
       raise ValueError(
           f'joint=True updates both streams from one sample each step, so'
           f' steps_shared ({steps_shared}) must equal steps_expert'
-          f' ({steps_expert}).')
-    return joint_event(noise_multipliers=(sigma_shared, sigma_expert),
-                       sample_rate=sample_rate, steps=steps_shared)
-  return dp_accounting.ComposedDpEvent([
-      dpsgd_event(noise_multiplier=sigma_shared, sample_rate=sample_rate,
-                  steps=steps_shared),
-      dpsgd_event(noise_multiplier=sigma_expert, sample_rate=sample_rate,
-                  steps=steps_expert),
-  ])
+          f' ({steps_expert}).'
+      )
+    return joint_event(
+        noise_multipliers=(sigma_shared, sigma_expert),
+        sample_rate=sample_rate,
+        steps=steps_shared,
+    )
+  return dp_accounting.ComposedDpEvent(
+      [
+          dpsgd_event(
+              noise_multiplier=sigma_shared,
+              sample_rate=sample_rate,
+              steps=steps_shared,
+          ),
+          dpsgd_event(
+              noise_multiplier=sigma_expert,
+              sample_rate=sample_rate,
+              steps=steps_expert,
+          ),
+      ]
+  )
 
 
 # Epsilon of an event, with cached PLDs.
 
 
-def _mechanisms(event: dp_accounting.DpEvent,
-                count: int = 1) -> Iterator[_Mechanism]:
+def _mechanisms(
+    event: dp_accounting.DpEvent, count: int = 1
+) -> Iterator[_Mechanism]:
   """The Poisson-sampled Gaussians of ``event``, in PLDAccountant's order."""
   if isinstance(event, dp_accounting.NoOpDpEvent):
     return
@@ -256,51 +287,66 @@ def _mechanisms(event: dp_accounting.DpEvent,
   elif isinstance(event, dp_accounting.ComposedDpEvent):
     for sub_event in event.events:
       yield from _mechanisms(sub_event, count)
-  elif (isinstance(event, dp_accounting.PoissonSampledDpEvent)
-        and isinstance(event.event, dp_accounting.GaussianDpEvent)):
+  elif isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(
+      event.event, dp_accounting.GaussianDpEvent
+  ):
     yield (event.sampling_probability, event.event.noise_multiplier, count)
   else:
     raise TypeError(
         f'accounting.epsilon handles compositions of Poisson-sampled Gaussian'
         f' events only, got {type(event).__name__}; use'
-        f' dp_accounting.pld.PLDAccountant for other mechanisms.')
+        f' dp_accounting.pld.PLDAccountant for other mechanisms.'
+    )
 
 
 @functools.lru_cache(maxsize=32)
 def _subsampled_gaussian_pld(
-    sample_rate: float, noise_multiplier: float,
+    sample_rate: float,
+    noise_multiplier: float,
     value_discretization_interval: float,
 ) -> privacy_loss_distribution.PrivacyLossDistribution:
   return privacy_loss_distribution.from_gaussian_mechanism(
       standard_deviation=noise_multiplier,
       value_discretization_interval=value_discretization_interval,
       sampling_prob=sample_rate,
-      neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+      neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+  )
 
 
 @functools.lru_cache(maxsize=8)
 def _self_composed_pld(
-    sample_rate: float, noise_multiplier: float, count: int,
+    sample_rate: float,
+    noise_multiplier: float,
+    count: int,
     value_discretization_interval: float,
 ) -> privacy_loss_distribution.PrivacyLossDistribution:
   return _subsampled_gaussian_pld(
-      sample_rate, noise_multiplier,
-      value_discretization_interval).self_compose(count)
+      sample_rate, noise_multiplier, value_discretization_interval
+  ).self_compose(count)
 
 
-def _epsilon(mechanisms: Sequence[_Mechanism], delta: float,
-             value_discretization_interval: float) -> float:
+def _epsilon(
+    mechanisms: Sequence[_Mechanism],
+    delta: float,
+    value_discretization_interval: float,
+) -> float:
   """Epsilon at ``delta`` of the sequential composition of ``mechanisms``."""
   pld = privacy_loss_distribution.identity(
-      value_discretization_interval=value_discretization_interval)
+      value_discretization_interval=value_discretization_interval
+  )
   for sample_rate, noise_multiplier, count in mechanisms:
     if sample_rate == 0:
       continue
     if noise_multiplier == 0:
       return math.inf
-    pld = pld.compose(_self_composed_pld(
-        float(sample_rate), float(noise_multiplier), int(count),
-        value_discretization_interval))
+    pld = pld.compose(
+        _self_composed_pld(
+            float(sample_rate),
+            float(noise_multiplier),
+            int(count),
+            value_discretization_interval,
+        )
+    )
   return pld.get_epsilon_for_delta(delta)
 
 
@@ -321,12 +367,14 @@ def epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
     The smallest epsilon such that the run is (epsilon, delta)-DP.
   """
   validate_delta(delta)
-  return _epsilon(tuple(_mechanisms(event)), delta,
-                  VALUE_DISCRETIZATION_INTERVAL)
+  return _epsilon(
+      tuple(_mechanisms(event)), delta, VALUE_DISCRETIZATION_INTERVAL
+  )
 
 
-def dpsgd_epsilon(*, noise_multiplier: float, sample_rate: float, steps: int,
-                  delta: float) -> float:
+def dpsgd_epsilon(
+    *, noise_multiplier: float, sample_rate: float, steps: int, delta: float
+) -> float:
   """Epsilon at ``delta`` of monolithic DP-SGD with Poisson sampling.
 
   Args:
@@ -337,14 +385,34 @@ def dpsgd_epsilon(*, noise_multiplier: float, sample_rate: float, steps: int,
 
   Returns:
     Epsilon of ``dpsgd_event`` under add/remove adjacency.
+
+  Example:
+    >>> from raptor_jax import accounting
+    >>> eps = accounting.dpsgd_epsilon(
+    ...     noise_multiplier=1.1, sample_rate=0.01, steps=1000, delta=1e-5)
+    >>> round(eps, 2)
+    1.52
   """
-  return epsilon(dpsgd_event(noise_multiplier=noise_multiplier,
-                             sample_rate=sample_rate, steps=steps), delta)
+  return epsilon(
+      dpsgd_event(
+          noise_multiplier=noise_multiplier,
+          sample_rate=sample_rate,
+          steps=steps,
+      ),
+      delta,
+  )
 
 
-def raptor_epsilon(*, sigma_shared: float, sigma_expert: float,
-                   sample_rate: float, steps_shared: int, steps_expert: int,
-                   delta: float, joint: bool = False) -> float:
+def raptor_epsilon(
+    *,
+    sigma_shared: float,
+    sigma_expert: float,
+    sample_rate: float,
+    steps_shared: int,
+    steps_expert: int,
+    delta: float,
+    joint: bool = False,
+) -> float:
   """Composed epsilon at ``delta`` of a RAPTOR run (see ``raptor_event``).
 
   Args:
@@ -359,18 +427,31 @@ def raptor_epsilon(*, sigma_shared: float, sigma_expert: float,
   Returns:
     Epsilon of the composed run under add/remove adjacency.
   """
-  return epsilon(raptor_event(sigma_shared=sigma_shared,
-                              sigma_expert=sigma_expert,
-                              sample_rate=sample_rate,
-                              steps_shared=steps_shared,
-                              steps_expert=steps_expert, joint=joint), delta)
+  return epsilon(
+      raptor_event(
+          sigma_shared=sigma_shared,
+          sigma_expert=sigma_expert,
+          sample_rate=sample_rate,
+          steps_shared=steps_shared,
+          steps_expert=steps_expert,
+          joint=joint,
+      ),
+      delta,
+  )
 
 
 # Calibration.
 
 
-def _search(epsilon_of: Callable[[float], float], target: float, *, x0: float,
-            slope: float, name: str, hint: str) -> tuple[float, float]:
+def _search(
+    epsilon_of: Callable[[float], float],
+    target: float,
+    *,
+    x0: float,
+    slope: float,
+    name: str,
+    hint: str,
+) -> tuple[float, float]:
   """Finds a noise multiplier x with ``(1-rtol)*target <= eps(x) <= target``.
 
   ``epsilon_of`` decreases in x and is close to a power law, so we take secant
@@ -401,8 +482,11 @@ def _search(epsilon_of: Callable[[float], float], target: float, *, x0: float,
       h = math.log(eps / target) - aim if eps < math.inf else math.inf
     else:
       h = math.log(eps / target) - aim if eps > 0 else -math.inf
-    if (previous is not None and u != previous[0]
-        and math.isfinite(h + previous[1])):
+    if (
+        previous is not None
+        and u != previous[0]
+        and math.isfinite(h + previous[1])
+    ):
       secant = (h - previous[1]) / (u - previous[0])
       slope = secant if secant < 0 else slope
     if previous is not None and h * previous[1] < 0:
@@ -423,11 +507,13 @@ def _search(epsilon_of: Callable[[float], float], target: float, *, x0: float,
         raise ValueError(
             f'epsilon {target:.4g} is unreachable: even {name}='
             f'{math.exp(u):.4g} (the largest searched) gives epsilon'
-            f' {eps:.4g}. {hint}')
+            f' {eps:.4g}. {hint}'
+        )
       raise ValueError(
           f'epsilon {target:.4g} is too large to calibrate: {name}='
           f'{math.exp(u):.4g} (the smallest searched) already gives epsilon'
-          f' {eps:.4g}; ask for a smaller epsilon.')
+          f' {eps:.4g}; ask for a smaller epsilon.'
+      )
     u = new_u
   raise RuntimeError(f'calibration of {name} did not converge; please report.')
 
@@ -438,23 +524,37 @@ def _check_reachable(target: float, least_epsilon: float) -> None:
     raise ValueError(
         f'target_epsilon={target:.4g} is unreachable: even noise multipliers'
         f' of {NOISE_MULTIPLIER_RANGE[1]:g} give epsilon {least_epsilon:.4g},'
-        f' the smallest feasible. {_HINT}')
+        f' the smallest feasible. {_HINT}'
+    )
 
 
-def _calibrate(epsilon_at: Callable[[float, float], float], target: float,
-               name: str, hint: str) -> float:
+def _calibrate(
+    epsilon_at: Callable[[float, float], float],
+    target: float,
+    name: str,
+    hint: str,
+) -> float:
   """Runs ``_search`` on the coarse grid, then refines on the reported one."""
   x, slope = 1.0, -1.0
-  for interval in (_COARSE_VALUE_DISCRETIZATION_INTERVAL,
-                   VALUE_DISCRETIZATION_INTERVAL):
-    x, slope = _search(functools.partial(epsilon_at, interval), target, x0=x,
-                       slope=slope, name=name, hint=hint)
+  for interval in (
+      _COARSE_VALUE_DISCRETIZATION_INTERVAL,
+      VALUE_DISCRETIZATION_INTERVAL,
+  ):
+    x, slope = _search(
+        functools.partial(epsilon_at, interval),
+        target,
+        x0=x,
+        slope=slope,
+        name=name,
+        hint=hint,
+    )
   return x
 
 
 @functools.lru_cache(maxsize=256)  # pure in its (hashable) arguments
-def calibrate_dpsgd(*, target_epsilon: float, delta: float,
-                    sample_rate: float, steps: int) -> float:
+def calibrate_dpsgd(
+    *, target_epsilon: float, delta: float, sample_rate: float, steps: int
+) -> float:
   """Noise multiplier that spends ``target_epsilon`` in ``steps`` DP-SGD steps.
 
   Args:
@@ -475,15 +575,23 @@ def calibrate_dpsgd(*, target_epsilon: float, delta: float,
   def epsilon_at(interval: float, sigma: float) -> float:
     return _epsilon(((sample_rate, sigma, steps),), delta, interval)
 
-  _check_reachable(target_epsilon, epsilon_at(VALUE_DISCRETIZATION_INTERVAL,
-                                              NOISE_MULTIPLIER_RANGE[1]))
+  _check_reachable(
+      target_epsilon,
+      epsilon_at(VALUE_DISCRETIZATION_INTERVAL, NOISE_MULTIPLIER_RANGE[1]),
+  )
   return _calibrate(epsilon_at, target_epsilon, 'noise_multiplier', _HINT)
 
 
 @functools.lru_cache(maxsize=256)  # pure in its (hashable) arguments
-def calibrate_raptor(*, target_epsilon: float, delta: float,
-                     sample_rate: float, steps: int, rho: float = 0.9,
-                     joint: bool = False) -> tuple[float, float]:
+def calibrate_raptor(
+    *,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    rho: float = 0.9,
+    joint: bool = False,
+) -> tuple[float, float]:
   """Noise multipliers of both streams for a RAPTOR run (SPEC 1.7).
 
   For a scale ``t``, ``sigma_shared(t)`` gives the shared stream alone epsilon
@@ -512,10 +620,18 @@ def calibrate_raptor(*, target_epsilon: float, delta: float,
   _check_steps('steps', steps)
   _check_rho(rho)
 
-  _check_reachable(target_epsilon, raptor_epsilon(
-      sigma_shared=NOISE_MULTIPLIER_RANGE[1],
-      sigma_expert=NOISE_MULTIPLIER_RANGE[1], sample_rate=sample_rate,
-      steps_shared=steps, steps_expert=steps, delta=delta, joint=joint))
+  _check_reachable(
+      target_epsilon,
+      raptor_epsilon(
+          sigma_shared=NOISE_MULTIPLIER_RANGE[1],
+          sigma_expert=NOISE_MULTIPLIER_RANGE[1],
+          sample_rate=sample_rate,
+          steps_shared=steps,
+          steps_expert=steps,
+          delta=delta,
+          joint=joint,
+      ),
+  )
 
   def stream_epsilon(interval: float, sigma: float) -> float:
     return _epsilon(((sample_rate, sigma, steps),), delta / 2, interval)
@@ -527,27 +643,42 @@ def calibrate_raptor(*, target_epsilon: float, delta: float,
     nonlocal expert_guess, expert_slope
     scale = stream_epsilon(interval, sigma_shared) / rho
     expert_guess, expert_slope = _search(
-        functools.partial(stream_epsilon, interval), (1 - rho) * scale,
-        x0=expert_guess, slope=expert_slope, name='sigma_expert',
-        hint='This is the expert stream\'s share: lower rho.')
+        functools.partial(stream_epsilon, interval),
+        (1 - rho) * scale,
+        x0=expert_guess,
+        slope=expert_slope,
+        name='sigma_expert',
+        hint="This is the expert stream's share: lower rho.",
+    )
     sigma_expert[interval, sigma_shared] = expert_guess
     if joint:
-      mechanisms = ((sample_rate, sigma_eff(sigma_shared, expert_guess),
-                     steps),)
+      mechanisms = (
+          (sample_rate, sigma_eff(sigma_shared, expert_guess), steps),
+      )
     else:
-      mechanisms = ((sample_rate, sigma_shared, steps),
-                    (sample_rate, expert_guess, steps))
+      mechanisms = (
+          (sample_rate, sigma_shared, steps),
+          (sample_rate, expert_guess, steps),
+      )
     return _epsilon(mechanisms, delta, interval)
 
-  sigma_shared = _calibrate(composed_at, target_epsilon, 'sigma_shared',
-                            _HINT)
-  sigmas = sigma_shared, sigma_expert[VALUE_DISCRETIZATION_INTERVAL,
-                                      sigma_shared]
-  spent = raptor_epsilon(sigma_shared=sigmas[0], sigma_expert=sigmas[1],
-                         sample_rate=sample_rate, steps_shared=steps,
-                         steps_expert=steps, delta=delta, joint=joint)
+  sigma_shared = _calibrate(composed_at, target_epsilon, 'sigma_shared', _HINT)
+  sigmas = (
+      sigma_shared,
+      sigma_expert[VALUE_DISCRETIZATION_INTERVAL, sigma_shared],
+  )
+  spent = raptor_epsilon(
+      sigma_shared=sigmas[0],
+      sigma_expert=sigmas[1],
+      sample_rate=sample_rate,
+      steps_shared=steps,
+      steps_expert=steps,
+      delta=delta,
+      joint=joint,
+  )
   if spent > target_epsilon:
     raise RuntimeError(
         f'calibrated sigmas {sigmas} spend epsilon {spent} > target'
-        f' {target_epsilon}; this is a bug, please report.')
+        f' {target_epsilon}; this is a bug, please report.'
+    )
   return sigmas

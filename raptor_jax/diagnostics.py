@@ -48,32 +48,23 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from raptor_jax import grads, roles, sampling
-from raptor_jax.models import hf
-from raptor_jax.train import loop, methods, parallel, setup, step
+from raptor_jax.train import methods, parallel, step
+from raptor_jax.train.run import build_run
 from raptor_jax.train.checkpoint import Checkpointer
 
 log = logging.getLogger("raptor_jax")
 
-# The paper's top-level roles (App. G) as unions of `roles.ROLES`.
-DIAGNOSTIC_ROLES = {
-    "shared": ("attention_adapter", "attention_kernel", "base"),
-    "router": ("router",),
-    "head": ("head",),
-    "experts": ("expert_adapter", "expert_kernel"),
-}
-_ROLE_OF = {role: group for group, members in DIAGNOSTIC_ROLES.items() for role in members}
-
-
-def diagnostic_role(path: str) -> str:
-  """The App. G role (shared | router | head | experts) of a flat parameter path."""
-  return _ROLE_OF[roles.role_of(path)]
+# The paper's top-level roles (App. G) as unions of `roles.ROLES` (defined there).
+DIAGNOSTIC_ROLES = roles.DIAGNOSTIC_ROLES
+diagnostic_role = roles.diagnostic_role
 
 
 # -- formulas -------------------------------------------------------------------
 
 
-def role_mismatch(squared_norms: Mapping[str, float],
-                  param_counts: Mapping[str, int]) -> dict[str, Any]:
+def role_mismatch(
+    squared_norms: Mapping[str, float], param_counts: Mapping[str, int]
+) -> dict[str, Any]:
   """M_role (Eq. 37): total variation between gradient-norm and parameter shares.
 
   Args:
@@ -88,15 +79,25 @@ def role_mismatch(squared_norms: Mapping[str, float],
   total_norm = sum(squared_norms.get(r, 0.0) for r in names)
   total_params = sum(param_counts[r] for r in names)
   if total_norm <= 0 or total_params <= 0:
-    raise ValueError("role_mismatch needs a non-zero gradient and at least one trainable role")
+    raise ValueError(
+        "role_mismatch needs a non-zero gradient and at least one trainable role"
+    )
   norm_share = {r: float(squared_norms.get(r, 0.0) / total_norm) for r in names}
   param_share = {r: float(param_counts[r] / total_params) for r in names}
   m_role = 0.5 * sum(abs(norm_share[r] - param_share[r]) for r in names)
-  return dict(M_role=float(m_role), norm_share=norm_share, param_share=param_share)
+  return dict(
+      M_role=float(m_role), norm_share=norm_share, param_share=param_share
+  )
 
 
-def expert_snr(signal_sums: np.ndarray, *, num_records: int, batch_size: float,
-               noise_multiplier: float, l2_clip: float) -> np.ndarray:
+def expert_snr(
+    signal_sums: np.ndarray,
+    *,
+    num_records: int,
+    batch_size: float,
+    noise_multiplier: float,
+    l2_clip: float,
+) -> np.ndarray:
   """Per-expert SNR_e = B^2 ||m_e||^2 / (sigma^2 C^2 d).
 
   Args:
@@ -111,39 +112,52 @@ def expert_snr(signal_sums: np.ndarray, *, num_records: int, batch_size: float,
     float64 [E].
   """
   if noise_multiplier <= 0:
-    raise ValueError("expert SNR needs a noise multiplier > 0 (a private method)")
+    raise ValueError(
+        "expert SNR needs a noise multiplier > 0 (a private method)"
+    )
   signal = np.asarray(signal_sums, np.float64).reshape(len(signal_sums), -1)
   mean = signal / num_records
   d = signal.shape[1]
-  return batch_size ** 2 * np.sum(mean ** 2, axis=1) / (noise_multiplier ** 2 * l2_clip ** 2 * d)
+  return (
+      batch_size**2
+      * np.sum(mean**2, axis=1)
+      / (noise_multiplier**2 * l2_clip**2 * d)
+  )
 
 
 def snr_summary(snr: Sequence[float]) -> dict[str, float]:
   """Mean per-expert SNR and its coefficient of variation (population std / mean)."""
   snr = np.asarray(snr, np.float64)
   mean = float(np.mean(snr))
-  return dict(mean=mean, cv=float(np.std(snr) / mean) if mean > 0 else float("nan"))
+  return dict(
+      mean=mean, cv=float(np.std(snr) / mean) if mean > 0 else float("nan")
+  )
 
 
-def noise_sensitivity(delta_loss: float, noise_std: float, num_params: int) -> float:
+def noise_sensitivity(
+    delta_loss: float, noise_std: float, num_params: int
+) -> float:
   """lambda_+ = max(dL, 0) / E||xi||^2 with E||xi||^2 = s^2 d (Eq. 40)."""
-  return max(float(delta_loss), 0.0) / (noise_std ** 2 * num_params)
+  return max(float(delta_loss), 0.0) / (noise_std**2 * num_params)
 
 
 # -- per-record statistics of a trained run ------------------------------------------
 
 
-def _expert_prefix(layer: int) -> str:
-  return f"backbone/block_{layer}/mlp/experts/"
-
-
-def _phase_statistics(fns: step.PhaseFunctions, expert_layer: int, num_experts: int,
-                      trainable, frozen, batch, mask):
+def _phase_statistics(
+    fns: step.PhaseFunctions,
+    expert_layer: int,
+    num_experts: int,
+    trainable,
+    frozen,
+    batch,
+    mask,
+):
   """Per role: sum of squared per-record norms; per part at l*: [E, ...] signal sums."""
   per_record = fns.released_per_record(trainable, frozen, batch, mask)
   squared = dict.fromkeys(DIAGNOSTIC_ROLES, jnp.zeros((), jnp.float32))
   signal = {}
-  prefix = _expert_prefix(expert_layer)
+  prefix = roles.expert_prefix(expert_layer)
   for part in fns.phase.parts:
     for path, g in per_record[part.name].items():
       role = diagnostic_role(path)
@@ -151,20 +165,26 @@ def _phase_statistics(fns: step.PhaseFunctions, expert_layer: int, num_experts: 
       if not path.startswith(prefix):
         continue
       if part.owner:  # [n, ...] owner slices -> [E, ...]
-        signal[path] = grads.sum_by_owner(g.astype(jnp.float32), batch["owners"], num_experts)
+        signal[path] = grads.sum_by_owner(
+            g.astype(jnp.float32), batch["owners"], num_experts
+        )
       else:  # [n, E, ...] every expert of l*
         signal[path] = jnp.sum(g.astype(jnp.float32), axis=0)
   return squared, signal
 
 
-def _restore_trainable(config: ml_collections.ConfigDict, workdir: str | Path) -> dict:
+def _restore_trainable(
+    config: ml_collections.ConfigDict, workdir: str | Path
+) -> dict:
   """The trainable parameters of the run's latest checkpoint (which must match `config`)."""
   checkpointer = Checkpointer(workdir, config)
   try:
     if checkpointer.restore_meta() is None:
       raise FileNotFoundError(f"no checkpoint in {workdir}; train first")
-    state = checkpointer.manager.restore(checkpointer.latest(), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore()))["state"]
+    state = checkpointer.manager.restore(
+        checkpointer.latest(),
+        args=ocp.args.Composite(state=ocp.args.StandardRestore()),
+    )["state"]
   finally:
     checkpointer.close()
   return jax.tree.map(jnp.asarray, state["trainable"])
@@ -175,11 +195,19 @@ def _mean_loss(logits_fn, trainable, frozen, records, batch_size: int) -> float:
   ids, mask, labels = records
   losses = []
   for start in range(0, len(labels), batch_size):
-    real = len(labels[start:start + batch_size])
+    real = len(labels[start : start + batch_size])
     pad = ((0, batch_size - real), (0, 0))
-    logits = logits_fn(trainable, frozen, jnp.asarray(np.pad(ids[start:start + real], pad)),
-                       jnp.asarray(np.pad(mask[start:start + real], pad)))
-    losses.append(np.asarray(step.cross_entropy(logits[:real], labels[start:start + real])))
+    logits = logits_fn(
+        trainable,
+        frozen,
+        jnp.asarray(np.pad(ids[start : start + real], pad)),
+        jnp.asarray(np.pad(mask[start : start + real], pad)),
+    )
+    losses.append(
+        np.asarray(
+            step.cross_entropy(logits[:real], labels[start : start + real])
+        )
+    )
   return float(np.mean(np.concatenate(losses)))
 
 
@@ -191,27 +219,47 @@ def _perturbed(trainable, role: str, scale: float, key: jax.Array):
     for path in sorted(trainable[name]):
       value = trainable[name][path]
       if diagnostic_role(path) == role:
-        value = value + scale * jax.random.normal(jax.random.fold_in(key, index), value.shape,
-                                                  value.dtype)
+        value = value + scale * jax.random.normal(
+            jax.random.fold_in(key, index), value.shape, value.dtype
+        )
         index += 1
       out[name][path] = value
   return out
 
 
-def _gradient_statistics(phase_fns, trainable, frozen, records, owners, *, expert_layer: int,
-                         num_experts: int, microbatch_size: int):
+def _gradient_statistics(
+    phase_fns,
+    trainable,
+    frozen,
+    records,
+    owners,
+    *,
+    expert_layer: int,
+    num_experts: int,
+    microbatch_size: int,
+):
   """Squared norms per role (all phases) and l* signal sums per phase, over `records`."""
   ids, mask, labels = records
   squared = dict.fromkeys(DIAGNOSTIC_ROLES, 0.0)
   signals: dict[str, dict[str, np.ndarray]] = {}
   for fns in phase_fns:
-    stats_fn = jax.jit(functools.partial(_phase_statistics, fns, expert_layer, num_experts))
+    stats_fn = jax.jit(
+        functools.partial(_phase_statistics, fns, expert_layer, num_experts)
+    )
     signal_sums = signals.setdefault(fns.phase.name, {})
     for mb in sampling.microbatches(np.arange(len(labels)), microbatch_size):
-      batch = dict(input_ids=ids[mb.indices], attention_mask=mask[mb.indices],
-                   labels=labels[mb.indices], owners=owners[mb.indices])
-      sq, signal = stats_fn(trainable, frozen, jax.tree.map(jnp.asarray, batch),
-                            jnp.asarray(mb.mask))
+      batch = dict(
+          input_ids=ids[mb.indices],
+          attention_mask=mask[mb.indices],
+          labels=labels[mb.indices],
+          owners=owners[mb.indices],
+      )
+      sq, signal = stats_fn(
+          trainable,
+          frozen,
+          jax.tree.map(jnp.asarray, batch),
+          jnp.asarray(mb.mask),
+      )
       for role, value in sq.items():
         squared[role] += float(value)
       for path, value in signal.items():
@@ -219,24 +267,88 @@ def _gradient_statistics(phase_fns, trainable, frozen, records, owners, *, exper
   return squared, signals
 
 
-def _snr_of_plan(plan: methods.Plan, signals, trainable, *, num_records: int,
-                 batch_size: float, num_experts: int) -> dict[str, Any] | None:
+def _snr_of_plan(
+    plan: methods.Plan,
+    signals,
+    trainable,
+    *,
+    num_records: int,
+    batch_size: float,
+    num_experts: int,
+) -> dict[str, Any] | None:
   """Per-expert SNR of the private part that trains l*'s experts (None if none does)."""
-  prefix = _expert_prefix(plan.expert_layer)
+  prefix = roles.expert_prefix(plan.expert_layer)
   for phase in plan.phases:
     for part in phase.parts:
       paths = sorted(p for p in trainable[part.name] if p.startswith(prefix))
       if phase.private and paths:
-        stacked = np.concatenate([signals[phase.name][p].reshape(num_experts, -1)
-                                  for p in paths], axis=1)
-        snr = expert_snr(stacked, num_records=num_records, batch_size=batch_size,
-                         noise_multiplier=part.noise_multiplier, l2_clip=part.l2_clip)
+        stacked = np.concatenate(
+            [signals[phase.name][p].reshape(num_experts, -1) for p in paths],
+            axis=1,
+        )
+        snr = expert_snr(
+            stacked,
+            num_records=num_records,
+            batch_size=batch_size,
+            noise_multiplier=part.noise_multiplier,
+            l2_clip=part.l2_clip,
+        )
         return dict(per_expert=snr.tolist(), **snr_summary(snr))
   return None
 
 
-def compute(config: ml_collections.ConfigDict, workdir: str | Path, *, split: str = "dev",
-            max_records: int = 512, noise_std: float = 1e-3, draws: int = 4) -> dict[str, Any]:
+def _sensitivities(
+    config,
+    model,
+    trainable,
+    frozen,
+    records,
+    param_counts,
+    *,
+    noise_std: float,
+    draws: int,
+) -> tuple[float, dict[str, Any]]:
+  """(base loss, per trainable role: params, mean dL over antithetic draws, lambda_+)."""
+  logits_fn = step.make_eval_fn(model)
+  base_loss = _mean_loss(
+      logits_fn, trainable, frozen, records, config.eval_batch_size
+  )
+  sensitivity = {}
+  for role in (r for r, count in param_counts.items() if count):
+    keys = [
+        jax.random.fold_in(jax.random.PRNGKey(config.seed), draw)
+        for draw in range(draws)
+    ]
+    deltas = [
+        _mean_loss(
+            logits_fn,
+            _perturbed(trainable, role, sign * noise_std, key),
+            frozen,
+            records,
+            config.eval_batch_size,
+        )
+        - base_loss
+        for key in keys
+        for sign in (1.0, -1.0)
+    ]
+    delta = float(np.mean(deltas))
+    sensitivity[role] = dict(
+        params=param_counts[role],
+        delta_loss=delta,
+        lambda_plus=noise_sensitivity(delta, noise_std, param_counts[role]),
+    )
+  return base_loss, sensitivity
+
+
+def compute(
+    config: ml_collections.ConfigDict,
+    workdir: str | Path,
+    *,
+    split: str = "dev",
+    max_records: int = 512,
+    noise_std: float = 1e-3,
+    draws: int = 4,
+) -> dict[str, Any]:
   """App. G diagnostics of the run in `workdir` (its latest checkpoint).
 
   Rebuilds the run's model and plan from `config` exactly as the training loop
@@ -255,66 +367,94 @@ def compute(config: ml_collections.ConfigDict, workdir: str | Path, *, split: st
     expert_snr= (None if undefined), noise_sensitivity=).
   """
   if split not in ("dev", "train"):
-    raise ValueError(f"split must be 'dev' or 'train' (private audit), got {split!r}")
+    raise ValueError(
+        f"split must be 'dev' or 'train' (private audit), got {split!r}"
+    )
   if split == "train":
-    log.warning("diagnostics on the private training split: the output is a private audit "
-                "statistic, NOT differentially private; keep it inside your trust boundary")
-  run_data = setup.load_run_data(config)
-  backbone, backbone_params = setup.load_backbone(config, run_data)
-  bc = backbone.config
-  expert_layer, _ = loop.select_expert_layer(config, backbone, backbone_params, run_data)
-  plan = methods.build_plan(config, n=len(run_data.train), num_experts=bc.num_experts,
-                            sparse_layers=bc.sparse_layers, expert_layer=expert_layer)
-  data = run_data.dev if split == "dev" else run_data.train
+    log.warning(
+        "diagnostics on the private training split: the output is a private audit "
+        "statistic, NOT differentially private; keep it inside your trust boundary"
+    )
+  run = build_run(config, owner_records=split)
+  plan, bc, expert_layer = run.plan, run.backbone_config, run.expert_layer
+  data = run.data.dev if split == "dev" else run.data.train
   n = min(len(data.labels), max_records) if max_records else len(data.labels)
   records = (data.input_ids[:n], data.attention_mask[:n], data.labels[:n])
-  owners = loop.private_owner_map(config, backbone, backbone_params, data, expert_layer)[:n]
-  backbone, backbone_params = hf.with_options(backbone, backbone_params, seed=config.seed,
-                                              dtype=config.model.dtype, **plan.model_options)
-  model, params = setup.classifier(backbone, backbone_params, run_data.task.num_labels,
-                                   config.model.pooling or setup.default_pooling(backbone),
-                                   config.seed)
-  _, frozen = setup.partition(params, plan.parts)
+  owners, model, frozen = run.owners[:n], run.model, run.frozen
   trainable = _restore_trainable(config, workdir)
   # Only the per-record loss and residual weights are used (no noise, no update).
-  phase_fns = [step.PhaseFunctions(
-      model, phase, mesh=parallel.make_mesh(1), expert_layer=expert_layer,
-      num_experts=bc.num_experts, learning_rate=config.learning_rate,
-      residual=config.raptor.residual, residual_gamma=config.raptor.residual_gamma,
-      key=jax.random.PRNGKey(0)) for phase in plan.phases]
+  phase_fns = [
+      step.PhaseFunctions(
+          model,
+          phase,
+          mesh=parallel.make_mesh(1),
+          expert_layer=expert_layer,
+          num_experts=bc.num_experts,
+          learning_rate=config.learning_rate,
+          residual=config.raptor.residual,
+          residual_gamma=config.raptor.residual_gamma,
+          key=jax.random.PRNGKey(0),
+      )
+      for phase in plan.phases
+  ]
 
   squared, signals = _gradient_statistics(
-      phase_fns, trainable, frozen, records, owners, expert_layer=expert_layer,
-      num_experts=bc.num_experts, microbatch_size=config.microbatch_size)
+      phase_fns,
+      trainable,
+      frozen,
+      records,
+      owners,
+      expert_layer=expert_layer,
+      num_experts=bc.num_experts,
+      microbatch_size=config.microbatch_size,
+  )
   param_counts = dict.fromkeys(DIAGNOSTIC_ROLES, 0)
   for part_params in trainable.values():
     for path, value in part_params.items():
       param_counts[diagnostic_role(path)] += int(np.size(value))
 
-  logits_fn = step.make_eval_fn(model)
-  base_loss = _mean_loss(logits_fn, trainable, frozen, records, config.eval_batch_size)
-  sensitivity = {}
-  for role in (r for r, count in param_counts.items() if count):
-    keys = [jax.random.fold_in(jax.random.PRNGKey(config.seed), draw) for draw in range(draws)]
-    deltas = [_mean_loss(logits_fn, _perturbed(trainable, role, sign * noise_std, key), frozen,
-                         records, config.eval_batch_size) - base_loss
-              for key in keys for sign in (1.0, -1.0)]
-    delta = float(np.mean(deltas))
-    sensitivity[role] = dict(params=param_counts[role], delta_loss=delta,
-                             lambda_plus=noise_sensitivity(delta, noise_std, param_counts[role]))
+  base_loss, sensitivity = _sensitivities(
+      config,
+      model,
+      trainable,
+      frozen,
+      records,
+      param_counts,
+      noise_std=noise_std,
+      draws=draws,
+  )
   return dict(
-      data=f"{split} split, first {n} records" + (
-          " (PRIVATE AUDIT: not differentially private)" if split == "train"
-          else " (not the private training data)"),
-      private_audit=split == "train", records=n, method=plan.method, expert_layer=expert_layer,
+      data=f"{split} split, first {n} records"
+      + (
+          " (PRIVATE AUDIT: not differentially private)"
+          if split == "train"
+          else " (not the private training data)"
+      ),
+      private_audit=split == "train",
+      records=n,
+      method=plan.method,
+      expert_layer=expert_layer,
       role_mismatch=role_mismatch(squared, param_counts),
-      expert_snr=_snr_of_plan(plan, signals, trainable, num_records=n,
-                              batch_size=float(config.batch_size), num_experts=bc.num_experts),
-      noise_sensitivity=dict(noise_std=noise_std, draws=draws, base_loss=base_loss,
-                             roles=sensitivity))
+      expert_snr=_snr_of_plan(
+          plan,
+          signals,
+          trainable,
+          num_records=n,
+          batch_size=float(config.batch_size),
+          num_experts=bc.num_experts,
+      ),
+      noise_sensitivity=dict(
+          noise_std=noise_std,
+          draws=draws,
+          base_loss=base_loss,
+          roles=sensitivity,
+      ),
+  )
 
 
-def write_for_run(config: ml_collections.ConfigDict, workdir: str | Path, **kwargs) -> Path:
+def write_for_run(
+    config: ml_collections.ConfigDict, workdir: str | Path, **kwargs
+) -> Path:
   """Computes `compute(config, workdir, **kwargs)` and writes `<workdir>/diagnostics.json`."""
   result = compute(config, workdir, **kwargs)
   path = Path(workdir) / "diagnostics.json"

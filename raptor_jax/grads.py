@@ -21,9 +21,9 @@ from ``zeros_like_f32``; noise is added ONCE per step, to the total.
 Owner slices (RAPTOR's expert stream). With expert parameters stacked
 ``[E, ...]``, the per-record gradient is taken with respect to the record's
 owner slice only. ``owner_slices`` gathers each record's owner slice
-(``[n, ...]``, passed with ``params_axis=0``), and ``with_owner_slice`` rebuilds
-a stacked tensor in which only the owner's slice carries gradient while every
-expert still runs in the forward pass.
+(``[n, ...]``, passed with ``params_axis=0``); the model takes the slice in
+place of its owner's stacked weights, so every expert still runs in the
+forward pass while only the owner's slice carries gradient.
 """
 
 import numbers
@@ -31,25 +31,30 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 def _check_l2_clip(l2_clip: float) -> float:
-    if (isinstance(l2_clip, bool) or not isinstance(l2_clip, numbers.Real)
-            or not 0.0 < float(l2_clip) < float('inf')):
-        raise ValueError(
-            f'l2_clip must be a finite Python number > 0, got {l2_clip!r}.')
-    return float(l2_clip)
+  if (
+      isinstance(l2_clip, bool)
+      or not isinstance(l2_clip, numbers.Real)
+      or not 0.0 < float(l2_clip) < float('inf')
+  ):
+    raise ValueError(
+        f'l2_clip must be a finite Python number > 0, got {l2_clip!r}.'
+    )
+  return float(l2_clip)
 
 
 def zeros_like_f32(tree: PyTree) -> PyTree:
-    """Float32 zeros shaped like ``tree``: the start of a step's sums.
+  """Float32 zeros shaped like ``tree``: the start of a step's sums.
 
-    For owner sums pass the stacked expert parameters ``[E, ...]``.
-    """
-    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+  For owner sums pass the stacked expert parameters ``[E, ...]``.
+  """
+  return optax.tree.zeros_like(tree, dtype=jnp.float32)
 
 
 def per_record_grads(
@@ -59,93 +64,102 @@ def per_record_grads(
     *,
     params_axis: Optional[int] = None,
 ) -> PyTree:
-    """Gradient of ``loss_fn`` for every record of ``batch``, unclipped.
+  """Gradient of ``loss_fn`` for every record of ``batch``, unclipped.
 
-    Args:
-      loss_fn: ``loss_fn(params, record) -> scalar`` for a single record.
-      params: parameters; shared by all records (``params_axis=None``) or one
-        per record (``params_axis=0``, leaves ``[n, ...]``, e.g. from
-        ``owner_slices``).
-      batch: pytree of arrays with a leading record axis n.
-      params_axis: ``None`` or ``0``, see ``params``.
+  Args:
+    loss_fn: ``loss_fn(params, record) -> scalar`` for a single record.
+    params: parameters; shared by all records (``params_axis=None``) or one
+      per record (``params_axis=0``, leaves ``[n, ...]``, e.g. from
+      ``owner_slices``).
+    batch: pytree of arrays with a leading record axis n.
+    params_axis: ``None`` or ``0``, see ``params``.
 
-    Returns:
-      Pytree like ``params`` with a leading axis n (in the params' dtype).
-    """
-    return jax.vmap(jax.grad(loss_fn), in_axes=(params_axis, 0))(params, batch)
+  Returns:
+    Pytree like ``params`` with a leading axis n (in the params' dtype).
+  """
+  return jax.vmap(jax.grad(loss_fn), in_axes=(params_axis, 0))(params, batch)
 
 
 def clip_per_record(
     grads: PyTree, l2_clip: float, mask: Optional[jax.Array] = None
 ) -> tuple[PyTree, jax.Array]:
-    """Clips every record's gradient to global l2 norm ``l2_clip``.
+  """Clips every record's gradient to global l2 norm ``l2_clip``.
 
-    The norm is over all leaves of one record, in float32. A record's factor
-    is ``min(1, l2_clip / norm)`` (1 at norm 0). Padding records (mask 0; any
-    nonzero mask value counts as a real record, it never scales one) and
-    records whose gradient has a NaN/inf (or whose squared norm overflows
-    float32) come out exactly zero.
+  The norm is over all leaves of one record, in float32. A record's factor
+  is ``min(1, l2_clip / norm)`` (1 at norm 0). Padding records (mask 0; any
+  nonzero mask value counts as a real record, it never scales one) and
+  records whose gradient has a NaN/inf (or whose squared norm overflows
+  float32) come out exactly zero.
 
-    Args:
-      grads: per-record gradients, leaves ``[n, ...]``.
-      l2_clip: clipping norm C, a public Python number > 0.
-      mask: ``[n]``, 1 for real records and 0 for padding; None means all real.
+  Args:
+    grads: per-record gradients, leaves ``[n, ...]``.
+    l2_clip: clipping norm C, a public Python number > 0.
+    mask: ``[n]``, 1 for real records and 0 for padding; None means all real.
 
-    Returns:
-      ``(clipped, norms)``: float32 clipped gradients like ``grads``, and the
-      float32 ``[n]`` unclipped norms (NaN/inf for non-finite records; padding
-      rows hold their padding record's norm). The norms are derived from
-      private data without noise: use them for in-process diagnostics only,
-      never log or release them.
-    """
-    l2_clip = _check_l2_clip(l2_clip)
-    grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads)
-    leaves = jax.tree.leaves(grads)
-    if not leaves:
-        raise ValueError('grads has no leaves.')
-    n = leaves[0].shape[0]
-    norms = jnp.sqrt(sum(
-        jnp.sum(jnp.square(g.reshape(n, -1)), axis=1) for g in leaves))
-    # Any NaN/inf element makes the norm NaN/inf, so this catches them all.
-    keep = jnp.isfinite(norms)
-    if mask is not None:
-        keep = keep & (jnp.asarray(mask).reshape(n) != 0)
-    factor = l2_clip / jnp.maximum(norms, l2_clip)
+  Returns:
+    ``(clipped, norms)``: float32 clipped gradients like ``grads``, and the
+    float32 ``[n]`` unclipped norms (NaN/inf for non-finite records; padding
+    rows hold their padding record's norm). The norms are derived from
+    private data without noise: use them for in-process diagnostics only,
+    never log or release them.
+  """
+  l2_clip = _check_l2_clip(l2_clip)
+  grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads)
+  leaves = jax.tree.leaves(grads)
+  if not leaves:
+    raise ValueError('grads has no leaves.')
+  n = leaves[0].shape[0]
+  norms = jnp.sqrt(
+      sum(jnp.sum(jnp.square(g.reshape(n, -1)), axis=1) for g in leaves)
+  )
+  # Any NaN/inf element makes the norm NaN/inf, so this catches them all.
+  keep = jnp.isfinite(norms)
+  if mask is not None:
+    keep = keep & (jnp.asarray(mask).reshape(n) != 0)
+  factor = l2_clip / jnp.maximum(norms, l2_clip)
 
-    def clip(g):
-        shape = (n,) + (1,) * (g.ndim - 1)
-        return jnp.where(keep.reshape(shape), g * factor.reshape(shape), 0.0)
+  def clip(g):
+    shape = (n,) + (1,) * (g.ndim - 1)
+    return jnp.where(keep.reshape(shape), g * factor.reshape(shape), 0.0)
 
-    return jax.tree.map(clip, grads), norms
+  return jax.tree.map(clip, grads), norms
 
 
 def sum_by_owner(tree: PyTree, owners: jax.Array, num_experts: int) -> PyTree:
-    """Segment-sums per-record leaves ``[n, ...]`` into ``[num_experts, ...]``.
+  """Segment-sums per-record leaves ``[n, ...]`` into ``[num_experts, ...]``.
 
-    Uses ``jax.ops.segment_sum`` (exact float32 adds; a one-hot matmul could
-    run in reduced precision on accelerators). A row whose owner is outside
-    ``[0, num_experts)`` is dropped, so it can never add to another expert.
-    """
-    owners = jnp.asarray(owners).reshape(-1)
-    return jax.tree.map(
-        lambda g: jax.ops.segment_sum(g, owners, num_segments=num_experts),
-        tree)
-
-
-def _weighted(loss_fn: LossFn) -> LossFn:
-    def weighted_loss(params, record_and_weight):
-        record, weight = record_and_weight
-        return weight * loss_fn(params, record)
-
-    return weighted_loss
+  Uses ``jax.ops.segment_sum`` (exact float32 adds; a one-hot matmul could
+  run in reduced precision on accelerators). A row whose owner is outside
+  ``[0, num_experts)`` is dropped, so it can never add to another expert.
+  """
+  owners = jnp.asarray(owners).reshape(-1)
+  return jax.tree.map(
+      lambda g: jax.ops.segment_sum(g, owners, num_segments=num_experts), tree
+  )
 
 
-def _clipped_per_record_grads(loss_fn, params, batch, l2_clip, mask, weights,
-                              params_axis):
-    if weights is not None:
-        loss_fn, batch = _weighted(loss_fn), (batch, weights)
-    grads = per_record_grads(loss_fn, params, batch, params_axis=params_axis)
-    return clip_per_record(grads, l2_clip, mask)
+def scale_records(tree: PyTree, weights: jax.Array) -> PyTree:
+  """Multiplies each record's leaves ``[n, ...]`` by its weight ``[n]``.
+
+  The one residual-weight path (RAPTOR Eq. 8): applied to per-record
+  gradients BEFORE clipping, so the sensitivity stays ``l2_clip`` whatever
+  the weights (they must carry no gradient: ``jax.lax.stop_gradient``).
+  Also used to zero padding records of unclipped (non-private) gradients.
+  """
+  return jax.tree.map(
+      lambda g: g
+      * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype),
+      tree,
+  )
+
+
+def _clipped_per_record_grads(
+    loss_fn, params, batch, l2_clip, mask, weights, params_axis
+):
+  grads = per_record_grads(loss_fn, params, batch, params_axis=params_axis)
+  if weights is not None:
+    grads = scale_records(grads, weights)
+  return clip_per_record(grads, l2_clip, mask)
 
 
 def clipped_grad_sum(
@@ -158,30 +172,43 @@ def clipped_grad_sum(
     weights: Optional[jax.Array] = None,
     params_axis: Optional[int] = None,
 ) -> tuple[PyTree, jax.Array]:
-    """Sum over records of clipped per-record gradients (one microbatch).
+  """Sum over records of clipped per-record gradients (one microbatch).
 
-    Guarantee: each record changes the sum by at most ``l2_clip`` in l2 norm;
-    padding and non-finite records change it by exactly nothing.
+  Guarantee: each record changes the sum by at most ``l2_clip`` in l2 norm;
+  padding and non-finite records change it by exactly nothing.
 
-    Args:
-      loss_fn: ``loss_fn(params, record) -> scalar`` for a single record.
-      params: parameters (see ``per_record_grads``).
-      batch: pytree with a leading record axis n.
-      l2_clip: clipping norm C, a public Python number > 0.
-      mask: ``[n]``, 1 real, 0 padding; None means all real.
-      weights: optional ``[n]`` per-record loss weights (RAPTOR's residual
-        weight w_i, Eq. 8). Each record's loss is multiplied by its weight
-        before differentiation, hence before clipping: the sensitivity stays
-        ``l2_clip`` whatever the weights.
-      params_axis: ``None`` (shared params) or ``0`` (per-record params).
+  Args:
+    loss_fn: ``loss_fn(params, record) -> scalar`` for a single record.
+    params: parameters (see ``per_record_grads``).
+    batch: pytree with a leading record axis n.
+    l2_clip: clipping norm C, a public Python number > 0.
+    mask: ``[n]``, 1 real, 0 padding; None means all real.
+    weights: optional ``[n]`` per-record weights (RAPTOR's residual
+      weight w_i, Eq. 8), without gradient. Each record's gradient is
+      multiplied by its weight (``scale_records``) before clipping: the
+      sensitivity stays ``l2_clip`` whatever the weights.
+    params_axis: ``None`` (shared params) or ``0`` (per-record params).
 
-    Returns:
-      ``(sums, norms)``: float32 sums shaped like one record's gradient, and
-      the ``[n]`` unclipped norms (see ``clip_per_record``).
-    """
-    clipped, norms = _clipped_per_record_grads(
-        loss_fn, params, batch, l2_clip, mask, weights, params_axis)
-    return jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped), norms
+  Returns:
+    ``(sums, norms)``: float32 sums shaped like one record's gradient, and
+    the ``[n]`` unclipped norms (see ``clip_per_record``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from raptor_jax import grads
+    >>> loss_fn = lambda p, record: jnp.sum(p['w'] * record['x'])
+    >>> params = {'w': jnp.zeros(2)}
+    >>> batch = {'x': jnp.array([[3.0, 4.0], [0.3, 0.4], [9.0, 9.0]])}
+    >>> mask = jnp.array([1.0, 1.0, 0.0])  # the last row is padding
+    >>> sums, _ = grads.clipped_grad_sum(
+    ...     loss_fn, params, batch, l2_clip=1.0, mask=mask)
+    >>> [round(float(x), 3) for x in sums['w']]  # (.6, .8) + (.3, .4) + 0
+    [0.9, 1.2]
+  """
+  clipped, norms = _clipped_per_record_grads(
+      loss_fn, params, batch, l2_clip, mask, weights, params_axis
+  )
+  return jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped), norms
 
 
 def owner_clipped_grad_sum(
@@ -195,73 +222,43 @@ def owner_clipped_grad_sum(
     mask: Optional[jax.Array] = None,
     weights: Optional[jax.Array] = None,
 ) -> tuple[PyTree, jax.Array]:
-    """Per-expert sums of clipped owner-slice gradients (one microbatch).
+  """Per-expert sums of clipped owner-slice gradients (one microbatch).
 
-    Each record's gradient is taken with respect to its own owner's slice
-    (``slices`` leaves ``[n, ...]``, e.g. ``owner_slices(stacked, owners)``),
-    clipped to ``l2_clip``, and added to its owner's row of the output.
+  Each record's gradient is taken with respect to its own owner's slice
+  (``slices`` leaves ``[n, ...]``, e.g. ``owner_slices(stacked, owners)``),
+  clipped to ``l2_clip``, and added to its owner's row of the output.
 
-    Guarantee: one record changes only its owner's slice of the output, by at
-    most ``l2_clip`` in l2 norm (so also the whole ``[E, ...]`` output by at
-    most ``l2_clip``); padding rows add exactly zero whatever their owner.
+  Guarantee: one record changes only its owner's slice of the output, by at
+  most ``l2_clip`` in l2 norm (so also the whole ``[E, ...]`` output by at
+  most ``l2_clip``); padding rows add exactly zero whatever their owner.
 
-    Args:
-      loss_fn: ``loss_fn(slice, record) -> scalar`` for a single record; if it
-        needs the owner index (e.g. for ``with_owner_slice``), put it in the
-        record.
-      slices: each record's owner slice, leaves ``[n, ...]``.
-      batch: pytree with a leading record axis n.
-      owners: int ``[n]``, each record's owner expert in ``[0, num_experts)``.
-      num_experts: E, the number of experts (static).
-      l2_clip: clipping norm C, a public Python number > 0.
-      mask: ``[n]``, 1 real, 0 padding; None means all real.
-      weights: optional ``[n]`` residual weights, applied to the loss before
-        clipping (see ``clipped_grad_sum``).
+  Args:
+    loss_fn: ``loss_fn(slice, record) -> scalar`` for a single record; if it
+      needs the owner index, put it in the record.
+    slices: each record's owner slice, leaves ``[n, ...]``.
+    batch: pytree with a leading record axis n.
+    owners: int ``[n]``, each record's owner expert in ``[0, num_experts)``.
+    num_experts: E, the number of experts (static).
+    l2_clip: clipping norm C, a public Python number > 0.
+    mask: ``[n]``, 1 real, 0 padding; None means all real.
+    weights: optional ``[n]`` residual weights, applied to the loss before
+      clipping (see ``clipped_grad_sum``).
 
-    Returns:
-      ``(sums, norms)``: float32 sums with leaves ``[num_experts, ...]`` (zero
-      for experts without records), and the ``[n]`` unclipped norms.
-    """
-    clipped, norms = _clipped_per_record_grads(
-        loss_fn, slices, batch, l2_clip, mask, weights, 0)
-    return sum_by_owner(clipped, owners, num_experts), norms
+  Returns:
+    ``(sums, norms)``: float32 sums with leaves ``[num_experts, ...]`` (zero
+    for experts without records), and the ``[n]`` unclipped norms.
+  """
+  clipped, norms = _clipped_per_record_grads(
+      loss_fn, slices, batch, l2_clip, mask, weights, 0
+  )
+  return sum_by_owner(clipped, owners, num_experts), norms
 
 
 def owner_slices(stacked: PyTree, owners: jax.Array) -> PyTree:
-    """Gathers each record's owner slice: leaves ``[E, ...]`` -> ``[n, ...]``.
+  """Gathers each record's owner slice: leaves ``[E, ...]`` -> ``[n, ...]``.
 
-    The values equal the owner's current parameters; differentiate with
-    respect to this per-record copy (``params_axis=0``) to get owner-only
-    gradients of size one slice per record instead of E.
-    """
-    return jax.tree.map(lambda p: p[owners], stacked)
-
-
-def with_owner_slice(stacked: PyTree, owner: jax.Array,
-                     owner_slice: PyTree) -> PyTree:
-    """Stacked experts ``[E, ...]`` whose gradient flows into one slice only.
-
-    Returns ``stacked`` with row ``owner`` replaced by ``owner_slice`` and a
-    stop-gradient on everything else. Called with
-    ``owner_slice = stacked[owner]`` the values, and so the forward pass
-    (every expert still runs), are unchanged; the gradient with respect to
-    ``owner_slice`` is the full gradient's ``owner`` row, and no gradient
-    reaches the other experts.
-
-    This generic form materialises a full ``[E, ...]`` copy per record inside
-    ``vmap``. A model can implement the same contract natively (take the owner
-    slice as a separate input and use it in place of the owner's stacked
-    weights), keeping per-record memory independent of E; the raptor_jax MoE
-    layers do that.
-
-    Args:
-      stacked: expert parameters, leaves ``[E, ...]``.
-      owner: the record's owner index (a scalar).
-      owner_slice: the record's owner slice, leaves ``[...]``.
-
-    Returns:
-      A pytree like ``stacked``.
-    """
-    return jax.tree.map(
-        lambda p, s: jax.lax.stop_gradient(p).at[owner].set(s.astype(p.dtype)),
-        stacked, owner_slice)
+  The values equal the owner's current parameters; differentiate with
+  respect to this per-record copy (``params_axis=0``) to get owner-only
+  gradients of size one slice per record instead of E.
+  """
+  return jax.tree.map(lambda p: p[owners], stacked)

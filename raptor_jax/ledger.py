@@ -5,14 +5,20 @@ how many steps ran with each (sample rate, noise multiplier), serialises to
 JSON for checkpoints, and reports the epsilon spent so far. Accounting is by
 counts, so the ledger stays a few entries long however long the run.
 
-Example::
+Example:
 
-  ledger = PrivacyLedger()
-  for step in range(steps):
-    ...  # one shared step and one expert step, each on its own Poisson sample
-    ledger.record('shared', sample_rate=q, noise_multiplier=sigma_shared)
-    ledger.record('expert', sample_rate=q, noise_multiplier=sigma_expert)
-  spent = ledger.epsilon(delta)
+  >>> from raptor_jax import ledger as ledger_lib
+  >>> ledger = ledger_lib.PrivacyLedger()
+  >>> for step in range(500):
+  ...   # one shared and one expert step, each on its own Poisson sample
+  ...   ledger.record('shared', sample_rate=0.01, noise_multiplier=1.1)
+  ...   ledger.record('expert', sample_rate=0.01, noise_multiplier=1.1)
+  >>> ledger.steps('shared'), ledger.steps('expert')
+  (500, 500)
+  >>> round(ledger.epsilon(1e-5), 2)
+  1.52
+  >>> ledger_lib.PrivacyLedger.from_json(ledger.to_json()) == ledger
+  True
 """
 
 from collections.abc import Iterable, Mapping
@@ -45,18 +51,30 @@ class PrivacyLedger:
   so the merged ledger accounts for exactly the same mechanism. Separate
   entries compose sequentially, which is right for streams that draw
   independent Poisson samples (alternating RAPTOR). Streams that share one
-  sample are recorded together with ``record_joint``.
+  sample are one Gaussian mechanism per step: record them as one stream with
+  ``accounting.sigma_eff`` of their noise multipliers (as the trainer does
+  for a joint phase).
   """
 
   def __init__(self, entries: Iterable[LedgerEntry] = ()):
     self._steps: dict[tuple[str, float, float], int] = {}
     self._epsilons: dict[float, float] = {}
     for entry in entries:
-      self.record(entry.stream, sample_rate=entry.sample_rate,
-                  noise_multiplier=entry.noise_multiplier, steps=entry.steps)
+      self.record(
+          entry.stream,
+          sample_rate=entry.sample_rate,
+          noise_multiplier=entry.noise_multiplier,
+          steps=entry.steps,
+      )
 
-  def record(self, stream: str, *, sample_rate: float, noise_multiplier: float,
-             steps: int = 1) -> None:
+  def record(
+      self,
+      stream: str,
+      *,
+      sample_rate: float,
+      noise_multiplier: float,
+      steps: int = 1,
+  ) -> None:
     """Records ``steps`` releases of ``stream``, each on a fresh Poisson sample.
 
     Args:
@@ -67,48 +85,39 @@ class PrivacyLedger:
     """
     if not (isinstance(stream, str) and stream):
       raise ValueError(f'stream must be a non-empty string, got {stream!r}.')
-    accounting.dpsgd_event(noise_multiplier=noise_multiplier,
-                           sample_rate=sample_rate, steps=steps)  # Validates.
+    accounting.dpsgd_event(
+        noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps
+    )  # Validates.
     key = (stream, float(sample_rate), float(noise_multiplier))
     self._steps[key] = self._steps.get(key, 0) + int(steps)
     self._epsilons.clear()
 
-  def record_joint(self, noise_multipliers: Mapping[str, float], *,
-                   sample_rate: float, steps: int = 1) -> None:
-    """Records steps that update several streams from ONE Poisson sample.
-
-    Such a step is one Gaussian mechanism with ``accounting.sigma_eff`` of the
-    streams' noise multipliers; it is recorded under the joined stream name
-    (e.g. 'shared+expert').
-
-    Args:
-      noise_multipliers: stream name -> noise multiplier of that stream.
-      sample_rate: Poisson inclusion probability of every record.
-      steps: how many steps to record.
-    """
-    self.record('+'.join(noise_multipliers), sample_rate=sample_rate,
-                noise_multiplier=accounting.sigma_eff(
-                    *noise_multipliers.values()), steps=steps)
-
   @property
   def entries(self) -> tuple[LedgerEntry, ...]:
     """The merged entries, in order of first appearance."""
-    return tuple(LedgerEntry(stream, sample_rate, sigma, steps)
-                 for (stream, sample_rate, sigma), steps in self._steps.items())
+    return tuple(
+        LedgerEntry(stream, sample_rate, sigma, steps)
+        for (stream, sample_rate, sigma), steps in self._steps.items()
+    )
 
   def steps(self, stream: str) -> int:
     """Total steps recorded for ``stream`` (its exact name)."""
-    return sum(steps for (name, _, _), steps in self._steps.items()
-               if name == stream)
+    return sum(
+        steps for (name, _, _), steps in self._steps.items() if name == stream
+    )
 
   def event(self) -> dp_accounting.DpEvent:
     """The composition of everything recorded, as one DpEvent."""
-    return dp_accounting.ComposedDpEvent([
-        accounting.dpsgd_event(noise_multiplier=entry.noise_multiplier,
-                               sample_rate=entry.sample_rate,
-                               steps=entry.steps)
-        for entry in self.entries
-    ])
+    return dp_accounting.ComposedDpEvent(
+        [
+            accounting.dpsgd_event(
+                noise_multiplier=entry.noise_multiplier,
+                sample_rate=entry.sample_rate,
+                steps=entry.steps,
+            )
+            for entry in self.entries
+        ]
+    )
 
   def epsilon(self, delta: float) -> float:
     """Epsilon spent so far at ``delta`` (``accounting.epsilon`` of ``event``).
@@ -139,7 +148,8 @@ class PrivacyLedger:
     if state.get('version') != _FORMAT_VERSION:
       raise ValueError(
           f'unsupported privacy ledger version {state.get("version")!r};'
-          f' expected {_FORMAT_VERSION}.')
+          f' expected {_FORMAT_VERSION}.'
+      )
     return cls(LedgerEntry(**entry) for entry in state['entries'])
 
   def to_json(self) -> str:

@@ -27,8 +27,13 @@ import numpy as np
 WEIGHTINGS = ("count", "prob")
 
 
-def owners(router_logits: jax.Array, attention_mask: jax.Array, top_k: int = 1,
-           weighting: str = "count", normalize: bool = False) -> jax.Array:
+def owners(
+    router_logits: jax.Array,
+    attention_mask: jax.Array,
+    top_k: int = 1,
+    weighting: str = "count",
+    normalize: bool = False,
+) -> jax.Array:
   """Owner expert of every record (Eq. 5).
 
   Args:
@@ -45,16 +50,22 @@ def owners(router_logits: jax.Array, attention_mask: jax.Array, top_k: int = 1,
     tokens is owned by expert 0).
   """
   if weighting not in WEIGHTINGS:
-    raise ValueError(f"unknown owner weighting {weighting!r}; use one of {WEIGHTINGS}")
+    raise ValueError(
+        f"unknown owner weighting {weighting!r}; use one of {WEIGHTINGS}"
+    )
   num_experts = router_logits.shape[-1]
   probs = jax.nn.softmax(jnp.asarray(router_logits, jnp.float32), axis=-1)
-  gates, experts = jax.lax.top_k(probs, top_k)  # stable: ties to the lower index
+  gates, experts = jax.lax.top_k(
+      probs, top_k
+  )  # stable: ties to the lower index
   if weighting == "count":
     gates = jnp.ones_like(gates)
   elif normalize:
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
   gates = gates * jnp.asarray(attention_mask, jnp.float32)[..., None]
-  votes = jnp.einsum("nsk,nske->ne", gates, jax.nn.one_hot(experts, num_experts))
+  votes = jnp.einsum(
+      "nsk,nske->ne", gates, jax.nn.one_hot(experts, num_experts)
+  )
   return jnp.argmax(votes, axis=-1).astype(jnp.int32)
 
 
@@ -84,9 +95,16 @@ def routing_stats(owners_: np.ndarray, num_experts: int) -> dict[str, float]:
 RouterFn = Callable[[jax.Array, jax.Array], Sequence[jax.Array]]
 
 
-def owners_per_layer(router_fn: RouterFn, input_ids: np.ndarray, attention_mask: np.ndarray,
-                     *, batch_size: int, top_k: int = 1, weighting: str = "count",
-                     normalize: bool = False) -> np.ndarray:
+def owners_per_layer(
+    router_fn: RouterFn,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    *,
+    batch_size: int,
+    top_k: int = 1,
+    weighting: str = "count",
+    normalize: bool = False,
+) -> np.ndarray:
   """Owners of every record at every sparse layer of a frozen model.
 
   Args:
@@ -105,19 +123,29 @@ def owners_per_layer(router_fn: RouterFn, input_ids: np.ndarray, attention_mask:
     raise ValueError("no records to compute owners for")
   chunks = []
   for start in range(0, n, batch_size):
-    ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+    ids, mask = (
+        input_ids[start : start + batch_size],
+        attention_mask[start : start + batch_size],
+    )
     real = ids.shape[0]
     if real < batch_size:
       pad = ((0, batch_size - real), (0, 0))
       ids, mask = np.pad(ids, pad), np.pad(mask, pad)
     logits = router_fn(jnp.asarray(ids), jnp.asarray(mask))
-    chunks.append(np.stack([np.asarray(owners(l, mask, top_k, weighting, normalize))[:real]
-                            for l in logits]))
+    chunks.append(
+        np.stack(
+            [
+                np.asarray(owners(l, mask, top_k, weighting, normalize))[:real]
+                for l in logits
+            ]
+        )
+    )
   return np.concatenate(chunks, axis=1)
 
 
-def layer_table(public_owners: np.ndarray, layers: Sequence[int],
-                num_experts: int) -> list[dict[str, float]]:
+def layer_table(
+    public_owners: np.ndarray, layers: Sequence[int], num_experts: int
+) -> list[dict[str, float]]:
   """Routing statistics of every candidate layer on the public corpus.
 
   Args:
@@ -128,12 +156,17 @@ def layer_table(public_owners: np.ndarray, layers: Sequence[int],
   Returns:
     One dict per layer: {'layer', 'entropy_norm', 'entropy_deficit', 'chi2', 'cv'}.
   """
-  return [dict(layer=int(layer), **routing_stats(row, num_experts))
-          for layer, row in zip(layers, public_owners)]
+  return [
+      dict(layer=int(layer), **routing_stats(row, num_experts))
+      for layer, row in zip(layers, public_owners)
+  ]
 
 
-def select_layer(how: str | int, layers: Sequence[int],
-                 table: Sequence[dict[str, float]] | None = None) -> int:
+def select_layer(
+    how: str | int,
+    layers: Sequence[int],
+    table: Sequence[dict[str, float]] | None = None,
+) -> int:
   """The expert-stream layer l*.
 
   Args:
@@ -146,11 +179,15 @@ def select_layer(how: str | int, layers: Sequence[int],
     A block index from `layers`.
   """
   if not layers:
-    raise ValueError("the model has no sparse (MoE) layer; RAPTOR's expert stream needs one")
+    raise ValueError(
+        "the model has no sparse (MoE) layer; RAPTOR's expert stream needs one"
+    )
   if isinstance(how, (int, np.integer)) and not isinstance(how, bool):
     if how not in layers:
-      raise ValueError(f"layer {how} is not a sparse layer of this model; "
-                       f"choose one of {list(layers)}")
+      raise ValueError(
+          f"layer {how} is not a sparse layer of this model; "
+          f"choose one of {list(layers)}"
+      )
     return int(how)
   if how == "first":
     return layers[0]
@@ -159,5 +196,104 @@ def select_layer(how: str | int, layers: Sequence[int],
   if how == "entropy":
     best = max(table, key=lambda row: (row["entropy_norm"], -row["layer"]))
     return int(best["layer"])
-  raise ValueError(f"unknown layer choice {how!r}; use 'entropy', 'first', 'last' "
-                   "or a sparse block index")
+  raise ValueError(
+      f"unknown layer choice {how!r}; use 'entropy', 'first', 'last' "
+      "or a sparse block index"
+  )
+
+
+# -- a backbone's owner maps (the trainer's glue) ---------------------------------
+
+
+def _router_fn(backbone, params, layer_positions=None) -> RouterFn:
+  """Jitted (ids, mask) -> router logits of every (or the given) sparse layer."""
+
+  @jax.jit
+  def fn(ids, mask):
+    logits = backbone.apply({"params": params}, ids, mask).router_logits
+    return (
+        logits
+        if layer_positions is None
+        else tuple(logits[i] for i in layer_positions)
+    )
+
+  return fn
+
+
+def owner_weighting(weighting: str, backbone_config) -> str:
+  """Top-k models vote with their gate weights (SPEC 1.2); top-1 as configured."""
+  return weighting if backbone_config.top_k == 1 else "prob"
+
+
+def _normalize(backbone_config) -> bool:
+  return bool(getattr(backbone_config, "norm_topk_prob", False))
+
+
+def select_expert_layer(
+    config, backbone, params, run_data
+) -> tuple[int, list | None]:
+  """l* by the public corpus (Eq. 4) as `config.raptor.layer` says.
+
+  Only the public corpus (`run_data.public`) is routed, so the choice costs
+  no privacy budget.
+
+  Returns:
+    (layer, `layer_table` of the public corpus or None).
+  """
+  bc = backbone.config
+  how = config.raptor.layer
+  if isinstance(how, str) and how.lstrip("-").isdigit():
+    how = int(how)
+  table = None
+  if how == "entropy" and run_data.public is not None:
+    ids, mask = run_data.public
+    if len(ids) == 0:
+      raise ValueError(
+          "the public corpus is empty; set --config.data.public_corpus or "
+          "--config.data.public_path to a corpus with texts"
+      )
+    public_owners = owners_per_layer(
+        _router_fn(backbone, params),
+        ids,
+        mask,
+        batch_size=config.eval_batch_size,
+        top_k=bc.top_k,
+        weighting=owner_weighting(config.raptor.owner_weighting, bc),
+        normalize=_normalize(bc),
+    )
+    table = layer_table(public_owners, bc.sparse_layers, bc.num_experts)
+  return select_layer(how, bc.sparse_layers, table), table
+
+
+def private_owner_map(
+    config, backbone, params, records, layer: int
+) -> np.ndarray:
+  """Owners (int32 [N]) of `records` (input_ids, attention_mask) at block `layer`.
+
+  Computed from the frozen pretrained model. For private records the result
+  is private: never log, save or return it outside the process (SPEC 1.2).
+  """
+  bc = backbone.config
+  position = bc.sparse_layers.index(layer)
+  result = owners_per_layer(
+      _router_fn(backbone, params, (position,)),
+      records.input_ids,
+      records.attention_mask,
+      batch_size=config.eval_batch_size,
+      top_k=bc.top_k,
+      weighting=owner_weighting(config.raptor.owner_weighting, bc),
+      normalize=_normalize(bc),
+  )
+  return result[0]
+
+
+def format_layer_table(table: Sequence[dict[str, float]], chosen: int) -> str:
+  """The public layer-selection table as text, l* marked."""
+  lines = ["layer  H/logE  deficit    chi2      cv   (public corpus)"]
+  for row in table:
+    mark = "  <- l*" if row["layer"] == chosen else ""
+    lines.append(
+        f"{row['layer']:>5}  {row['entropy_norm']:.4f}  {row['entropy_deficit']:.4f}"
+        f"  {row['chi2']:.4f}  {row['cv']:.4f}{mark}"
+    )
+  return "\n".join(lines)

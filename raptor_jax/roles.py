@@ -14,7 +14,9 @@ exactly one role:
 
 A method trains a set of roles, optionally restricted to some blocks. RAPTOR's
 shared stream is {attention_adapter, head}; its expert stream is the
-expert_adapter role at the selected block l* (owner slices).
+expert_adapter role at the selected block l* (owner slices). The role sets of
+the streams and the path conventions (`expert_prefix`, `is_adapter`) are
+defined here once; `train.methods`, `diagnostics` and `models.hf` use them.
 """
 
 from __future__ import annotations
@@ -25,23 +27,82 @@ from typing import Any, Iterable, Mapping
 import flax
 import numpy as np
 
-ROLES = ("attention_adapter", "attention_kernel", "head", "expert_adapter",
-         "expert_kernel", "router", "base")
-_ADAPTER_LEAVES = ("lora_a", "lora_b")
+ROLES = (
+    "attention_adapter",
+    "attention_kernel",
+    "head",
+    "expert_adapter",
+    "expert_kernel",
+    "router",
+    "base",
+)
+ADAPTER_LEAVES = ("lora_a", "lora_b")
 _BLOCK = re.compile(r"(?:^|/)block_(\d+)/")
+
+# Stream membership: the roles each stream (or method) trains.
+SHARED_ROLES = ("attention_adapter", "head")  # RAPTOR's shared stream (LoRA)
+SHARED_FULL_ROLES = (
+    "attention_kernel",
+    "head",
+)  # ... with full attention weights
+EXPERT_ROLES = ("expert_adapter",)  # RAPTOR's expert stream at l* (LoRA)
+EXPERT_FULL_ROLES = ("expert_kernel",)  # ... with full expert weights
+LORA_ROLES = (
+    "attention_adapter",
+    "head",
+    "expert_adapter",
+)  # every adapter + head
+ALL_ROLES = (
+    "attention_kernel",
+    "head",
+    "expert_kernel",
+    "router",
+    "base",
+)  # every weight
+
+# The paper's top-level roles (App. G diagnostics) as unions of `ROLES`.
+DIAGNOSTIC_ROLES = {
+    "shared": ("attention_adapter", "attention_kernel", "base"),
+    "router": ("router",),
+    "head": ("head",),
+    "experts": ("expert_adapter", "expert_kernel"),
+}
+_DIAGNOSTIC_OF = {
+    role: group
+    for group, members in DIAGNOSTIC_ROLES.items()
+    for role in members
+}
+
+
+def expert_prefix(layer: int, root: str = "backbone/") -> str:
+  """Flat path prefix of the stacked experts of block `layer`.
+
+  `root` is where the backbone sits: 'backbone/' in the classifier's tree
+  (the default), '' in a bare backbone's.
+  """
+  return f"{root}block_{layer}/mlp/experts/"
+
+
+def is_adapter(path: str) -> bool:
+  """Whether the leaf at a flat path is a LoRA factor (lora_a or lora_b)."""
+  return path.rsplit("/", 1)[-1] in ADAPTER_LEAVES
+
+
+def diagnostic_role(path: str) -> str:
+  """The App. G role (shared | router | head | experts) of a flat parameter path."""
+  return _DIAGNOSTIC_OF[role_of(path)]
 
 
 def role_of(path: str) -> str:
   """The role of the leaf at a flat '/'-separated path."""
-  leaf = path.rsplit("/", 1)[-1]
   if path.startswith("head/"):
     return "head"
   if "/mlp/router/" in path:
     return "router"
   if "/mlp/experts/" in path:
-    return "expert_adapter" if leaf in _ADAPTER_LEAVES else "expert_kernel"
+    return "expert_adapter" if is_adapter(path) else "expert_kernel"
   if re.search(r"/attention/[qkvo]/", path):
-    return "attention_adapter" if leaf in _ADAPTER_LEAVES else "attention_kernel"
+    return "attention_adapter" if is_adapter(path) else "attention_kernel"
   return "base"
 
 
@@ -59,16 +120,22 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
   return flax.traverse_util.unflatten_dict(dict(flat), sep="/")
 
 
-def select(params: Mapping[str, Any], roles: Iterable[str],
-           blocks: Iterable[int] | None = None) -> list[str]:
+def select(
+    params: Mapping[str, Any],
+    roles: Iterable[str],
+    blocks: Iterable[int] | None = None,
+) -> list[str]:
   """Sorted flat paths of the leaves with one of `roles` (in `blocks`, if given)."""
   roles = set(roles)
   unknown = roles - set(ROLES)
   if unknown:
     raise ValueError(f"unknown roles {sorted(unknown)}; roles are {ROLES}")
   blocks = None if blocks is None else set(blocks)
-  return sorted(p for p in flatten(params)
-                if role_of(p) in roles and (blocks is None or block_of(p) in blocks))
+  return sorted(
+      p
+      for p in flatten(params)
+      if role_of(p) in roles and (blocks is None or block_of(p) in blocks)
+  )
 
 
 def count_by_role(params: Mapping[str, Any]) -> dict[str, int]:

@@ -33,6 +33,19 @@ state reproduces it. The key must be secret and distinct per transform (split
 one key per stream): two transforms sharing a key add identical noise.
 ``noise_multiplier=0`` turns the noise off, for tests and non-private
 baselines only; it gives no privacy.
+
+Gradient accumulation. Do NOT wrap these transforms (or a chain holding them)
+in ``optax.MultiSteps``. ``MultiSteps`` calls the inner ``update`` on every
+micro-step with the running *mean* of the inputs seen so far, draws the noise
+each time, and keeps only the k-th result. The transforms would then privatize
+a mean of sums rather than the step's sum (so the release is not the
+``(sum + noise) / denominator`` the accountant is told about), and
+``dp_aggregate`` / ``owner_dp_aggregate`` would average *different* records
+row by row and apply only the last micro-step's ``mask`` and ``owners`` to all
+of them, which voids the one-record sensitivity bound above. To accumulate
+over microbatches, add their clipped sums (``grads.clipped_grad_sum``) and
+call ``privatize_sums`` once per step: one step, one noise draw, one
+accounted release.
 """
 
 import math
@@ -49,59 +62,55 @@ PyTree = Any
 
 
 class DpAggregateState(NamedTuple):
-    """The base noise key and the step count that selects each step's noise."""
+  """The step count and the fixed base key that select each step's noise."""
 
-    count: jax.Array  # int32 [], steps taken so far
-    key: jax.Array  # PRNG key, fixed; step t draws from fold_in(key, t)
+  count: jax.Array  # int32 [], steps taken so far
+  rng_key: jax.Array  # PRNG key, fixed; step t draws from fold_in(rng_key, t)
 
 
 def _public_number(name: str, value, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(
-            f'{name} must be a public Python number, got {type(value).__name__}'
-            ' (a traced or data-dependent value is not allowed).')
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = '>= 0' if allow_zero else '> 0'
-        raise ValueError(f'{name} must be finite and {bound}, got {value}.')
-    return value
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(
+        f'{name} must be a public Python number, got {type(value).__name__}'
+        ' (a traced or data-dependent value is not allowed).'
+    )
+  value = float(value)
+  if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    bound = '>= 0' if allow_zero else '> 0'
+    raise ValueError(f'{name} must be finite and {bound}, got {value}.')
+  return value
 
 
 def _canonical_key(key: Union[jax.Array, int]) -> jax.Array:
-    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
-        return jax.random.key(int(key))
-    if isinstance(key, jax.Array):
-        return key
-    raise ValueError(
-        f'key must be a jax PRNG key (jax.random.key(seed)) or an int, got'
-        f' {type(key).__name__}.')
+  if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+    return jax.random.key(int(key))
+  if isinstance(key, jax.Array):
+    return key
+  raise ValueError(
+      'key must be a jax PRNG key (jax.random.key(seed)) or an int, got'
+      f' {type(key).__name__}.'
+  )
 
 
-def _init_fn(key: jax.Array):
-    def init_fn(params):
-        del params
-        return DpAggregateState(count=jnp.zeros([], jnp.int32), key=key)
-
-    return init_fn
-
-
-def _privatize(sums: PyTree, state: DpAggregateState, *, l2_clip: float,
-               noise_multiplier: float,
-               denominator: float) -> tuple[PyTree, DpAggregateState]:
-    """The one noise code path: (sums + N(0, (sigma C)^2)) / denominator."""
-    leaves, treedef = jax.tree.flatten(
-        jax.tree.map(lambda s: jnp.asarray(s, jnp.float32), sums))
-    std = noise_multiplier * l2_clip
-    if std > 0:
-        step_key = jax.random.fold_in(state.key, state.count)
-        keys = jax.random.split(step_key, len(leaves))
-        leaves = [
-            s + std * jax.random.normal(k, s.shape, jnp.float32)
-            for s, k in zip(leaves, keys)
-        ]
-    updates = treedef.unflatten([s / denominator for s in leaves])
-    return updates, DpAggregateState(
-        count=optax.safe_increment(state.count), key=state.key)
+def _privatize(
+    sums: PyTree,
+    state: DpAggregateState,
+    *,
+    l2_clip: float,
+    noise_multiplier: float,
+    denominator: float,
+) -> tuple[PyTree, DpAggregateState]:
+  """The one noise code path: (sums + N(0, (sigma C)^2)) / denominator."""
+  sums = jax.tree.map(lambda s: jnp.asarray(s, jnp.float32), sums)
+  std = noise_multiplier * l2_clip
+  if std > 0:
+    step_key = jax.random.fold_in(state.rng_key, state.count)
+    noise = optax.tree.random_like(step_key, sums, jax.random.normal)
+    sums = optax.tree.add_scale(sums, std, noise)
+  updates = jax.tree.map(lambda s: s / denominator, sums)
+  return updates, DpAggregateState(
+      count=optax.safe_increment(state.count), rng_key=state.rng_key
+  )
 
 
 def privatize_sums(
@@ -110,55 +119,79 @@ def privatize_sums(
     denominator: float,
     key: Union[jax.Array, int],
 ) -> optax.GradientTransformationExtraArgs:
-    """Adds Gaussian noise to clipped gradient sums and divides by a constant.
+  """Adds Gaussian noise to clipped gradient sums and divides by a constant.
 
-    Use it when the sums are accumulated over microbatches: compute each
-    microbatch's sum with ``grads.clipped_grad_sum`` (or
-    ``grads.owner_clipped_grad_sum``), add them up, then call ``update`` once
-    per step, so noise is drawn once per step. Under data parallelism, reduce
-    the sums across devices first and privatize the total (replicated, every
-    device draws the same noise from the same state), never per device.
+  Use it when the sums are accumulated over microbatches: compute each
+  microbatch's sum with ``grads.clipped_grad_sum`` (or
+  ``grads.owner_clipped_grad_sum``), add them up, then call ``update`` once
+  per step, so noise is drawn once per step. Under data parallelism, reduce
+  the sums across devices first and privatize the total (replicated, every
+  device draws the same noise from the same state), never per device. Never
+  wrap it in ``optax.MultiSteps`` (see the module docstring): accumulate the
+  sums yourself instead.
 
-    Precondition (the caller's part of the guarantee): adding or removing one
-    record changes the input sums by at most ``l2_clip`` in l2 norm, as the
-    ``grads`` sums ensure; for owner sums ``[E, ...]`` one record touches one
-    expert's slice only. Then every output element gets independent noise of
-    std ``noise_multiplier * l2_clip / denominator`` and the release has
-    sensitivity ``l2_clip / denominator``: the Gaussian mechanism with noise
-    multiplier ``noise_multiplier``.
+  Precondition (the caller's part of the guarantee): adding or removing one
+  record changes the input sums by at most ``l2_clip`` in l2 norm, as the
+  ``grads`` sums ensure; for owner sums ``[E, ...]`` one record touches one
+  expert's slice only. Then every output element gets independent noise of
+  std ``noise_multiplier * l2_clip / denominator`` and the release has
+  sensitivity ``l2_clip / denominator``: the Gaussian mechanism with noise
+  multiplier ``noise_multiplier``.
 
-    Args:
-      l2_clip: the clipping norm C the sums were built with (public, > 0).
-      noise_multiplier: sigma, noise std in units of C (>= 0; 0 = no noise,
-        no privacy, for tests and non-private baselines).
-      denominator: public constant the noisy sum is divided by (e.g. the
-        expected batch size B, or B/E for the experts); never a realised
-        count.
-      key: secret PRNG key, distinct for every transform instance.
+  Args:
+    l2_clip: the clipping norm C the sums were built with (public, > 0).
+    noise_multiplier: sigma, noise std in units of C (>= 0; 0 = no noise, no
+      privacy, for tests and non-private baselines).
+    denominator: public constant the noisy sum is divided by (e.g. the
+      expected batch size B, or B/E for the experts); never a realised count.
+    key: secret PRNG key, distinct for every transform instance.
 
-    Returns:
-      An ``optax.GradientTransformationExtraArgs``; ``update(sums, state,
-      params=None)`` returns float32 updates shaped like ``sums``.
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; ``update(sums, state,
+    params=None)`` returns float32 updates shaped like ``sums``.
 
-    Example:
-      >>> tx = optax.chain(privatize_sums(1.0, 1.1, 256.0, jax.random.key(0)),
-      ...                  optax.adam(1e-3))
-      >>> state = tx.init(params)
-      >>> updates, state = tx.update(summed_clipped_grads, state, params)
-    """
-    l2_clip = _public_number('l2_clip', l2_clip)
-    noise_multiplier = _public_number(
-        'noise_multiplier', noise_multiplier, allow_zero=True)
-    denominator = _public_number('denominator', denominator)
-    key = _canonical_key(key)
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from raptor_jax import grads, transforms
+    >>> params = {'w': jnp.zeros(3)}
+    >>> loss_fn = lambda p, record: jnp.sum((p['w'] - record['x']) ** 2)
+    >>> batch = {'x': jnp.ones((8, 3))}
+    >>> tx = optax.chain(
+    ...     transforms.privatize_sums(1.0, 1.1, 8.0, jax.random.key(0)),
+    ...     optax.adam(1e-3))
+    >>> state = tx.init(params)
+    >>> sums = grads.zeros_like_f32(params)
+    >>> for micro in (batch['x'][:4], batch['x'][4:]):  # two microbatches
+    ...   micro_sum, _ = grads.clipped_grad_sum(
+    ...       loss_fn, params, {'x': micro}, l2_clip=1.0)
+    ...   sums = optax.tree.add(sums, micro_sum)
+    >>> updates, state = tx.update(sums, state, params)  # noise once per step
+    >>> params = optax.apply_updates(params, updates)
+    >>> params['w'].shape, params['w'].dtype
+    ((3,), dtype('float32'))
+  """
+  l2_clip = _public_number('l2_clip', l2_clip)
+  noise_multiplier = _public_number(
+      'noise_multiplier', noise_multiplier, allow_zero=True
+  )
+  denominator = _public_number('denominator', denominator)
+  key = _canonical_key(key)
 
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        return _privatize(updates, state, l2_clip=l2_clip,
-                          noise_multiplier=noise_multiplier,
-                          denominator=denominator)
+  def init_fn(params):
+    del params
+    return DpAggregateState(count=jnp.zeros([], jnp.int32), rng_key=key)
 
-    return optax.GradientTransformationExtraArgs(_init_fn(key), update_fn)
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    return _privatize(
+        updates,
+        state,
+        l2_clip=l2_clip,
+        noise_multiplier=noise_multiplier,
+        denominator=denominator,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def dp_aggregate(
@@ -167,50 +200,61 @@ def dp_aggregate(
     denominator: float,
     key: Union[jax.Array, int],
 ) -> optax.GradientTransformationExtraArgs:
-    """DP-SGD aggregation of per-record gradients (RAPTOR Eq. 7).
+  """DP-SGD aggregation of per-record gradients (RAPTOR Eq. 7).
 
-    ``update(per_record_grads, state, params=None, *, mask=None)`` returns
-    ``(sum_i mask_i * clip(g_i, l2_clip) + N(0, (sigma * l2_clip)^2 I)) /
-    denominator`` in float32, with ``clip`` to global l2 norm per record
-    (``grads.clip_per_record``: records with NaN/inf gradients count as zero).
+  ``update(per_record_grads, state, params=None, *, mask=None)`` returns
+  ``(sum_i mask_i * clip(g_i, l2_clip) + N(0, (sigma * l2_clip)^2 I)) /
+  denominator`` in float32, with ``clip`` to global l2 norm per record
+  (``grads.clip_per_record``: records with NaN/inf gradients count as zero).
 
-    Guarantee: adding or removing one record, or masking it as padding,
-    changes the noiseless output by at most ``l2_clip / denominator`` in l2
-    norm, and the noise has std ``noise_multiplier * l2_clip / denominator``
-    per element: the Gaussian mechanism with noise multiplier
-    ``noise_multiplier``.
+  Guarantee: adding or removing one record, or masking it as padding, changes
+  the noiseless output by at most ``l2_clip / denominator`` in l2 norm, and
+  the noise has std ``noise_multiplier * l2_clip / denominator`` per element:
+  the Gaussian mechanism with noise multiplier ``noise_multiplier``.
 
-    Call ``update`` once per step with the whole sample; for a sample split
-    into microbatches use ``grads.clipped_grad_sum`` and ``privatize_sums``.
+  Call ``update`` once per step with the whole sample; for a sample split into
+  microbatches use ``grads.clipped_grad_sum`` and ``privatize_sums``, never
+  ``optax.MultiSteps``, which would average different records row by row and
+  mask them all with the last micro-step's ``mask`` (see the module
+  docstring).
 
-    Args:
-      l2_clip: per-record clipping norm C (public, > 0).
-      noise_multiplier: sigma (>= 0; 0 = no noise, no privacy).
-      denominator: public constant, e.g. the expected batch size B; never a
-        realised count.
-      key: secret PRNG key, distinct for every transform instance.
+  Args:
+    l2_clip: per-record clipping norm C (public, > 0).
+    noise_multiplier: sigma (>= 0; 0 = no noise, no privacy).
+    denominator: public constant, e.g. the expected batch size B; never a
+      realised count.
+    key: secret PRNG key, distinct for every transform instance.
 
-    Returns:
-      An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes
-      per-record gradients (leaves ``[n, ...]``) and an optional ``mask``
-      ``[n]`` (1 real record, 0 padding), and returns leaves ``[...]``.
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes
+    per-record gradients (leaves ``[n, ...]``) and an optional ``mask``
+    ``[n]`` (1 real record, 0 padding), and returns leaves ``[...]``.
 
-    Example:
-      >>> tx = optax.chain(dp_aggregate(1.0, 1.1, 256.0, jax.random.key(0)),
-      ...                  optax.adam(1e-3))
-      >>> state = tx.init(params)
-      >>> g = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(params, batch)
-      >>> updates, state = tx.update(g, state, params, mask=mask)
-    """
-    privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from raptor_jax import transforms
+    >>> params = {'w': jnp.zeros(3)}
+    >>> loss_fn = lambda p, record: jnp.sum((p['w'] - record['x']) ** 2)
+    >>> batch = {'x': jnp.ones((4, 3))}
+    >>> mask = jnp.array([1.0, 1.0, 1.0, 0.0])  # the last row is padding
+    >>> tx = optax.chain(
+    ...     transforms.dp_aggregate(1.0, 1.1, 4.0, jax.random.key(0)),
+    ...     optax.adam(1e-3))
+    >>> state = tx.init(params)
+    >>> g = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(params, batch)
+    >>> updates, state = tx.update(g, state, params, mask=mask)
+    >>> jax.tree.map(jnp.shape, updates)
+    {'w': (3,)}
+  """
+  privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
 
-    def update_fn(updates, state, params=None, *, mask=None, **extra_args):
-        del params, extra_args
-        clipped, _ = grads_lib.clip_per_record(updates, l2_clip, mask)
-        sums = jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped)
-        return privatizer.update(sums, state)
+  def update_fn(updates, state, params=None, *, mask=None, **extra_args):
+    del params, extra_args
+    clipped, _ = grads_lib.clip_per_record(updates, l2_clip, mask)
+    sums = jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped)
+    return privatizer.update(sums, state)
 
-    return optax.GradientTransformationExtraArgs(privatizer.init, update_fn)
+  return optax.GradientTransformationExtraArgs(privatizer.init, update_fn)
 
 
 def owner_dp_aggregate(
@@ -220,66 +264,78 @@ def owner_dp_aggregate(
     denominator: float,
     key: Union[jax.Array, int],
 ) -> optax.GradientTransformationExtraArgs:
-    """Per-owner-expert DP aggregation (RAPTOR Eq. 9).
+  """Per-owner-expert DP aggregation (RAPTOR Eq. 9).
 
-    ``update(per_record_grads, state, params=None, *, owners, mask=None)``
-    takes each record's gradient with respect to its owner expert's slice
-    (leaves ``[n, ...]``, see ``grads.owner_slices``) and returns leaves
-    ``[num_experts, ...]``: for expert e,
-    ``(sum_{i: owners_i = e} mask_i * clip(g_i, l2_clip) + N(0, (sigma *
-    l2_clip)^2 I)) / denominator``. Every expert gets its own independent
-    noise every step; an expert with no record gets noise only, so the
-    output never reveals realised per-expert counts.
+  ``update(per_record_grads, state, params=None, *, owners, mask=None)`` takes
+  each record's gradient with respect to its owner expert's slice (leaves
+  ``[n, ...]``, see ``grads.owner_slices``) and returns leaves
+  ``[num_experts, ...]``: for expert e, ``(sum_{i: owners_i = e} mask_i *
+  clip(g_i, l2_clip) + N(0, (sigma * l2_clip)^2 I)) / denominator``. Every
+  expert gets its own independent noise every step; an expert with no record
+  gets noise only, so the output never reveals realised per-expert counts.
 
-    Guarantee: one record touches one expert's slice only, by at most
-    ``l2_clip / denominator`` in l2 norm (noiseless); other experts' outputs
-    do not change at all. This needs each record's owner to be a function of
-    that record alone, fixed for the run (RAPTOR computes it once from the
-    frozen pretrained router): if adding a record could change another
-    record's owner, the bound does not hold. Hence each expert's release is
-    a Gaussian mechanism on its owner group (parallel composition, Lemma 1),
-    and the whole ``[E, ...]`` release has l2 sensitivity
-    ``l2_clip / denominator``: one Gaussian mechanism with noise multiplier
-    ``noise_multiplier``.
+  Guarantee: one record touches one expert's slice only, by at most
+  ``l2_clip / denominator`` in l2 norm (noiseless); other experts' outputs do
+  not change at all. This needs each record's owner to be a function of that
+  record alone, fixed for the run (RAPTOR computes it once from the frozen
+  pretrained router): if adding a record could change another record's owner,
+  the bound does not hold. Hence each expert's release is a Gaussian
+  mechanism on its owner group (parallel composition, Lemma 1), and the whole
+  ``[E, ...]`` release has l2 sensitivity ``l2_clip / denominator``: one
+  Gaussian mechanism with noise multiplier ``noise_multiplier``. Never wrap it
+  in ``optax.MultiSteps``, which would pair averaged records with the last
+  micro-step's ``owners`` and ``mask`` (see the module docstring).
 
-    Args:
-      l2_clip: per-record clipping norm C_e (public, > 0).
-      noise_multiplier: sigma_e (>= 0; 0 = no noise, no privacy).
-      num_experts: E (>= 1).
-      denominator: public constant, e.g. D_e = B / E; never a realised count.
-      key: secret PRNG key, distinct for every transform instance.
+  Args:
+    l2_clip: per-record clipping norm C_e (public, > 0).
+    noise_multiplier: sigma_e (>= 0; 0 = no noise, no privacy).
+    num_experts: E (>= 1).
+    denominator: public constant, e.g. D_e = B / E; never a realised count.
+    key: secret PRNG key, distinct for every transform instance.
 
-    Returns:
-      An ``optax.GradientTransformationExtraArgs``; ``update`` requires
-      ``owners`` (int ``[n]`` in ``[0, E)``; a record with an owner outside
-      that range is dropped) and takes an optional ``mask`` ``[n]``.
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; ``update`` requires
+    ``owners`` (int ``[n]`` in ``[0, E)``; a record with an owner outside that
+    range is dropped) and takes an optional ``mask`` ``[n]``.
 
-    Example:
-      >>> tx = optax.chain(
-      ...     owner_dp_aggregate(1.0, 1.1, 8, 256.0 / 8, jax.random.key(1)),
-      ...     optax.adam(1e-3))
-      >>> state = tx.init(stacked_expert_params)  # leaves [E, ...]
-      >>> slices = grads.owner_slices(stacked, owners)  # leaves [n, ...]
-      >>> g = jax.vmap(jax.grad(loss_fn))(slices, batch)
-      >>> updates, state = tx.update(g, state, owners=owners, mask=mask)
-    """
-    if (isinstance(num_experts, bool)
-            or not isinstance(num_experts, numbers.Integral)
-            or num_experts < 1):
-        raise ValueError(
-            f'num_experts must be an int >= 1, got {num_experts!r}.')
-    num_experts = int(num_experts)
-    privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from raptor_jax import grads, transforms
+    >>> experts = {'w': jnp.zeros((4, 3))}  # E = 4 stacked expert slices
+    >>> loss_fn = lambda p, record: jnp.sum((p['w'] - record['x']) ** 2)
+    >>> batch = {'x': jnp.ones((5, 3))}
+    >>> owners = jnp.array([0, 2, 2, 3, 0])
+    >>> tx = optax.chain(
+    ...     transforms.owner_dp_aggregate(1.0, 1.1, 4, 5.0 / 4,
+    ...                                   jax.random.key(1)),
+    ...     optax.adam(1e-3))
+    >>> state = tx.init(experts)
+    >>> slices = grads.owner_slices(experts, owners)  # leaves [n, ...]
+    >>> g = jax.vmap(jax.grad(loss_fn))(slices, batch)
+    >>> updates, state = tx.update(g, state, experts, owners=owners)
+    >>> jax.tree.map(jnp.shape, updates)
+    {'w': (4, 3)}
+  """
+  if (
+      isinstance(num_experts, bool)
+      or not isinstance(num_experts, numbers.Integral)
+      or num_experts < 1
+  ):
+    raise ValueError(f'num_experts must be an int >= 1, got {num_experts!r}.')
+  num_experts = int(num_experts)
+  privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
 
-    def update_fn(updates, state, params=None, *, owners=None, mask=None,
-                  **extra_args):
-        del params, extra_args
-        if owners is None:
-            raise ValueError(
-                'owner_dp_aggregate.update needs owners= (int [n], each'
-                " record's owner expert).")
-        clipped, _ = grads_lib.clip_per_record(updates, l2_clip, mask)
-        sums = grads_lib.sum_by_owner(clipped, owners, num_experts)
-        return privatizer.update(sums, state)
+  def update_fn(
+      updates, state, params=None, *, owners=None, mask=None, **extra_args
+  ):
+    del params, extra_args
+    if owners is None:
+      raise ValueError(
+          'owner_dp_aggregate.update needs owners= (int [n], each'
+          " record's owner expert)."
+      )
+    clipped, _ = grads_lib.clip_per_record(updates, l2_clip, mask)
+    sums = grads_lib.sum_by_owner(clipped, owners, num_experts)
+    return privatizer.update(sums, state)
 
-    return optax.GradientTransformationExtraArgs(privatizer.init, update_fn)
+  return optax.GradientTransformationExtraArgs(privatizer.init, update_fn)

@@ -15,7 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_config_module(name):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+  spec = importlib.util.spec_from_file_location(
+      name, ROOT / "configs" / f"{name}.py"
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -30,20 +32,19 @@ def micro_config(**overrides):
   config.data.synthetic.n_train = 300
   config.data.synthetic.n_dev = 64
   config.data.n_pub = 128
-  config.model.random.update(d_model=32, d_ff=32, num_heads=2, d_kv=8, num_layers=2)
+  config.model.random.update(
+      d_model=32, d_ff=32, num_heads=2, d_kv=8, num_layers=2
+  )
   config.batch_size = 50
   config.microbatch_size = 32
   config.epochs = 1
   config.eval_batch_size = 64
   config.progress_bar = False
   config.checkpoint_every_cycles = 2
-  config.privacy.secret_seed = 0  # reproducible Poisson samples and noise across runs
-  for key, value in overrides.items():
-    target = config
-    *path, last = key.split(".")
-    for part in path:
-      target = target[part]
-    target[last] = value
+  config.privacy.secret_seed = (
+      0  # reproducible Poisson samples and noise across runs
+  )
+  config.update_from_flattened_dict(overrides)
   return config
 
 
@@ -52,30 +53,39 @@ def latest_state(workdir, step=None):
   devices wrote it."""
   manager = ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints")
   step = manager.latest_step() if step is None else step
-  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  meta = manager.restore(
+      step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+  )["meta"]
   manager.close()
   path = pathlib.Path(workdir) / "checkpoints" / str(step) / "state"
   checkpointer = ocp.PyTreeCheckpointer()
   tree = checkpointer.metadata(path).item_metadata.tree
-  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  state = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+  restore_args = jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree
+  )
+  state = checkpointer.restore(
+      path, args=ocp.args.PyTreeRestore(restore_args=restore_args)
+  )
   return step, state, meta
 
 
 def micro_model(config=None):
   """(config, run_data, plan, classifier, params, backbone config) of a micro run,
-  built as the trainer builds them (l* = the last sparse block)."""
-  from raptor_jax.models import hf  # pylint: disable=g-import-not-at-top
-  from raptor_jax.train import methods, setup  # pylint: disable=g-import-not-at-top
+  built by `build_run` as the trainer builds it, with l* = the last sparse block.
+  """
+  from raptor_jax.train import step  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train.run import build_run  # pylint: disable=g-import-not-at-top
+
   config = config or micro_config()
-  run_data = setup.load_run_data(config)
-  backbone, params = setup.load_backbone(config, run_data)
-  bc = backbone.config
-  plan = methods.build_plan(config, n=len(run_data.train), num_experts=bc.num_experts,
-                            sparse_layers=bc.sparse_layers, expert_layer=bc.sparse_layers[-1])
-  backbone, params = hf.with_options(backbone, params, **plan.model_options)
-  model, params = setup.classifier(backbone, params, 2, "mean", 0)
-  return config, run_data, plan, model, params, bc
+  run = build_run(_with_layer(config, "last"))
+  params = step.merged_params(run.frozen, run.trainable)
+  return config, run.data, run.plan, run.model, params, run.backbone_config
+
+
+def _with_layer(config, layer):
+  config = config.copy_and_resolve_references()
+  config.raptor.layer = layer
+  return config
 
 
 def launch_main(tmp_path, config, *flags, fast_compile=False):
@@ -89,11 +99,26 @@ def launch_main(tmp_path, config, *flags, fast_compile=False):
   if not fast_compile:
     env["XLA_FLAGS"] = ""
   proc = subprocess.run(
-      [sys.executable, "launch/main.py", f"--config={config}", f"--workdir={tmp_path}",
-       "--config.progress_bar=False", "--config.privacy.secret_seed=0", *flags],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+      [
+          sys.executable,
+          "launch/main.py",
+          f"--config={config}",
+          f"--workdir={tmp_path}",
+          "--config.progress_bar=False",
+          "--config.privacy.secret_seed=0",
+          *flags,
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads((tmp_path / "privacy_report.json").read_text())
   results = json.loads((tmp_path / "results.json").read_text())
-  assert report["finished"] and report["epsilon"] <= report["target_epsilon"] == 8.0
+  assert (
+      report["finished"]
+      and report["epsilon"] <= report["target_epsilon"] == 8.0
+  )
   return results

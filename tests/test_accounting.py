@@ -22,60 +22,85 @@ def _rdp_epsilon(event, delta):
 
 def _pld_accountant_epsilon(event, delta):
   accountant = dp_accounting.pld.PLDAccountant(
-      value_discretization_interval=accounting.VALUE_DISCRETIZATION_INTERVAL)
+      value_discretization_interval=accounting.VALUE_DISCRETIZATION_INTERVAL
+  )
   return accountant.compose(event).get_epsilon(delta)
 
 
 def _raptor_kwargs(sigma_shared, sigma_expert, q, steps, **kwargs):
-  return dict(sigma_shared=sigma_shared, sigma_expert=sigma_expert,
-              sample_rate=q, steps_shared=steps, steps_expert=steps, **kwargs)
+  return dict(
+      sigma_shared=sigma_shared,
+      sigma_expert=sigma_expert,
+      sample_rate=q,
+      steps_shared=steps,
+      steps_expert=steps,
+      **kwargs,
+  )
 
 
 def test_published_value():
   # Abadi et al. / Opacus: sigma=3, q=0.1, 512 steps is about 3.77 at 1e-6.
-  eps = accounting.dpsgd_epsilon(noise_multiplier=3.0, sample_rate=0.1,
-                                 steps=512, delta=1e-6)
+  eps = accounting.dpsgd_epsilon(
+      noise_multiplier=3.0, sample_rate=0.1, steps=512, delta=1e-6
+  )
   assert eps == pytest.approx(3.77, abs=0.01)
 
 
 @pytest.mark.parametrize('joint', [False, True])
 def test_epsilon_is_pld_accountant(joint):
   event = accounting.raptor_event(
-      sigma_shared=1.5, sigma_expert=3.0, sample_rate=0.02, steps_shared=100,
-      steps_expert=100, joint=joint)
-  assert accounting.epsilon(event, 1e-5) == _pld_accountant_epsilon(
-      event, 1e-5)
+      sigma_shared=1.5,
+      sigma_expert=3.0,
+      sample_rate=0.02,
+      steps_shared=100,
+      steps_expert=100,
+      joint=joint,
+  )
+  assert accounting.epsilon(event, 1e-5) == _pld_accountant_epsilon(event, 1e-5)
 
 
-@pytest.mark.parametrize('q, sigmas, steps, delta', [
-    (0.1, (3.0,), 512, 1e-6),
-    (0.01, (1.0,), 1000, 1e-5),
-    (0.05, (2.0,), 300, 1e-6),
-    (0.02, (1.0, 4.0), 500, 1e-5),
-])
+@pytest.mark.parametrize(
+    'q, sigmas, steps, delta',
+    [
+        (0.1, (3.0,), 512, 1e-6),
+        (0.01, (1.0,), 1000, 1e-5),
+        (0.05, (2.0,), 300, 1e-6),
+        (0.02, (1.0, 4.0), 500, 1e-5),
+    ],
+)
 def test_never_above_rdp(q, sigmas, steps, delta):
-  event = dp_accounting.ComposedDpEvent([
-      accounting.dpsgd_event(noise_multiplier=s, sample_rate=q, steps=steps)
-      for s in sigmas])
+  event = dp_accounting.ComposedDpEvent(
+      [
+          accounting.dpsgd_event(noise_multiplier=s, sample_rate=q, steps=steps)
+          for s in sigmas
+      ]
+  )
   assert accounting.epsilon(event, delta) <= _rdp_epsilon(event, delta)
 
 
 @pytest.mark.filterwarnings('ignore:Optimal order is the largest alpha')
-@pytest.mark.parametrize('history, delta', [
-    ([(3.0, 0.1, 512)], 1e-6),
-    ([(1.0, 0.01, 1000)], 1e-5),
-    ([(2.0, 0.05, 300)], 1e-6),
-    ([(1.0, 0.02, 500), (4.0, 0.02, 500)], 1e-5),  # Two streams.
-])
+@pytest.mark.parametrize(
+    'history, delta',
+    [
+        ([(3.0, 0.1, 512)], 1e-6),
+        ([(1.0, 0.01, 1000)], 1e-5),
+        ([(2.0, 0.05, 300)], 1e-6),
+        ([(1.0, 0.02, 500), (4.0, 0.02, 500)], 1e-5),  # Two streams.
+    ],
+)
 def test_agrees_with_opacus_prv(history, delta):
   # Imported here: opacus pulls in torch, which is slow to import.
   from opacus.accountants import PRVAccountant
+
   prv = PRVAccountant()
   prv.history = list(history)
   expected = prv.get_epsilon(delta, eps_error=0.01)
-  event = dp_accounting.ComposedDpEvent([
-      accounting.dpsgd_event(noise_multiplier=s, sample_rate=q, steps=t)
-      for s, q, t in history])
+  event = dp_accounting.ComposedDpEvent(
+      [
+          accounting.dpsgd_event(noise_multiplier=s, sample_rate=q, steps=t)
+          for s, q, t in history
+      ]
+  )
   assert accounting.epsilon(event, delta) == pytest.approx(expected, rel=0.01)
 
 
@@ -89,17 +114,25 @@ def test_sigma_eff():
 def test_joint_without_sampling_is_composition_of_gaussians(steps):
   # With q = 1 a one-sample step that releases two groups IS the composition
   # of two Gaussian mechanisms, and T of them a Gaussian with sigma/sqrt(T).
-  event = accounting.joint_event(noise_multipliers=(1.5, 4.0), sample_rate=1.0,
-                                 steps=steps)
+  event = accounting.joint_event(
+      noise_multipliers=(1.5, 4.0), sample_rate=1.0, steps=steps
+  )
   two_gaussians = dp_accounting.SelfComposedDpEvent(
-      dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(1.5),
-                                     dp_accounting.GaussianDpEvent(4.0)]),
-      steps)
+      dp_accounting.ComposedDpEvent(
+          [
+              dp_accounting.GaussianDpEvent(1.5),
+              dp_accounting.GaussianDpEvent(4.0),
+          ]
+      ),
+      steps,
+  )
   eps = accounting.epsilon(event, 1e-5)
-  assert eps == pytest.approx(_pld_accountant_epsilon(two_gaussians, 1e-5),
-                              rel=1e-3)
+  assert eps == pytest.approx(
+      _pld_accountant_epsilon(two_gaussians, 1e-5), rel=1e-3
+  )
   analytic = dp_accounting.get_epsilon_gaussian(
-      accounting.sigma_eff(1.5, 4.0) / math.sqrt(steps), 1e-5)
+      accounting.sigma_eff(1.5, 4.0) / math.sqrt(steps), 1e-5
+  )
   assert eps == pytest.approx(analytic, rel=1e-3)
 
 
@@ -108,19 +141,28 @@ def test_joint_is_one_gaussian_with_summed_sensitivity():
   # is sqrt(sum sigma_g**-2): build that PLD directly and compare.
   sigmas, q, steps, delta = (2.0, 3.0, 6.0), 0.05, 200, 1e-5
   sensitivity = math.sqrt(sum(s**-2 for s in sigmas))
-  expected = privacy_loss_distribution.from_gaussian_mechanism(
-      standard_deviation=1.0, sensitivity=sensitivity, sampling_prob=q,
-      value_discretization_interval=accounting.VALUE_DISCRETIZATION_INTERVAL,
-  ).self_compose(steps).get_epsilon_for_delta(delta)
-  event = accounting.joint_event(noise_multipliers=sigmas, sample_rate=q,
-                                 steps=steps)
+  expected = (
+      privacy_loss_distribution.from_gaussian_mechanism(
+          standard_deviation=1.0,
+          sensitivity=sensitivity,
+          sampling_prob=q,
+          value_discretization_interval=accounting.VALUE_DISCRETIZATION_INTERVAL,
+      )
+      .self_compose(steps)
+      .get_epsilon_for_delta(delta)
+  )
+  event = accounting.joint_event(
+      noise_multipliers=sigmas, sample_rate=q, steps=steps
+  )
   assert accounting.epsilon(event, delta) == pytest.approx(expected, rel=1e-4)
 
 
 def test_epsilon_is_monotone():
   def eps(sigma=2.0, q=0.02, steps=200):
-    return accounting.dpsgd_epsilon(noise_multiplier=sigma, sample_rate=q,
-                                    steps=steps, delta=1e-5)
+    return accounting.dpsgd_epsilon(
+        noise_multiplier=sigma, sample_rate=q, steps=steps, delta=1e-5
+    )
+
   by_sigma = [eps(sigma=s) for s in (1.5, 2.0, 3.0)]
   by_steps = [eps(steps=t) for t in (50, 200, 800)]
   by_rate = [eps(q=q) for q in (0.005, 0.02, 0.08)]
@@ -129,42 +171,62 @@ def test_epsilon_is_monotone():
   assert len(set(by_sigma + by_steps + by_rate)) == 7  # Strictly.
 
 
-@pytest.mark.parametrize('target, q, steps', [
-    (8.0, 1.0, 10), (2.0, 0.01, 300), (1.0, 0.02, 400), (0.5, 0.1, 100)])
+@pytest.mark.parametrize(
+    'target, q, steps',
+    [(8.0, 1.0, 10), (2.0, 0.01, 300), (1.0, 0.02, 400), (0.5, 0.1, 100)],
+)
 def test_calibrate_dpsgd_round_trip(target, q, steps):
-  sigma = accounting.calibrate_dpsgd(target_epsilon=target, delta=1e-5,
-                                     sample_rate=q, steps=steps)
-  eps = accounting.dpsgd_epsilon(noise_multiplier=sigma, sample_rate=q,
-                                 steps=steps, delta=1e-5)
+  sigma = accounting.calibrate_dpsgd(
+      target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps
+  )
+  eps = accounting.dpsgd_epsilon(
+      noise_multiplier=sigma, sample_rate=q, steps=steps, delta=1e-5
+  )
   assert (1 - _RTOL) * target <= eps <= target
 
 
-@pytest.mark.parametrize('target, rho, joint', [
-    (2.0, 0.9, False), (1.0, 0.9, False), (1.0, 0.5, False),
-    (1.0, 0.9, True)])
+@pytest.mark.parametrize(
+    'target, rho, joint',
+    [(2.0, 0.9, False), (1.0, 0.9, False), (1.0, 0.5, False), (1.0, 0.9, True)],
+)
 def test_calibrate_raptor_round_trip(target, rho, joint):
   q, steps, delta = 0.02, 400, 1e-5
-  sigmas = accounting.calibrate_raptor(target_epsilon=target, delta=delta,
-                                       sample_rate=q, steps=steps, rho=rho,
-                                       joint=joint)
-  eps = accounting.raptor_epsilon(**_raptor_kwargs(*sigmas, q, steps),
-                                  delta=delta, joint=joint)
+  sigmas = accounting.calibrate_raptor(
+      target_epsilon=target,
+      delta=delta,
+      sample_rate=q,
+      steps=steps,
+      rho=rho,
+      joint=joint,
+  )
+  eps = accounting.raptor_epsilon(
+      **_raptor_kwargs(*sigmas, q, steps), delta=delta, joint=joint
+  )
   assert (1 - _RTOL) * target <= eps <= target
   # SPEC 1.7: each stream alone spends its share of one scale t at delta/2.
-  own = [accounting.dpsgd_epsilon(noise_multiplier=s, sample_rate=q,
-                                  steps=steps, delta=delta / 2)
-         for s in sigmas]
+  own = [
+      accounting.dpsgd_epsilon(
+          noise_multiplier=s, sample_rate=q, steps=steps, delta=delta / 2
+      )
+      for s in sigmas
+  ]
   assert own[0] / rho == pytest.approx(own[1] / (1 - rho), rel=2 * _RTOL)
 
 
 def test_joint_calibration_beats_splitting_the_budget():
   q, steps, delta, target, rho = 0.02, 400, 1e-5, 1.0, 0.9
   sigma_shared, sigma_expert = accounting.calibrate_raptor(
-      target_epsilon=target, delta=delta, sample_rate=q, steps=steps, rho=rho)
-  alone = [accounting.calibrate_dpsgd(target_epsilon=share * target,
-                                      delta=delta / 2, sample_rate=q,
-                                      steps=steps)
-           for share in (rho, 1 - rho)]
+      target_epsilon=target, delta=delta, sample_rate=q, steps=steps, rho=rho
+  )
+  alone = [
+      accounting.calibrate_dpsgd(
+          target_epsilon=share * target,
+          delta=delta / 2,
+          sample_rate=q,
+          steps=steps,
+      )
+      for share in (rho, 1 - rho)
+  ]
   assert sigma_shared < alone[0] and sigma_expert < alone[1]
 
 
@@ -174,10 +236,12 @@ def test_calibrate_raptor_at_paper_scale():
   q = batch_size / n
   steps = epochs * accounting.steps_per_epoch(q)
   delta = accounting.default_delta(n)
-  sigmas = accounting.calibrate_raptor(target_epsilon=8.0, delta=delta,
-                                       sample_rate=q, steps=steps)
-  eps = accounting.raptor_epsilon(**_raptor_kwargs(*sigmas, q, steps),
-                                  delta=delta)
+  sigmas = accounting.calibrate_raptor(
+      target_epsilon=8.0, delta=delta, sample_rate=q, steps=steps
+  )
+  eps = accounting.raptor_epsilon(
+      **_raptor_kwargs(*sigmas, q, steps), delta=delta
+  )
   assert steps == 1360 and (1 - _RTOL) * 8.0 <= eps <= 8.0
 
 
@@ -196,20 +260,23 @@ def test_default_delta():
 _VALID = dict(target_epsilon=1.0, delta=1e-5, sample_rate=0.01, steps=100)
 
 
-@pytest.mark.parametrize('override, match', [
-    (dict(target_epsilon=0.0), 'target_epsilon'),
-    (dict(target_epsilon=-1.0), 'target_epsilon'),
-    (dict(target_epsilon=math.inf), 'target_epsilon'),
-    (dict(delta=0.0), 'delta'),
-    (dict(delta=1.0), 'delta'),
-    (dict(sample_rate=0.0), 'sample_rate'),
-    (dict(sample_rate=1.5), 'sample_rate'),
-    (dict(steps=0), 'steps'),
-    (dict(steps=2.5), 'steps'),
-    (dict(rho=0.0), 'rho'),
-    (dict(rho=1.0), 'rho'),
-    (dict(target_epsilon=1e-5), 'unreachable.*smallest feasible'),
-])
+@pytest.mark.parametrize(
+    'override, match',
+    [
+        (dict(target_epsilon=0.0), 'target_epsilon'),
+        (dict(target_epsilon=-1.0), 'target_epsilon'),
+        (dict(target_epsilon=math.inf), 'target_epsilon'),
+        (dict(delta=0.0), 'delta'),
+        (dict(delta=1.0), 'delta'),
+        (dict(sample_rate=0.0), 'sample_rate'),
+        (dict(sample_rate=1.5), 'sample_rate'),
+        (dict(steps=0), 'steps'),
+        (dict(steps=2.5), 'steps'),
+        (dict(rho=0.0), 'rho'),
+        (dict(rho=1.0), 'rho'),
+        (dict(target_epsilon=1e-5), 'unreachable.*smallest feasible'),
+    ],
+)
 def test_invalid_arguments_raise_one_line(override, match):
   kwargs = {**_VALID, 'rho': 0.9, **override}
   with pytest.raises(ValueError, match=match) as error:
@@ -223,12 +290,19 @@ def test_invalid_arguments_raise_one_line(override, match):
 
 def test_invalid_mechanism_arguments():
   with pytest.raises(ValueError, match='noise_multiplier'):
-    accounting.dpsgd_epsilon(noise_multiplier=0.0, sample_rate=0.1, steps=1,
-                             delta=1e-5)
+    accounting.dpsgd_epsilon(
+        noise_multiplier=0.0, sample_rate=0.1, steps=1, delta=1e-5
+    )
   with pytest.raises(ValueError, match='steps_shared .* must equal'):
-    accounting.raptor_epsilon(sigma_shared=1.0, sigma_expert=1.0,
-                              sample_rate=0.1, steps_shared=2, steps_expert=1,
-                              delta=1e-5, joint=True)
+    accounting.raptor_epsilon(
+        sigma_shared=1.0,
+        sigma_expert=1.0,
+        sample_rate=0.1,
+        steps_shared=2,
+        steps_expert=1,
+        delta=1e-5,
+        joint=True,
+    )
   with pytest.raises(TypeError, match='Poisson-sampled Gaussian'):
     accounting.epsilon(dp_accounting.LaplaceDpEvent(1.0), 1e-5)
 
@@ -240,20 +314,30 @@ def test_delta_must_be_below_one_over_n():
 
 def test_too_large_target_raises():
   with pytest.raises(ValueError, match='too large'):
-    accounting.calibrate_dpsgd(target_epsilon=1e4, delta=1e-5,
-                               sample_rate=1.0, steps=1)
+    accounting.calibrate_dpsgd(
+        target_epsilon=1e4, delta=1e-5, sample_rate=1.0, steps=1
+    )
 
 
 def _run_planner(*flags):
   return subprocess.run(
       [sys.executable, str(_ROOT / 'launch' / 'privacy.py'), *flags],
-      capture_output=True, text=True, timeout=120)
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
 
 
 @pytest.mark.parametrize('method', ['raptor', 'joint', 'dpsgd'])
 def test_planner_meets_target_and_compares(method):
-  result = _run_planner('--epsilon=1', '--n=5000', '--batch_size=250',
-                        '--epochs=2', '--rho=0.9', f'--method={method}')
+  result = _run_planner(
+      '--epsilon=1',
+      '--n=5000',
+      '--batch_size=250',
+      '--epochs=2',
+      '--rho=0.9',
+      f'--method={method}',
+  )
   assert result.returncode == 0, result.stderr
   header, *lines = result.stdout.splitlines()
   assert 'steps=40 ' in header and 'delta=8.53e-05' in header
@@ -262,8 +346,12 @@ def test_planner_meets_target_and_compares(method):
   assert len(spent) == 1 and 1 - _RTOL <= spent[0] <= 1
   assert float(rows['epsilon (RDP, same sigmas)']) >= spent[0]
   if method == 'raptor':
-    assert {'sigma_shared', 'sigma_expert', 'epsilon shared alone (delta/2)',
-            'epsilon expert alone (delta/2)'} <= set(rows)
+    assert {
+        'sigma_shared',
+        'sigma_expert',
+        'epsilon shared alone (delta/2)',
+        'epsilon expert alone (delta/2)',
+    } <= set(rows)
     assert float(rows['basic composition (sum)']) >= spent[0]
 
 

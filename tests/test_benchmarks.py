@@ -1,12 +1,12 @@
 """Smoke tests: the benchmark scripts and profiling helpers run at toy sizes.
 
 Not timed tests (the numbers are machine- and load-dependent); they only keep
-`launch/bench_dispatch.py`, `launch/benchmark.py` and `launch/bench_parallel.py`
+`launch/bench/bench_dispatch.py`, `benchmark.py` and `bench_parallel.py`
 from rotting, and check what the tables are made of (FLOP counts, memory
 analysis) where it is exact.
 """
 
-import importlib.util
+import importlib
 import math
 import os
 import pathlib
@@ -18,17 +18,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from raptor_jax import profiling
+from launch.bench import profiling
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(f"raptor_launch_{name}",
-                                                _ROOT / "launch" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return importlib.import_module(f"launch.bench.{name}")
 
 
 def _positive(value):
@@ -42,19 +38,26 @@ def test_loop_corrected_flops_counts_every_scan_iteration():
   xs, w = jnp.ones((7, 4, 16)), jnp.ones((16, 8))
   raw, corrected = profiling.loop_corrected_flops(scanned, xs, w)
   body = 2 * 4 * 16 * 8
-  assert raw == pytest.approx(body, rel=0.01)  # XLA: the body once (+ loop counter)
+  assert raw == pytest.approx(
+      body, rel=0.01
+  )  # XLA: the body once (+ loop counter)
   assert corrected == pytest.approx(7 * body, rel=0.01)
 
 
 def test_interleaved_times_and_ratio():
-  times = profiling.interleaved_times({"a": lambda: jnp.ones(3), "b": lambda: jnp.zeros(3)},
-                                      repeats=3)
+  times = profiling.interleaved_times(
+      {"a": lambda: jnp.ones(3), "b": lambda: jnp.zeros(3)}, repeats=3
+  )
   assert set(times) == {"a", "b"} and all(len(t) == 3 for t in times.values())
   assert profiling.paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0
 
 
 def test_memory_stats_and_largest_buffers():
-  compiled = jax.jit(lambda x: jnp.sin(x @ x.T) @ x).lower(jnp.ones((64, 32))).compile()
+  compiled = (
+      jax.jit(lambda x: jnp.sin(x @ x.T) @ x)
+      .lower(jnp.ones((64, 32)))
+      .compile()
+  )
   stats = profiling.memory_stats(compiled)
   assert stats["argument"] == 64 * 32 * 4 and stats["output"] == 64 * 32 * 4
   buffers = profiling.largest_buffers(compiled, 3)
@@ -65,17 +68,36 @@ def test_memory_stats_and_largest_buffers():
 def test_bench_dispatch_toy():
   bench = _load("bench_dispatch")
   d_model, d_ff, seq, e, b = 16, 32, 8, 4, 2
-  rows = bench.run(num_experts=(e,), batch_sizes=(b,), seq_len=seq, d_model=d_model,
-                   d_ff=d_ff, repeats=1)
-  assert [(r["E"], r["B"], r["pass"]) for r in rows] == [(e, b, p) for p in bench.PASSES]
+  rows = bench.run(
+      num_experts=(e,),
+      batch_sizes=(b,),
+      seq_len=seq,
+      d_model=d_model,
+      d_ff=d_ff,
+      repeats=1,
+  )
+  assert [(r["E"], r["B"], r["pass"]) for r in rows] == [
+      (e, b, p) for p in bench.PASSES
+  ]
   block, blocks = bench.grouped_blocks(b * seq, e)
   for i, r in enumerate(rows):
-    for key in ("ideal_gflop", "grouped_xla_gflop", "grouped_gflop", "dense_gflop",
-                "one_expert_ms", "grouped_ms", "dense_ms", "dense_over_grouped"):
+    for key in (
+        "ideal_gflop",
+        "grouped_xla_gflop",
+        "grouped_gflop",
+        "dense_gflop",
+        "one_expert_ms",
+        "grouped_ms",
+        "dense_ms",
+        "dense_over_grouped",
+    ):
       assert _positive(r[key]), (key, r[key])
     # The loop-corrected count covers every padded block of both expert matmuls
     # (twice with the input gradient), which XLA's raw count does not.
-    assert r["grouped_gflop"] * 1e9 >= (i + 1) * blocks * block * 4 * d_model * d_ff
+    assert (
+        r["grouped_gflop"] * 1e9
+        >= (i + 1) * blocks * block * 4 * d_model * d_ff
+    )
     assert r["grouped_xla_gflop"] < r["grouped_gflop"] < r["dense_gflop"]
     assert r["max_abs_diff"] < 1e-5  # same routing and capacity, same outputs
   text = bench.time_table(rows) + bench.flops_table(rows)
@@ -87,23 +109,51 @@ def test_bench_dispatch_olmoe_toy():
   """Top-k SwiGLU layer: grouped ~ k x tokens rows, all ~ E x tokens, dense ~ k x E x tokens."""
   bench = _load("bench_dispatch")
   d_model, d_ff, seq, e, b, k = 16, 32, 8, 4, 2, 2
-  rows = bench.run(family="olmoe", num_experts=(e,), batch_sizes=(b,), top_k=k, seq_len=seq,
-                   d_model=d_model, d_ff=d_ff, repeats=1)
-  assert [(r["E"], r["B"], r["k"], r["pass"]) for r in rows] == [(e, b, k, p)
-                                                                 for p in bench.PASSES]
+  rows = bench.run(
+      family="olmoe",
+      num_experts=(e,),
+      batch_sizes=(b,),
+      top_k=k,
+      seq_len=seq,
+      d_model=d_model,
+      d_ff=d_ff,
+      repeats=1,
+  )
+  assert [(r["E"], r["B"], r["k"], r["pass"]) for r in rows] == [
+      (e, b, k, p) for p in bench.PASSES
+  ]
   tokens = b * seq
   block, blocks = bench.grouped_blocks(tokens * k, e)
-  assert rows[0]["ideal_gflop"] * 1e9 == bench.ideal_flops(tokens, d_model, d_ff, e, k, 3)
+  assert rows[0]["ideal_gflop"] * 1e9 == bench.ideal_flops(
+      tokens, d_model, d_ff, e, k, 3
+  )
   for i, r in enumerate(rows):
-    for key in ("ideal_gflop", "grouped_gflop", "dense_gflop", "all_gflop", "one_expert_ms",
-                "grouped_ms", "dense_ms", "all_ms", "dense_over_grouped", "all_over_grouped"):
+    for key in (
+        "ideal_gflop",
+        "grouped_gflop",
+        "dense_gflop",
+        "all_gflop",
+        "one_expert_ms",
+        "grouped_ms",
+        "dense_ms",
+        "all_ms",
+        "dense_over_grouped",
+        "all_over_grouped",
+    ):
       assert _positive(r[key]), (key, r[key])
     # Three expert matmuls (gate, up, down) over every padded block of the k x tokens rows.
-    assert r["grouped_gflop"] * 1e9 >= (i + 1) * blocks * block * 6 * d_model * d_ff
+    assert (
+        r["grouped_gflop"] * 1e9
+        >= (i + 1) * blocks * block * 6 * d_model * d_ff
+    )
     assert r["grouped_gflop"] < r["all_gflop"] < r["dense_gflop"]
-    assert r["max_abs_diff"] < 1e-5  # same router and top-k: grouped = dense = all
+    assert (
+        r["max_abs_diff"] < 1e-5
+    )  # same router and top-k: grouped = dense = all
   assert rows[0]["all_gflop"] * 1e9 >= tokens * e * 6 * d_model * d_ff
-  assert "all/grouped" in bench.time_table(rows) and "all/ideal" in bench.flops_table(rows)
+  assert "all/grouped" in bench.time_table(
+      rows
+  ) and "all/ideal" in bench.flops_table(rows)
 
 
 def test_bench_dispatch_switch_is_top1():
@@ -115,20 +165,43 @@ def test_bench_dispatch_switch_is_top1():
 @pytest.mark.slow
 def test_benchmark_toy():
   bench = _load("benchmark")
-  config = bench.model_config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1,
-                              sparse_step=1, num_heads=2, num_experts=4, lora_rank=2)
+  config = bench.model_config(
+      vocab_size=50,
+      d_model=16,
+      d_kv=8,
+      d_ff=32,
+      num_layers=1,
+      sparse_step=1,
+      num_heads=2,
+      num_experts=4,
+      lora_rank=2,
+  )
   shared = bench.run_shared(config, microbatch_sizes=(3,), seq_len=8, repeats=1)
   assert [r["m"] for r in shared] == [3]
   for r in shared:
-    for key in ("nonprivate_ms", "dp_ms", "dp_over_nonprivate", "nonprivate_compile_s",
-                "dp_compile_s", "trainable", "frozen"):
+    for key in (
+        "nonprivate_ms",
+        "dp_ms",
+        "dp_over_nonprivate",
+        "nonprivate_compile_s",
+        "dp_compile_s",
+        "trainable",
+        "frozen",
+    ):
       assert _positive(r[key]), (key, r[key])
-  expert, buffers = bench.run_expert(config, num_experts=(2, 4), microbatch=2, seq_len=8,
-                                     repeats=1)
+  expert, buffers = bench.run_expert(
+      config, num_experts=(2, 4), microbatch=2, seq_len=8, repeats=1
+  )
   assert [r["E"] for r in expert] == [2, 4] and set(buffers) == {2, 4}
   for r in expert:
-    for key in ("temp_mb", "argument_mb", "output_mb", "step_ms", "compile_s",
-                "per_record_grad_mb"):
+    for key in (
+        "temp_mb",
+        "argument_mb",
+        "output_mb",
+        "step_ms",
+        "compile_s",
+        "per_record_grad_mb",
+    ):
       assert _positive(r[key]), (key, r[key])
   # A record's gradient is one expert slice: its size does not depend on E.
   assert expert[0]["per_record_grad_mb"] == expert[1]["per_record_grad_mb"]
@@ -142,38 +215,76 @@ def test_benchmark_olmoe_expert_toy():
   """OLMoE expert stream: owner slices of gate, up and down; one slice per record."""
   bench = _load("benchmark")
   d_model, d_ff, rank = 16, 32, 2
-  config = bench.olmoe_config(vocab_size=50, hidden_size=d_model, intermediate_size=d_ff,
-                              num_hidden_layers=1, num_attention_heads=2,
-                              num_key_value_heads=2, num_experts_per_tok=2, lora_rank=rank)
-  expert, _ = bench.run_expert(config, num_experts=(2, 4), microbatch=2, seq_len=8, repeats=1)
-  one_expert = 3 * rank * (d_model + d_ff)  # A and B of gate, up (d->f), down (f->d)
-  assert [r["expert_lora_params"] for r in expert] == [2 * one_expert, 4 * one_expert]
+  config = bench.olmoe_config(
+      vocab_size=50,
+      hidden_size=d_model,
+      intermediate_size=d_ff,
+      num_hidden_layers=1,
+      num_attention_heads=2,
+      num_key_value_heads=2,
+      num_experts_per_tok=2,
+      lora_rank=rank,
+  )
+  expert, _ = bench.run_expert(
+      config, num_experts=(2, 4), microbatch=2, seq_len=8, repeats=1
+  )
+  one_expert = (
+      3 * rank * (d_model + d_ff)
+  )  # A and B of gate, up (d->f), down (f->d)
+  assert [r["expert_lora_params"] for r in expert] == [
+      2 * one_expert,
+      4 * one_expert,
+  ]
   assert expert[0]["per_record_grad_mb"] == expert[1]["per_record_grad_mb"] > 0
   for r in expert:
     assert _positive(r["temp_mb"]) and _positive(r["step_ms"]), r
 
 
 def _env_without_device_count():
-  flags_ = [f for f in os.environ.get("XLA_FLAGS", "").split()
-            if not f.startswith("--xla_force_host_platform_device_count")]
+  flags_ = [
+      f
+      for f in os.environ.get("XLA_FLAGS", "").split()
+      if not f.startswith("--xla_force_host_platform_device_count")
+  ]
   return dict(os.environ, XLA_FLAGS=" ".join(flags_), JAX_PLATFORMS="cpu")
 
 
 @pytest.mark.slow
 def test_bench_parallel_toy():
   """Runs the script as a user would (it re-executes itself with 4 CPU devices)."""
-  args = ["--method=baseline_c", "--microbatch=4", "--microbatches=1", "--repeats=1",
-          "--seq_len=8", "--d_model=16", "--d_ff=16", "--num_layers=2", "--num_heads=2",
-          "--d_kv=8"]
-  proc = subprocess.run([sys.executable, str(_ROOT / "launch" / "bench_parallel.py"), *args],
-                        env=_env_without_device_count(), cwd=_ROOT, capture_output=True,
-                        text=True, timeout=600)
+  args = [
+      "--method=baseline_c",
+      "--microbatch=4",
+      "--microbatches=1",
+      "--repeats=1",
+      "--seq_len=8",
+      "--d_model=16",
+      "--d_ff=16",
+      "--num_layers=2",
+      "--num_heads=2",
+      "--d_kv=8",
+  ]
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.bench.bench_parallel", *args],
+      env=_env_without_device_count(),
+      cwd=_ROOT,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   out = proc.stdout
   assert "4 cpu devices" in out
-  rows = [line.split() for line in out.splitlines() if line.startswith("expert ")]
-  assert [(r[1], r[2]) for r in rows] == [("1", "4"), ("4", "1")]  # devices, records/device
-  assert all(float(r[-1]) < 1e-5 for r in rows)  # same update on 1 and 4 devices
+  rows = [
+      line.split() for line in out.splitlines() if line.startswith("expert ")
+  ]
+  assert [(r[1], r[2]) for r in rows] == [
+      ("1", "4"),
+      ("4", "1"),
+  ]  # devices, records/device
+  assert all(
+      float(r[-1]) < 1e-5 for r in rows
+  )  # same update on 1 and 4 devices
   assert _load("bench_parallel").MULTI_HOST_COMMAND in out
 
 

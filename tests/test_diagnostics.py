@@ -7,26 +7,36 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raptor_jax import accounting, diagnostics, roles
+from raptor_jax import accounting, diagnostics, ownership, roles
 from raptor_jax.models import hf
-from raptor_jax.train import loop, methods, parallel, setup, step
+from raptor_jax.train import methods, parallel, setup, step
 
 from helpers import micro_config
 
-TWO_BLOCKS = {"model.random.num_layers": 2}  # one dense, one sparse block (block 1)
+TWO_BLOCKS = {
+    "model.random.num_layers": 2
+}  # one dense, one sparse block (block 1)
 
 
 def test_role_mismatch_is_half_the_l1_distance_of_shares():
   # Gradient energy 3:1 on (shared, experts), parameters 1:3 -> shares .75/.25 vs .25/.75.
-  out = diagnostics.role_mismatch({"shared": 3.0, "experts": 1.0, "router": 0.0},
-                                  {"shared": 10, "experts": 30, "router": 0, "head": 0})
+  out = diagnostics.role_mismatch(
+      {"shared": 3.0, "experts": 1.0, "router": 0.0},
+      {"shared": 10, "experts": 30, "router": 0, "head": 0},
+  )
   assert out["M_role"] == pytest.approx(0.5)
   assert out["norm_share"] == pytest.approx({"shared": 0.75, "experts": 0.25})
   assert out["param_share"] == pytest.approx({"shared": 0.25, "experts": 0.75})
   # Proportionate signal: zero mismatch; all signal on a role with no parameters: one.
-  assert diagnostics.role_mismatch({"a": 2.0, "b": 6.0}, {"a": 1, "b": 3})["M_role"] == 0.0
-  assert diagnostics.role_mismatch({"a": 1.0, "b": 0.0}, {"a": 1, "b": 10 ** 9})["M_role"] \
-      == pytest.approx(1.0, abs=1e-8)
+  assert (
+      diagnostics.role_mismatch({"a": 2.0, "b": 6.0}, {"a": 1, "b": 3})[
+          "M_role"
+      ]
+      == 0.0
+  )
+  assert diagnostics.role_mismatch(
+      {"a": 1.0, "b": 0.0}, {"a": 1, "b": 10**9}
+  )["M_role"] == pytest.approx(1.0, abs=1e-8)
   with pytest.raises(ValueError):
     diagnostics.role_mismatch({"a": 0.0}, {"a": 3})
 
@@ -34,18 +44,35 @@ def test_role_mismatch_is_half_the_l1_distance_of_shares():
 def test_expert_snr_and_its_summary():
   # Expert 0: mean contribution m = (1, 0) over 2 records; expert 1: none.
   # SNR_0 = B^2 ||m||^2 / (sigma^2 C^2 d) = 100 * 1 / (4 * 0.25 * 2) = 50.
-  snr = diagnostics.expert_snr(np.array([[2.0, 0.0], [0.0, 0.0]]), num_records=2,
-                               batch_size=10.0, noise_multiplier=2.0, l2_clip=0.5)
+  snr = diagnostics.expert_snr(
+      np.array([[2.0, 0.0], [0.0, 0.0]]),
+      num_records=2,
+      batch_size=10.0,
+      noise_multiplier=2.0,
+      l2_clip=0.5,
+  )
   np.testing.assert_allclose(snr, [50.0, 0.0])
-  assert diagnostics.snr_summary([1.0, 3.0]) == pytest.approx({"mean": 2.0, "cv": 0.5})
+  assert diagnostics.snr_summary([1.0, 3.0]) == pytest.approx(
+      {"mean": 2.0, "cv": 0.5}
+  )
   assert diagnostics.snr_summary([2.0, 2.0, 2.0])["cv"] == 0.0
   # Owner load enters squared: (B q_e)^2 ||mu_e||^2; doubling the owners quadruples SNR.
-  one, two = diagnostics.expert_snr(np.array([[1.0], [2.0]]), num_records=4, batch_size=8.0,
-                                    noise_multiplier=1.0, l2_clip=1.0)
+  one, two = diagnostics.expert_snr(
+      np.array([[1.0], [2.0]]),
+      num_records=4,
+      batch_size=8.0,
+      noise_multiplier=1.0,
+      l2_clip=1.0,
+  )
   assert two == pytest.approx(4 * one)
   with pytest.raises(ValueError, match="private"):
-    diagnostics.expert_snr(np.ones((2, 2)), num_records=1, batch_size=1.0,
-                           noise_multiplier=0.0, l2_clip=1.0)
+    diagnostics.expert_snr(
+        np.ones((2, 2)),
+        num_records=1,
+        batch_size=1.0,
+        noise_multiplier=0.0,
+        l2_clip=1.0,
+    )
 
 
 def test_noise_sensitivity_floors_at_zero():
@@ -53,8 +80,9 @@ def test_noise_sensitivity_floors_at_zero():
   assert diagnostics.noise_sensitivity(0.02, 0.1, 2) == pytest.approx(1.0)
   assert diagnostics.noise_sensitivity(-0.5, 0.1, 2) == 0.0
   # Tab. 10's shared row: 2.175e-4 / (1e-3^2 * 9,438,722) = 2.30e-5.
-  assert diagnostics.noise_sensitivity(2.175e-4, 1e-3, 9_438_722) == pytest.approx(
-      2.305e-5, rel=2e-3)
+  assert diagnostics.noise_sensitivity(
+      2.175e-4, 1e-3, 9_438_722
+  ) == pytest.approx(2.305e-5, rel=2e-3)
 
 
 def test_diagnostic_roles():
@@ -74,45 +102,89 @@ def two_block_run():
   config = micro_config(**TWO_BLOCKS)
   run_data = setup.load_run_data(config)
   backbone, params = setup.load_backbone(config, run_data)
-  owners = loop.private_owner_map(config, backbone, params, run_data.train, 1)
-  backbone, params = hf.with_options(backbone, params, lora_rank=4, lora_alpha=8.0,
-                                     attention_lora=True, expert_lora_layers=(1,))
+  owners = ownership.private_owner_map(
+      config, backbone, params, run_data.train, 1
+  )
+  backbone, params = hf.with_options(
+      backbone,
+      params,
+      lora_rank=4,
+      lora_alpha=8.0,
+      attention_lora=True,
+      expert_lora_layers=(1,),
+  )
   model, params = setup.classifier(backbone, params, 2, "mean", 0)
-  flat = {p: (0.5 * jnp.ones_like(v) if p.endswith("lora_b") else v)
-          for p, v in roles.flatten(params).items()}  # every adapter has a gradient
+  flat = {
+      p: (0.5 * jnp.ones_like(v) if p.endswith("lora_b") else v)
+      for p, v in roles.flatten(params).items()
+  }  # every adapter has a gradient
   return run_data, owners, model, roles.unflatten(flat)
 
 
 @pytest.mark.parametrize("method", ["raptor", "baseline_a"])
 def test_statistics_measure_exactly_the_clipped_sums_training_makes(
-    method, two_block_run, monkeypatch):
+    method, two_block_run, monkeypatch
+):
   """Signal sums at l* equal the phase's own clipped sums; energy of one record is C^2."""
   # The noise plays no part here: skip calibrating it.
   monkeypatch.setattr(accounting, "calibrate_dpsgd", lambda **_: 1.0)
   monkeypatch.setattr(accounting, "calibrate_raptor", lambda **_: (1.0, 1.0))
   run_data, owners, model, params = two_block_run
-  config = micro_config(method=method, **TWO_BLOCKS, **{"privacy.clip_shared": 1e-3,
-                                                        "privacy.clip_expert": 2e-3})
-  plan = methods.build_plan(config, n=len(run_data.train), num_experts=4, sparse_layers=(1,),
-                            expert_layer=1)
+  config = micro_config(
+      method=method,
+      **TWO_BLOCKS,
+      **{"privacy.clip_shared": 1e-3, "privacy.clip_expert": 2e-3},
+  )
+  plan = methods.build_plan(
+      config,
+      n=len(run_data.train),
+      num_experts=4,
+      sparse_layers=(1,),
+      expert_layer=1,
+  )
   trainable, frozen = setup.partition(params, plan.parts)
-  phase = plan.phases[-1]  # RAPTOR's expert phase (owner slices); Baseline A's one phase
-  fns = step.PhaseFunctions(model, phase, mesh=parallel.make_mesh(1), expert_layer=1,
-                            num_experts=4, learning_rate=1e-2, residual="shared",
-                            residual_gamma=1.0, key=jax.random.PRNGKey(0))
+  phase = plan.phases[
+      -1
+  ]  # RAPTOR's expert phase (owner slices); Baseline A's one phase
+  fns = step.PhaseFunctions(
+      model,
+      phase,
+      mesh=parallel.make_mesh(1),
+      expert_layer=1,
+      num_experts=4,
+      learning_rate=1e-2,
+      residual="shared",
+      residual_gamma=1.0,
+      key=jax.random.PRNGKey(0),
+  )
   rows = np.arange(3)
-  batch = jax.tree.map(jnp.asarray, dict(
-      input_ids=run_data.train.input_ids[rows], attention_mask=run_data.train.attention_mask[rows],
-      labels=run_data.train.labels[rows], owners=owners[rows]))
+  batch = jax.tree.map(
+      jnp.asarray,
+      dict(
+          input_ids=run_data.train.input_ids[rows],
+          attention_mask=run_data.train.attention_mask[rows],
+          labels=run_data.train.labels[rows],
+          owners=owners[rows],
+      ),
+  )
   mask = jnp.array([1.0, 1.0, 0.0])  # the third row is padding
-  squared, signal = jax.jit(functools.partial(
-      diagnostics._phase_statistics, fns, 1, 4))(  # pylint: disable=protected-access
-          trainable, frozen, batch, mask)
+  squared, signal = jax.jit(
+      functools.partial(diagnostics._phase_statistics, fns, 1, 4)
+  )(  # pylint: disable=protected-access
+      trainable, frozen, batch, mask
+  )
   sums = jax.jit(fns._local_sums)(  # pylint: disable=protected-access
-      trainable, frozen, batch, mask)
+      trainable, frozen, batch, mask
+  )
   assert signal and set(signal) == set(sums["expert"])
   for path, value in signal.items():
-    np.testing.assert_allclose(value, sums["expert"][path], rtol=1e-5, atol=1e-12)
-  clip_energy = 1e-3 ** 2 if phase.joint_clip else 2e-3 ** 2  # C^2 or C_e^2 per record
-  assert sum(float(v) for v in squared.values()) == pytest.approx(2 * clip_energy, rel=1e-3)
+    np.testing.assert_allclose(
+        value, sums["expert"][path], rtol=1e-5, atol=1e-12
+    )
+  clip_energy = (
+      1e-3**2 if phase.joint_clip else 2e-3**2
+  )  # C^2 or C_e^2 per record
+  assert sum(float(v) for v in squared.values()) == pytest.approx(
+      2 * clip_energy, rel=1e-3
+  )
   assert float(squared["router"]) == 0.0 and float(squared["experts"]) > 0

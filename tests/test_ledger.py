@@ -21,8 +21,10 @@ def _alternating(cycles, ledger=None):
 
 def test_counts_merge_per_stream():
   ledger = _alternating(7)
-  assert ledger.entries == (LedgerEntry('shared', _Q, _SIGMA_SHARED, 7),
-                            LedgerEntry('expert', _Q, _SIGMA_EXPERT, 7))
+  assert ledger.entries == (
+      LedgerEntry('shared', _Q, _SIGMA_SHARED, 7),
+      LedgerEntry('expert', _Q, _SIGMA_EXPERT, 7),
+  )
   assert ledger.steps('shared') == ledger.steps('expert') == 7
   ledger.record('shared', sample_rate=_Q, noise_multiplier=2.0, steps=3)
   assert len(ledger.entries) == 3 and ledger.steps('shared') == 10
@@ -31,8 +33,13 @@ def test_counts_merge_per_stream():
 def test_epsilon_is_raptor_epsilon():
   ledger = _alternating(50)
   assert ledger.epsilon(_DELTA) == accounting.raptor_epsilon(
-      sigma_shared=_SIGMA_SHARED, sigma_expert=_SIGMA_EXPERT, sample_rate=_Q,
-      steps_shared=50, steps_expert=50, delta=_DELTA)
+      sigma_shared=_SIGMA_SHARED,
+      sigma_expert=_SIGMA_EXPERT,
+      sample_rate=_Q,
+      steps_shared=50,
+      steps_expert=50,
+      delta=_DELTA,
+  )
 
 
 def test_epsilon_grows_with_steps():
@@ -43,17 +50,6 @@ def test_epsilon_grows_with_steps():
     _alternating(25, ledger)
     spent.append(ledger.epsilon(_DELTA))  # Each record invalidates the cache.
   assert all(a < b for a, b in zip(spent, spent[1:]))
-
-
-def test_record_joint_is_one_sample_event():
-  ledger = PrivacyLedger()
-  ledger.record_joint({'shared': _SIGMA_SHARED, 'expert': _SIGMA_EXPERT},
-                      sample_rate=_Q, steps=40)
-  (entry,) = ledger.entries
-  assert entry.stream == 'shared+expert' and entry.steps == 40
-  assert ledger.epsilon(_DELTA) == accounting.raptor_epsilon(
-      sigma_shared=_SIGMA_SHARED, sigma_expert=_SIGMA_EXPERT, sample_rate=_Q,
-      steps_shared=40, steps_expert=40, delta=_DELTA, joint=True)
 
 
 def test_json_round_trip_and_resume():
@@ -70,14 +66,24 @@ def test_json_round_trip_and_resume():
   assert restored.epsilon(_DELTA) == ledger.epsilon(_DELTA)
 
 
-@pytest.mark.parametrize('kwargs, match', [
-    (dict(stream='', sample_rate=0.1, noise_multiplier=1.0), 'stream'),
-    (dict(stream='s', sample_rate=0.0, noise_multiplier=1.0), 'sample_rate'),
-    (dict(stream='s', sample_rate=0.1, noise_multiplier=0.0),
-     'noise_multiplier'),
-    (dict(stream='s', sample_rate=0.1, noise_multiplier=1.0, steps=0),
-     'steps'),
-])
+@pytest.mark.parametrize(
+    'kwargs, match',
+    [
+        (dict(stream='', sample_rate=0.1, noise_multiplier=1.0), 'stream'),
+        (
+            dict(stream='s', sample_rate=0.0, noise_multiplier=1.0),
+            'sample_rate',
+        ),
+        (
+            dict(stream='s', sample_rate=0.1, noise_multiplier=0.0),
+            'noise_multiplier',
+        ),
+        (
+            dict(stream='s', sample_rate=0.1, noise_multiplier=1.0, steps=0),
+            'steps',
+        ),
+    ],
+)
 def test_invalid_records_raise(kwargs, match):
   stream = kwargs.pop('stream')
   with pytest.raises(ValueError, match=match):

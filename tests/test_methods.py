@@ -9,15 +9,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raptor_jax import accounting, roles, sampling
+from raptor_jax import accounting, ownership, roles, sampling
 from raptor_jax.models import hf
-from raptor_jax.train import loop, methods, parallel, setup, step
+from raptor_jax.train import methods, parallel, setup, step
 
 import helpers
 
-SPARSE, LAYER, E = (1, 3), 3, 4  # four blocks: sparse blocks 1 and 3, four experts
+SPARSE, LAYER, E = (
+    (1, 3),
+    3,
+    4,
+)  # four blocks: sparse blocks 1 and 3, four experts
 N = 300  # micro_config's records: B = 50, q = 1/6, 6 cycles
-TWO_BLOCKS = {"model.random.num_layers": 2}  # sparse block 1 only: the cheapest to compile
+TWO_BLOCKS = {
+    "model.random.num_layers": 2
+}  # sparse block 1 only: the cheapest to compile
 ABLATIONS = {
     "de_b": {"raptor.expert_denominator": "B"},
     "no_residual": {"raptor.residual": "none"},
@@ -44,8 +50,9 @@ def _cached_calibration():
 
 def _plan(method="raptor", layer=LAYER, **overrides):
   config = micro_config(method=method, **overrides)
-  return methods.build_plan(config, n=N, num_experts=E, sparse_layers=SPARSE,
-                            expert_layer=layer)
+  return methods.build_plan(
+      config, n=N, num_experts=E, sparse_layers=SPARSE, expert_layer=layer
+  )
 
 
 def _epsilon(plan):
@@ -55,17 +62,29 @@ def _epsilon(plan):
 # -- plans and accounting ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("method,overrides", [(m, {}) for m in methods.PRIVATE_METHODS] + [
-    ("raptor", o) for o in ABLATIONS.values()])
-def test_every_private_method_is_calibrated_to_the_same_budget(method, overrides):
+@pytest.mark.parametrize(
+    "method,overrides",
+    [(m, {}) for m in methods.PRIVATE_METHODS]
+    + [("raptor", o) for o in ABLATIONS.values()],
+)
+def test_every_private_method_is_calibrated_to_the_same_budget(
+    method, overrides
+):
   plan = _plan(method, **overrides)
   reference = _plan()
   assert (plan.cycles, plan.sample_rate, plan.delta) == (
-      reference.cycles, reference.sample_rate, reference.delta)
+      reference.cycles,
+      reference.sample_rate,
+      reference.delta,
+  )
   assert plan.cycles == 6 and plan.delta == accounting.default_delta(N)
   target = plan.target_epsilon
   assert target == 8.0
-  assert (1 - accounting.CALIBRATION_RTOL) * target - 1e-9 <= _epsilon(plan) <= target
+  assert (
+      (1 - accounting.CALIBRATION_RTOL) * target - 1e-9
+      <= _epsilon(plan)
+      <= target
+  )
   # Every phase is one Poisson-sampled Gaussian per cycle, on its own stream.
   streams = [phase.stream for phase in plan.phases]
   assert len(set(streams)) == len(streams)
@@ -75,7 +94,11 @@ def test_every_private_method_is_calibrated_to_the_same_budget(method, overrides
 @pytest.mark.parametrize("method", ["nonprivate_lora", "nonprivate_full"])
 def test_nonprivate_methods_have_no_epsilon(method):
   plan = _plan(method)
-  assert plan.event() is None and plan.target_epsilon is None and not methods.is_private(plan)
+  assert (
+      plan.event() is None
+      and plan.target_epsilon is None
+      and not methods.is_private(plan)
+  )
   (phase,) = plan.phases
   assert not phase.private and phase.parts[0].noise_multiplier == 0.0
 
@@ -83,19 +106,30 @@ def test_nonprivate_methods_have_no_epsilon(method):
 def test_raptor_alternates_two_independent_streams():
   plan = _plan()
   shared_phase, expert_phase = plan.phases
-  assert (shared_phase.stream, expert_phase.stream) == (sampling.SHARED_STREAM,
-                                                        sampling.EXPERT_STREAM)
+  assert (shared_phase.stream, expert_phase.stream) == (
+      sampling.SHARED_STREAM,
+      sampling.EXPERT_STREAM,
+  )
   (shared,), (expert,) = shared_phase.parts, expert_phase.parts
   assert shared.roles == ("attention_adapter", "head") and shared.blocks is None
   assert not shared.owner and shared.denominator == 50 and not shared.residual
   assert expert.roles == ("expert_adapter",) and expert.blocks == (LAYER,)
   assert expert.owner and expert.denominator == 50 / E and expert.residual
-  s_sh, s_ex = accounting.calibrate_raptor(target_epsilon=8.0, delta=plan.delta,
-                                           sample_rate=plan.sample_rate, steps=6, rho=0.9)
+  s_sh, s_ex = accounting.calibrate_raptor(
+      target_epsilon=8.0,
+      delta=plan.delta,
+      sample_rate=plan.sample_rate,
+      steps=6,
+      rho=0.9,
+  )
   assert (shared.noise_multiplier, expert.noise_multiplier) == (s_sh, s_ex)
   assert plan.event() == accounting.raptor_event(
-      sigma_shared=s_sh, sigma_expert=s_ex, sample_rate=plan.sample_rate, steps_shared=6,
-      steps_expert=6)
+      sigma_shared=s_sh,
+      sigma_expert=s_ex,
+      sample_rate=plan.sample_rate,
+      steps_shared=6,
+      steps_expert=6,
+  )
 
 
 def test_no_alternation_is_one_gaussian_with_sigma_eff():
@@ -103,20 +137,35 @@ def test_no_alternation_is_one_gaussian_with_sigma_eff():
   (phase,) = plan.phases
   shared, expert = phase.parts
   assert not phase.joint_clip and expert.owner and expert.denominator == 50 / E
-  s_sh, s_ex = accounting.calibrate_raptor(target_epsilon=8.0, delta=plan.delta,
-                                           sample_rate=plan.sample_rate, steps=6, rho=0.9,
-                                           joint=True)
+  s_sh, s_ex = accounting.calibrate_raptor(
+      target_epsilon=8.0,
+      delta=plan.delta,
+      sample_rate=plan.sample_rate,
+      steps=6,
+      rho=0.9,
+      joint=True,
+  )
   assert (shared.noise_multiplier, expert.noise_multiplier) == (s_sh, s_ex)
-  sigma_eff = (s_sh ** -2 + s_ex ** -2) ** -0.5
+  sigma_eff = (s_sh**-2 + s_ex**-2) ** -0.5
   assert phase.noise_multiplier == pytest.approx(sigma_eff, rel=1e-12)
   (event,) = plan.event().events
-  assert event == dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-      plan.sample_rate, dp_accounting.GaussianDpEvent(phase.noise_multiplier)), 6)
+  assert event == dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(
+          plan.sample_rate,
+          dp_accounting.GaussianDpEvent(phase.noise_multiplier),
+      ),
+      6,
+  )
   # Accounting this one-sample run as two independently sampled streams (the
   # reference code's shortcut) would understate its epsilon.
-  separate = accounting.raptor_epsilon(sigma_shared=s_sh, sigma_expert=s_ex,
-                                       sample_rate=plan.sample_rate, steps_shared=6,
-                                       steps_expert=6, delta=plan.delta)
+  separate = accounting.raptor_epsilon(
+      sigma_shared=s_sh,
+      sigma_expert=s_ex,
+      sample_rate=plan.sample_rate,
+      steps_shared=6,
+      steps_expert=6,
+      delta=plan.delta,
+  )
   assert separate < 0.99 * _epsilon(plan)
 
 
@@ -126,10 +175,21 @@ def test_full_model_clip_is_one_clip_and_one_sigma_and_needs_one_sample():
   plan = _plan(**ABLATIONS["full_clip"], **{"privacy.clip_expert": 5.0})
   (phase,) = plan.phases
   shared, expert = phase.parts
-  sigma = accounting.calibrate_dpsgd(target_epsilon=8.0, delta=plan.delta,
-                                     sample_rate=plan.sample_rate, steps=6)
-  assert phase.joint_clip and shared.l2_clip == expert.l2_clip == 1.0  # C_s, not C_e
-  assert shared.noise_multiplier == expert.noise_multiplier == phase.noise_multiplier == sigma
+  sigma = accounting.calibrate_dpsgd(
+      target_epsilon=8.0,
+      delta=plan.delta,
+      sample_rate=plan.sample_rate,
+      steps=6,
+  )
+  assert (
+      phase.joint_clip and shared.l2_clip == expert.l2_clip == 1.0
+  )  # C_s, not C_e
+  assert (
+      shared.noise_multiplier
+      == expert.noise_multiplier
+      == phase.noise_multiplier
+      == sigma
+  )
   assert expert.owner and expert.denominator == 50 / E and expert.residual
 
 
@@ -148,10 +208,16 @@ def test_baseline_a_is_raptors_scope_with_one_clip_sigma_and_denominator():
   assert phase.joint_clip
   assert shared.roles == ("attention_adapter", "head")
   assert expert.roles == ("expert_adapter",) and expert.blocks == (LAYER,)
-  assert not expert.owner and not expert.residual  # every expert of l*, plain loss
+  assert (
+      not expert.owner and not expert.residual
+  )  # every expert of l*, plain loss
   assert shared.l2_clip == expert.l2_clip == 1.0
   assert shared.denominator == expert.denominator == 50.0
-  assert shared.noise_multiplier == expert.noise_multiplier == phase.noise_multiplier
+  assert (
+      shared.noise_multiplier
+      == expert.noise_multiplier
+      == phase.noise_multiplier
+  )
   assert plan.model_options["expert_lora_layers"] == (LAYER,)
 
 
@@ -159,34 +225,62 @@ def test_baselines_b_and_c_are_one_raptor_stream_with_the_whole_budget():
   raptor = _plan()
   (b,) = _plan("baseline_b").phases
   (c,) = _plan("baseline_c").phases
-  sigma = accounting.calibrate_dpsgd(target_epsilon=8.0, delta=raptor.delta,
-                                     sample_rate=raptor.sample_rate, steps=6)
-  assert b.parts == (dataclasses.replace(raptor.phases[0].parts[0], noise_multiplier=sigma),)
-  assert c.parts == (dataclasses.replace(raptor.phases[1].parts[0], noise_multiplier=sigma),)
-  assert (b.stream, c.stream) == (sampling.SHARED_STREAM, sampling.EXPERT_STREAM)
+  sigma = accounting.calibrate_dpsgd(
+      target_epsilon=8.0,
+      delta=raptor.delta,
+      sample_rate=raptor.sample_rate,
+      steps=6,
+  )
+  assert b.parts == (
+      dataclasses.replace(raptor.phases[0].parts[0], noise_multiplier=sigma),
+  )
+  assert c.parts == (
+      dataclasses.replace(raptor.phases[1].parts[0], noise_multiplier=sigma),
+  )
+  assert (b.stream, c.stream) == (
+      sampling.SHARED_STREAM,
+      sampling.EXPERT_STREAM,
+  )
 
 
 def test_monolithic_variants():
   full = _plan("monolithic")
   (part,) = full.phases[0].parts
-  assert set(part.roles) == set(roles.ROLES) - {"attention_adapter", "expert_adapter"}
+  assert set(part.roles) == set(roles.ROLES) - {
+      "attention_adapter",
+      "expert_adapter",
+  }
   assert part.blocks is None and not part.owner and part.denominator == 50.0
-  assert full.model_options["lora_rank"] == 0 and full.model_options["dispatch"] == "dense"
+  assert (
+      full.model_options["lora_rank"] == 0
+      and full.model_options["dispatch"] == "dense"
+  )
   lora = _plan("monolithic_lora", **{"raptor.shared_full_weights": True})
-  assert lora.model_options["attention_lora"]  # RAPTOR's switches do not leak in
+  assert lora.model_options[
+      "attention_lora"
+  ]  # RAPTOR's switches do not leak in
   assert lora.model_options["expert_lora_layers"] == SPARSE
-  assert lora.phases[0].parts[0].roles == ("attention_adapter", "head", "expert_adapter")
+  assert lora.phases[0].parts[0].roles == (
+      "attention_adapter",
+      "head",
+      "expert_adapter",
+  )
 
 
-@pytest.mark.parametrize("how,expected", [("first", 1), ("last", 3), ("1", 1), ("3", 3)])
+@pytest.mark.parametrize(
+    "how,expected", [("first", 1), ("last", 3), ("1", 1), ("3", 3)]
+)
 def test_layer_choice(how, expected, micro_model):
   config = micro_config(**{"raptor.layer": how})
   run_data, backbone, params, _ = micro_model
-  layer, _ = loop.select_expert_layer(config, backbone, params, run_data)
+  layer, _ = ownership.select_expert_layer(config, backbone, params, run_data)
   assert layer == expected
-  plan = methods.build_plan(config, n=N, num_experts=E, sparse_layers=SPARSE,
-                            expert_layer=layer)
-  assert plan.expert_layer == expected and plan.phases[1].parts[0].blocks == (expected,)
+  plan = methods.build_plan(
+      config, n=N, num_experts=E, sparse_layers=SPARSE, expert_layer=layer
+  )
+  assert plan.expert_layer == expected and plan.phases[1].parts[0].blocks == (
+      expected,
+  )
   assert plan.model_options["expert_lora_layers"] == (expected,)
 
 
@@ -205,6 +299,7 @@ def _model_builder(config):
       b, p = hf.with_options(backbone, params, **plan.model_options)
       models[key] = setup.classifier(b, p, 2, "mean", 0)
     return models[key]
+
   return run_data, backbone, params, build
 
 
@@ -227,8 +322,11 @@ def _trainable_roles(method, micro_model):
   return {(roles.role_of(p), roles.block_of(p)) for p in paths}, frozen, params
 
 
-RAPTOR_SCOPE = ({("attention_adapter", b) for b in range(4)} | {("head", None)}
-                | {("expert_adapter", LAYER)})
+RAPTOR_SCOPE = (
+    {("attention_adapter", b) for b in range(4)}
+    | {("head", None)}
+    | {("expert_adapter", LAYER)}
+)
 EXPECTED = {
     "raptor": RAPTOR_SCOPE,
     "baseline_a": RAPTOR_SCOPE,
@@ -243,78 +341,148 @@ EXPECTED = {
 def test_each_method_trains_exactly_its_roles(method, micro_model):
   trainable, frozen, _ = _trainable_roles(method, micro_model)
   assert trainable == EXPECTED[method]
-  assert {roles.role_of(p) for p in frozen} >= {"router", "base"}  # routers never train
+  assert {roles.role_of(p) for p in frozen} >= {
+      "router",
+      "base",
+  }  # routers never train
 
 
 @pytest.mark.parametrize("method", ["monolithic", "nonprivate_full"])
-def test_full_monolithic_trains_every_weight_routers_included(method, micro_model):
+def test_full_monolithic_trains_every_weight_routers_included(
+    method, micro_model
+):
   trainable, frozen, params = _trainable_roles(method, micro_model)
-  assert not frozen  # nothing left frozen: embeddings, norms, routers, experts, head
-  assert {role for role, _ in trainable} == {"attention_kernel", "head", "expert_kernel",
-                                             "router", "base"}
-  assert not any(p.endswith(("lora_a", "lora_b")) for p in roles.flatten(params))
+  assert (
+      not frozen
+  )  # nothing left frozen: embeddings, norms, routers, experts, head
+  assert {role for role, _ in trainable} == {
+      "attention_kernel",
+      "head",
+      "expert_kernel",
+      "router",
+      "base",
+  }
+  assert not any(
+      p.endswith(("lora_a", "lora_b")) for p in roles.flatten(params)
+  )
 
 
 def _phase_functions(plan, model):
-  return [step.PhaseFunctions(model, phase, mesh=parallel.make_mesh(1),
-                              expert_layer=plan.expert_layer,
-                              num_experts=E, learning_rate=1e-2, residual="shared",
-                              residual_gamma=1.0, key=jax.random.PRNGKey(i))
-          for i, phase in enumerate(plan.phases)]
+  return [
+      step.PhaseFunctions(
+          model,
+          phase,
+          mesh=parallel.make_mesh(1),
+          expert_layer=plan.expert_layer,
+          num_experts=E,
+          learning_rate=1e-2,
+          residual="shared",
+          residual_gamma=1.0,
+          key=jax.random.PRNGKey(i),
+      )
+      for i, phase in enumerate(plan.phases)
+  ]
 
 
 def _norm(tree):
-  return float(jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))))
+  return float(
+      jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+  )
 
 
 CLIPS = {"privacy.clip_shared": 1e-4, "privacy.clip_expert": 2e-4}
 
 
-@pytest.mark.parametrize("method,overrides", [(m, {}) for m in methods.PRIVATE_METHODS] + [
-    ("raptor", ABLATIONS["no_alternation"]), ("raptor", ABLATIONS["full_clip"])])
+@pytest.mark.parametrize(
+    "method,overrides",
+    [(m, {}) for m in methods.PRIVATE_METHODS]
+    + [
+        ("raptor", ABLATIONS["no_alternation"]),
+        ("raptor", ABLATIONS["full_clip"]),
+    ],
+)
 def test_each_phase_clips_a_record_as_its_method_says(method, overrides):
   """One record with large gradients in every part: what norm does each part's sum get?"""
   plan = _plan(method, **overrides, **CLIPS)
   for phase in plan.phases:
-    fns = step.PhaseFunctions(None, phase, mesh=parallel.make_mesh(1), expert_layer=LAYER,
-                              num_experts=E, learning_rate=1e-2, residual="shared",
-                              residual_gamma=1.0, key=jax.random.PRNGKey(0))
+    fns = step.PhaseFunctions(
+        None,
+        phase,
+        mesh=parallel.make_mesh(1),
+        expert_layer=LAYER,
+        num_experts=E,
+        learning_rate=1e-2,
+        residual="shared",
+        residual_gamma=1.0,
+        key=jax.random.PRNGKey(0),
+    )
     per_record = {p.name: {"leaf": jnp.full((1, 3), 5.0)} for p in phase.parts}
     clipped = fns._clip(per_record, jnp.ones((1,)))  # pylint: disable=protected-access
     sums = fns._sum(clipped, jnp.array([2]))  # pylint: disable=protected-access
     for part in phase.parts:
       assert sums[part.name]["leaf"].shape == ((E, 3) if part.owner else (3,))
       if part.owner:  # everything in the owner's row
-        assert float(jnp.abs(sums[part.name]["leaf"][np.arange(E) != 2]).max()) == 0.0
+        assert (
+            float(jnp.abs(sums[part.name]["leaf"][np.arange(E) != 2]).max())
+            == 0.0
+        )
     norms = {name: _norm(s) for name, s in sums.items()}
     if phase.joint_clip or len(phase.parts) == 1:
       # One clip over the record's whole gradient (monolithic: every trainable weight).
-      assert _norm(sums) == pytest.approx(phase.parts[0].l2_clip, rel=1e-5), norms
+      assert _norm(sums) == pytest.approx(
+          phase.parts[0].l2_clip, rel=1e-5
+      ), norms
       # C_e for RAPTOR's expert stream on its own, else the one global C = C_s.
       expected = 2e-4 if not phase.joint_clip and phase.parts[0].owner else 1e-4
       assert {p.l2_clip for p in phase.parts} == {expected}
     else:  # separately clipped streams from one sample: C_s and C_e
-      assert norms == pytest.approx({p.name: p.l2_clip for p in phase.parts}, rel=1e-5)
+      assert norms == pytest.approx(
+          {p.name: p.l2_clip for p in phase.parts}, rel=1e-5
+      )
 
 
-def test_one_monolithic_update_moves_every_weight_routers_included(two_block_model):
+def test_one_monolithic_update_moves_every_weight_routers_included(
+    two_block_model,
+):
   """Real gradients, one record, tiny clip: one clip bounds the whole gradient by C."""
   run_data, _, _, build = two_block_model
   config = micro_config(method="monolithic", **TWO_BLOCKS, **CLIPS)
-  plan = methods.build_plan(config, n=N, num_experts=E, sparse_layers=(1,), expert_layer=1)
+  plan = methods.build_plan(
+      config, n=N, num_experts=E, sparse_layers=(1,), expert_layer=1
+  )
   model, params = build(plan)
   trainable, frozen = setup.partition(params, plan.parts)
   assert not frozen
   (fns,) = _phase_functions(plan, model)
   rows = np.zeros((4,), np.int64)
-  batch = jax.tree.map(jnp.asarray, dict(
-      input_ids=run_data.train.input_ids[rows], attention_mask=run_data.train.attention_mask[rows],
-      labels=run_data.train.labels[rows], owners=np.zeros((4,), np.int32)))
+  batch = jax.tree.map(
+      jnp.asarray,
+      dict(
+          input_ids=run_data.train.input_ids[rows],
+          attention_mask=run_data.train.attention_mask[rows],
+          labels=run_data.train.labels[rows],
+          owners=np.zeros((4,), np.int32),
+      ),
+  )
   mask = jnp.array([1.0, 0.0, 0.0, 0.0])
-  sums = fns.accumulate(trainable, frozen, fns.zero_sums(trainable), batch, mask)
+  sums = fns.accumulate(
+      trainable, frozen, fns.zero_sums(trainable), batch, mask
+  )
   assert _norm(sums) == pytest.approx(1e-4, rel=1e-3)
-  grad_roles = {roles.role_of(p) for p, g in sums["all"].items() if float(jnp.abs(g).max()) > 0}
-  assert grad_roles == {"attention_kernel", "head", "expert_kernel", "router", "base"}
+  grad_roles = {
+      roles.role_of(p)
+      for p, g in sums["all"].items()
+      if float(jnp.abs(g).max()) > 0
+  }
+  assert grad_roles == {
+      "attention_kernel",
+      "head",
+      "expert_kernel",
+      "router",
+      "base",
+  }
   new, _ = fns.update(trainable, fns.init_opt_states(trainable), sums)
-  assert all(not np.array_equal(np.asarray(new["all"][p]), np.asarray(v))
-             for p, v in trainable["all"].items())
+  assert all(
+      not np.array_equal(np.asarray(new["all"][p]), np.asarray(v))
+      for p, v in trainable["all"].items()
+  )

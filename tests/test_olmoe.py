@@ -24,30 +24,56 @@ from raptor_jax.models import hf as hf_lib
 
 # Tiny random configs; grouped kv heads everywhere (4 query heads, 2 or 1 kv).
 CONFIGS = {
-    "e8k2_norm_clip": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                           clip_qkv=2.0, num_key_value_heads=2),
-    "e8k2_theta500": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-                          rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                          num_key_value_heads=2),
-    "e16k4_norm": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
-                       num_key_value_heads=2),
-    "e16k4_mqa": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=False,
-                      num_key_value_heads=1),
+    "e8k2_norm_clip": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        clip_qkv=2.0,
+        num_key_value_heads=2,
+    ),
+    "e8k2_theta500": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        num_key_value_heads=2,
+    ),
+    "e16k4_norm": dict(
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        num_key_value_heads=2,
+    ),
+    "e16k4_mqa": dict(
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        num_key_value_heads=1,
+    ),
 }
 VOCAB, SEQ, LAYERS = 60, 11, 2
 
 # Tiny shapes: XLA's LLVM backend optimisation dominates the test time and
 # buys nothing here, so skip it (HLO-level semantics are unchanged).
-_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+_jit = functools.partial(
+    jax.jit, compiler_options={"xla_backend_optimization_level": 0}
+)
 
 
 def _hf_config(**kwargs):
   # initializer_range 0.2 (HF default 0.02) so that attention, experts and
   # the router visibly move the hidden states and routing is decisive.
   return transformers.OlmoeConfig(
-      vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=LAYERS,
-      num_attention_heads=4, pad_token_id=0, eos_token_id=None, initializer_range=0.2,
-      **kwargs)
+      vocab_size=VOCAB,
+      hidden_size=32,
+      intermediate_size=16,
+      num_hidden_layers=LAYERS,
+      num_attention_heads=4,
+      pad_token_id=0,
+      eos_token_id=None,
+      initializer_range=0.2,
+      **kwargs,
+  )
 
 
 def _save_hf(path, seed, **kwargs):
@@ -59,7 +85,10 @@ def _save_hf(path, seed, **kwargs):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   root = tmp_path_factory.mktemp("olmoe")
-  return {name: _save_hf(root / name, i, **kw) for i, (name, kw) in enumerate(CONFIGS.items())}
+  return {
+      name: _save_hf(root / name, i, **kw)
+      for i, (name, kw) in enumerate(CONFIGS.items())
+  }
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +116,20 @@ def _batch(seed=0, batch=4):
 
 
 def _hf_outputs(path, ids, mask):
-  model = transformers.OlmoeModel.from_pretrained(path, attn_implementation="eager").eval()
+  model = transformers.OlmoeModel.from_pretrained(
+      path, attn_implementation="eager"
+  ).eval()
   with torch.no_grad():
-    out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                output_router_logits=True)
+    out = model(
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.tensor(mask),
+        output_router_logits=True,
+    )
   num_experts = model.config.num_experts
   # HF returns each layer's logits flattened to [B * S, E].
   return out.last_hidden_state.numpy(), [
-      r.numpy().reshape(ids.shape + (num_experts,)) for r in out.router_logits]
+      r.numpy().reshape(ids.shape + (num_experts,)) for r in out.router_logits
+  ]
 
 
 def _rel_err(a, b):
@@ -104,7 +139,9 @@ def _rel_err(a, b):
 def _assert_close(a, b, tol=1e-4):
   """max |a - b| <= tol * max |b| (float32 noise scales with the array, not the entry)."""
   b = np.asarray(b)
-  assert np.max(np.abs(np.asarray(a) - b)) <= tol * max(np.max(np.abs(b)), 1e-12)
+  assert np.max(np.abs(np.asarray(a) - b)) <= tol * max(
+      np.max(np.abs(b)), 1e-12
+  )
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -125,38 +162,64 @@ def test_clip_qkv_config_really_clips(checkpoints):
   ids, mask = _batch()
   path = checkpoints["e8k2_norm_clip"]
   clipped, _ = _hf_outputs(path, ids, mask)
-  model = transformers.OlmoeModel.from_pretrained(path, attn_implementation="eager").eval()
+  model = transformers.OlmoeModel.from_pretrained(
+      path, attn_implementation="eager"
+  ).eval()
   model.config.clip_qkv = None
   with torch.no_grad():
-    unclipped = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    unclipped = model(
+        input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)
+    )
   assert _rel_err(unclipped.last_hidden_state.numpy(), clipped) > 1e-3
 
 
 def test_config_from_checkpoint(loaded):
   cfg = loaded("e8k2_norm_clip")[0].config
-  assert (cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, cfg.clip_qkv) == (8, 2, True, 2.0)
+  assert (cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, cfg.clip_qkv) == (
+      8,
+      2,
+      True,
+      2.0,
+  )
   assert cfg.sparse_layers == tuple(range(LAYERS))
   assert cfg.num_key_value_heads == 2 and cfg.rope_theta == 10000.0
   assert loaded("e8k2_theta500")[0].config.rope_theta == 500.0
   # transformers v4 config.json: rope_theta at top level, rope_scaling null.
-  v4 = dict(model_type="olmoe", hidden_size=32, num_attention_heads=4, rope_theta=321.0,
-            rope_scaling=None, num_local_experts=4, num_experts_per_tok=1)
+  v4 = dict(
+      model_type="olmoe",
+      hidden_size=32,
+      num_attention_heads=4,
+      rope_theta=321.0,
+      rope_scaling=None,
+      num_local_experts=4,
+      num_experts_per_tok=1,
+  )
   cfg = hf_lib.olmoe_config_from_hf(v4)
-  assert (cfg.rope_theta, cfg.num_experts, cfg.num_key_value_heads) == (321.0, 4, 4)
+  assert (cfg.rope_theta, cfg.num_experts, cfg.num_key_value_heads) == (
+      321.0,
+      4,
+      4,
+  )
 
 
 def test_unsupported_configs_and_options_fail_clearly(checkpoints):
   with pytest.raises(ValueError, match="unsupported RoPE type 'linear'"):
-    hf_lib.olmoe_config_from_hf({"rope_parameters": {"rope_type": "linear", "factor": 2.0}})
+    hf_lib.olmoe_config_from_hf(
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}
+    )
   with pytest.raises(ValueError, match="attention_bias"):
     hf_lib.olmoe_config_from_hf({"attention_bias": True})
-  with pytest.raises(ValueError, match=r"unknown from_pretrained option\(s\) \['lora_rnak'\]"):
+  with pytest.raises(
+      ValueError, match=r"unknown from_pretrained option\(s\) \['lora_rnak'\]"
+  ):
     models.from_pretrained(checkpoints["e8k2_norm_clip"], lora_rnak=2)
-  with pytest.raises(ValueError, match="not blocks of this model"):
+  with pytest.raises(ValueError, match="not sparse blocks of this model"):
     models.OlmoeConfig(num_hidden_layers=2, expert_lora_layers=(2,))
 
 
-def test_fused_and_base_model_layouts_load_the_same_params(checkpoints, loaded, tmp_path):
+def test_fused_and_base_model_layouts_load_the_same_params(
+    checkpoints, loaded, tmp_path
+):
   """v5's fused in-memory layout and OlmoeModel's prefix-free names both load."""
   path = checkpoints["e16k4_norm"]
   want = loaded("e16k4_norm")[1]
@@ -172,7 +235,9 @@ def test_fused_and_base_model_layouts_load_the_same_params(checkpoints, loaded, 
     _, got = models.from_pretrained(layout)
     jax.tree.map(np.testing.assert_array_equal, got, want)
   assert json.loads((path / "config.json").read_text())["model_type"] == "olmoe"
-  assert not any("lm_head" in p for p in flax.traverse_util.flatten_dict(want, sep="/"))
+  assert not any(
+      "lm_head" in p for p in flax.traverse_util.flatten_dict(want, sep="/")
+  )
 
 
 def test_batch_of_one_equals_its_row(loaded):
@@ -180,9 +245,14 @@ def test_batch_of_one_equals_its_row(loaded):
   _, params, apply = loaded("e8k2_norm_clip")
   full = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
   for row in range(ids.shape[0]):
-    one = apply({"params": params}, jnp.asarray(ids[row:row + 1]),
-                jnp.asarray(mask[row:row + 1]))
-    np.testing.assert_allclose(one.hidden_states[0], full.hidden_states[row], rtol=1e-5, atol=1e-5)
+    one = apply(
+        {"params": params},
+        jnp.asarray(ids[row : row + 1]),
+        jnp.asarray(mask[row : row + 1]),
+    )
+    np.testing.assert_allclose(
+        one.hidden_states[0], full.hidden_states[row], rtol=1e-5, atol=1e-5
+    )
     for a, b in zip(one.router_logits, full.router_logits):
       np.testing.assert_allclose(a[0], b[row], rtol=1e-5, atol=1e-5)
 
@@ -197,8 +267,15 @@ def test_grouped_dispatch_equals_dense(checkpoints, loaded):
 
 
 def _lora_model(path, **options):
-  options = dict(dict(lora_rank=2, lora_alpha=4.0, attention_lora=True,
-                      expert_lora_layers=(1,)), **options)
+  options = dict(
+      dict(
+          lora_rank=2,
+          lora_alpha=4.0,
+          attention_lora=True,
+          expert_lora_layers=(1,),
+      ),
+      **options,
+  )
   return models.from_pretrained(path, **options)
 
 
@@ -217,6 +294,7 @@ def lora_model(checkpoints):
     def loss(p):
       hidden = module.apply({"params": p}, x[None], m[None]).hidden_states
       return _probe(hidden), hidden[0]
+
     return jax.value_and_grad(loss, has_aux=True)(p)
 
   return module, params, record_value_and_grad
@@ -228,18 +306,29 @@ def test_lora_with_zero_b_leaves_outputs_unchanged(loaded, lora_model):
   _, lora_params, record_value_and_grad = lora_model
   flat = flax.traverse_util.flatten_dict(lora_params, sep="/")
   assert {p for p in flat if "lora" in p} == {
-      f"block_{i}/attention/{m}/lora_{ab}" for i in range(LAYERS) for m in "qkvo" for ab in "ab"
-  } | {f"block_1/mlp/experts/{m}/lora_{ab}" for m in ("gate", "up", "down") for ab in "ab"}
+      f"block_{i}/attention/{m}/lora_{ab}"
+      for i in range(LAYERS)
+      for m in "qkvo"
+      for ab in "ab"
+  } | {
+      f"block_1/mlp/experts/{m}/lora_{ab}"
+      for m in ("gate", "up", "down")
+      for ab in "ab"
+  }
   assert flat["block_1/mlp/experts/gate/lora_a"].shape == (8, 32, 2)
   assert flat["block_1/mlp/experts/down/lora_b"].shape == (8, 2, 32)
   assert flat["block_0/attention/k/lora_b"].shape == (2, 16)
   assert flat["block_0/attention/q_norm/scale"].shape == (32,)
   assert flat["block_0/attention/k_norm/scale"].shape == (16,)
   for row in range(len(ids)):
-    want = base({"params": base_params}, jnp.asarray(ids[row:row + 1]),
-                jnp.asarray(mask[row:row + 1])).hidden_states[0]
-    (_, got), _ = record_value_and_grad(lora_params, jnp.asarray(ids[row]),
-                                        jnp.asarray(mask[row]))
+    want = base(
+        {"params": base_params},
+        jnp.asarray(ids[row : row + 1]),
+        jnp.asarray(mask[row : row + 1]),
+    ).hidden_states[0]
+    (_, got), _ = record_value_and_grad(
+        lora_params, jnp.asarray(ids[row]), jnp.asarray(mask[row])
+    )
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -252,7 +341,9 @@ def _probe(hidden):
 def _set_nonzero_b(params, key):
   flat = flax.traverse_util.flatten_dict(params, sep="/")
   for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
-    flat[path] = 0.3 * jax.random.normal(jax.random.fold_in(key, i), flat[path].shape)
+    flat[path] = 0.3 * jax.random.normal(
+        jax.random.fold_in(key, i), flat[path].shape
+    )
   return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
@@ -261,9 +352,12 @@ def test_lora_params_get_gradients(lora_model):
   ids, mask = _batch()
   _, params, record_value_and_grad = lora_model
   grad = lambda p: flax.traverse_util.flatten_dict(
-      record_value_and_grad(p, jnp.asarray(ids[2]), jnp.asarray(mask[2]))[1], sep="/")
+      record_value_and_grad(p, jnp.asarray(ids[2]), jnp.asarray(mask[2]))[1],
+      sep="/",
+  )
   adapters = [f"block_1/mlp/experts/{m}" for m in ("gate", "up", "down")] + [
-      f"block_{i}/attention/{m}" for i in range(LAYERS) for m in "qkvo"]
+      f"block_{i}/attention/{m}" for i in range(LAYERS) for m in "qkvo"
+  ]
   at_init = grad(params)
   trained = grad(_set_nonzero_b(params, jax.random.PRNGKey(1)))
   for path in adapters:
@@ -272,7 +366,9 @@ def test_lora_params_get_gradients(lora_model):
       assert np.any(np.asarray(trained[f"{path}/{leaf}"]) != 0), (path, leaf)
 
 
-def test_vmapped_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(lora_model):
+def test_vmapped_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
+    lora_model,
+):
   """Per-record owner gradients, vmapped over records as the trainer runs them.
 
   For every record and every candidate owner, the owner-override gradient
@@ -285,25 +381,40 @@ def test_vmapped_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(lor
   params = _set_nonzero_b(params, jax.random.PRNGKey(3))
   num_experts = module.config.num_experts
   experts = params["block_1"]["mlp"]["experts"]
-  lora = {m: {k: experts[m][k] for k in ("lora_a", "lora_b")} for m in ("gate", "up", "down")}
+  lora = {
+      m: {k: experts[m][k] for k in ("lora_a", "lora_b")}
+      for m in ("gate", "up", "down")
+  }
 
   def owner_value_and_grad(owner, x, m):
     slice_ = jax.tree.map(lambda p: p[owner], lora)
+
     def loss(s):
       override = models.OwnerOverride(1, owner, s)
-      return _probe(module.apply({"params": params}, x[None], m[None],
-                                 owner_override=override).hidden_states)
+      return _probe(
+          module.apply(
+              {"params": params}, x[None], m[None], owner_override=override
+          ).hidden_states
+      )
+
     return jax.value_and_grad(loss)(slice_)
 
   rows = np.repeat(np.arange(len(ids)), num_experts)
   owners = np.tile(np.arange(num_experts, dtype=np.int32), len(ids))
   values, grads = _jit(jax.vmap(owner_value_and_grad))(
-      jnp.asarray(owners), jnp.asarray(ids[rows]), jnp.asarray(mask[rows]))
+      jnp.asarray(owners), jnp.asarray(ids[rows]), jnp.asarray(mask[rows])
+  )
   for row in range(len(ids)):
-    (value, _), full = record_value_and_grad(params, jnp.asarray(ids[row]),
-                                             jnp.asarray(mask[row]))
-    full = {m: {k: full["block_1"]["mlp"]["experts"][m][k] for k in ("lora_a", "lora_b")}
-            for m in ("gate", "up", "down")}
+    (value, _), full = record_value_and_grad(
+        params, jnp.asarray(ids[row]), jnp.asarray(mask[row])
+    )
+    full = {
+        m: {
+            k: full["block_1"]["mlp"]["experts"][m][k]
+            for k in ("lora_a", "lora_b")
+        }
+        for m in ("gate", "up", "down")
+    }
     touched = 0
     for owner in range(num_experts):
       i = row * num_experts + owner
@@ -318,16 +429,24 @@ def test_classifier_pools_the_last_real_token(loaded):
   backbone, backbone_params, _ = loaded("e8k2_theta500")
   classifier = models.SequenceClassifier(backbone, num_labels=3, pooling="last")
   keys = jax.random.split(jax.random.PRNGKey(0))
-  head = {"kernel": jax.random.normal(keys[0], (32, 3)), "bias": jax.random.normal(keys[1], (3,))}
+  head = {
+      "kernel": jax.random.normal(keys[0], (32, 3)),
+      "bias": jax.random.normal(keys[1], (3,)),
+  }
   params = {"backbone": backbone_params, "head": head}
   apply = _jit(classifier.apply)
   logits, out = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
   last = mask.sum(axis=1) - 1
   pooled = np.asarray(out.hidden_states)[np.arange(len(ids)), last]
-  want = pooled @ np.asarray(params["head"]["kernel"]) + np.asarray(params["head"]["bias"])
+  want = pooled @ np.asarray(params["head"]["kernel"]) + np.asarray(
+      params["head"]["bias"]
+  )
   np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
   # Causal attention: tokens written into the padding cannot change the logits.
   noisy = np.where(mask == 1, ids, (ids + 7) % VOCAB)
-  np.testing.assert_allclose(apply({"params": params}, jnp.asarray(noisy), jnp.asarray(mask))[0],
-                             logits, rtol=1e-6, atol=1e-6)
-
+  np.testing.assert_allclose(
+      apply({"params": params}, jnp.asarray(noisy), jnp.asarray(mask))[0],
+      logits,
+      rtol=1e-6,
+      atol=1e-6,
+  )

@@ -17,15 +17,26 @@ from raptor_jax.train import train_and_evaluate
 
 from helpers import latest_state, load_config_module, micro_config
 
-OLMOE = {"model.random.family": "olmoe", "model.random.num_experts": 4,
-         "model.random.top_k": 2, "model.random.num_kv_heads": 1}
+OLMOE = {
+    "model.random.family": "olmoe",
+    "model.random.num_experts": 4,
+    "model.random.top_k": 2,
+    "model.random.num_kv_heads": 1,
+}
 
 
 def _lora_b_moved(trainable, role):
   """Largest |lora_b| over the trained adapters of `role` (B starts at zero)."""
-  flat = {p: v for part in trainable.values() for p, v in roles.flatten(part).items()}
-  values = [np.abs(v).max() for p, v in flat.items()
-            if roles.role_of(p) == role and p.endswith("lora_b")]
+  flat = {
+      p: v
+      for part in trainable.values()
+      for p, v in roles.flatten(part).items()
+  }
+  values = [
+      np.abs(v).max()
+      for p, v in flat.items()
+      if roles.role_of(p) == role and p.endswith("lora_b")
+  ]
   assert values, f"no {role} trained"
   return min(values)
 
@@ -52,7 +63,12 @@ def test_raptor_trains_the_olmoe_config_end_to_end(tmp_path):
   config.model.random.num_layers, config.data.synthetic.n_train = 2, 1000
   results = train_and_evaluate(config, str(tmp_path))
   report = json.loads((tmp_path / "privacy_report.json").read_text())
-  assert report["finished"] and report["epsilon"] <= report["target_epsilon"] == 8.0
+  assert (
+      report["finished"]
+      and report["epsilon"] <= report["target_epsilon"] == 8.0
+  )
   selection = json.loads((tmp_path / "layer_selection.json").read_text())
   assert [row["layer"] for row in selection["public_corpus"]] == [0, 1]
-  assert results["cycles"] == 4 and results["trainable_parameters"]["expert"] > 0
+  assert (
+      results["cycles"] == 4 and results["trainable_parameters"]["expert"] > 0
+  )

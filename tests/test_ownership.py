@@ -42,8 +42,11 @@ def test_top_k_gate_weighted_plurality_against_brute_force():
   logits = rng.randn(20, 7, 6).astype(np.float32)
   mask = (rng.rand(20, 7) > 0.3).astype(np.float32)
   for k, normalize in ((2, False), (3, True)):
-    got = np.asarray(ownership.owners(logits, mask, top_k=k, weighting="prob",
-                                      normalize=normalize))
+    got = np.asarray(
+        ownership.owners(
+            logits, mask, top_k=k, weighting="prob", normalize=normalize
+        )
+    )
     for i in range(20):
       votes = np.zeros(6)
       for t in range(7):
@@ -69,14 +72,18 @@ def test_routing_stats_by_hand():
 
 
 def test_layer_selection_picks_maximum_entropy_layer():
-  public_owners = np.array([
-      [0, 0, 0, 0, 1, 1, 2, 3],  # skewed
-      [0, 1, 2, 3, 0, 1, 2, 3],  # uniform: maximum entropy
-      [0, 0, 1, 1, 0, 0, 1, 1],  # two experts
-  ])
+  public_owners = np.array(
+      [
+          [0, 0, 0, 0, 1, 1, 2, 3],  # skewed
+          [0, 1, 2, 3, 0, 1, 2, 3],  # uniform: maximum entropy
+          [0, 0, 1, 1, 0, 0, 1, 1],  # two experts
+      ]
+  )
   table = ownership.layer_table(public_owners, layers=(1, 3, 5), num_experts=4)
   assert ownership.select_layer("entropy", (1, 3, 5), table) == 3
-  assert ownership.select_layer("entropy", (1, 3, 5), None) == 5  # no corpus: last
+  assert (
+      ownership.select_layer("entropy", (1, 3, 5), None) == 5
+  )  # no corpus: last
   assert ownership.select_layer("first", (1, 3, 5), table) == 1
   assert ownership.select_layer(5, (1, 3, 5), table) == 5
   with pytest.raises(ValueError, match="not a sparse layer"):
@@ -90,7 +97,10 @@ def test_owners_per_layer_pads_and_trims():
 
   def router_fn(ids, mask):
     calls.append(ids.shape)
-    return (jax.nn.one_hot(ids % 3, 3) * 4.0, jax.nn.one_hot((ids + 1) % 3, 3) * 4.0)
+    return (
+        jax.nn.one_hot(ids % 3, 3) * 4.0,
+        jax.nn.one_hot((ids + 1) % 3, 3) * 4.0,
+    )
 
   ids = np.array([[0, 0, 1], [1, 1, 2], [2, 2, 0], [1, 0, 1], [2, 2, 2]])
   mask = np.ones_like(ids)

@@ -15,8 +15,14 @@ from raptor_jax.pretrain import corpus, model, objectives, pretrain, tokenizer, 
 
 
 def tiny_config(steps=20, family="switch"):
-  config = pretrain_config.with_preset(pretrain_config.base_config(family), "tiny")
-  config.steps, config.warmup_steps, config.log_every = steps, min(4, steps - 1), 5
+  config = pretrain_config.with_preset(
+      pretrain_config.base_config(family), "tiny"
+  )
+  config.steps, config.warmup_steps, config.log_every = (
+      steps,
+      min(4, steps - 1),
+      5,
+  )
   config.checkpoint_every, config.progress_bar = 10, False
   return config
 
@@ -39,97 +45,155 @@ def test_masking_statistics():
   real = jnp.arange(64)[None, :] < lengths[:, None]
   ids = jnp.where(real, ids, 0).at[:, 0].set(2)  # [CLS] first, padding after
   maskable = real & (ids >= 5)
-  batch = objectives.mask_tokens(key_mask, ids, maskable, mask_id=4, random_ids=(5, 1000))
+  batch = objectives.mask_tokens(
+      key_mask, ids, maskable, mask_id=4, random_ids=(5, 1000)
+  )
   chosen = batch.weights > 0
-  np.testing.assert_array_equal(np.asarray(chosen.sum(1)),
-                                np.round(0.15 * np.asarray(maskable.sum(1))))
-  picked = np.asarray(jnp.take_along_axis(maskable, batch.positions, 1))[np.asarray(chosen)]
+  np.testing.assert_array_equal(
+      np.asarray(chosen.sum(1)), np.round(0.15 * np.asarray(maskable.sum(1)))
+  )
+  picked = np.asarray(jnp.take_along_axis(maskable, batch.positions, 1))[
+      np.asarray(chosen)
+  ]
   assert picked.all()  # only maskable positions are predicted
-  np.testing.assert_array_equal(np.asarray(batch.targets)[np.asarray(chosen)],
-                                np.asarray(jnp.take_along_axis(ids, batch.positions, 1))[
-                                    np.asarray(chosen)])
-  new = np.asarray(jnp.take_along_axis(batch.input_ids, batch.positions, 1))[np.asarray(chosen)]
+  np.testing.assert_array_equal(
+      np.asarray(batch.targets)[np.asarray(chosen)],
+      np.asarray(jnp.take_along_axis(ids, batch.positions, 1))[
+          np.asarray(chosen)
+      ],
+  )
+  new = np.asarray(jnp.take_along_axis(batch.input_ids, batch.positions, 1))[
+      np.asarray(chosen)
+  ]
   old = np.asarray(batch.targets)[np.asarray(chosen)]
   n = new.size
   as_mask, kept = np.mean(new == 4), np.mean(new == old)
   assert abs(as_mask - 0.8) < 4 * np.sqrt(0.16 / n)
   assert abs(kept - (0.1 + 0.9 / 995 * 0.1)) < 4 * np.sqrt(0.09 / n) + 0.001
   unchosen = np.ones(ids.shape, bool)
-  np.put_along_axis(unchosen, np.asarray(batch.positions), ~np.asarray(chosen), 1)
-  np.testing.assert_array_equal(np.asarray(batch.input_ids)[unchosen], np.asarray(ids)[unchosen])
+  np.put_along_axis(
+      unchosen, np.asarray(batch.positions), ~np.asarray(chosen), 1
+  )
+  np.testing.assert_array_equal(
+      np.asarray(batch.input_ids)[unchosen], np.asarray(ids)[unchosen]
+  )
 
 
 def test_switch_aux_losses_match_transformers_and_are_minimised_by_uniform_routing():
   from transformers.models.switch_transformers import modeling_switch_transformers as hf_switch
+
   logits = jax.random.normal(jax.random.PRNGKey(1), (3, 16, 4)) * 2.0
   mask = jnp.ones((3, 16), jnp.int32)
   probs = jax.nn.softmax(logits)
   expected = hf_switch.load_balancing_loss_func(
-      torch.tensor(np.asarray(probs)), torch.tensor(np.asarray(jnp.argmax(logits, -1))))
-  np.testing.assert_allclose(objectives.switch_load_balancing_loss(logits, mask),
-                             float(expected), rtol=1e-5)
-  np.testing.assert_allclose(objectives.router_z_loss(logits, mask),
-                             float(hf_switch.router_z_loss_func(
-                                 torch.tensor(np.asarray(logits)))), rtol=1e-5)
+      torch.tensor(np.asarray(probs)),
+      torch.tensor(np.asarray(jnp.argmax(logits, -1))),
+  )
+  np.testing.assert_allclose(
+      objectives.switch_load_balancing_loss(logits, mask),
+      float(expected),
+      rtol=1e-5,
+  )
+  np.testing.assert_allclose(
+      objectives.router_z_loss(logits, mask),
+      float(hf_switch.router_z_loss_func(torch.tensor(np.asarray(logits)))),
+      rtol=1e-5,
+  )
   # Uniform dispatch (each expert a quarter of the tokens, equal probabilities) gives the
   # minimum 1; random routing more; everything on one expert E.
   uniform = jnp.tile(jnp.eye(4) * 1e-3, (3, 4, 1))
-  assert objectives.switch_load_balancing_loss(uniform, mask) == pytest.approx(1.0, abs=1e-3)
+  assert objectives.switch_load_balancing_loss(uniform, mask) == pytest.approx(
+      1.0, abs=1e-3
+  )
   assert objectives.switch_load_balancing_loss(logits, mask) > 1.0
   collapsed = jnp.zeros((3, 16, 4)).at[..., 0].set(20.0)
-  assert objectives.switch_load_balancing_loss(collapsed, mask) == pytest.approx(4.0, rel=1e-4)
+  assert objectives.switch_load_balancing_loss(
+      collapsed, mask
+  ) == pytest.approx(4.0, rel=1e-4)
   # Padding is ignored: padded tokens routed anywhere change nothing.
   padded = jnp.concatenate([logits, collapsed], axis=1)
   pad_mask = jnp.concatenate([mask, jnp.zeros_like(mask)], axis=1)
-  np.testing.assert_allclose(objectives.switch_load_balancing_loss(padded, pad_mask),
-                             objectives.switch_load_balancing_loss(logits, mask), rtol=1e-6)
+  np.testing.assert_allclose(
+      objectives.switch_load_balancing_loss(padded, pad_mask),
+      objectives.switch_load_balancing_loss(logits, mask),
+      rtol=1e-6,
+  )
 
 
 def test_owner_balance_loss_is_minimised_by_balanced_owners_and_pushes_the_top_owner_down():
   num_experts = 4
-  balanced = jnp.stack([jnp.zeros((6, num_experts)).at[:, b % num_experts].set(5.0)
-                        for b in range(8)])  # record b: every token to expert b % 4
+  balanced = jnp.stack(
+      [
+          jnp.zeros((6, num_experts)).at[:, b % num_experts].set(5.0)
+          for b in range(8)
+      ]
+  )  # record b: every token to expert b % 4
   mask = jnp.ones((8, 6))
-  assert objectives.owner_balance_loss(balanced, mask) == pytest.approx(1.0, abs=1e-3)
+  assert objectives.owner_balance_loss(balanced, mask) == pytest.approx(
+      1.0, abs=1e-3
+  )
   collapsed = jnp.zeros((8, 6, num_experts)).at[..., 0].set(5.0)
   assert objectives.owner_balance_loss(collapsed, mask) > 3.5
   noisy = collapsed + jax.random.normal(jax.random.PRNGKey(0), collapsed.shape)
   grad = jax.grad(lambda l: objectives.owner_balance_loss(l, mask))(noisy)
-  assert float(grad[..., 0].sum()) > 0 > float(grad[..., 1:].sum())  # descent moves records off
+  assert (
+      float(grad[..., 0].sum()) > 0 > float(grad[..., 1:].sum())
+  )  # descent moves records off
   # Padding never votes: a record's padded tail routed elsewhere changes nothing.
   tail = jnp.zeros((8, 3, num_experts)).at[..., 3].set(9.0)
   np.testing.assert_allclose(
-      objectives.owner_balance_loss(jnp.concatenate([balanced, tail], 1),
-                                    jnp.concatenate([mask, jnp.zeros((8, 3))], 1)),
-      objectives.owner_balance_loss(balanced, mask), rtol=1e-6)
+      objectives.owner_balance_loss(
+          jnp.concatenate([balanced, tail], 1),
+          jnp.concatenate([mask, jnp.zeros((8, 3))], 1),
+      ),
+      objectives.owner_balance_loss(balanced, mask),
+      rtol=1e-6,
+  )
 
 
 def test_topk_aux_loss_matches_olmoe_transformers():
   from transformers.models.olmoe import modeling_olmoe as hf_olmoe
+
   keys = jax.random.split(jax.random.PRNGKey(2), 2)
   logits = [jax.random.normal(k, (2, 8, 6)) for k in keys]
   mask = jnp.array([[1] * 8, [1] * 5 + [0] * 3])
   expected = hf_olmoe.load_balancing_loss_func(
-      tuple(torch.tensor(np.asarray(l).reshape(-1, 6)) for l in logits), 6, 2,
-      torch.tensor(np.asarray(mask)))
-  np.testing.assert_allclose(objectives.topk_load_balancing_loss(logits, mask, 2),
-                             float(expected), rtol=1e-5)
+      tuple(torch.tensor(np.asarray(l).reshape(-1, 6)) for l in logits),
+      6,
+      2,
+      torch.tensor(np.asarray(mask)),
+  )
+  np.testing.assert_allclose(
+      objectives.topk_load_balancing_loss(logits, mask, 2),
+      float(expected),
+      rtol=1e-5,
+  )
   # Uniform dispatch (tokens cycle over the expert pairs, near-equal probabilities) gives
   # the minimum top_k; routing every token to the same two experts gives more.
-  pairs = jnp.stack([jnp.zeros(6).at[2 * (t % 3)].set(1e-3).at[2 * (t % 3) + 1].set(1e-3)
-                     for t in range(8)])
+  pairs = jnp.stack(
+      [
+          jnp.zeros(6).at[2 * (t % 3)].set(1e-3).at[2 * (t % 3) + 1].set(1e-3)
+          for t in range(8)
+      ]
+  )
   uniform = [jnp.broadcast_to(pairs, (2, 8, 6))] * 2
   full = jnp.ones((2, 8), jnp.int32)
-  assert objectives.topk_load_balancing_loss(uniform, full, 2) == pytest.approx(2.0, abs=1e-3)
+  assert objectives.topk_load_balancing_loss(uniform, full, 2) == pytest.approx(
+      2.0, abs=1e-3
+  )
   collapsed = [jnp.zeros((2, 8, 6)).at[..., :2].set(10.0)] * 2
-  assert objectives.topk_load_balancing_loss(collapsed, full, 2) == pytest.approx(6.0, rel=1e-3)
+  assert objectives.topk_load_balancing_loss(
+      collapsed, full, 2
+  ) == pytest.approx(6.0, rel=1e-3)
   assert objectives.topk_load_balancing_loss(logits, full, 2) > 2.0
 
 
 def test_spectral_embeddings_put_words_of_shared_contexts_together():
   """Tokens 10 and 11 always appear between the same neighbours, 20 and 21 between
-  others: PPMI + SVD gives each pair nearly the same direction, far from the other."""
+  others: PPMI + SVD gives each pair nearly the same direction, far from the other.
+  """
   from raptor_jax.pretrain import embeddings
+
   rng = np.random.default_rng(0)
   rows = []
   for _ in range(400):
@@ -140,8 +204,10 @@ def test_spectral_embeddings_put_words_of_shared_contexts_together():
   assert unit[10] @ unit[11] > 0.9 and unit[20] @ unit[21] > 0.9
   assert abs(unit[10] @ unit[20]) < 0.5
   assert emb.shape == (64, 8) and abs(float(emb.std()) - 1.0) < 0.2
-  np.testing.assert_array_equal(emb, embeddings.spectral_embeddings(np.array(rows), 64, 8,
-                                                                    std=1.0, seed=0))
+  np.testing.assert_array_equal(
+      emb,
+      embeddings.spectral_embeddings(np.array(rows), 64, 8, std=1.0, seed=0),
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -149,14 +215,24 @@ def test_spectral_embeddings_put_words_of_shared_contexts_together():
 
 
 def test_decontamination_drops_every_document_holding_a_task_text():
-  task = ["it 's a charming and often affecting journey . ",
-          "the film does n't work as a thriller , and it is not much fun either . ", "good"]
-  docs = ["A review: It's a charming and often affecting journey. Loved it.",
-          "Critics said the film doesn't work as a thriller, and it is not much fun either!",
-          "This one is good, really good.",  # "good" is too short to count as a copy
-          "An unrelated paragraph about trains and weather."]
+  task = [
+      "it 's a charming and often affecting journey . ",
+      "the film does n't work as a thriller , and it is not much fun either . ",
+      "good",
+  ]
+  docs = [
+      "A review: It's a charming and often affecting journey. Loved it.",
+      "Critics said the film doesn't work as a thriller, and it is not much fun either!",
+      "This one is good, really good.",  # "good" is too short to count as a copy
+      "An unrelated paragraph about trains and weather.",
+  ]
   index = corpus.contamination_index(task, min_chars=32)
-  assert [corpus.is_contaminated(d, index, 32) for d in docs] == [True, True, False, False]
+  assert [corpus.is_contaminated(d, index, 32) for d in docs] == [
+      True,
+      True,
+      False,
+      False,
+  ]
 
 
 def test_tokenizer_training_is_deterministic():
@@ -167,24 +243,46 @@ def test_tokenizer_training_is_deterministic():
   tok = toks[0]
   assert set(tok.all_special_tokens) == set(tokenizer.SPECIAL_TOKENS)
   assert "##e" in tok.get_vocab()
-  assert tok.tokenize("##e") != ["##e"]  # text "##e" is not matched as a special token
+  assert tok.tokenize("##e") != [
+      "##e"
+  ]  # text "##e" is not matched as a special token
 
 
 def test_build_corpus_reports_and_removes_contamination(tmp_path):
   path = tmp_path / "pub.txt"
-  task = [f"a distinct sentence number {i} from the private task train split ." for i in range(5)]
-  lines = ["= Heading =", " ", "plain public text one", "plain public text one",
-           "plain public text two"] + [f"prefix {t} suffix" for t in task] + [
-               f"public document {i} with enough words to be a document" for i in range(200)]
+  task = [
+      f"a distinct sentence number {i} from the private task train split ."
+      for i in range(5)
+  ]
+  lines = (
+      [
+          "= Heading =",
+          " ",
+          "plain public text one",
+          "plain public text one",
+          "plain public text two",
+      ]
+      + [f"prefix {t} suffix" for t in task]
+      + [
+          f"public document {i} with enough words to be a document"
+          for i in range(200)
+      ]
+  )
   path.write_text("\n".join(lines))
-  built = corpus.build_corpus([f"wikitext2={path}"], contaminants=task, heldout_fraction=0.1)
+  built = corpus.build_corpus(
+      [f"wikitext2={path}"], contaminants=task, heldout_fraction=0.1
+  )
   kept = built.train + built.heldout
   assert built.stats["contaminated"] == 5 and built.stats["duplicate"] == 1
   assert built.stats["empty"] == 2  # the heading and the blank line
-  assert not any(corpus.normalize(t) in corpus.normalize(d) for t in task for d in kept)
+  assert not any(
+      corpus.normalize(t) in corpus.normalize(d) for t in task for d in kept
+  )
   assert len(kept) == 202 and 0 < len(built.heldout) < 60
   # The held-out split depends on each text alone, not on the rest of the corpus.
-  again = corpus.build_corpus([f"wikitext2={path}"], contaminants=[], heldout_fraction=0.1)
+  again = corpus.build_corpus(
+      [f"wikitext2={path}"], contaminants=[], heldout_fraction=0.1
+  )
   assert set(built.heldout) <= set(again.heldout)
 
 
@@ -200,8 +298,16 @@ def test_pretraining_reduces_the_heldout_loss(switch_run):
   module = model.backbone("switch", config.model, len(data["tokenizer"]))
   initial = model.init_params(module, jax.random.PRNGKey(config.seed))
   ids = jnp.asarray(data["heldout_rows"][:16])
-  loss = lambda p: model.loss_fn(module, p, ids, jax.random.PRNGKey(9), special, mlm_rate=0.15,
-                                 aux_loss_coef=0.0, z_loss_coef=0.0)[1]["lm_loss"]
+  loss = lambda p: model.loss_fn(
+      module,
+      p,
+      ids,
+      jax.random.PRNGKey(9),
+      special,
+      mlm_rate=0.15,
+      aux_loss_coef=0.0,
+      z_loss_coef=0.0,
+  )[1]["lm_loss"]
   _, trained = models.from_pretrained(workdir / "model")
   assert float(loss({"backbone": trained})) < float(loss(initial)) - 0.3
   assert report["finished"] and report["tokens_seen"] == 20 * 16 * 32
@@ -213,41 +319,65 @@ def test_pretraining_reduces_the_heldout_loss(switch_run):
 
 def test_export_round_trip_matches_transformers(switch_run):
   from transformers import AutoTokenizer, SwitchTransformersEncoderModel
+
   workdir, _ = switch_run
   model_dir = workdir / "model"
   module, params = models.from_pretrained(model_dir)
   tok = AutoTokenizer.from_pretrained(model_dir)
-  batch = tok(["cold coffee was great", "the loud hotel , awful"], padding=True,
-              return_tensors="np")
-  ours = module.apply({"params": params}, batch["input_ids"], batch["attention_mask"])
+  batch = tok(
+      ["cold coffee was great", "the loud hotel , awful"],
+      padding=True,
+      return_tensors="np",
+  )
+  ours = module.apply(
+      {"params": params}, batch["input_ids"], batch["attention_mask"]
+  )
   hf = SwitchTransformersEncoderModel.from_pretrained(model_dir).eval()
   with torch.no_grad():
-    theirs = hf(input_ids=torch.tensor(batch["input_ids"]),
-                attention_mask=torch.tensor(batch["attention_mask"]),
-                output_router_logits=True)
+    theirs = hf(
+        input_ids=torch.tensor(batch["input_ids"]),
+        attention_mask=torch.tensor(batch["attention_mask"]),
+        output_router_logits=True,
+    )
   real = batch["attention_mask"].astype(bool)
-  np.testing.assert_allclose(np.asarray(ours.hidden_states)[real],
-                             theirs.last_hidden_state.numpy()[real], atol=1e-4, rtol=1e-4)
-  np.testing.assert_allclose(np.asarray(ours.router_logits[0])[real],
-                             theirs.router_logits[0].numpy()[real], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(
+      np.asarray(ours.hidden_states)[real],
+      theirs.last_hidden_state.numpy()[real],
+      atol=1e-4,
+      rtol=1e-4,
+  )
+  np.testing.assert_allclose(
+      np.asarray(ours.router_logits[0])[real],
+      theirs.router_logits[0].numpy()[real],
+      atol=1e-4,
+      rtol=1e-4,
+  )
 
 
 def test_resume_is_exact(switch_run, tmp_path):
   workdir, report = switch_run
   config = tiny_config()
-  config.stop_after_steps = 7  # stops between two checkpoints: the interrupt path saves step 7
+  config.stop_after_steps = (
+      7  # stops between two checkpoints: the interrupt path saves step 7
+  )
   first = pretrain(config, tmp_path)
-  assert not first["finished"] and first["steps"] == 7 and first["model_dir"] is None
+  assert (
+      not first["finished"]
+      and first["steps"] == 7
+      and first["model_dir"] is None
+  )
   config.stop_after_steps = 0
   resumed = pretrain(config, tmp_path)
   assert resumed["finished"] and resumed["steps"] == 20
-  assert ((tmp_path / "model" / "model.safetensors").read_bytes()
-          == (workdir / "model" / "model.safetensors").read_bytes())
+  assert (tmp_path / "model" / "model.safetensors").read_bytes() == (
+      workdir / "model" / "model.safetensors"
+  ).read_bytes()
   assert resumed["heldout"] == report["heldout"]
 
 
 def test_olmoe_pretraining_exports_a_causal_lm(tmp_path):
   from transformers import OlmoeForCausalLM
+
   config = tiny_config(steps=4, family="olmoe")
   config.checkpoint_every = 100
   report = pretrain(config, tmp_path)
@@ -257,23 +387,37 @@ def test_olmoe_pretraining_exports_a_causal_lm(tmp_path):
   mask = (ids != 0).astype(np.int64)
   hidden = module.apply({"params": params}, ids, mask).hidden_states
   from safetensors.numpy import load_file
-  head = load_file(str(tmp_path / "model" / "model.safetensors"))["lm_head.weight"]
+
+  head = load_file(str(tmp_path / "model" / "model.safetensors"))[
+      "lm_head.weight"
+  ]
   ours = np.asarray(hidden) @ head.T
   hf = OlmoeForCausalLM.from_pretrained(tmp_path / "model").eval()
   with torch.no_grad():
-    theirs = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    theirs = hf(
+        input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)
+    ).logits.numpy()
   np.testing.assert_allclose(ours[:, :5], theirs[:, :5], atol=1e-4, rtol=1e-4)
 
 
-def test_finetuning_reads_the_pretrained_model_and_its_tokenizer(switch_run, tmp_path):
+def test_finetuning_reads_the_pretrained_model_and_its_tokenizer(
+    switch_run, tmp_path
+):
   from raptor_jax.train import config as train_config, setup
+
   workdir, _ = switch_run
   config = train_config.with_preset(train_config.base_config(), "tiny")
   config.model.name = str(workdir / "model")
   run_data = setup.load_run_data(config)
-  assert run_data.tokenizer.mask_token == "[MASK]"  # the model's WordPiece, not the task's
-  assert len(run_data.tokenizer) == json.loads((workdir / "model" / "config.json").read_text())[
-      "vocab_size"]
+  assert (
+      run_data.tokenizer.mask_token == "[MASK]"
+  )  # the model's WordPiece, not the task's
+  assert (
+      len(run_data.tokenizer)
+      == json.loads((workdir / "model" / "config.json").read_text())[
+          "vocab_size"
+      ]
+  )
   assert run_data.token_groups is None
   backbone, _ = setup.load_backbone(config, run_data)
   assert backbone.config.num_experts == 4
@@ -292,10 +436,24 @@ def test_validation_errors_name_the_field():
 def test_launch_pretrain_tiny(tmp_path):
   """The README's pretraining command on the generated corpus (what CI runs)."""
   import subprocess, sys, os  # pylint: disable=g-import-not-at-top,multiple-imports
+
   env = dict(os.environ, XLA_FLAGS="")
-  proc = subprocess.run([sys.executable, "launch/pretrain.py",
-                         "--config=configs/pretrain_switch.py:tiny", f"--workdir={tmp_path}",
-                         "--config.progress_bar=False"], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+      [
+          sys.executable,
+          "launch/pretrain.py",
+          "--config=configs/pretrain_switch.py:tiny",
+          f"--workdir={tmp_path}",
+          "--config.progress_bar=False",
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "held-out LM loss" in proc.stdout and (tmp_path / "model" / "tokenizer.json").exists()
+  assert (
+      "held-out LM loss" in proc.stdout
+      and (tmp_path / "model" / "tokenizer.json").exists()
+  )

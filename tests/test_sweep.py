@@ -16,8 +16,13 @@ from helpers import ROOT, micro_config
 def test_grid_runs_seed_by_seed_with_one_nonprivate_cell_per_seed():
   cells = sweep.grid("sst2", ["raptor", "nonprivate_lora"], [1.0, 8.0], [0, 1])
   assert [(c.variant, c.target_epsilon, c.seed) for c in cells] == [
-      ("raptor", 1.0, 0), ("raptor", 8.0, 0), ("nonprivate_lora", None, 0),
-      ("raptor", 1.0, 1), ("raptor", 8.0, 1), ("nonprivate_lora", None, 1)]
+      ("raptor", 1.0, 0),
+      ("raptor", 8.0, 0),
+      ("nonprivate_lora", None, 0),
+      ("raptor", 1.0, 1),
+      ("raptor", 8.0, 1),
+      ("nonprivate_lora", None, 1),
+  ]
   assert str(cells[2].directory("/w")) == "/w/sst2/nonprivate_lora/epsinf/seed0"
   assert str(cells[1].directory("/w")) == "/w/sst2/raptor/eps8/seed0"
   with pytest.raises(ValueError, match="unknown variants"):
@@ -48,54 +53,118 @@ def test_run_is_resumable_and_skips_finished_cells(tmp_path):
   with pytest.raises(KeyboardInterrupt):
     sweep.run(micro_config(), tmp_path, train=fake_train, **grid)
   sweep.run(micro_config(), tmp_path, train=fake_train, **grid)
-  assert calls == [("raptor", 2.0, 0), ("baseline_a", 2.0, 0), ("baseline_a", 2.0, 0)]
+  assert calls == [
+      ("raptor", 2.0, 0),
+      ("baseline_a", 2.0, 0),
+      ("baseline_a", 2.0, 0),
+  ]
   sweep.run(micro_config(), tmp_path, train=fake_train, **grid)
   assert len(calls) == 3
-  cell = json.loads((tmp_path / "synthetic/raptor/eps2/seed0/cell.json").read_text())
-  assert cell == {"task": "synthetic", "variant": "raptor", "target_epsilon": 2.0, "seed": 0,
-                  "tune_clip": None, "clip_shared": 1.0, "clip_expert": 1.0}
+  cell = json.loads(
+      (tmp_path / "synthetic/raptor/eps2/seed0/cell.json").read_text()
+  )
+  assert cell == {
+      "task": "synthetic",
+      "variant": "raptor",
+      "target_epsilon": 2.0,
+      "seed": 0,
+      "tune_clip": None,
+      "clip_shared": 1.0,
+      "clip_expert": 1.0,
+  }
 
 
-def test_clip_tuning_scores_on_the_holdout_and_every_seed_uses_the_choice(tmp_path):
+def test_clip_tuning_scores_on_the_holdout_and_every_seed_uses_the_choice(
+    tmp_path,
+):
   """Each (variant, epsilon) tries the grid with the tuning seed on held-out train
-  records, picks the best (ties: first in the grid), and its table cells use it."""
+  records, picks the best (ties: first in the grid), and its table cells use it.
+  """
   calls = []
   holdout_accuracy = {0.1: 0.70, 1.0: 0.75, 10.0: 0.75}
 
   def fake_train(config, workdir):
-    calls.append((config.method, config.seed, config.privacy.clip_shared,
-                  config.privacy.clip_expert, config.data.eval_split))
+    calls.append(
+        (
+            config.method,
+            config.seed,
+            config.privacy.clip_shared,
+            config.privacy.clip_expert,
+            config.data.eval_split,
+        )
+    )
     accuracy = holdout_accuracy[config.privacy.clip_shared]
     if config.method == "monolithic_lora":
       accuracy = 1.0 - accuracy  # its best clip is 0.1
-    (tmp_path / workdir / "results.json").write_text(json.dumps(dict(accuracy=accuracy)))
+    (tmp_path / workdir / "results.json").write_text(
+        json.dumps(dict(accuracy=accuracy))
+    )
 
   base = micro_config()
   with pytest.raises(ValueError, match="holdout"):
-    sweep.run(base, tmp_path, variants=["raptor"], epsilons=[8.0], seeds=[0],
-              clip_grid=[0.1, 1.0], train=fake_train)
+    sweep.run(
+        base,
+        tmp_path,
+        variants=["raptor"],
+        epsilons=[8.0],
+        seeds=[0],
+        clip_grid=[0.1, 1.0],
+        train=fake_train,
+    )
   base.data.train_limit, base.data.holdout = 100, 20
   with pytest.raises(ValueError, match="tune_seed"):
-    sweep.run(base, tmp_path, variants=["raptor"], epsilons=[8.0], seeds=[0, 100],
-              clip_grid=[0.1], train=fake_train)
-  grid = dict(variants=["raptor", "monolithic_lora", "nonprivate_lora"], epsilons=[8.0],
-              seeds=[0, 1], clip_grid=[0.1, 1.0, 10.0], tune_seed=100)
+    sweep.run(
+        base,
+        tmp_path,
+        variants=["raptor"],
+        epsilons=[8.0],
+        seeds=[0, 100],
+        clip_grid=[0.1],
+        train=fake_train,
+    )
+  grid = dict(
+      variants=["raptor", "monolithic_lora", "nonprivate_lora"],
+      epsilons=[8.0],
+      seeds=[0, 1],
+      clip_grid=[0.1, 1.0, 10.0],
+      tune_seed=100,
+  )
   sweep.run(base, tmp_path, train=fake_train, **grid)
   tuning = [c for c in calls if c[1] == 100]
-  assert all(c[4] == "holdout" and c[2] == c[3] for c in tuning) and len(tuning) == 6
+  assert (
+      all(c[4] == "holdout" and c[2] == c[3] for c in tuning)
+      and len(tuning) == 6
+  )
   table = [c for c in calls if c[1] != 100]
   assert all(c[4] == "dev" for c in table)
-  assert [c[:3] for c in table] == [("raptor", 0, 1.0), ("monolithic_lora", 0, 0.1),
-                                    ("nonprivate_lora", 0, 1.0), ("raptor", 1, 1.0),
-                                    ("monolithic_lora", 1, 0.1), ("nonprivate_lora", 1, 1.0)]
-  chosen = json.loads((tmp_path / "synthetic/raptor/eps8/tuning.json").read_text())
+  assert [c[:3] for c in table] == [
+      ("raptor", 0, 1.0),
+      ("monolithic_lora", 0, 0.1),
+      ("nonprivate_lora", 0, 1.0),
+      ("raptor", 1, 1.0),
+      ("monolithic_lora", 1, 0.1),
+      ("nonprivate_lora", 1, 1.0),
+  ]
+  chosen = json.loads(
+      (tmp_path / "synthetic/raptor/eps8/tuning.json").read_text()
+  )
   assert chosen["chosen_clip"] == 1.0 and chosen["holdout_accuracy"] == {
-      "0.1": 0.7, "1": 0.75, "10": 0.75}
-  assert len(sweep.collect(tmp_path)) == 6 and len(sweep.collect(tmp_path, tuning=True)) == 6
-  sweep.run(base, tmp_path, train=fake_train, **grid)  # everything done: nothing reruns
+      "0.1": 0.7,
+      "1": 0.75,
+      "10": 0.75,
+  }
+  assert (
+      len(sweep.collect(tmp_path)) == 6
+      and len(sweep.collect(tmp_path, tuning=True)) == 6
+  )
+  sweep.run(
+      base, tmp_path, train=fake_train, **grid
+  )  # everything done: nothing reruns
   assert len(calls) == 12
-  assert "| 8 | Ours, entropy-sel. | 70.00 | 75.00 | 75.00 | 1 |" in report.tuning_markdown(
-      tmp_path)
+  assert (
+      "| 8 | Ours, entropy-sel. | 70.00 | 75.00 | 75.00 | 1 |"
+      in report.tuning_markdown(tmp_path)
+  )
 
 
 def test_paired_difference_and_its_interval(tmp_path):
@@ -107,7 +176,7 @@ def test_paired_difference_and_its_interval(tmp_path):
   (pair,) = report.paired_differences(sweep.collect(tmp_path))
   assert pair["epsilon"] == 1.0 and pair["seeds"] == [0, 1, 2]
   assert pair["mean"] == pytest.approx(2.0)
-  half = 4.302652729911275 * 1.0 / 3 ** 0.5  # t_{0.975, 2} * sd / sqrt(n)
+  half = 4.302652729911275 * 1.0 / 3**0.5  # t_{0.975, 2} * sd / sqrt(n)
   assert pair["ci95"] == pytest.approx((2.0 - half, 2.0 + half))
   text = report.paired_markdown([pair])
   assert "+1.00, +3.00, +2.00 | +2.00 | [-0.48, +4.48]" in text
@@ -117,13 +186,26 @@ def _fake_cell(root, task, variant, eps, seed, accuracy, wall=10.0):
   cell = sweep.Cell(task, variant, eps, seed)
   directory = cell.directory(root)
   directory.mkdir(parents=True)
-  (directory / "cell.json").write_text(json.dumps(
-      dict(task=task, variant=variant, target_epsilon=eps, seed=seed)))
-  (directory / "results.json").write_text(json.dumps(
-      dict(accuracy=accuracy, wall_time_s=wall, finished=True, task=task, epsilon=eps)))
+  (directory / "cell.json").write_text(
+      json.dumps(
+          dict(task=task, variant=variant, target_epsilon=eps, seed=seed)
+      )
+  )
+  (directory / "results.json").write_text(
+      json.dumps(
+          dict(
+              accuracy=accuracy,
+              wall_time_s=wall,
+              finished=True,
+              task=task,
+              epsilon=eps,
+          )
+      )
+  )
   table = [dict(layer=1, entropy_norm=0.4), dict(layer=3, entropy_norm=0.9)]
-  (directory / "layer_selection.json").write_text(json.dumps(
-      dict(selected_layer=3, rule="entropy", public_corpus=table)))
+  (directory / "layer_selection.json").write_text(
+      json.dumps(dict(selected_layer=3, rule="entropy", public_corpus=table))
+  )
 
 
 def test_table_in_the_layout_of_tab_1(tmp_path):
@@ -134,8 +216,12 @@ def test_table_in_the_layout_of_tab_1(tmp_path):
     _fake_cell(tmp_path, "sst2", "raptor", 1.0, seed, b)
   _fake_cell(tmp_path, "sst2", "nonprivate_lora", None, 0, 0.95)
   paths = report.write(tmp_path)
-  assert [p.name for p in paths] == ["results.csv", "results.md", "accuracy_vs_epsilon.png",
-                                     "routing_entropy.png"]
+  assert [p.name for p in paths] == [
+      "results.csv",
+      "results.md",
+      "accuracy_vs_epsilon.png",
+      "routing_entropy.png",
+  ]
   md = (tmp_path / "results.md").read_text()
   rows = [line for line in md.splitlines() if line.startswith("| ")]
   assert rows[:5] == [
@@ -143,19 +229,32 @@ def test_table_in_the_layout_of_tab_1(tmp_path):
       "| ∞ | Non-priv. LoRA | - | 95.00 |",
       "| 1 | Ours, entropy-sel. | - | 81.00 ± 1.41 |",
       "| 8 | Monolith. DP-Adam LoRA | - | 81.00 ± 1.41 |",
-      "|  | Ours, entropy-sel. | 81.00 ± 1.41 | 91.00 ± 1.41 |"]
-  assert "| 8 | Monolith. DP-Adam LoRA | - | 10 |" in md  # mean wall time per run
+      "|  | Ours, entropy-sel. | 81.00 ± 1.41 | 91.00 ± 1.41 |",
+  ]
+  assert (
+      "| 8 | Monolith. DP-Adam LoRA | - | 10 |" in md
+  )  # mean wall time per run
   assert "|  | Ours, entropy-sel. | 10 | 11 |" in md
   with open(tmp_path / "results.csv", encoding="utf-8") as f:
     table = list(csv.DictReader(f))
   assert [(r["epsilon"], r["variant"]) for r in table] == [
-      ("inf", "nonprivate_lora"), ("1", "raptor"), ("8", "monolithic_lora"), ("8", "raptor")]
+      ("inf", "nonprivate_lora"),
+      ("1", "raptor"),
+      ("8", "monolithic_lora"),
+      ("8", "raptor"),
+  ]
   assert float(table[3]["sst2_mean"]) == pytest.approx(91.0)
   assert float(table[3]["sst2_std"]) == pytest.approx(1.4142, abs=1e-4)
-  assert table[3]["sst2_seeds"] == "2" and float(table[3]["sst2_wall_time_s"]) == 11.0
+  assert (
+      table[3]["sst2_seeds"] == "2"
+      and float(table[3]["sst2_wall_time_s"]) == 11.0
+  )
   assert table[0]["qnli_mean"] == "" and table[0]["sst2_std"] == ""
   for png in paths[2:]:
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert (
+        png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        and png.stat().st_size > 5000
+    )
 
 
 def test_report_needs_finished_cells(tmp_path):
@@ -165,16 +264,28 @@ def test_report_needs_finished_cells(tmp_path):
 
 def test_tiny_sweep_trains_and_writes_table_plots_and_diagnostics(tmp_path):
   """2 methods x 1 epsilon x 1 seed through the real loop; App. G diagnostics of one."""
+
   def diagnose_baseline_c(config, directory):
     if config.method == "baseline_c":
       diagnostics.write_for_run(config, directory)
 
-  config = micro_config(**{"model.random.num_layers": 2, "data.synthetic.n_train": 100})
-  sweep.run(config, tmp_path, variants=["baseline_c", "nonprivate_lora"], epsilons=[8.0],
-            seeds=[0], after=diagnose_baseline_c)
+  config = micro_config(
+      **{"model.random.num_layers": 2, "data.synthetic.n_train": 100}
+  )
+  sweep.run(
+      config,
+      tmp_path,
+      variants=["baseline_c", "nonprivate_lora"],
+      epsilons=[8.0],
+      seeds=[0],
+      after=diagnose_baseline_c,
+  )
   report.write(tmp_path)
   md = (tmp_path / "results.md").read_text()
-  assert "| ∞ | Non-priv. LoRA |" in md and "| 8 | Baseline C (expert-only) |" in md
+  assert (
+      "| ∞ | Non-priv. LoRA |" in md
+      and "| 8 | Baseline C (expert-only) |" in md
+  )
   for name in ("accuracy_vs_epsilon.png", "routing_entropy.png"):
     assert (tmp_path / name).stat().st_size > 5000
   cell = tmp_path / "synthetic" / "baseline_c" / "eps8" / "seed0"
@@ -184,11 +295,20 @@ def test_tiny_sweep_trains_and_writes_table_plots_and_diagnostics(tmp_path):
   assert diag["data"].startswith("dev split") and not diag["private_audit"]
   assert diag["method"] == "baseline_c" and diag["expert_layer"] == 1
   mismatch = diag["role_mismatch"]
-  assert set(mismatch["param_share"]) == {"experts"} and mismatch["M_role"] == 0.0
-  assert len(diag["expert_snr"]["per_expert"]) == 4 and diag["expert_snr"]["mean"] > 0
+  assert (
+      set(mismatch["param_share"]) == {"experts"} and mismatch["M_role"] == 0.0
+  )
+  assert (
+      len(diag["expert_snr"]["per_expert"]) == 4
+      and diag["expert_snr"]["mean"] > 0
+  )
   assert set(diag["noise_sensitivity"]["roles"]) == {"experts"}
-  assert "M_role" not in (cell / "metrics.jsonl").read_text()  # never in training logs
-  assert not (tmp_path / "synthetic/nonprivate_lora/epsinf/seed0/diagnostics.json").exists()
+  assert (
+      "M_role" not in (cell / "metrics.jsonl").read_text()
+  )  # never in training logs
+  assert not (
+      tmp_path / "synthetic/nonprivate_lora/epsinf/seed0/diagnostics.json"
+  ).exists()
   table = (tmp_path / "diagnostics.md").read_text()
   assert "| synthetic | 8 | Baseline C (expert-only) | 0 |" in table
   assert "Non-priv" not in table
@@ -196,8 +316,21 @@ def test_tiny_sweep_trains_and_writes_table_plots_and_diagnostics(tmp_path):
 
 def test_launch_script_rebuilds_the_table(tmp_path):
   _fake_cell(tmp_path, "sst2", "raptor", 8.0, 0, 0.9)
-  proc = subprocess.run([sys.executable, "launch/sweep.py", f"--workdir={tmp_path}",
-                         "--table_only"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+      [
+          sys.executable,
+          "launch/sweep.py",
+          f"--workdir={tmp_path}",
+          "--table_only",
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "results.md" in proc.stdout
-  assert "| 8 | Ours, entropy-sel. | 90.00 |" in (tmp_path / "results.md").read_text()
+  assert (
+      "| 8 | Ours, entropy-sel. | 90.00 |"
+      in (tmp_path / "results.md").read_text()
+  )

@@ -13,12 +13,36 @@ from raptor_jax.models import moe
 
 # (name, config kwargs, capacity small enough to drop tokens?)
 CONFIGS = {
-    "e2_step2": dict(d_model=16, d_kv=4, num_heads=2, d_ff=24, num_layers=4,
-                     num_experts=2, expert_capacity=64, num_sparse_encoder_layers=2),
-    "e4_step1_drop": dict(d_model=24, d_kv=6, num_heads=3, d_ff=32, num_layers=3,
-                          num_experts=4, expert_capacity=2, num_sparse_encoder_layers=3),
-    "e8_step2_drop": dict(d_model=32, d_kv=8, num_heads=4, d_ff=16, num_layers=4,
-                          num_experts=8, expert_capacity=1, num_sparse_encoder_layers=2),
+    "e2_step2": dict(
+        d_model=16,
+        d_kv=4,
+        num_heads=2,
+        d_ff=24,
+        num_layers=4,
+        num_experts=2,
+        expert_capacity=64,
+        num_sparse_encoder_layers=2,
+    ),
+    "e4_step1_drop": dict(
+        d_model=24,
+        d_kv=6,
+        num_heads=3,
+        d_ff=32,
+        num_layers=3,
+        num_experts=4,
+        expert_capacity=2,
+        num_sparse_encoder_layers=3,
+    ),
+    "e8_step2_drop": dict(
+        d_model=32,
+        d_kv=8,
+        num_heads=4,
+        d_ff=16,
+        num_layers=4,
+        num_experts=8,
+        expert_capacity=1,
+        num_sparse_encoder_layers=2,
+    ),
 }
 VOCAB, SEQ = 60, 11
 
@@ -26,8 +50,12 @@ VOCAB, SEQ = 60, 11
 def _save_hf(path, seed, **kwargs):
   torch.manual_seed(seed)
   config = transformers.SwitchTransformersConfig(
-      vocab_size=VOCAB, num_decoder_layers=1, relative_attention_num_buckets=8,
-      relative_attention_max_distance=20, **kwargs)
+      vocab_size=VOCAB,
+      num_decoder_layers=1,
+      relative_attention_num_buckets=8,
+      relative_attention_max_distance=20,
+      **kwargs,
+  )
   model = transformers.SwitchTransformersForConditionalGeneration(config)
   # Make routing decisive and varied (HF initialises routers with std 1 but
   # experts identically distributed; this is only to exercise capacity).
@@ -38,7 +66,10 @@ def _save_hf(path, seed, **kwargs):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   root = tmp_path_factory.mktemp("switch")
-  return {name: _save_hf(root / name, i, **kw) for i, (name, kw) in enumerate(CONFIGS.items())}
+  return {
+      name: _save_hf(root / name, i, **kw)
+      for i, (name, kw) in enumerate(CONFIGS.items())
+  }
 
 
 def _batch(seed=0, batch=4):
@@ -52,10 +83,15 @@ def _batch(seed=0, batch=4):
 
 
 def _hf_outputs(path, ids, mask):
-  model = transformers.SwitchTransformersEncoderModel.from_pretrained(path).eval()
+  model = transformers.SwitchTransformersEncoderModel.from_pretrained(
+      path
+  ).eval()
   with torch.no_grad():
-    out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                output_router_logits=True)
+    out = model(
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.tensor(mask),
+        output_router_logits=True,
+    )
   return out.last_hidden_state.numpy(), [r.numpy() for r in out.router_logits]
 
 
@@ -66,7 +102,9 @@ def _rel_err(a, b):
 def _assert_close(a, b, tol=1e-4):
   """max |a - b| <= tol * max |b| (float32 noise scales with the array, not the entry)."""
   b = np.asarray(b)
-  assert np.max(np.abs(np.asarray(a) - b)) <= tol * max(np.max(np.abs(b)), 1e-12)
+  assert np.max(np.abs(np.asarray(a) - b)) <= tol * max(
+      np.max(np.abs(b)), 1e-12
+  )
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -75,7 +113,11 @@ def test_parity_with_hugging_face(checkpoints, name):
   module, params = models.from_pretrained(checkpoints[name])
   want_h, want_logits = _hf_outputs(checkpoints[name], ids, mask)
   out = module.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
-  assert len(out.router_logits) == len(want_logits) == len(module.config.sparse_layers)
+  assert (
+      len(out.router_logits)
+      == len(want_logits)
+      == len(module.config.sparse_layers)
+  )
   assert _rel_err(out.hidden_states, want_h) < 1e-4
   for got, want in zip(out.router_logits, want_logits):
     assert got.dtype == jnp.float32
@@ -92,18 +134,33 @@ def test_small_capacity_really_drops_tokens(checkpoints):
 
 
 def test_sparse_layer_positions():
-  assert models.SwitchConfig(num_layers=12, sparse_step=2).sparse_layers == (1, 3, 5, 7, 9, 11)
-  assert models.SwitchConfig(num_layers=3, sparse_step=1).sparse_layers == (0, 1, 2)
+  assert models.SwitchConfig(num_layers=12, sparse_step=2).sparse_layers == (
+      1,
+      3,
+      5,
+      7,
+      9,
+      11,
+  )
+  assert models.SwitchConfig(num_layers=3, sparse_step=1).sparse_layers == (
+      0,
+      1,
+      2,
+  )
   assert models.SwitchConfig(num_layers=4, sparse_step=4).sparse_layers == (1,)
 
 
 def test_route_top1_capacity_by_hand():
   # Tokens 0..4 all prefer expert 1; capacity 2 keeps tokens 0 and 1 only.
-  logits = jnp.array([[0.0, 3.0], [0.0, 2.0], [0.0, 1.0], [0.0, 4.0], [2.0, 0.0]])
+  logits = jnp.array(
+      [[0.0, 3.0], [0.0, 2.0], [0.0, 1.0], [0.0, 4.0], [2.0, 0.0]]
+  )
   routing = moe.route_top1(logits[None], expert_capacity=2)
   np.testing.assert_array_equal(routing.experts[0, :, 0], [1, 1, 2, 2, 0])
   assert float(routing.weights[0, 2, 0]) == 0.0
-  np.testing.assert_allclose(routing.weights[0, 0, 0], jax.nn.softmax(logits[0])[1], rtol=1e-6)
+  np.testing.assert_allclose(
+      routing.weights[0, 0, 0], jax.nn.softmax(logits[0])[1], rtol=1e-6
+  )
 
 
 def test_batch_of_one_equals_its_row(checkpoints):
@@ -112,9 +169,14 @@ def test_batch_of_one_equals_its_row(checkpoints):
   apply = jax.jit(module.apply)
   full = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
   for row in range(ids.shape[0]):
-    one = apply({"params": params}, jnp.asarray(ids[row:row + 1]),
-                jnp.asarray(mask[row:row + 1]))
-    np.testing.assert_allclose(one.hidden_states[0], full.hidden_states[row], rtol=1e-5, atol=1e-5)
+    one = apply(
+        {"params": params},
+        jnp.asarray(ids[row : row + 1]),
+        jnp.asarray(mask[row : row + 1]),
+    )
+    np.testing.assert_allclose(
+        one.hidden_states[0], full.hidden_states[row], rtol=1e-5, atol=1e-5
+    )
     for a, b in zip(one.router_logits, full.router_logits):
       np.testing.assert_allclose(a[0], b[row], rtol=1e-5, atol=1e-5)
 
@@ -122,10 +184,14 @@ def test_batch_of_one_equals_its_row(checkpoints):
 def test_grouped_dispatch_equals_dense(checkpoints):
   ids, mask = _batch()
   grouped, params = models.from_pretrained(checkpoints["e8_step2_drop"])
-  dense, _ = models.from_pretrained(checkpoints["e8_step2_drop"], dispatch="dense")
+  dense, _ = models.from_pretrained(
+      checkpoints["e8_step2_drop"], dispatch="dense"
+  )
   a = grouped.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
   b = dense.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
-  np.testing.assert_allclose(a.hidden_states, b.hidden_states, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+      a.hidden_states, b.hidden_states, rtol=1e-5, atol=1e-5
+  )
 
 
 @pytest.mark.parametrize("num_experts,rows", [(3, 1), (4, 37), (8, 300)])
@@ -133,12 +199,22 @@ def test_grouped_linear_matches_dense_values_and_input_grads(num_experts, rows):
   keys = jax.random.split(jax.random.PRNGKey(num_experts), 3)
   x = jax.random.normal(keys[0], (rows, 5))
   w = jax.random.normal(keys[1], (num_experts, 5, 7))
-  experts = jax.random.randint(keys[2], (rows,), 0, num_experts + 1)  # E = dropped
-  np.testing.assert_allclose(moe.grouped_linear(x, experts, w),
-                             moe.dense_linear(x, experts, w), rtol=1e-5, atol=1e-5)
+  experts = jax.random.randint(
+      keys[2], (rows,), 0, num_experts + 1
+  )  # E = dropped
+  np.testing.assert_allclose(
+      moe.grouped_linear(x, experts, w),
+      moe.dense_linear(x, experts, w),
+      rtol=1e-5,
+      atol=1e-5,
+  )
   loss = lambda f: lambda x: jnp.sum(jnp.sin(f(x, experts, w)))
-  np.testing.assert_allclose(jax.grad(loss(moe.grouped_linear))(x),
-                             jax.grad(loss(moe.dense_linear))(x), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+      jax.grad(loss(moe.grouped_linear))(x),
+      jax.grad(loss(moe.dense_linear))(x),
+      rtol=1e-5,
+      atol=1e-5,
+  )
   # The base weights are constants of the grouped dispatch.
   dw = jax.grad(lambda w: jnp.sum(moe.grouped_linear(x, experts, w)))(w)
   assert not np.any(np.asarray(dw))
@@ -146,7 +222,8 @@ def test_grouped_linear_matches_dense_values_and_input_grads(num_experts, rows):
 
 @pytest.mark.parametrize("num_experts,rows", [(3, 1), (8, 300)])
 def test_grouped_linear_with_frozen_lora_matches_a_brute_force_loop_under_vmap(
-    num_experts, rows):
+    num_experts, rows
+):
   """x @ (W[e] + A[e] B[e]) in one dispatch (the owner path's frozen layer), per
   record: values and input gradients against a per-row NumPy loop."""
   keys = jax.random.split(jax.random.PRNGKey(rows), 5)
@@ -154,10 +231,14 @@ def test_grouped_linear_with_frozen_lora_matches_a_brute_force_loop_under_vmap(
   w = jax.random.normal(keys[1], (num_experts, 5, 7))
   a = jax.random.normal(keys[2], (num_experts, 5, 3))
   b = jax.random.normal(keys[3], (num_experts, 3, 7))
-  experts = jax.random.randint(keys[4], (2, rows), 0, num_experts + 1)  # E = dropped
+  experts = jax.random.randint(
+      keys[4], (2, rows), 0, num_experts + 1
+  )  # E = dropped
   layer = jax.vmap(lambda x, e: moe.grouped_linear(x, e, w, (a, b)))
   expected = np.zeros((2, rows, 7), np.float32)
-  dx = np.zeros((2, rows, 5), np.float32)  # gradient of sum(sin(y)) with respect to x
+  dx = np.zeros(
+      (2, rows, 5), np.float32
+  )  # gradient of sum(sin(y)) with respect to x
   for i, t in np.ndindex(2, rows):
     e = int(experts[i, t])
     if e < num_experts:
@@ -170,7 +251,9 @@ def test_grouped_linear_with_frozen_lora_matches_a_brute_force_loop_under_vmap(
 
 
 @pytest.mark.parametrize("owner", [0, 2])
-def test_owner_lora_delta_gives_the_owner_slice_and_the_input_their_full_gradients(owner):
+def test_owner_lora_delta_gives_the_owner_slice_and_the_input_their_full_gradients(
+    owner,
+):
   """Frozen grouped layer + owner delta vs the differentiable dense reference:
   same value, same input gradient (the owner's adapter counted once), and the
   owner factors get the owner slice of the stacked factors' gradient."""
@@ -188,12 +271,17 @@ def test_owner_lora_delta_gives_the_owner_slice_and_the_input_their_full_gradien
     return jnp.sum(jnp.sin(y))
 
   def reference_loss(x, a, b):
-    y = moe.dense_linear(x, experts, w) + moe.expert_lora(x, experts, a, b, scale)
+    y = moe.dense_linear(x, experts, w) + moe.expert_lora(
+        x, experts, a, b, scale
+    )
     return jnp.sum(jnp.sin(y))
 
-  value, (dx, da, db) = jax.value_and_grad(owner_loss, argnums=(0, 1, 2))(x, a[owner], b[owner])
-  ref_value, (ref_dx, ref_da, ref_db) = jax.value_and_grad(reference_loss, argnums=(0, 1, 2))(
-      x, a, b)
+  value, (dx, da, db) = jax.value_and_grad(owner_loss, argnums=(0, 1, 2))(
+      x, a[owner], b[owner]
+  )
+  ref_value, (ref_dx, ref_da, ref_db) = jax.value_and_grad(
+      reference_loss, argnums=(0, 1, 2)
+  )(x, a, b)
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   np.testing.assert_allclose(dx, ref_dx, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(da, ref_da[owner], rtol=1e-4, atol=1e-4)
@@ -202,8 +290,15 @@ def test_owner_lora_delta_gives_the_owner_slice_and_the_input_their_full_gradien
 
 
 def _lora_model(path, **options):
-  options = dict(dict(lora_rank=2, lora_alpha=4.0, attention_lora=True,
-                      expert_lora_layers=(1,)), **options)
+  options = dict(
+      dict(
+          lora_rank=2,
+          lora_alpha=4.0,
+          attention_lora=True,
+          expert_lora_layers=(1,),
+      ),
+      **options,
+  )
   return models.from_pretrained(path, **options)
 
 
@@ -213,13 +308,18 @@ def test_lora_with_zero_b_leaves_outputs_unchanged(checkpoints):
   lora, lora_params = _lora_model(checkpoints["e8_step2_drop"])
   flat = flax.traverse_util.flatten_dict(lora_params, sep="/")
   assert {p for p in flat if "lora" in p} >= {
-      "block_0/attention/q/lora_a", "block_3/attention/o/lora_b",
-      "block_1/mlp/experts/wi/lora_a", "block_1/mlp/experts/wo/lora_b"}
+      "block_0/attention/q/lora_a",
+      "block_3/attention/o/lora_b",
+      "block_1/mlp/experts/wi/lora_a",
+      "block_1/mlp/experts/wo/lora_b",
+  }
   assert flat["block_1/mlp/experts/wi/lora_a"].shape == (8, 32, 2)
   assert not any("lora" in p for p in flat if p.startswith("block_3/mlp"))
   a = base.apply({"params": base_params}, jnp.asarray(ids), jnp.asarray(mask))
   b = lora.apply({"params": lora_params}, jnp.asarray(ids), jnp.asarray(mask))
-  np.testing.assert_allclose(a.hidden_states, b.hidden_states, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+      a.hidden_states, b.hidden_states, rtol=1e-6, atol=1e-6
+  )
 
 
 def _probe(hidden):
@@ -231,55 +331,81 @@ def _probe(hidden):
 def _lora_grads(module, params, ids, mask):
   def loss(p):
     return _probe(module.apply({"params": p}, ids, mask).hidden_states)
-  return flax.traverse_util.flatten_dict(jax.jit(jax.grad(loss))(params), sep="/")
+
+  return flax.traverse_util.flatten_dict(
+      jax.jit(jax.grad(loss))(params), sep="/"
+  )
 
 
 def test_lora_params_get_gradients(checkpoints):
   ids, mask = _batch()
   module, params = _lora_model(checkpoints["e8_step2_drop"])
   grads = _lora_grads(module, params, jnp.asarray(ids), jnp.asarray(mask))
-  for path in ("block_0/attention/q/lora_b", "block_2/attention/v/lora_b",
-               "block_1/mlp/experts/wi/lora_b", "block_1/mlp/experts/wo/lora_b"):
+  for path in (
+      "block_0/attention/q/lora_b",
+      "block_2/attention/v/lora_b",
+      "block_1/mlp/experts/wi/lora_b",
+      "block_1/mlp/experts/wo/lora_b",
+  ):
     assert np.any(np.asarray(grads[path]) != 0), path
 
 
 def _set_nonzero_b(params, key):
   flat = flax.traverse_util.flatten_dict(params, sep="/")
   for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
-    flat[path] = 0.3 * jax.random.normal(jax.random.fold_in(key, i), flat[path].shape)
+    flat[path] = 0.3 * jax.random.normal(
+        jax.random.fold_in(key, i), flat[path].shape
+    )
   return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
-def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(checkpoints):
+def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
+    checkpoints,
+):
   """Native owner override == full gradient restricted to the owner's slice."""
   ids, mask = _batch()
   module, params = _lora_model(checkpoints["e8_step2_drop"])
   params = _set_nonzero_b(params, jax.random.PRNGKey(3))
   experts = params["block_1"]["mlp"]["experts"]
-  lora = {m: {k: experts[m][k] for k in ("lora_a", "lora_b")} for m in ("wi", "wo")}
+  lora = {
+      m: {k: experts[m][k] for k in ("lora_a", "lora_b")} for m in ("wi", "wo")
+  }
 
   @jax.jit
   def full_grad(lo, x, m):
-    return jax.grad(lambda lo: _probe(module.apply(
-        {"params": _with_lora(params, lo)}, x[None], m[None]).hidden_states))(lo)
+    return jax.grad(
+        lambda lo: _probe(
+            module.apply(
+                {"params": _with_lora(params, lo)}, x[None], m[None]
+            ).hidden_states
+        )
+    )(lo)
 
   @jax.jit
   def owner_value_and_grad(s, owner, x, m):
     def loss(s):
       override = models.OwnerOverride(1, owner, s)
-      return _probe(module.apply({"params": params}, x[None], m[None],
-                                 owner_override=override).hidden_states)
+      return _probe(
+          module.apply(
+              {"params": params}, x[None], m[None], owner_override=override
+          ).hidden_states
+      )
+
     return jax.value_and_grad(loss)(s)
 
   for row in (0, 2):
     x, m = jnp.asarray(ids[row]), jnp.asarray(mask[row])
     full = full_grad(lora, x, m)
-    plain = _probe(module.apply({"params": params}, x[None], m[None]).hidden_states)
+    plain = _probe(
+        module.apply({"params": params}, x[None], m[None]).hidden_states
+    )
     touched = 0
     for owner in range(module.config.num_experts):
       slice_ = jax.tree.map(lambda p: p[owner], lora)
       value, got = owner_value_and_grad(slice_, jnp.int32(owner), x, m)
-      np.testing.assert_allclose(value, plain, rtol=1e-4)  # float32, another op order
+      np.testing.assert_allclose(
+          value, plain, rtol=1e-4
+      )  # float32, another op order
       jax.tree.map(lambda g, f: _assert_close(g, f[owner]), got, full)
       touched += bool(np.any(np.asarray(got["wi"]["lora_b"]) != 0))
     assert touched >= 2  # the record's tokens reach several experts
@@ -288,21 +414,29 @@ def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(checkpoints
 def _with_lora(params, lora):
   params = jax.tree.map(lambda x: x, params)
   for m in ("wi", "wo"):
-    params["block_1"]["mlp"]["experts"][m] = {**params["block_1"]["mlp"]["experts"][m], **lora[m]}
+    params["block_1"]["mlp"]["experts"][m] = {
+        **params["block_1"]["mlp"]["experts"][m],
+        **lora[m],
+    }
   return params
 
 
 def test_vmap_per_record_grads_equal_loop(checkpoints):
   """Grouped dispatch under vmap (flattened by its custom_vmap rule) is per record."""
   ids, mask = _batch()
-  module, params = _lora_model(checkpoints["e4_step1_drop"], expert_lora_layers=(0, 1, 2))
+  module, params = _lora_model(
+      checkpoints["e4_step1_drop"], expert_lora_layers=(0, 1, 2)
+  )
   params = _set_nonzero_b(params, jax.random.PRNGKey(0))
 
   def loss(p, x, m):
-    return _probe(module.apply({"params": p}, x[None], m[None]).hidden_states[0])
+    return _probe(
+        module.apply({"params": p}, x[None], m[None]).hidden_states[0]
+    )
 
   batched = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))(
-      params, jnp.asarray(ids), jnp.asarray(mask))
+      params, jnp.asarray(ids), jnp.asarray(mask)
+  )
   single_grad = jax.jit(jax.grad(loss))
   for row in range(ids.shape[0]):
     single = single_grad(params, jnp.asarray(ids[row]), jnp.asarray(mask[row]))
@@ -324,7 +458,9 @@ def test_missing_directory_and_bad_model_type(tmp_path):
 
 
 def test_encoder_only_checkpoint_loads(tmp_path, checkpoints):
-  model = transformers.SwitchTransformersEncoderModel.from_pretrained(checkpoints["e2_step2"])
+  model = transformers.SwitchTransformersEncoderModel.from_pretrained(
+      checkpoints["e2_step2"]
+  )
   model.save_pretrained(tmp_path)
   ids, mask = _batch()
   a_mod, a = models.from_pretrained(checkpoints["e2_step2"])
@@ -338,7 +474,9 @@ def test_expert_lora_on_dense_block_is_rejected():
 
 
 @pytest.mark.parametrize("num_experts,rows", [(3, 1), (8, 300)])
-def test_grouped_lora_gradients_equal_plain_autodiff_per_record(num_experts, rows):
+def test_grouped_lora_gradients_equal_plain_autodiff_per_record(
+    num_experts, rows
+):
   """The grouped dispatch's hand-written adapter gradients (every expert's factors,
   per record under vmap) and input gradients equal autodiff of the every-expert
   reference (dense_linear + expert_lora)."""
@@ -347,7 +485,9 @@ def test_grouped_lora_gradients_equal_plain_autodiff_per_record(num_experts, row
   w = jax.random.normal(keys[1], (num_experts, 5, 7))
   a = jax.random.normal(keys[2], (num_experts, 5, 3))
   b = jax.random.normal(keys[3], (num_experts, 3, 7))
-  experts = jax.random.randint(keys[4], (2, rows), 0, num_experts + 1)  # E = dropped
+  experts = jax.random.randint(
+      keys[4], (2, rows), 0, num_experts + 1
+  )  # E = dropped
   scale = 0.5
 
   def grouped(x, e, a, b):
@@ -357,11 +497,39 @@ def test_grouped_lora_gradients_equal_plain_autodiff_per_record(num_experts, row
     y = moe.dense_linear(x, e, w) + moe.expert_lora(x, e, a, b, scale)
     return jnp.sum(jnp.sin(y))
 
-  per_record = lambda f: jax.vmap(jax.value_and_grad(f, argnums=(0, 2, 3)),
-                                  in_axes=(0, 0, None, None))
+  per_record = lambda f: jax.vmap(
+      jax.value_and_grad(f, argnums=(0, 2, 3)), in_axes=(0, 0, None, None)
+  )
   value, grads = per_record(grouped)(x, experts, a, b)
   ref_value, ref_grads = per_record(reference)(x, experts, a, b)
   np.testing.assert_allclose(value, ref_value, rtol=1e-4, atol=1e-4)
-  for got, want in zip(grads, ref_grads):  # dx [2, T, 5], da [2, E, 5, 3], db [2, E, 3, 7]
+  for got, want in zip(
+      grads, ref_grads
+  ):  # dx [2, T, 5], da [2, E, 5, 3], db [2, E, 3, 7]
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_families_share_one_set_of_fine_tuning_options():
+  """Options are declared once (models.common); every family config has them."""
+  from raptor_jax.models import common, hf, switch  # pylint: disable=g-import-not-at-top
+
+  names = common.FINE_TUNING_OPTIONS
+  assert (
+      names
+      == hf.FINE_TUNING_OPTIONS
+      == (
+          "lora_rank",
+          "lora_alpha",
+          "attention_lora",
+          "expert_lora_layers",
+          "dispatch",
+          "dtype",
+      )
+  )
+  for config in (models.SwitchConfig(), models.OlmoeConfig()):
+    assert isinstance(config, common.FineTuningOptions)
+  assert set(hf.FAMILIES) == {"switch_transformers", "olmoe"}
+  # The old import path keeps working.
+  assert switch.BackboneOutput is models.BackboneOutput is common.BackboneOutput
+  assert switch.OwnerOverride is models.OwnerOverride is common.OwnerOverride

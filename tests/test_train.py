@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from raptor_jax import data, roles
-from raptor_jax.train import loop, parallel, setup, step
+from raptor_jax.train import parallel, setup, step
 from raptor_jax.train import train_and_evaluate
+from raptor_jax.train.run import build_run
 
 from helpers import latest_state, micro_config, micro_model
 
@@ -24,15 +25,32 @@ def full_run(tmp_path_factory):
 def test_full_run_reports(full_run):
   workdir, results = full_run
   report = json.loads((workdir / "privacy_report.json").read_text())
-  for key in ("epsilon", "target_epsilon", "delta", "sigma_shared", "sigma_expert",
-              "sample_rate", "steps_shared", "steps_expert", "rho", "accountant"):
+  for key in (
+      "epsilon",
+      "target_epsilon",
+      "delta",
+      "sigma_shared",
+      "sigma_expert",
+      "sample_rate",
+      "steps_shared",
+      "steps_expert",
+      "rho",
+      "accountant",
+  ):
     assert key in report, key
-  assert report["finished"] and report["steps_shared"] == report["steps_expert"] == 6
+  assert (
+      report["finished"]
+      and report["steps_shared"] == report["steps_expert"] == 6
+  )
   assert report["epsilon"] <= report["target_epsilon"]
-  assert report["epsilon"] > 0.99 * report["target_epsilon"]  # the whole budget ran
+  assert (
+      report["epsilon"] > 0.99 * report["target_epsilon"]
+  )  # the whole budget ran
   assert 0.0 <= results["accuracy"] <= 1.0 and results["wall_time_s"] > 0
   assert results["parameters_by_role"]["expert_adapter"] > 0
-  assert (workdir / "metrics.jsonl").exists() and list((workdir / "tensorboard").iterdir())
+  assert (workdir / "metrics.jsonl").exists() and list(
+      (workdir / "tensorboard").iterdir()
+  )
 
 
 def test_resume_equals_uninterrupted(full_run, tmp_path):
@@ -61,7 +79,11 @@ def test_every_step_function_compiles_once_per_run(tmp_path, caplog):
   of each phase's microbatch step and update (SPEC invariant)."""
   with caplog.at_level("WARNING"), jax.log_compiles():
     train_and_evaluate(micro_config(stop_after_cycles=3), str(tmp_path))
-  compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+  compiled = [
+      r.getMessage()
+      for r in caplog.records
+      if r.getMessage().startswith("Compiling")
+  ]
   for name in ("_accumulate", "_update", "_zero_sums"):
     assert sum(f"jit({name})" in m for m in compiled) == 2, name  # two phases
 
@@ -75,23 +97,36 @@ def test_a_checkpoint_of_another_config_is_refused(full_run):
 def test_no_private_statistics_reach_the_workdir(full_run):
   """Owner map, per-expert counts and private per-step statistics stay in memory."""
   workdir, _ = full_run
-  config = micro_config()
-  run_data = setup.load_run_data(config)
-  backbone, params = setup.load_backbone(config, run_data)
-  layer = json.loads((workdir / "layer_selection.json").read_text())["selected_layer"]
-  owner_map = loop.private_owner_map(config, backbone, params, run_data.train, layer)
-  counts = np.bincount(owner_map, minlength=backbone.config.num_experts)
-  assert len(set(owner_map.tolist())) > 1  # a non-trivial map, so the scan means something
-  needles = [owner_map.astype(np.int32).tobytes(), owner_map.astype(np.int64).tobytes(),
-             json.dumps(owner_map.tolist()).encode(), json.dumps(counts.tolist()).encode(),
-             " ".join(map(str, owner_map.tolist())).encode()]
+  run = build_run(micro_config())
+  layer = json.loads((workdir / "layer_selection.json").read_text())[
+      "selected_layer"
+  ]
+  assert layer == run.expert_layer
+  owner_map = run.owners
+  counts = np.bincount(owner_map, minlength=run.num_experts)
+  assert (
+      len(set(owner_map.tolist())) > 1
+  )  # a non-trivial map, so the scan means something
+  needles = [
+      owner_map.astype(np.int32).tobytes(),
+      owner_map.astype(np.int64).tobytes(),
+      json.dumps(owner_map.tolist()).encode(),
+      json.dumps(counts.tolist()).encode(),
+      " ".join(map(str, owner_map.tolist())).encode(),
+  ]
   files = [p for p in workdir.rglob("*") if p.is_file()]
   assert files
   for path in files:
     content = path.read_bytes()
     for needle in needles:
       assert needle not in content, f"private statistic found in {path}"
-  allowed = {"step", "epoch", "epsilon_spent", "dev/accuracy", "final/dev_accuracy"}
+  allowed = {
+      "step",
+      "epoch",
+      "epsilon_spent",
+      "dev/accuracy",
+      "final/dev_accuracy",
+  }
   for line in (workdir / "metrics.jsonl").read_text().splitlines():
     assert set(json.loads(line)) <= allowed
   text = " ".join(p.read_text() for p in workdir.glob("*.json"))
@@ -100,10 +135,16 @@ def test_no_private_statistics_reach_the_workdir(full_run):
 
 def test_private_training_loss_only_on_explicit_opt_in(tmp_path, caplog):
   with caplog.at_level("WARNING", logger="raptor_jax"):
-    train_and_evaluate(micro_config(stop_after_cycles=1, log_private_stats=True), str(tmp_path))
+    train_and_evaluate(
+        micro_config(stop_after_cycles=1, log_private_stats=True), str(tmp_path)
+    )
   assert "NOT differentially private" in caplog.text
-  keys = set().union(*(json.loads(line) for line in
-                       (tmp_path / "metrics.jsonl").read_text().splitlines()))
+  keys = set().union(
+      *(
+          json.loads(line)
+          for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+      )
+  )
   assert {"private/shared_train_loss", "private/expert_train_loss"} <= keys
 
 
@@ -112,18 +153,29 @@ def _phase_setup(residual="shared"):
   # Non-zero B factors so that every expert's adapter has a gradient.
   flat = roles.flatten(params)
   for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
-    flat[path] = 0.5 * jax.random.normal(jax.random.PRNGKey(i), flat[path].shape)
+    flat[path] = 0.5 * jax.random.normal(
+        jax.random.PRNGKey(i), flat[path].shape
+    )
   params = roles.unflatten(flat)
   expert_phase = plan.phases[1]
   trainable, frozen = setup.partition(params, expert_phase.parts)
-  fns = step.PhaseFunctions(model, expert_phase, mesh=parallel.make_mesh(1),
-                            expert_layer=plan.expert_layer,
-                            num_experts=bc.num_experts, learning_rate=1e-2, residual=residual,
-                            residual_gamma=1.0, key=jax.random.PRNGKey(0))
-  batch = dict(input_ids=jnp.asarray(run_data.train.input_ids[:8]),
-               attention_mask=jnp.asarray(run_data.train.attention_mask[:8]),
-               labels=jnp.asarray(run_data.train.labels[:8]),
-               owners=jnp.zeros((8,), jnp.int32))
+  fns = step.PhaseFunctions(
+      model,
+      expert_phase,
+      mesh=parallel.make_mesh(1),
+      expert_layer=plan.expert_layer,
+      num_experts=bc.num_experts,
+      learning_rate=1e-2,
+      residual=residual,
+      residual_gamma=1.0,
+      key=jax.random.PRNGKey(0),
+  )
+  batch = dict(
+      input_ids=jnp.asarray(run_data.train.input_ids[:8]),
+      attention_mask=jnp.asarray(run_data.train.attention_mask[:8]),
+      labels=jnp.asarray(run_data.train.labels[:8]),
+      owners=jnp.zeros((8,), jnp.int32),
+  )
   return fns, trainable, frozen, batch, bc.num_experts
 
 
@@ -132,14 +184,20 @@ def test_expert_without_records_still_changes_every_step():
   opt = fns.init_opt_states(trainable)
   before = trainable["expert"]
   for _ in range(2):
-    sums = {"expert": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), before)}
+    sums = {
+        "expert": jax.tree.map(
+            lambda x: jnp.zeros(x.shape, jnp.float32), before
+        )
+    }
     sums = fns.accumulate(trainable, frozen, sums, batch, jnp.ones((8,)))
     # Every record is owned by expert 0: experts 1.. get no record.
     for path, s in sums["expert"].items():
       assert np.all(np.asarray(s[1:]) == 0), path
     new_trainable, opt = fns.update(trainable, opt, sums)
     for path in before:
-      delta = np.asarray(new_trainable["expert"][path] - trainable["expert"][path])
+      delta = np.asarray(
+          new_trainable["expert"][path] - trainable["expert"][path]
+      )
       for e in range(num_experts):
         assert np.any(delta[e] != 0), (path, e)
     trainable = new_trainable
@@ -154,29 +212,43 @@ def test_residual_weights_in_unit_interval_and_applied_before_clipping():
   clip = fns.phase.parts[0].l2_clip
   slices = jax.tree.map(lambda p: p[0], trainable["expert"])
   expected = jax.tree.map(jnp.zeros_like, slices)
-  record_grad = jax.jit(jax.grad(lambda s, record: fns._record_loss(
-      {}, {"expert": s}, params, record)))
+  record_grad = jax.jit(
+      jax.grad(
+          lambda s, record: fns._record_loss({}, {"expert": s}, params, record)
+      )
+  )
   for i in range(8):
     g = record_grad(slices, jax.tree.map(lambda x: x[i], batch))
     g = jax.tree.map(lambda x: weights[i] * x, g)
-    norm = np.sqrt(sum(float(jnp.sum(x ** 2)) for x in jax.tree.leaves(g)))
-    expected = jax.tree.map(lambda e, x: e + x * min(1.0, clip / max(norm, 1e-30)), expected, g)
-  sums = {"expert": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), trainable["expert"])}
+    norm = np.sqrt(sum(float(jnp.sum(x**2)) for x in jax.tree.leaves(g)))
+    expected = jax.tree.map(
+        lambda e, x: e + x * min(1.0, clip / max(norm, 1e-30)), expected, g
+    )
+  sums = {
+      "expert": jax.tree.map(
+          lambda x: jnp.zeros(x.shape, jnp.float32), trainable["expert"]
+      )
+  }
   got = fns.accumulate(trainable, frozen, sums, batch, jnp.ones((8,)))["expert"]
   for path in expected:
-    np.testing.assert_allclose(got[path][0], expected[path], rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(
+        got[path][0], expected[path], rtol=2e-3, atol=1e-6
+    )
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"data.task": "nope"}, "Unknown task"),
-    ({"raptor.layer": "2"}, "not a sparse layer"),
-    ({"batch_size": 5000}, "larger than the dataset"),
-    ({"method": "magic"}, "unknown method"),
-    ({"raptor.residual_gamma": 0.0}, "residual_gamma"),
-    ({"model.name": ""}, "model.name"),
-    ({"data.eval_split": "holdout"}, "data.holdout"),
-    ({"data.holdout": 10}, "train_limit"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"data.task": "nope"}, "Unknown task"),
+        ({"raptor.layer": "2"}, "not a sparse layer"),
+        ({"batch_size": 5000}, "larger than the dataset"),
+        ({"method": "magic"}, "unknown method"),
+        ({"raptor.residual_gamma": 0.0}, "residual_gamma"),
+        ({"model.name": ""}, "model.name"),
+        ({"data.eval_split": "holdout"}, "data.holdout"),
+        ({"data.holdout": 10}, "train_limit"),
+    ],
+)
 def test_bad_configs_fail_with_one_clear_line(tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
     train_and_evaluate(micro_config(**overrides), str(tmp_path))

@@ -55,29 +55,143 @@ import numpy as np
 from raptor_jax.data import encoding
 
 TOPICS: tuple[tuple[str, ...], ...] = (
-    ("coffee", "tea", "beer", "wine", "juice", "soda",
-     "lemonade", "cocktail", "smoothie", "espresso", "cider", "latte"),
-    ("soup", "steak", "pizza", "pasta", "burger", "curry",
-     "noodles", "bread", "salad", "stew", "omelette", "dumplings"),
-    ("song", "album", "band", "singer", "concert", "guitar",
-     "melody", "chorus", "drummer", "lyrics", "orchestra", "playlist"),
-    ("phone", "battery", "screen", "charger", "camera", "tablet",
-     "laptop", "keyboard", "headphones", "speaker", "smartwatch", "console"),
-    ("car", "engine", "brakes", "tires", "sedan", "truck",
-     "wheel", "clutch", "gearbox", "dashboard", "motorbike", "scooter"),
-    ("hotel", "room", "bed", "lobby", "suite", "pillow",
-     "balcony", "reception", "hostel", "resort", "mattress", "elevator"),
-    ("film", "movie", "actor", "actress", "director", "plot",
-     "scene", "sequel", "cinema", "screenplay", "trailer", "villain"),
-    ("gym", "treadmill", "yoga", "marathon", "bicycle", "swimming",
-     "trainer", "dumbbell", "sneakers", "jersey", "stadium", "racket"),
+    (
+        "coffee",
+        "tea",
+        "beer",
+        "wine",
+        "juice",
+        "soda",
+        "lemonade",
+        "cocktail",
+        "smoothie",
+        "espresso",
+        "cider",
+        "latte",
+    ),
+    (
+        "soup",
+        "steak",
+        "pizza",
+        "pasta",
+        "burger",
+        "curry",
+        "noodles",
+        "bread",
+        "salad",
+        "stew",
+        "omelette",
+        "dumplings",
+    ),
+    (
+        "song",
+        "album",
+        "band",
+        "singer",
+        "concert",
+        "guitar",
+        "melody",
+        "chorus",
+        "drummer",
+        "lyrics",
+        "orchestra",
+        "playlist",
+    ),
+    (
+        "phone",
+        "battery",
+        "screen",
+        "charger",
+        "camera",
+        "tablet",
+        "laptop",
+        "keyboard",
+        "headphones",
+        "speaker",
+        "smartwatch",
+        "console",
+    ),
+    (
+        "car",
+        "engine",
+        "brakes",
+        "tires",
+        "sedan",
+        "truck",
+        "wheel",
+        "clutch",
+        "gearbox",
+        "dashboard",
+        "motorbike",
+        "scooter",
+    ),
+    (
+        "hotel",
+        "room",
+        "bed",
+        "lobby",
+        "suite",
+        "pillow",
+        "balcony",
+        "reception",
+        "hostel",
+        "resort",
+        "mattress",
+        "elevator",
+    ),
+    (
+        "film",
+        "movie",
+        "actor",
+        "actress",
+        "director",
+        "plot",
+        "scene",
+        "sequel",
+        "cinema",
+        "screenplay",
+        "trailer",
+        "villain",
+    ),
+    (
+        "gym",
+        "treadmill",
+        "yoga",
+        "marathon",
+        "bicycle",
+        "swimming",
+        "trainer",
+        "dumbbell",
+        "sneakers",
+        "jersey",
+        "stadium",
+        "racket",
+    ),
 )
 # In these topics (food, music, cars, movies) context words flip polarity.
 FLIPPED_TOPICS = frozenset({1, 2, 4, 6})
 
 FIXED_WORDS: tuple[tuple[str, ...], tuple[str, ...]] = (
-    ("awful", "terrible", "horrible", "dreadful", "poor", "disappointing", "lousy", "mediocre"),
-    ("great", "excellent", "lovely", "wonderful", "superb", "delightful", "perfect", "amazing"),
+    (
+        "awful",
+        "terrible",
+        "horrible",
+        "dreadful",
+        "poor",
+        "disappointing",
+        "lousy",
+        "mediocre",
+    ),
+    (
+        "great",
+        "excellent",
+        "lovely",
+        "wonderful",
+        "superb",
+        "delightful",
+        "perfect",
+        "amazing",
+    ),
 )
 # Context words by their polarity in an unflipped topic: (negative, positive).
 CONTEXT_WORDS: tuple[tuple[str, ...], tuple[str, ...]] = (
@@ -85,10 +199,42 @@ CONTEXT_WORDS: tuple[tuple[str, ...], tuple[str, ...]] = (
     ("cold", "quiet", "light", "small", "soft", "slow", "mild", "plain"),
 )
 FILLER_WORDS: tuple[str, ...] = (
-    "the", "a", "an", "this", "that", "it", "was", "is", "were", "felt", "seemed",
-    "really", "very", "quite", "so", "too", "and", "but", "with", "for", "of", "my",
-    "our", "their", "we", "they", "i", "honestly", "overall", "just", "rather",
-    "here", "there", "today", "again", "still",
+    "the",
+    "a",
+    "an",
+    "this",
+    "that",
+    "it",
+    "was",
+    "is",
+    "were",
+    "felt",
+    "seemed",
+    "really",
+    "very",
+    "quite",
+    "so",
+    "too",
+    "and",
+    "but",
+    "with",
+    "for",
+    "of",
+    "my",
+    "our",
+    "their",
+    "we",
+    "they",
+    "i",
+    "honestly",
+    "overall",
+    "just",
+    "rather",
+    "here",
+    "there",
+    "today",
+    "again",
+    "still",
 )
 
 VOCABULARY: tuple[str, ...] = (
@@ -106,125 +252,135 @@ _MINORITY_PROB = 0.5  # a three-slot record has one slot of the other polarity
 
 
 class SyntheticRecords(NamedTuple):
-    """Generated labelled reviews (raw text)."""
+  """Generated labelled reviews (raw text)."""
 
-    texts: list[str]
-    labels: np.ndarray  # int32 [n], 1 = positive, after label noise
-    topics: np.ndarray  # int32 [n], the topic each review is about
+  texts: list[str]
+  labels: np.ndarray  # int32 [n], 1 = positive, after label noise
+  topics: np.ndarray  # int32 [n], the topic each review is about
 
 
 class SyntheticTask(NamedTuple):
-    """Everything the ``:tiny`` presets need, generated from a seed."""
+  """Everything the ``:tiny`` presets need, generated from a seed."""
 
-    train: encoding.TextClassificationData
-    dev: encoding.TextClassificationData
-    public_texts: list[str]
-    tokenizer: encoding.Tokenizer
-    token_groups: np.ndarray | None  # int32 [vocab size], topic of each token id or -1
+  train: encoding.TextClassificationData
+  dev: encoding.TextClassificationData
+  public_texts: list[str]
+  tokenizer: encoding.Tokenizer
+  token_groups: (
+      np.ndarray | None
+  )  # int32 [vocab size], topic of each token id or -1
 
 
 def word_polarity(word: str, topic: int) -> int:
-    """Returns +1 / -1 for a sentiment word read in ``topic``, 0 for other words.
+  """Returns +1 / -1 for a sentiment word read in ``topic``, 0 for other words.
 
-    This is the rule that defines the labels: a review's noise-free label is
-    positive exactly when the sum of its words' polarities is positive.
-    """
-    for sign, words in ((-1, FIXED_WORDS[0]), (1, FIXED_WORDS[1])):
-        if word in words:
-            return sign
-    for sign, words in ((-1, CONTEXT_WORDS[0]), (1, CONTEXT_WORDS[1])):
-        if word in words:
-            return -sign if topic in FLIPPED_TOPICS else sign
-    return 0
+  This is the rule that defines the labels: a review's noise-free label is
+  positive exactly when the sum of its words' polarities is positive.
+  """
+  for sign, words in ((-1, FIXED_WORDS[0]), (1, FIXED_WORDS[1])):
+    if word in words:
+      return sign
+  for sign, words in ((-1, CONTEXT_WORDS[0]), (1, CONTEXT_WORDS[1])):
+    if word in words:
+      return -sign if topic in FLIPPED_TOPICS else sign
+  return 0
 
 
-def generate_records(seed: int, n: int, *, label_noise: float = 0.05) -> SyntheticRecords:
-    """Generates ``n`` distinct labelled reviews, deterministically from ``seed``.
+def generate_records(
+    seed: int, n: int, *, label_noise: float = 0.05
+) -> SyntheticRecords:
+  """Generates ``n`` distinct labelled reviews, deterministically from ``seed``.
 
-    Args:
-        seed: the random seed; the same seed gives the same records.
-        n: the number of records.
-        label_noise: probability that a record's label is flipped after
-            generation (so even a perfect model makes mistakes, and outliers
-            exist for membership-inference audits). The texts do not depend
-            on it.
+  Args:
+      seed: the random seed; the same seed gives the same records.
+      n: the number of records.
+      label_noise: probability that a record's label is flipped after
+          generation (so even a perfect model makes mistakes, and outliers
+          exist for membership-inference audits). The texts do not depend
+          on it.
 
-    Returns:
-        The texts, labels and topics.
+  Returns:
+      The texts, labels and topics.
 
-    Raises:
-        ValueError: ``n < 1`` or ``label_noise`` outside [0, 0.5).
-    """
-    if n < 1:
-        raise ValueError(f"Number of synthetic records must be at least 1, got {n}.")
-    if not 0.0 <= label_noise < 0.5:
-        raise ValueError(f"label_noise must be in [0, 0.5), got {label_noise}.")
-    rng = np.random.default_rng((seed, _RECORD_STREAM))
-    texts: dict[str, None] = {}
-    labels, topics = [], []
-    while len(texts) < n:
-        topic, label = int(rng.integers(len(TOPICS))), int(rng.integers(2))
-        text = _review(rng, topic, label)
-        if text not in texts:
-            texts[text] = None
-            labels.append(label ^ int(rng.random() < label_noise))
-            topics.append(topic)
-    return SyntheticRecords(
-        list(texts), np.asarray(labels, np.int32), np.asarray(topics, np.int32)
+  Raises:
+      ValueError: ``n < 1`` or ``label_noise`` outside [0, 0.5).
+  """
+  if n < 1:
+    raise ValueError(
+        f"Number of synthetic records must be at least 1, got {n}."
     )
+  if not 0.0 <= label_noise < 0.5:
+    raise ValueError(f"label_noise must be in [0, 0.5), got {label_noise}.")
+  rng = np.random.default_rng((seed, _RECORD_STREAM))
+  texts: dict[str, None] = {}
+  labels, topics = [], []
+  while len(texts) < n:
+    topic, label = int(rng.integers(len(TOPICS))), int(rng.integers(2))
+    text = _review(rng, topic, label)
+    if text not in texts:
+      texts[text] = None
+      labels.append(label ^ int(rng.random() < label_noise))
+      topics.append(topic)
+  return SyntheticRecords(
+      list(texts), np.asarray(labels, np.int32), np.asarray(topics, np.int32)
+  )
 
 
 def generate_public_texts(
     seed: int, n: int, *, exclude: AbstractSet[str] = frozenset()
 ) -> list[str]:
-    """Generates ``n`` distinct unlabeled descriptions, none of them in ``exclude``.
+  """Generates ``n`` distinct unlabeled descriptions, none of them in ``exclude``.
 
-    They use the reviews' vocabulary but another random stream and template,
-    so the public corpus is disjoint from the private records yet matched to
-    their format, as layer selection requires.
+  They use the reviews' vocabulary but another random stream and template,
+  so the public corpus is disjoint from the private records yet matched to
+  their format, as layer selection requires.
 
-    Args:
-        seed: the random seed; the same seed gives the same texts.
-        n: the number of texts.
-        exclude: texts that must not appear (the private records).
+  Args:
+      seed: the random seed; the same seed gives the same texts.
+      n: the number of texts.
+      exclude: texts that must not appear (the private records).
 
-    Returns:
-        The texts.
+  Returns:
+      The texts.
 
-    Raises:
-        ValueError: ``n < 1``.
-    """
-    if n < 1:
-        raise ValueError(f"Number of public texts must be at least 1, got {n}; set n_pub.")
-    rng = np.random.default_rng((seed, _PUBLIC_STREAM))
-    texts: dict[str, None] = {}
-    while len(texts) < n:
-        text = _description(rng)
-        if text not in exclude:
-            texts.setdefault(text)
-    return list(texts)
+  Raises:
+      ValueError: ``n < 1``.
+  """
+  if n < 1:
+    raise ValueError(
+        f"Number of public texts must be at least 1, got {n}; set n_pub."
+    )
+  rng = np.random.default_rng((seed, _PUBLIC_STREAM))
+  texts: dict[str, None] = {}
+  while len(texts) < n:
+    text = _description(rng)
+    if text not in exclude:
+      texts.setdefault(text)
+  return list(texts)
 
 
 def build_tokenizer(model_max_length: int = 32) -> encoding.Tokenizer:
-    """The word-level tokenizer over :data:`VOCABULARY` (see ``build_word_tokenizer``)."""
-    return encoding.build_word_tokenizer(VOCABULARY, model_max_length=model_max_length)
+  """The word-level tokenizer over :data:`VOCABULARY` (see ``build_word_tokenizer``)."""
+  return encoding.build_word_tokenizer(
+      VOCABULARY, model_max_length=model_max_length
+  )
 
 
 def topic_groups(tokenizer: encoding.Tokenizer) -> np.ndarray:
-    """Maps each token id of ``tokenizer`` to its topic index, -1 for other tokens.
+  """Maps each token id of ``tokenizer`` to its topic index, -1 for other tokens.
 
-    The routing hook: see the module docstring. Works for any tokenizer whose
-    vocabulary contains the topic words (including a reloaded copy).
+  The routing hook: see the module docstring. Works for any tokenizer whose
+  vocabulary contains the topic words (including a reloaded copy).
 
-    Returns:
-        int32 [len(tokenizer)].
-    """
-    groups = np.full(len(tokenizer), -1, np.int32)
-    vocab = tokenizer.get_vocab()
-    for topic, words in enumerate(TOPICS):
-        for word in words:
-            groups[vocab[word]] = topic
-    return groups
+  Returns:
+      int32 [len(tokenizer)].
+  """
+  groups = np.full(len(tokenizer), -1, np.int32)
+  vocab = tokenizer.get_vocab()
+  for topic, words in enumerate(TOPICS):
+    for word in words:
+      groups[vocab[word]] = topic
+  return groups
 
 
 def synthetic_task(
@@ -237,86 +393,92 @@ def synthetic_task(
     label_noise: float = 0.05,
     tokenizer: encoding.Tokenizer | None = None,
 ) -> SyntheticTask:
-    """Generates the offline task: train/dev splits, public corpus, tokenizer.
+  """Generates the offline task: train/dev splits, public corpus, tokenizer.
 
-    Train and dev are disjoint slices of one stream of distinct reviews; the
-    public corpus is disjoint from both. Everything is a pure function of the
-    arguments.
+  Train and dev are disjoint slices of one stream of distinct reviews; the
+  public corpus is disjoint from both. Everything is a pure function of the
+  arguments.
 
-    Args:
-        seed: the random seed.
-        n_train: training records.
-        n_dev: dev records.
-        n_pub: public (unlabeled) texts for layer selection.
-        max_length: tokens per record (reviews have at most 20 words + 2).
-        label_noise: probability of a flipped label, train and dev alike.
-        tokenizer: tokenise with this tokenizer (e.g. a pretrained model's)
-            instead of the task's word-level one; ``token_groups`` is then
-            ``None`` (it only serves randomly initialised models).
+  Args:
+      seed: the random seed.
+      n_train: training records.
+      n_dev: dev records.
+      n_pub: public (unlabeled) texts for layer selection.
+      max_length: tokens per record (reviews have at most 20 words + 2).
+      label_noise: probability of a flipped label, train and dev alike.
+      tokenizer: tokenise with this tokenizer (e.g. a pretrained model's)
+          instead of the task's word-level one; ``token_groups`` is then
+          ``None`` (it only serves randomly initialised models).
 
-    Returns:
-        The task.
+  Returns:
+      The task.
 
-    Raises:
-        ValueError: ``n_train`` or ``n_dev`` below 1, or as the generators.
-    """
-    if n_train < 1 or n_dev < 1:
-        raise ValueError(
-            f"The synthetic task needs at least one train and one dev record, got"
-            f" n_train={n_train}, n_dev={n_dev}."
-        )
-    records = generate_records(seed, n_train + n_dev, label_noise=label_noise)
-    public = generate_public_texts(seed, n_pub, exclude=frozenset(records.texts))
-    groups = None
-    if tokenizer is None:
-        tokenizer = build_tokenizer(max_length)
-        groups = topic_groups(tokenizer)
-    train, dev = (
-        encoding.encode(
-            tokenizer, records.texts[part], records.labels[part], max_length=max_length
-        )
-        for part in (slice(0, n_train), slice(n_train, n_train + n_dev))
+  Raises:
+      ValueError: ``n_train`` or ``n_dev`` below 1, or as the generators.
+  """
+  if n_train < 1 or n_dev < 1:
+    raise ValueError(
+        f"The synthetic task needs at least one train and one dev record, got"
+        f" n_train={n_train}, n_dev={n_dev}."
     )
-    return SyntheticTask(train, dev, public, tokenizer, groups)
+  records = generate_records(seed, n_train + n_dev, label_noise=label_noise)
+  public = generate_public_texts(seed, n_pub, exclude=frozenset(records.texts))
+  groups = None
+  if tokenizer is None:
+    tokenizer = build_tokenizer(max_length)
+    groups = topic_groups(tokenizer)
+  train, dev = (
+      encoding.encode(
+          tokenizer,
+          records.texts[part],
+          records.labels[part],
+          max_length=max_length,
+      )
+      for part in (slice(0, n_train), slice(n_train, n_train + n_dev))
+  )
+  return SyntheticTask(train, dev, public, tokenizer, groups)
 
 
 def _pick(rng: np.random.Generator, words: tuple[str, ...]) -> str:
-    return words[int(rng.integers(len(words)))]
+  return words[int(rng.integers(len(words)))]
 
 
 def _sentiment_word(rng: np.random.Generator, topic: int, positive: int) -> str:
-    if rng.random() < _CONTEXT_PROB:
-        return _pick(rng, CONTEXT_WORDS[positive ^ int(topic in FLIPPED_TOPICS)])
-    return _pick(rng, FIXED_WORDS[positive])
+  if rng.random() < _CONTEXT_PROB:
+    return _pick(rng, CONTEXT_WORDS[positive ^ int(topic in FLIPPED_TOPICS)])
+  return _pick(rng, FIXED_WORDS[positive])
 
 
 def _other_topic(rng: np.random.Generator, topic: int) -> int:
-    return (topic + 1 + int(rng.integers(len(TOPICS) - 1))) % len(TOPICS)
+  return (topic + 1 + int(rng.integers(len(TOPICS) - 1))) % len(TOPICS)
 
 
 def _review(rng: np.random.Generator, topic: int, label: int) -> str:
-    length = int(rng.integers(8, 21))
-    n_slots = int(rng.choice(_SLOT_COUNTS, p=_SLOT_PROBS))
-    polarities = [label] * n_slots
-    if n_slots == 3 and rng.random() < _MINORITY_PROB:
-        polarities[0] = 1 - label
-    words = [_sentiment_word(rng, topic, p) for p in polarities]
-    n_topic = length // 2
-    topic_words = [_pick(rng, TOPICS[topic]) for _ in range(n_topic)]
-    if rng.random() < _OFF_TOPIC_PROB:
-        topic_words[0] = _pick(rng, TOPICS[_other_topic(rng, topic)])
-    words += topic_words
-    words += [_pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
-    return " ".join(words[i] for i in rng.permutation(len(words)))
+  length = int(rng.integers(8, 21))
+  n_slots = int(rng.choice(_SLOT_COUNTS, p=_SLOT_PROBS))
+  polarities = [label] * n_slots
+  if n_slots == 3 and rng.random() < _MINORITY_PROB:
+    polarities[0] = 1 - label
+  words = [_sentiment_word(rng, topic, p) for p in polarities]
+  n_topic = length // 2
+  topic_words = [_pick(rng, TOPICS[topic]) for _ in range(n_topic)]
+  if rng.random() < _OFF_TOPIC_PROB:
+    topic_words[0] = _pick(rng, TOPICS[_other_topic(rng, topic)])
+  words += topic_words
+  words += [_pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
+  return " ".join(words[i] for i in rng.permutation(len(words)))
 
 
 def _description(rng: np.random.Generator) -> str:
-    length = int(rng.integers(10, 25))
-    topic = int(rng.integers(len(TOPICS)))
-    topics = [topic, _other_topic(rng, topic)] if rng.random() < 0.3 else [topic]
-    words = [_pick(rng, TOPICS[topics[i % len(topics)]]) for i in range(length * 11 // 20)]
-    if rng.random() < 0.5:
-        kind = CONTEXT_WORDS if rng.random() < 0.5 else FIXED_WORDS
-        words.append(_pick(rng, kind[int(rng.integers(2))]))
-    words += [_pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
-    return " ".join(words[i] for i in rng.permutation(len(words)))
+  length = int(rng.integers(10, 25))
+  topic = int(rng.integers(len(TOPICS)))
+  topics = [topic, _other_topic(rng, topic)] if rng.random() < 0.3 else [topic]
+  words = [
+      _pick(rng, TOPICS[topics[i % len(topics)]])
+      for i in range(length * 11 // 20)
+  ]
+  if rng.random() < 0.5:
+    kind = CONTEXT_WORDS if rng.random() < 0.5 else FIXED_WORDS
+    words.append(_pick(rng, kind[int(rng.integers(2))]))
+  words += [_pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
+  return " ".join(words[i] for i in rng.permutation(len(words)))

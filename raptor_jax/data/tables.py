@@ -24,130 +24,141 @@ LOCAL_FORMATS = (".tsv", ".csv", ".parquet", ".jsonl", ".txt")
 
 
 def read_columns(path: str | Path) -> Columns:
-    """Reads a local table into ``{column name: values in file order}``.
+  """Reads a local table into ``{column name: values in file order}``.
 
-    The format follows the extension:
+  The format follows the extension:
 
-    * ``.tsv``: tab-separated, a header row, quoting OFF (``csv.QUOTE_NONE``).
-      That is how the official GLUE files are written: some QNLI dev sentences
-      start with a literal ``"`` and SST-2 sentences end with a space, and both
-      must survive unchanged.
-    * ``.csv``: comma-separated, a header row, standard CSV quoting.
+  * ``.tsv``: tab-separated, a header row, quoting OFF (``csv.QUOTE_NONE``).
+    That is how the official GLUE files are written: some QNLI dev sentences
+    start with a literal ``"`` and SST-2 sentences end with a space, and both
+    must survive unchanged.
+  * ``.csv``: comma-separated, a header row, standard CSV quoting.
 
-    Blank lines in TSV/CSV files are skipped.
-    * ``.parquet``: any parquet file (read with pyarrow).
-    * ``.jsonl``: one JSON object per line; a missing key reads as ``None``.
-    * ``.txt``: one text per line, returned as the single column ``text``.
+  Blank lines in TSV/CSV files are skipped.
+  * ``.parquet``: any parquet file (read with pyarrow).
+  * ``.jsonl``: one JSON object per line; a missing key reads as ``None``.
+  * ``.txt``: one text per line, returned as the single column ``text``.
 
-    Args:
-        path: the local file.
+  Args:
+      path: the local file.
 
-    Returns:
-        A dict from column name to the list of that column's values.
+  Returns:
+      A dict from column name to the list of that column's values.
 
-    Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: unknown extension, an empty TSV/CSV, or a TSV/CSV row whose
-            field count differs from the header's.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"Data file {path} does not exist; check the path in the config.")
-    suffix = path.suffix.lower()
-    if suffix == ".tsv":
-        return _read_delimited(path, delimiter="\t", quoting=csv.QUOTE_NONE)
-    if suffix == ".csv":
-        return _read_delimited(path, delimiter=",", quoting=csv.QUOTE_MINIMAL)
-    if suffix == ".parquet":
-        return pq.read_table(path).to_pydict()
-    if suffix == ".jsonl":
-        return _read_jsonl(path)
-    if suffix == ".txt":
-        return {"text": path.read_text(encoding="utf-8").splitlines()}
-    raise ValueError(
-        f"Cannot read {path}: unknown extension {suffix!r}; use one of"
-        f" {', '.join(LOCAL_FORMATS)}."
+  Raises:
+      FileNotFoundError: the file does not exist.
+      ValueError: unknown extension, an empty TSV/CSV, or a TSV/CSV row whose
+          field count differs from the header's.
+  """
+  path = Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(
+        f"Data file {path} does not exist; check the path in the config."
     )
+  suffix = path.suffix.lower()
+  if suffix == ".tsv":
+    return _read_delimited(path, delimiter="\t", quoting=csv.QUOTE_NONE)
+  if suffix == ".csv":
+    return _read_delimited(path, delimiter=",", quoting=csv.QUOTE_MINIMAL)
+  if suffix == ".parquet":
+    return pq.read_table(path).to_pydict()
+  if suffix == ".jsonl":
+    return _read_jsonl(path)
+  if suffix == ".txt":
+    return {"text": path.read_text(encoding="utf-8").splitlines()}
+  raise ValueError(
+      f"Cannot read {path}: unknown extension {suffix!r}; use one of"
+      f" {', '.join(LOCAL_FORMATS)}."
+  )
 
 
 def _read_delimited(path: Path, *, delimiter: str, quoting: int) -> Columns:
-    with path.open(encoding="utf-8-sig", newline="") as f:
-        rows = csv.reader(f, delimiter=delimiter, quoting=quoting)
-        header = next(rows, None)
-        if header is None:
-            raise ValueError(f"{path} is empty; it needs a header row naming the columns.")
-        columns: Columns = {name: [] for name in header}
-        for row in rows:
-            if not row:  # a blank line holds no record
-                continue
-            if len(row) != len(header):
-                raise ValueError(
-                    f"{path} line {rows.line_num} has {len(row)} fields but the header has"
-                    f" {len(header)}; fix or remove that line."
-                )
-            for name, value in zip(header, row):
-                columns[name].append(value)
-    return columns
+  with path.open(encoding="utf-8-sig", newline="") as f:
+    rows = csv.reader(f, delimiter=delimiter, quoting=quoting)
+    header = next(rows, None)
+    if header is None:
+      raise ValueError(
+          f"{path} is empty; it needs a header row naming the columns."
+      )
+    columns: Columns = {name: [] for name in header}
+    for row in rows:
+      if not row:  # a blank line holds no record
+        continue
+      if len(row) != len(header):
+        raise ValueError(
+            f"{path} line {rows.line_num} has {len(row)} fields but the header has"
+            f" {len(header)}; fix or remove that line."
+        )
+      for name, value in zip(header, row):
+        columns[name].append(value)
+  return columns
 
 
 def _read_jsonl(path: Path) -> Columns:
-    with path.open(encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    names = list(dict.fromkeys(key for record in records for key in record))
-    return {name: [record.get(name) for record in records] for name in names}
+  with path.open(encoding="utf-8") as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  names = list(dict.fromkeys(key for record in records for key in record))
+  return {name: [record.get(name) for record in records] for name in names}
 
 
 def pick_column(
-    columns: Columns, candidates: Sequence[str], *, source: str, kind: str, option: str
+    columns: Columns,
+    candidates: Sequence[str],
+    *,
+    source: str,
+    kind: str,
+    option: str,
 ) -> str:
-    """Returns the first of ``candidates`` that is a column of ``columns``.
+  """Returns the first of ``candidates`` that is a column of ``columns``.
 
-    Args:
-        columns: the table.
-        candidates: accepted column names, in order of preference.
-        source: the table's name for the error (a path or a Hub id).
-        kind: what the column holds, for the error (``"label"``).
-        option: the config field that overrides the name, for the error.
+  Args:
+      columns: the table.
+      candidates: accepted column names, in order of preference.
+      source: the table's name for the error (a path or a Hub id).
+      kind: what the column holds, for the error (``"label"``).
+      option: the config field that overrides the name, for the error.
 
-    Raises:
-        ValueError: none of the candidates is a column.
-    """
-    for name in candidates:
-        if name in columns:
-            return name
-    raise ValueError(
-        f"{source} has no {kind} column (looked for {', '.join(candidates)}; it has"
-        f" {', '.join(columns) or 'no columns'}); set --config.data.{option}."
-    )
+  Raises:
+      ValueError: none of the candidates is a column.
+  """
+  for name in candidates:
+    if name in columns:
+      return name
+  raise ValueError(
+      f"{source} has no {kind} column (looked for {', '.join(candidates)}; it has"
+      f" {', '.join(columns) or 'no columns'}); set --config.data.{option}."
+  )
 
 
-def load_hub_columns(hub_id: str, config: str | None, split: str, *, fix: str) -> Columns:
-    """Loads one split of a Hub dataset into ``{column name: values}``.
+def load_hub_columns(
+    hub_id: str, config: str | None, split: str, *, fix: str
+) -> Columns:
+  """Loads one split of a Hub dataset into ``{column name: values}``.
 
-    ``datasets`` serves the split from its local cache when the Hub is not
-    reachable. With ``HF_DATASETS_OFFLINE=1`` (or ``HF_HUB_OFFLINE=1``) it
-    fails at once instead of waiting on the network. Either way the failure
-    becomes one line that names the dataset and how to use a local file.
+  ``datasets`` serves the split from its local cache when the Hub is not
+  reachable. With ``HF_DATASETS_OFFLINE=1`` (or ``HF_HUB_OFFLINE=1``) it
+  fails at once instead of waiting on the network. Either way the failure
+  becomes one line that names the dataset and how to use a local file.
 
-    Args:
-        hub_id: the Hub dataset id, e.g. ``"nyu-mll/glue"``.
-        config: the dataset's config name (``"sst2"``) or ``None``.
-        split: the Hub split name (``"validation_matched"``).
-        fix: how to do without the Hub, ending the error message, e.g.
-            ``"set --config.data.train_path=/path/to/train.tsv"``.
+  Args:
+      hub_id: the Hub dataset id, e.g. ``"nyu-mll/glue"``.
+      config: the dataset's config name (``"sst2"``) or ``None``.
+      split: the Hub split name (``"validation_matched"``).
+      fix: how to do without the Hub, ending the error message, e.g.
+          ``"set --config.data.train_path=/path/to/train.tsv"``.
 
-    Returns:
-        A dict from column name to the list of that column's values.
+  Returns:
+      A dict from column name to the list of that column's values.
 
-    Raises:
-        FileNotFoundError: the dataset is neither reachable nor cached.
-    """
-    try:
-        dataset = datasets.load_dataset(hub_id, config, split=split)
-    except (ConnectionError, FileNotFoundError) as e:
-        name = hub_id if config is None else f"{hub_id} ({config})"
-        raise FileNotFoundError(
-            f"Hub dataset {name}, split {split!r}, is not in the local cache and the Hub is"
-            f" not reachable (offline?); download it once online, or {fix}."
-        ) from e
-    return dataset.to_dict()
+  Raises:
+      FileNotFoundError: the dataset is neither reachable nor cached.
+  """
+  try:
+    dataset = datasets.load_dataset(hub_id, config, split=split)
+  except (ConnectionError, FileNotFoundError) as e:
+    name = hub_id if config is None else f"{hub_id} ({config})"
+    raise FileNotFoundError(
+        f"Hub dataset {name}, split {split!r}, is not in the local cache and the Hub is"
+        f" not reachable (offline?); download it once online, or {fix}."
+    ) from e
+  return dataset.to_dict()

@@ -26,33 +26,33 @@ _GLUE = "nyu-mll/glue"
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
-    """Public description of a classification task.
+  """Public description of a classification task.
 
-    Attributes:
-        name: the task name used in configs (``"sst2"``).
-        text_fields: one entry per text of a record (one, or two for sentence
-            pairs); each entry lists the accepted column names, Hub name first.
-        label_fields: the accepted names of the label column, Hub name first.
-        label_names: class names; position = class id. String labels in local
-            files are mapped through it, integer labels must be in range.
-        hub_id: the Hub dataset id, or ``None`` for a generated task.
-        hub_config: the Hub config name (``"sst2"``), or ``None``.
-        splits: our split name (``"train"``, ``"dev"``) -> Hub split name.
-        metrics: metric names to report on the dev split.
-    """
+  Attributes:
+      name: the task name used in configs (``"sst2"``).
+      text_fields: one entry per text of a record (one, or two for sentence
+          pairs); each entry lists the accepted column names, Hub name first.
+      label_fields: the accepted names of the label column, Hub name first.
+      label_names: class names; position = class id. String labels in local
+          files are mapped through it, integer labels must be in range.
+      hub_id: the Hub dataset id, or ``None`` for a generated task.
+      hub_config: the Hub config name (``"sst2"``), or ``None``.
+      splits: our split name (``"train"``, ``"dev"``) -> Hub split name.
+      metrics: metric names to report on the dev split.
+  """
 
-    name: str
-    text_fields: tuple[tuple[str, ...], ...]
-    label_fields: tuple[str, ...]
-    label_names: tuple[str, ...]
-    hub_id: str | None
-    hub_config: str | None
-    splits: Mapping[str, str]
-    metrics: tuple[str, ...] = ("accuracy",)
+  name: str
+  text_fields: tuple[tuple[str, ...], ...]
+  label_fields: tuple[str, ...]
+  label_names: tuple[str, ...]
+  hub_id: str | None
+  hub_config: str | None
+  splits: Mapping[str, str]
+  metrics: tuple[str, ...] = ("accuracy",)
 
-    @property
-    def num_labels(self) -> int:
-        return len(self.label_names)
+  @property
+  def num_labels(self) -> int:
+    return len(self.label_names)
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -112,17 +112,61 @@ TASKS: dict[str, TaskSpec] = {
 
 
 def get_task(name: str) -> TaskSpec:
-    """Returns the spec of task ``name`` (case-insensitive).
+  """Returns the spec of task ``name`` (case-insensitive).
 
-    Raises:
-        ValueError: unknown task.
-    """
-    spec = TASKS.get(name.lower())
-    if spec is None:
-        raise ValueError(
-            f"Unknown task {name!r}; set --config.data.task to one of {', '.join(TASKS)}."
-        )
-    return spec
+  Raises:
+      ValueError: unknown task.
+  """
+  spec = TASKS.get(name.lower())
+  if spec is None:
+    raise ValueError(
+        f"Unknown task {name!r}; set --config.data.task to one of {', '.join(TASKS)}."
+    )
+  return spec
+
+
+def _check_split_args(spec, split, text_fields, limit, offset):
+  """Validates `load_task_split`'s arguments; returns text_fields as a tuple (or None)."""
+  if split not in spec.splits:
+    raise ValueError(
+        f"Unknown split {split!r} for task {spec.name}; use one of"
+        f" {', '.join(spec.splits)}."
+    )
+  if limit is not None and limit < 1:
+    raise ValueError(f"limit must be at least 1 or None, got {limit}.")
+  if offset < 0:
+    raise ValueError(f"offset must be at least 0, got {offset}.")
+  if isinstance(text_fields, str):
+    text_fields = (text_fields,)
+  if text_fields is not None and len(text_fields) not in (1, 2):
+    raise ValueError(
+        f"text_fields names {len(text_fields)} columns; give one text column or two for"
+        " a sentence pair."
+    )
+  return text_fields
+
+
+def _pick_columns(spec, columns, source, text_fields, label_field):
+  """(text column names, label column name) by explicit names or the task's aliases."""
+  text_candidates = (
+      [(name,) for name in text_fields]
+      if text_fields is not None
+      else spec.text_fields
+  )
+  text_names = [
+      tables.pick_column(
+          columns, names, source=source, kind="text", option="text_fields"
+      )
+      for names in text_candidates
+  ]
+  label_name = tables.pick_column(
+      columns,
+      (label_field,) if label_field is not None else spec.label_fields,
+      source=source,
+      kind="label",
+      option="label_field",
+  )
+  return text_names, label_name
 
 
 def load_task_split(
@@ -138,97 +182,75 @@ def load_task_split(
     offset: int = 0,
     shard: tuple[int, int] = (0, 1),
 ) -> encoding.TextClassificationData:
-    """Loads one split of a task as right-padded ``int32`` arrays.
+  """Loads one split of a task as right-padded ``int32`` arrays.
 
-    Without ``path`` the split comes from the Hub (or the local ``datasets``
-    cache); with ``path`` from a local ``.tsv`` (quoting off, as GLUE writes
-    them), ``.csv``, ``.parquet`` or ``.jsonl`` file. Column names are found
-    through the task's aliases (``sentence1``/``premise``, ``gold_label``/
-    ``label``, ``is_duplicate``/``label``...) unless given explicitly.
-    Sentence pairs are tokenised as pairs.
+  Without ``path`` the split comes from the Hub (or the local ``datasets``
+  cache); with ``path`` from a local ``.tsv`` (quoting off, as GLUE writes
+  them), ``.csv``, ``.parquet`` or ``.jsonl`` file. Column names are found
+  through the task's aliases (``sentence1``/``premise``, ``gold_label``/
+  ``label``, ``is_duplicate``/``label``...) unless given explicitly.
+  Sentence pairs are tokenised as pairs.
 
-    Args:
-        task: a key of :data:`TASKS`.
-        split: ``"train"`` or ``"dev"`` (MNLI also ``"dev_mismatched"``).
-        tokenizer: the model's tokenizer.
-        path: a local file to read instead of the Hub.
-        max_length: tokens per record after truncation and right padding.
-        text_fields: column names of the text (one) or text pair (two),
-            overriding the task's aliases.
-        label_field: column name of the label, overriding the aliases.
-        limit: keep only the first ``limit`` records (quick runs).
-        offset: skip this many records first (``offset`` and ``limit`` select
-            records ``offset .. offset + limit - 1``, e.g. a held-out slice
-            after the training records).
-        shard: ``(index, count)``: tokenise and return only the records ``i``
-            (of the first ``limit``) with ``i % count == index``, this host's
-            share in a multi-host run. Every label is still checked, so a bad
-            file fails on every host alike.
+  Args:
+      task: a key of :data:`TASKS`.
+      split: ``"train"`` or ``"dev"`` (MNLI also ``"dev_mismatched"``).
+      tokenizer: the model's tokenizer.
+      path: a local file to read instead of the Hub.
+      max_length: tokens per record after truncation and right padding.
+      text_fields: column names of the text (one) or text pair (two),
+          overriding the task's aliases.
+      label_field: column name of the label, overriding the aliases.
+      limit: keep only the first ``limit`` records (quick runs).
+      offset: skip this many records first (``offset`` and ``limit`` select
+          records ``offset .. offset + limit - 1``, e.g. a held-out slice
+          after the training records).
+      shard: ``(index, count)``: tokenise and return only the records ``i``
+          (of the first ``limit``) with ``i % count == index``, this host's
+          share in a multi-host run. Every label is still checked, so a bad
+          file fails on every host alike.
 
-    Returns:
-        The split (or its shard), one row per record in file order.
+  Returns:
+      The split (or its shard), one row per record in file order.
 
-    Raises:
-        ValueError: unknown task or split, missing text or label column, a
-            label outside the task's label set, bad ``limit``/``text_fields``.
-        FileNotFoundError: missing local file, or a Hub dataset that is neither
-            reachable nor cached.
-    """
-    spec = get_task(task)
-    if split not in spec.splits:
-        raise ValueError(
-            f"Unknown split {split!r} for task {spec.name}; use one of"
-            f" {', '.join(spec.splits)}."
-        )
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be at least 1 or None, got {limit}.")
-    if offset < 0:
-        raise ValueError(f"offset must be at least 0, got {offset}.")
-    if isinstance(text_fields, str):
-        text_fields = (text_fields,)
-    if text_fields is not None and len(text_fields) not in (1, 2):
-        raise ValueError(
-            f"text_fields names {len(text_fields)} columns; give one text column or two for"
-            " a sentence pair."
-        )
-    columns, source = _split_columns(spec, split, path)
-    text_candidates = (
-        [(name,) for name in text_fields] if text_fields is not None else spec.text_fields
+  Raises:
+      ValueError: unknown task or split, missing text or label column, a
+          label outside the task's label set, bad ``limit``/``text_fields``.
+      FileNotFoundError: missing local file, or a Hub dataset that is neither
+          reachable nor cached.
+  """
+  spec = get_task(task)
+  text_fields = _check_split_args(spec, split, text_fields, limit, offset)
+  columns, source = _split_columns(spec, split, path)
+  text_names, label_name = _pick_columns(
+      spec, columns, source, text_fields, label_field
+  )
+  index, count = shard
+  if not 0 <= index < count:
+    raise ValueError(f"shard index {index} is not in [0, {count}).")
+  total = len(columns[label_name])
+  stop = total if limit is None else offset + limit
+  if stop > total:
+    raise ValueError(
+        f"{source} has {total} records, fewer than the {stop} that offset {offset} and"
+        f" limit {limit} ask for; lower the limit (train_limit/holdout)."
     )
-    text_names = [
-        tables.pick_column(columns, names, source=source, kind="text", option="text_fields")
-        for names in text_candidates
-    ]
-    label_name = tables.pick_column(
-        columns,
-        (label_field,) if label_field is not None else spec.label_fields,
-        source=source,
-        kind="label",
-        option="label_field",
-    )
-    index, count = shard
-    if not 0 <= index < count:
-        raise ValueError(f"shard index {index} is not in [0, {count}).")
-    total = len(columns[label_name])
-    stop = total if limit is None else offset + limit
-    if stop > total:
-        raise ValueError(
-            f"{source} has {total} records, fewer than the {stop} that offset {offset} and"
-            f" limit {limit} ask for; lower the limit (train_limit/holdout)."
-        )
-    labels = [
-        _label_id(value, spec, row=row, column=label_name, source=source)
-        for row, value in enumerate(columns[label_name][offset:stop], start=offset + 1)
-    ][index::count]
-    texts = [[_as_text(value) for value in columns[name][offset:stop][index::count]]
-             for name in text_names]
-    return encoding.encode(
-        tokenizer,
-        texts[0],
-        labels,
-        pair_texts=texts[1] if len(texts) == 2 else None,
-        max_length=max_length,
-    )
+  labels = [
+      _label_id(value, spec, row=row, column=label_name, source=source)
+      for row, value in enumerate(
+          columns[label_name][offset:stop], start=offset + 1
+      )
+  ][index::count]
+  texts = [
+      [_as_text(value) for value in columns[name][offset:stop][index::count]]
+      for name in text_names
+  ]
+  return encoding.encode(
+      tokenizer,
+      texts[0],
+      labels,
+      pair_texts=texts[1] if len(texts) == 2 else None,
+      max_length=max_length,
+  )
 
 
 def load_task_texts(
@@ -238,68 +260,74 @@ def load_task_texts(
     path: str | Path | None = None,
     text_fields: Sequence[str] | None = None,
 ) -> list[str]:
-    """Every text of one split (both sides of a pair), untokenised, in file order.
+  """Every text of one split (both sides of a pair), untokenised, in file order.
 
-    For checks that must see the raw text, such as dropping a task's sentences
-    from a public pretraining corpus. Arguments as :func:`load_task_split`.
-    """
-    spec = get_task(task)
-    if split not in spec.splits:
-        raise ValueError(
-            f"Unknown split {split!r} for task {spec.name}; use one of"
-            f" {', '.join(spec.splits)}."
-        )
-    columns, source = _split_columns(spec, split, path)
-    candidates = (
-        [(name,) for name in text_fields] if text_fields is not None else spec.text_fields
+  For checks that must see the raw text, such as dropping a task's sentences
+  from a public pretraining corpus. Arguments as :func:`load_task_split`.
+  """
+  spec = get_task(task)
+  if split not in spec.splits:
+    raise ValueError(
+        f"Unknown split {split!r} for task {spec.name}; use one of"
+        f" {', '.join(spec.splits)}."
     )
-    names = [
-        tables.pick_column(columns, names, source=source, kind="text", option="text_fields")
-        for names in candidates
-    ]
-    return [_as_text(value) for name in names for value in columns[name]]
+  columns, source = _split_columns(spec, split, path)
+  candidates = (
+      [(name,) for name in text_fields]
+      if text_fields is not None
+      else spec.text_fields
+  )
+  names = [
+      tables.pick_column(
+          columns, names, source=source, kind="text", option="text_fields"
+      )
+      for names in candidates
+  ]
+  return [_as_text(value) for name in names for value in columns[name]]
 
 
 def _split_columns(
     spec: TaskSpec, split: str, path: str | Path | None
 ) -> tuple[tables.Columns, str]:
-    if path is not None:
-        return tables.read_columns(path), str(path)
-    if spec.hub_id is None:
-        raise ValueError(
-            f"Task {spec.name} has no Hub dataset: it is generated by"
-            f" raptor_jax.data.synthetic_task(); or set --config.data.{split}_path to a file."
-        )
-    hub_split = spec.splits[split]
-    columns = tables.load_hub_columns(
-        spec.hub_id,
-        spec.hub_config,
-        hub_split,
-        fix=f"set --config.data.{split}_path=/path/to/{split}.tsv",
+  if path is not None:
+    return tables.read_columns(path), str(path)
+  if spec.hub_id is None:
+    raise ValueError(
+        f"Task {spec.name} has no Hub dataset: it is generated by"
+        f" raptor_jax.data.synthetic_task(); or set --config.data.{split}_path to a file."
     )
-    return columns, f"{spec.hub_id}/{spec.hub_config} split {hub_split}"
+  hub_split = spec.splits[split]
+  columns = tables.load_hub_columns(
+      spec.hub_id,
+      spec.hub_config,
+      hub_split,
+      fix=f"set --config.data.{split}_path=/path/to/{split}.tsv",
+  )
+  return columns, f"{spec.hub_id}/{spec.hub_config} split {hub_split}"
 
 
 def _as_text(value: Any) -> str:
-    return "" if value is None else str(value)
+  return "" if value is None else str(value)
 
 
-def _label_id(value: Any, spec: TaskSpec, *, row: int, column: str, source: str) -> int:
-    """Maps a raw label (class name, integer, or integer string) to its class id.
+def _label_id(
+    value: Any, spec: TaskSpec, *, row: int, column: str, source: str
+) -> int:
+  """Maps a raw label (class name, integer, or integer string) to its class id.
 
-    The error names the row, never the value: a wrongly chosen label column can
-    hold private text, and this package never prints record contents.
-    """
-    if isinstance(value, str):
-        value = value.strip()
-        if value in spec.label_names:
-            return spec.label_names.index(value)
-        if value.isdecimal():
-            value = int(value)
-    if isinstance(value, int) and 0 <= value < spec.num_labels:
-        return int(value)
-    raise ValueError(
-        f"{source}, column {column!r}, data row {row}: not a {spec.name} label (expected"
-        f" {'/'.join(spec.label_names)} or 0..{spec.num_labels - 1}; an unlabelled test"
-        " split?); fix the file or set --config.data.label_field."
-    )
+  The error names the row, never the value: a wrongly chosen label column can
+  hold private text, and this package never prints record contents.
+  """
+  if isinstance(value, str):
+    value = value.strip()
+    if value in spec.label_names:
+      return spec.label_names.index(value)
+    if value.isdecimal():
+      value = int(value)
+  if isinstance(value, int) and 0 <= value < spec.num_labels:
+    return int(value)
+  raise ValueError(
+      f"{source}, column {column!r}, data row {row}: not a {spec.name} label (expected"
+      f" {'/'.join(spec.label_names)} or 0..{spec.num_labels - 1}; an unlabelled test"
+      " split?); fix the file or set --config.data.label_field."
+  )

@@ -1,21 +1,34 @@
 """Flax ports of sparse MoE transformers, LoRA, heads and checkpoint loading.
 
-    module, params = models.from_pretrained("google/switch-base-8")
-    # or "allenai/OLMoE-1B-7B-0924" (OlmoeDecoder; every block is sparse)
-    out = module.apply({"params": params}, input_ids, attention_mask)
-    out.hidden_states   # [B, S, D]
-    out.router_logits   # one float32 [B, S, E] per sparse layer
+module, params = models.from_pretrained("google/switch-base-8")
+# or "allenai/OLMoE-1B-7B-0924" (OlmoeDecoder; every block is sparse)
+out = module.apply({"params": params}, input_ids, attention_mask)
+out.hidden_states   # [B, S, D]
+out.router_logits   # one float32 [B, S, E] per sparse layer
 """
 
+from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.heads import SequenceClassifier, last_token, masked_mean
 from raptor_jax.models.hf import from_pretrained, init_missing, merge_params, with_options
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 from raptor_jax.models.olmoe import OlmoeConfig, OlmoeDecoder
-from raptor_jax.models.switch import (BackboneOutput, OwnerOverride, SwitchConfig,
-                                      SwitchEncoder)
+from raptor_jax.models.switch import SwitchConfig, SwitchEncoder
 
 __all__ = [
-    "BackboneOutput", "ExpertLinear", "LoRADense", "OlmoeConfig", "OlmoeDecoder",
-    "OwnerOverride", "SequenceClassifier", "SwitchConfig", "SwitchEncoder", "from_pretrained",
-    "init_missing", "last_token", "masked_mean", "merge_params", "with_options",
+    "BackboneOutput",
+    "ExpertLinear",
+    "FineTuningOptions",
+    "LoRADense",
+    "OlmoeConfig",
+    "OlmoeDecoder",
+    "OwnerOverride",
+    "SequenceClassifier",
+    "SwitchConfig",
+    "SwitchEncoder",
+    "from_pretrained",
+    "init_missing",
+    "last_token",
+    "masked_mean",
+    "merge_params",
+    "with_options",
 ]

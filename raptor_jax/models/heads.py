@@ -18,7 +18,8 @@ def last_token(hidden_BxSxD: jax.Array, mask_BxS: jax.Array) -> jax.Array:
   """State of the last non-padding token (decoders; right padding)."""
   last = jnp.maximum(jnp.sum(mask_BxS.astype(jnp.int32), axis=1) - 1, 0)
   return jnp.take_along_axis(
-      hidden_BxSxD.astype(jnp.float32), last[:, None, None], axis=1)[:, 0]
+      hidden_BxSxD.astype(jnp.float32), last[:, None, None], axis=1
+  )[:, 0]
 
 
 POOLING = {"mean": masked_mean, "last": last_token}
@@ -38,9 +39,14 @@ class SequenceClassifier(nn.Module):
   def __call__(self, input_ids, attention_mask, owner_override=None):
     """Returns (logits [B, num_labels] float32, the backbone output)."""
     if self.pooling not in POOLING:
-      raise ValueError(f"unknown pooling {self.pooling!r}; use one of {sorted(POOLING)}")
-    out = self.backbone(input_ids, attention_mask, owner_override=owner_override)
+      raise ValueError(
+          f"unknown pooling {self.pooling!r}; use one of {sorted(POOLING)}"
+      )
+    out = self.backbone(
+        input_ids, attention_mask, owner_override=owner_override
+    )
     pooled = POOLING[self.pooling](out.hidden_states, attention_mask)
-    logits = nn.Dense(self.num_labels, dtype=jnp.float32, param_dtype=jnp.float32,
-                      name="head")(pooled)
+    logits = nn.Dense(
+        self.num_labels, dtype=jnp.float32, param_dtype=jnp.float32, name="head"
+    )(pooled)
     return logits, out

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax.models import olmoe, switch
+from raptor_jax import roles
+from raptor_jax.models import common, heads, olmoe, switch
 
 Params = Mapping[str, Any]
 
@@ -36,36 +37,46 @@ def resolve_model_dir(path_or_hub_id: str | os.PathLike) -> Path:
   path = Path(path_or_hub_id).expanduser()
   if path.is_dir():
     if not (path / "config.json").is_file():
-      raise FileNotFoundError(f"{path} has no config.json; point at a directory written "
-                              "by save_pretrained (config.json + *.safetensors)")
+      raise FileNotFoundError(
+          f"{path} has no config.json; point at a directory written "
+          "by save_pretrained (config.json + *.safetensors)"
+      )
     return path
   name = str(path_or_hub_id)
   if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
     raise FileNotFoundError(f"model directory {name!r} does not exist")
   from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
+
   try:
     return Path(snapshot_download(name, allow_patterns=list(_WEIGHT_PATTERNS)))
-  except Exception as e:  # Offline, not cached, gated or missing: one clear line.
+  except (
+      Exception
+  ) as e:  # Offline, not cached, gated or missing: one clear line.
     raise OSError(
         f"cannot load model {name!r} from the Hugging Face Hub ({type(e).__name__}); "
         f"the Hub is unreachable or the model is not cached (HF_HUB_OFFLINE="
         f"{os.environ.get('HF_HUB_OFFLINE', '0')}). Download it where you have internet "
         f"(`huggingface-cli download {name}`) or pass a local directory holding "
-        "config.json and *.safetensors") from None
+        "config.json and *.safetensors"
+    ) from None
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
   return json.loads((model_dir / "config.json").read_text())
 
 
-def load_tensors(model_dir: Path, keep: Callable[[str], bool]) -> dict[str, np.ndarray]:
+def load_tensors(
+    model_dir: Path, keep: Callable[[str], bool]
+) -> dict[str, np.ndarray]:
   """Reads the float32 tensors whose names pass `keep` from *.safetensors."""
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
   files = sorted(model_dir.glob("*.safetensors"))
   if not files:
     raise FileNotFoundError(
         f"{model_dir} holds no *.safetensors weights; re-save the model with "
-        "save_pretrained(..., safe_serialization=True)")
+        "save_pretrained(..., safe_serialization=True)"
+    )
   tensors = {}
   for file in files:
     with safe_open(str(file), framework="flax") as f:
@@ -85,24 +96,33 @@ def merge_params(initialised: Params, pretrained: Params) -> dict:
   Leaves only in `initialised` (LoRA adapters, heads) keep their initial
   values; every pretrained leaf must exist with the same shape.
   """
-  init_flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(initialised), sep="/")
+  init_flat = flax.traverse_util.flatten_dict(
+      flax.core.unfreeze(initialised), sep="/"
+  )
   for path, value in flax.traverse_util.flatten_dict(
-      flax.core.unfreeze(pretrained), sep="/").items():
+      flax.core.unfreeze(pretrained), sep="/"
+  ).items():
     if path not in init_flat:
       raise ValueError(f"pretrained parameter {path} has no place in the model")
     if tuple(init_flat[path].shape) != tuple(value.shape):
-      raise ValueError(f"pretrained parameter {path} has shape {tuple(value.shape)}, "
-                       f"the model expects {tuple(init_flat[path].shape)}")
+      raise ValueError(
+          f"pretrained parameter {path} has shape {tuple(value.shape)}, "
+          f"the model expects {tuple(init_flat[path].shape)}"
+      )
     init_flat[path] = jnp.asarray(value, init_flat[path].dtype)
   return flax.traverse_util.unflatten_dict(init_flat, sep="/")
 
 
-def is_adapter(path: str) -> bool:
-  return path.rsplit("/", 1)[-1] in ("lora_a", "lora_b")
+is_adapter = roles.is_adapter  # a LoRA factor (the leaves `init_missing` adds)
 
 
-def init_missing(module: nn.Module, pretrained: Params, example_args: tuple,
-                 key: jax.Array, is_new: Callable[[str], bool] = is_adapter) -> dict:
+def init_missing(
+    module: nn.Module,
+    pretrained: Params,
+    example_args: tuple,
+    key: jax.Array,
+    is_new: Callable[[str], bool] = is_adapter,
+) -> dict:
   """Initialises only the adapter parameters that `pretrained` lacks, then merges.
 
   The module's own initialisers define the new leaves (one source of truth);
@@ -110,20 +130,33 @@ def init_missing(module: nn.Module, pretrained: Params, example_args: tuple,
   Any other parameter missing from the checkpoint (`is_new(path)` False) is an
   error, never a silent random initialisation.
   """
-  flatten = lambda tree: flax.traverse_util.flatten_dict(flax.core.unfreeze(tree), sep="/")
+  flatten = lambda tree: flax.traverse_util.flatten_dict(
+      flax.core.unfreeze(tree), sep="/"
+  )
   known = set(flatten(pretrained))
   init = lambda k: module.init(k, *example_args)["params"]
   shapes = flatten(jax.eval_shape(init, key))
   absent = [p for p in shapes if p not in known and not is_new(p)]
   if absent:
-    raise ValueError(f"checkpoint lacks {len(absent)} model parameters, e.g. {absent[0]}")
-  fresh = jax.jit(lambda k: {p: v for p, v in flatten(init(k)).items() if p not in known})(key)
-  return merge_params(flax.traverse_util.unflatten_dict({**shapes, **fresh}, sep="/"),
-                      pretrained)
+    raise ValueError(
+        f"checkpoint lacks {len(absent)} model parameters, e.g. {absent[0]}"
+    )
+  fresh = jax.jit(
+      lambda k: {p: v for p, v in flatten(init(k)).items() if p not in known}
+  )(key)
+  return merge_params(
+      flax.traverse_util.unflatten_dict({**shapes, **fresh}, sep="/"),
+      pretrained,
+  )
 
 
-def _map_tensors(named_tensors: Iterable[tuple[str, np.ndarray]], rules, expert_rule,
-                 num_experts: int, family: str) -> dict[str, np.ndarray]:
+def _map_tensors(
+    named_tensors: Iterable[tuple[str, np.ndarray]],
+    rules,
+    expert_rule,
+    num_experts: int,
+    family: str,
+) -> dict[str, np.ndarray]:
   """Flat Flax parameters from (HF name, tensor) pairs.
 
   Args:
@@ -153,10 +186,14 @@ def _map_tensors(named_tensors: Iterable[tuple[str, np.ndarray]], rules, expert_
       raise ValueError(f"unexpected tensor {name} in the {family} checkpoint")
   for path, per_expert in experts.items():
     if path in flat:
-      raise ValueError(f"{path}: the checkpoint holds both per-expert and fused weights")
+      raise ValueError(
+          f"{path}: the checkpoint holds both per-expert and fused weights"
+      )
     if sorted(per_expert) != list(range(num_experts)):
-      raise ValueError(f"{path}: found experts {sorted(per_expert)}, "
-                       f"expected 0..{num_experts - 1}")
+      raise ValueError(
+          f"{path}: found experts {sorted(per_expert)}, "
+          f"expected 0..{num_experts - 1}"
+      )
     flat[path] = np.stack([per_expert[e] for e in range(num_experts)])
   return flat
 
@@ -165,12 +202,25 @@ def _map_tensors(named_tensors: Iterable[tuple[str, np.ndarray]], rules, expert_
 # Switch Transformers.
 
 _SWITCH_ARCH_KEYS = (
-    "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads", "num_experts",
-    "expert_capacity", "relative_attention_num_buckets", "relative_attention_max_distance",
-    "layer_norm_epsilon", "dense_act_fn", "router_bias")
+    "vocab_size",
+    "d_model",
+    "d_kv",
+    "d_ff",
+    "num_layers",
+    "num_heads",
+    "num_experts",
+    "expert_capacity",
+    "relative_attention_num_buckets",
+    "relative_attention_max_distance",
+    "layer_norm_epsilon",
+    "dense_act_fn",
+    "router_bias",
+)
 
 
-def switch_config_from_hf(hf: Mapping[str, Any], **options) -> switch.SwitchConfig:
+def switch_config_from_hf(
+    hf: Mapping[str, Any], **options
+) -> switch.SwitchConfig:
   """SwitchConfig from an HF config.json dict, plus fine-tuning options."""
   arch = {k: hf[k] for k in _SWITCH_ARCH_KEYS if k in hf}
   step = hf.get("encoder_sparse_step")
@@ -182,38 +232,75 @@ def switch_config_from_hf(hf: Mapping[str, Any], **options) -> switch.SwitchConf
 
 
 def _torch_linear(w: np.ndarray) -> np.ndarray:
-  return np.ascontiguousarray(w.T)  # torch Linear [out, in] -> Flax kernel [in, out]
+  return np.ascontiguousarray(
+      w.T
+  )  # torch Linear [out, in] -> Flax kernel [in, out]
 
 
-def switch_params_from_hf(tensors: Mapping[str, np.ndarray],
-                          config: switch.SwitchConfig) -> dict:
+def switch_params_from_hf(
+    tensors: Mapping[str, np.ndarray], config: switch.SwitchConfig
+) -> dict:
   """Maps HF Switch encoder tensor names onto the Flax parameter tree."""
   flat: dict[str, np.ndarray] = {}
-  embedding = tensors.get("shared.weight", tensors.get("encoder.embed_tokens.weight"))
+  embedding = tensors.get(
+      "shared.weight", tensors.get("encoder.embed_tokens.weight")
+  )
   if embedding is None:
-    raise ValueError("checkpoint has neither shared.weight nor encoder.embed_tokens.weight")
+    raise ValueError(
+        "checkpoint has neither shared.weight nor encoder.embed_tokens.weight"
+    )
   flat["embed_tokens/embedding"] = embedding
   rules = [
-      (r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.([qkvo])\.weight",
-       lambda m, w: [(f"block_{m[1]}/attention/{m[2]}/kernel", _torch_linear(w))]),
-      (r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.weight",
-       lambda m, w: [(f"block_{m[1]}/attention/relative_attention_bias/embedding", w)]),
-      (r"encoder\.block\.(\d+)\.layer\.0\.layer_norm\.weight",
-       lambda m, w: [(f"block_{m[1]}/attention_norm/scale", w)]),
-      (r"encoder\.block\.(\d+)\.layer\.1\.layer_norm\.weight",
-       lambda m, w: [(f"block_{m[1]}/mlp_norm/scale", w)]),
-      (r"encoder\.block\.(\d+)\.layer\.1\.mlp\.(wi|wo)\.weight",
-       lambda m, w: [(f"block_{m[1]}/mlp/{m[2]}/kernel", _torch_linear(w))]),
-      (r"encoder\.block\.(\d+)\.layer\.1\.mlp\.router\.classifier\.(weight|bias)",
-       lambda m, w: [(f"block_{m[1]}/mlp/router/" + ("kernel" if m[2] == "weight" else "bias"),
-                      _torch_linear(w) if m[2] == "weight" else w)]),
-      (r"encoder\.final_layer_norm\.weight", lambda m, w: [("final_layer_norm/scale", w)]),
+      (
+          r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.([qkvo])\.weight",
+          lambda m, w: [
+              (f"block_{m[1]}/attention/{m[2]}/kernel", _torch_linear(w))
+          ],
+      ),
+      (
+          r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.weight",
+          lambda m, w: [
+              (f"block_{m[1]}/attention/relative_attention_bias/embedding", w)
+          ],
+      ),
+      (
+          r"encoder\.block\.(\d+)\.layer\.0\.layer_norm\.weight",
+          lambda m, w: [(f"block_{m[1]}/attention_norm/scale", w)],
+      ),
+      (
+          r"encoder\.block\.(\d+)\.layer\.1\.layer_norm\.weight",
+          lambda m, w: [(f"block_{m[1]}/mlp_norm/scale", w)],
+      ),
+      (
+          r"encoder\.block\.(\d+)\.layer\.1\.mlp\.(wi|wo)\.weight",
+          lambda m, w: [(f"block_{m[1]}/mlp/{m[2]}/kernel", _torch_linear(w))],
+      ),
+      (
+          r"encoder\.block\.(\d+)\.layer\.1\.mlp\.router\.classifier\.(weight|bias)",
+          lambda m, w: [
+              (
+                  f"block_{m[1]}/mlp/router/"
+                  + ("kernel" if m[2] == "weight" else "bias"),
+                  _torch_linear(w) if m[2] == "weight" else w,
+              )
+          ],
+      ),
+      (
+          r"encoder\.final_layer_norm\.weight",
+          lambda m, w: [("final_layer_norm/scale", w)],
+      ),
   ]
   expert_rule = re.compile(
-      r"encoder\.block\.(\d+)\.layer\.1\.mlp\.experts\.expert_(\d+)\.(wi|wo)\.weight")
-  encoder = ((name, w) for name, w in tensors.items()
-             if name.startswith("encoder.") and name != "encoder.embed_tokens.weight")
-  flat.update(_map_tensors(encoder, rules, expert_rule, config.num_experts, "Switch"))
+      r"encoder\.block\.(\d+)\.layer\.1\.mlp\.experts\.expert_(\d+)\.(wi|wo)\.weight"
+  )
+  encoder = (
+      (name, w)
+      for name, w in tensors.items()
+      if name.startswith("encoder.") and name != "encoder.embed_tokens.weight"
+  )
+  flat.update(
+      _map_tensors(encoder, rules, expert_rule, config.num_experts, "Switch")
+  )
   return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
@@ -221,9 +308,19 @@ def switch_params_from_hf(tensors: Mapping[str, np.ndarray],
 # OLMoE.
 
 _OLMOE_ARCH_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "num_experts", "num_experts_per_tok",
-    "norm_topk_prob", "rms_norm_eps", "clip_qkv", "hidden_act")
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "rms_norm_eps",
+    "clip_qkv",
+    "hidden_act",
+)
 
 
 def _rope_theta(hf: Mapping[str, Any]) -> float:
@@ -231,21 +328,27 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   if rope_type != "default":
-    raise ValueError(f"unsupported RoPE type {rope_type!r} in config.json; only default "
-                     "RoPE (no scaling) is ported")
+    raise ValueError(
+        f"unsupported RoPE type {rope_type!r} in config.json; only default "
+        "RoPE (no scaling) is ported"
+    )
   return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def olmoe_config_from_hf(hf: Mapping[str, Any], **options) -> olmoe.OlmoeConfig:
   """OlmoeConfig from an HF config.json dict, plus fine-tuning options."""
   if hf.get("attention_bias"):
-    raise ValueError("OLMoE checkpoints with attention_bias=true are not supported "
-                     "(the port's attention projections are bias-free, as in OLMoE)")
+    raise ValueError(
+        "OLMoE checkpoints with attention_bias=true are not supported "
+        "(the port's attention projections are bias-free, as in OLMoE)"
+    )
   arch = {k: hf[k] for k in _OLMOE_ARCH_KEYS if hf.get(k) is not None}
   if "num_experts" not in arch and "num_local_experts" in hf:
     arch["num_experts"] = hf["num_local_experts"]
-  arch.setdefault("num_key_value_heads",
-                  arch.get("num_attention_heads", olmoe.OlmoeConfig.num_attention_heads))
+  arch.setdefault(
+      "num_key_value_heads",
+      arch.get("num_attention_heads", olmoe.OlmoeConfig.num_attention_heads),
+  )
   if "clip_qkv" in arch:
     arch["clip_qkv"] = float(arch["clip_qkv"])
   return olmoe.OlmoeConfig(**arch, rope_theta=_rope_theta(hf), **options)
@@ -254,12 +357,15 @@ def olmoe_config_from_hf(hf: Mapping[str, Any], **options) -> olmoe.OlmoeConfig:
 def _split_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Fused torch [E, 2I, D] (gate rows first) -> Flax kernels [E, D, I] each."""
   gate, up = np.split(gate_up, 2, axis=1)
-  return (np.ascontiguousarray(gate.transpose(0, 2, 1)),
-          np.ascontiguousarray(up.transpose(0, 2, 1)))
+  return (
+      np.ascontiguousarray(gate.transpose(0, 2, 1)),
+      np.ascontiguousarray(up.transpose(0, 2, 1)),
+  )
 
 
-def olmoe_params_from_hf(tensors: Mapping[str, np.ndarray],
-                         config: olmoe.OlmoeConfig) -> dict:
+def olmoe_params_from_hf(
+    tensors: Mapping[str, np.ndarray], config: olmoe.OlmoeConfig
+) -> dict:
   """Maps HF OLMoE decoder tensor names onto the Flax parameter tree.
 
   Accepts the per-expert layout that `save_pretrained` and the Hub use
@@ -272,27 +378,59 @@ def olmoe_params_from_hf(tensors: Mapping[str, np.ndarray],
   layer = r"layers\.(\d+)\."
   rules = [
       (r"embed_tokens\.weight", lambda m, w: [("embed_tokens/embedding", w)]),
-      (layer + r"self_attn\.([qkvo])_proj\.weight",
-       lambda m, w: [(f"block_{m[1]}/attention/{m[2]}/kernel", _torch_linear(w))]),
-      (layer + r"self_attn\.([qk])_norm\.weight",
-       lambda m, w: [(f"block_{m[1]}/attention/{m[2]}_norm/scale", w)]),
-      (layer + r"input_layernorm\.weight",
-       lambda m, w: [(f"block_{m[1]}/attention_norm/scale", w)]),
-      (layer + r"post_attention_layernorm\.weight",
-       lambda m, w: [(f"block_{m[1]}/mlp_norm/scale", w)]),
-      (layer + r"mlp\.gate\.weight",
-       lambda m, w: [(f"block_{m[1]}/mlp/router/kernel", _torch_linear(w))]),
-      (layer + r"mlp\.experts\.gate_up_proj",
-       lambda m, w: list(zip((f"block_{m[1]}/mlp/experts/gate/kernel",
-                              f"block_{m[1]}/mlp/experts/up/kernel"), _split_gate_up(w)))),
-      (layer + r"mlp\.experts\.down_proj",
-       lambda m, w: [(f"block_{m[1]}/mlp/experts/down/kernel",
-                      np.ascontiguousarray(w.transpose(0, 2, 1)))]),
+      (
+          layer + r"self_attn\.([qkvo])_proj\.weight",
+          lambda m, w: [
+              (f"block_{m[1]}/attention/{m[2]}/kernel", _torch_linear(w))
+          ],
+      ),
+      (
+          layer + r"self_attn\.([qk])_norm\.weight",
+          lambda m, w: [(f"block_{m[1]}/attention/{m[2]}_norm/scale", w)],
+      ),
+      (
+          layer + r"input_layernorm\.weight",
+          lambda m, w: [(f"block_{m[1]}/attention_norm/scale", w)],
+      ),
+      (
+          layer + r"post_attention_layernorm\.weight",
+          lambda m, w: [(f"block_{m[1]}/mlp_norm/scale", w)],
+      ),
+      (
+          layer + r"mlp\.gate\.weight",
+          lambda m, w: [(f"block_{m[1]}/mlp/router/kernel", _torch_linear(w))],
+      ),
+      (
+          layer + r"mlp\.experts\.gate_up_proj",
+          lambda m, w: list(
+              zip(
+                  (
+                      f"block_{m[1]}/mlp/experts/gate/kernel",
+                      f"block_{m[1]}/mlp/experts/up/kernel",
+                  ),
+                  _split_gate_up(w),
+              )
+          ),
+      ),
+      (
+          layer + r"mlp\.experts\.down_proj",
+          lambda m, w: [
+              (
+                  f"block_{m[1]}/mlp/experts/down/kernel",
+                  np.ascontiguousarray(w.transpose(0, 2, 1)),
+              )
+          ],
+      ),
       (r"norm\.weight", lambda m, w: [("final_layer_norm/scale", w)]),
   ]
-  expert_rule = re.compile(layer + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-  named = ((name.removeprefix("model."), w) for name, w in tensors.items()
-           if not name.endswith("rotary_emb.inv_freq"))  # a buffer old checkpoints stored
+  expert_rule = re.compile(
+      layer + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight"
+  )
+  named = (
+      (name.removeprefix("model."), w)
+      for name, w in tensors.items()
+      if not name.endswith("rotary_emb.inv_freq")
+  )  # a buffer old checkpoints stored
   flat = _map_tensors(named, rules, expert_rule, config.num_experts, "OLMoE")
   return flax.traverse_util.unflatten_dict(flat, sep="/")
 
@@ -300,23 +438,61 @@ def olmoe_params_from_hf(tensors: Mapping[str, np.ndarray],
 # ---------------------------------------------------------------------------
 # Entry point.
 
-FINE_TUNING_OPTIONS = ("lora_rank", "lora_alpha", "attention_lora", "expert_lora_layers",
-                       "dispatch", "dtype")
+FINE_TUNING_OPTIONS = common.FINE_TUNING_OPTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """How `from_pretrained` reads one HF `model_type`."""
+
+  backbone: type[nn.Module]  # built from the config: Backbone(config)
+  config_from_hf: Callable[
+      ..., common.FineTuningOptions
+  ]  # (hf dict, **options)
+  params_from_hf: Callable[
+      [Mapping[str, np.ndarray], Any], dict
+  ]  # (tensors, config)
+  ignored_prefix: str  # checkpoint tensors the backbone does not use
+
+
+# A new family adds its entry here, next to its name table above.
+FAMILIES = {
+    "switch_transformers": Family(
+        switch.SwitchEncoder,
+        switch_config_from_hf,
+        switch_params_from_hf,
+        ignored_prefix="decoder.",
+    ),
+    "olmoe": Family(
+        olmoe.OlmoeDecoder,
+        olmoe_config_from_hf,
+        olmoe_params_from_hf,
+        ignored_prefix="lm_head.",
+    ),
+}
 
 
 def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
   unknown = sorted(set(options) - set(FINE_TUNING_OPTIONS))
   if unknown:
-    raise ValueError(f"unknown from_pretrained option(s) {unknown}; the options are "
-                     f"{list(FINE_TUNING_OPTIONS)} (architecture comes from config.json)")
+    raise ValueError(
+        f"unknown from_pretrained option(s) {unknown}; the options are "
+        f"{list(FINE_TUNING_OPTIONS)} (architecture comes from config.json)"
+    )
   options = dict(options)
   if "expert_lora_layers" in options:
     options["expert_lora_layers"] = tuple(options["expert_lora_layers"])
   return options
 
 
-def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
-                    **options) -> tuple[nn.Module, dict]:
+def from_pretrained(
+    path_or_hub_id: str | os.PathLike,
+    *,
+    seed: int = 0,
+    num_labels: int | None = None,
+    pooling: str = "",
+    **options,
+) -> tuple[nn.Module, dict]:
   """Loads a Hugging Face MoE checkpoint as a Flax backbone.
 
   Args:
@@ -325,6 +501,9 @@ def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
       "allenai/OLMoE-1B-7B-0924"; `model_type` in config.json selects the
       backbone (SwitchEncoder or OlmoeDecoder).
     seed: PRNG seed for parameters the checkpoint lacks (LoRA adapters).
+    num_labels: if set, return a `SequenceClassifier` with a linear head of
+      this many labels instead of the bare backbone (see `with_head`).
+    pooling: the classifier's pooling ('' = the family's default).
     **options: fine-tuning options of the model config, any of
       `FINE_TUNING_OPTIONS` (e.g. lora_rank=8, attention_lora=True,
       expert_lora_layers=(5,), dtype='bfloat16'); anything else is an error.
@@ -337,21 +516,55 @@ def from_pretrained(path_or_hub_id: str | os.PathLike, *, seed: int = 0,
   model_dir = resolve_model_dir(path_or_hub_id)
   hf = read_config(model_dir)
   model_type = hf.get("model_type")
-  if model_type == "switch_transformers":
-    config = switch_config_from_hf(hf, **options)
-    module = switch.SwitchEncoder(config)
-    tensors = load_tensors(model_dir, keep=lambda n: not n.startswith("decoder."))
-    params = switch_params_from_hf(tensors, config)
-  elif model_type == "olmoe":
-    config = olmoe_config_from_hf(hf, **options)
-    module = olmoe.OlmoeDecoder(config)
-    tensors = load_tensors(model_dir, keep=lambda n: not n.startswith("lm_head."))
-    params = olmoe_params_from_hf(tensors, config)
-  else:
-    raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
-                     "supported: 'switch_transformers', 'olmoe'")
-  params = init_missing(module, params, example_inputs(), jax.random.PRNGKey(seed))
+  family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+  if family is None:
+    raise ValueError(
+        f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
+        f"supported: {', '.join(map(repr, FAMILIES))}"
+    )
+  config = family.config_from_hf(hf, **options)
+  module = family.backbone(config)
+  tensors = load_tensors(
+      model_dir, keep=lambda n: not n.startswith(family.ignored_prefix)
+  )
+  params = family.params_from_hf(tensors, config)
+  params = init_missing(
+      module, params, example_inputs(), jax.random.PRNGKey(seed)
+  )
+  if num_labels is not None:
+    return with_head(module, params, num_labels, pooling=pooling, seed=seed)
   return module, params
+
+
+def with_head(
+    backbone: nn.Module,
+    backbone_params: Params,
+    num_labels: int,
+    *,
+    pooling: str = "",
+    seed: int = 0,
+) -> tuple[nn.Module, dict]:
+  """A `SequenceClassifier` of `backbone`: pooling and a linear head.
+
+  The head is initialised from `PRNGKey(seed + 1)`, as the trainer does; only
+  the head is new (anything else missing is an error). `pooling` '' picks
+  mean pooling for encoders (Switch) and the last token for decoders (OLMoE).
+
+      model, params = models.from_pretrained("google/switch-base-8", num_labels=2)
+      logits, aux = model.apply({"params": params}, input_ids, attention_mask)
+  """
+  pooling = pooling or (
+      "mean" if isinstance(backbone, switch.SwitchEncoder) else "last"
+  )
+  clf = heads.SequenceClassifier(backbone, num_labels, pooling=pooling)
+  params = init_missing(
+      clf,
+      {"backbone": backbone_params},
+      example_inputs(),
+      jax.random.PRNGKey(seed + 1),
+      is_new=lambda p: p.startswith("head/"),
+  )
+  return clf, params
 
 
 def example_inputs() -> tuple[jax.Array, jax.Array]:
@@ -359,15 +572,25 @@ def example_inputs() -> tuple[jax.Array, jax.Array]:
   return jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)
 
 
-def with_options(module: nn.Module, params: Params, *, seed: int = 0,
-                 **options) -> tuple[nn.Module, dict]:
+def with_options(
+    module: nn.Module, params: Params, *, seed: int = 0, **options
+) -> tuple[nn.Module, dict]:
   """The same backbone with other fine-tuning options (adapters, dispatch).
 
   New adapter leaves are initialised (B factors at zero, so the function is
   unchanged); pretrained leaves are kept.
   """
   new = type(module)(dataclasses.replace(module.config, **options))
-  kept = {p: v for p, v in flax.traverse_util.flatten_dict(
-      flax.core.unfreeze(params), sep="/").items() if not is_adapter(p)}
-  return new, init_missing(new, flax.traverse_util.unflatten_dict(kept, sep="/"),
-                           example_inputs(), jax.random.PRNGKey(seed))
+  kept = {
+      p: v
+      for p, v in flax.traverse_util.flatten_dict(
+          flax.core.unfreeze(params), sep="/"
+      ).items()
+      if not is_adapter(p)
+  }
+  return new, init_missing(
+      new,
+      flax.traverse_util.unflatten_dict(kept, sep="/"),
+      example_inputs(),
+      jax.random.PRNGKey(seed),
+  )

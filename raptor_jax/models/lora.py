@@ -48,8 +48,12 @@ class LoRADense(nn.Module):
     y = x @ kernel.astype(self.dtype)
     if self.rank > 0:
       a = self.param("lora_a", lora_a_init, (d_in, self.rank))
-      b = self.param("lora_b", nn.initializers.zeros, (self.rank, self.features))
-      y = y + (self.alpha / self.rank) * ((x @ a.astype(self.dtype)) @ b.astype(self.dtype))
+      b = self.param(
+          "lora_b", nn.initializers.zeros, (self.rank, self.features)
+      )
+      y = y + (self.alpha / self.rank) * (
+          (x @ a.astype(self.dtype)) @ b.astype(self.dtype)
+      )
     return y
 
 
@@ -76,9 +80,13 @@ class ExpertLinear(nn.Module):
   kernel_init: Any = nn.initializers.lecun_normal(batch_axis=(0,))
 
   @nn.compact
-  def __call__(self, x: jax.Array, experts: jax.Array,
-               owner: jax.Array | None = None,
-               owner_params: Mapping[str, jax.Array] | None = None) -> jax.Array:
+  def __call__(
+      self,
+      x: jax.Array,
+      experts: jax.Array,
+      owner: jax.Array | None = None,
+      owner_params: Mapping[str, jax.Array] | None = None,
+  ) -> jax.Array:
     """Applies expert `experts[t]` to row `x[t]`.
 
     Args:
@@ -95,16 +103,24 @@ class ExpertLinear(nn.Module):
       [T, d_out].
     """
     d_in = x.shape[-1]
-    kernel = self.param("kernel", self.kernel_init,
-                        (self.num_experts, d_in, self.features))
+    kernel = self.param(
+        "kernel", self.kernel_init, (self.num_experts, d_in, self.features)
+    )
     x = x.astype(self.dtype)
     kernel = kernel.astype(self.dtype)
     owner_params = owner_params or {}
     if self.rank > 0:
       a = self.param("lora_a", lora_a_init, (self.num_experts, d_in, self.rank))
-      b = self.param("lora_b", nn.initializers.zeros,
-                     (self.num_experts, self.rank, self.features))
-      a, b, scale = a.astype(self.dtype), b.astype(self.dtype), self.alpha / self.rank
+      b = self.param(
+          "lora_b",
+          nn.initializers.zeros,
+          (self.num_experts, self.rank, self.features),
+      )
+      a, b, scale = (
+          a.astype(self.dtype),
+          b.astype(self.dtype),
+          self.alpha / self.rank,
+      )
     # An owner LoRA slice trains alone: the stacked factors are then constants,
     # so a record's gradient can only reach its owner's slice.
     owner_lora = self.rank > 0 and "lora_a" in owner_params
@@ -112,8 +128,9 @@ class ExpertLinear(nn.Module):
       a, b = jax.lax.stop_gradient(a), jax.lax.stop_gradient(b)
     lora = (a, scale * b) if self.rank > 0 else None
     if "kernel" in owner_params:
-      y = moe.owner_linear(x, experts, kernel, owner,
-                           owner_params["kernel"].astype(self.dtype))
+      y = moe.owner_linear(
+          x, experts, kernel, owner, owner_params["kernel"].astype(self.dtype)
+      )
       if lora is not None:
         y = y + moe.expert_lora(x, experts, a, b, scale)
     elif self.dispatch == "grouped":
@@ -121,17 +138,26 @@ class ExpertLinear(nn.Module):
       y = moe.grouped_linear(x, experts, kernel, lora)
     elif self.dispatch == "grouped_train":
       if lora is not None:
-        raise ValueError("dispatch='grouped_train' trains the base kernels; it takes no adapters")
+        raise ValueError(
+            "dispatch='grouped_train' trains the base kernels; it takes no adapters"
+        )
       y = moe.grouped_linear_trainable(x, experts, kernel)
     elif self.dispatch == "dense":
       y = moe.dense_linear(x, experts, kernel)
       if lora is not None:
         y = y + moe.expert_lora(x, experts, a, b, scale)
     else:
-      raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'grouped', 'dense' or "
-                       "'grouped_train' (pretraining: differentiable kernels, no adapters)")
+      raise ValueError(
+          f"unknown dispatch {self.dispatch!r}; use 'grouped', 'dense' or "
+          "'grouped_train' (pretraining: differentiable kernels, no adapters)"
+      )
     if owner_lora:
-      y = y + moe.owner_lora_delta(x, experts, scale, owner,
-                                   owner_params["lora_a"].astype(self.dtype),
-                                   owner_params["lora_b"].astype(self.dtype))
+      y = y + moe.owner_lora_delta(
+          x,
+          experts,
+          scale,
+          owner,
+          owner_params["lora_a"].astype(self.dtype),
+          owner_params["lora_b"].astype(self.dtype),
+      )
     return y

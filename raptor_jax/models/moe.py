@@ -131,26 +131,41 @@ def _dispatch_plan(experts: jax.Array, num_experts: int, block: int):
   """
   num_rows = experts.shape[0]
   num_blocks = -(-(num_rows + num_experts * (block - 1)) // block)
-  counts = jnp.zeros((num_experts + 1,), jnp.int32).at[experts].add(1)[:num_experts]
+  counts = (
+      jnp.zeros((num_experts + 1,), jnp.int32).at[experts].add(1)[:num_experts]
+  )
   padded = -(-counts // block) * block
   group_end = jnp.cumsum(padded)
   group_start = group_end - padded
   # Rank of each row among the rows of its expert (stable, by position).
   order = jnp.argsort(experts, stable=True)
   sorted_experts = experts[order]
-  first_of_expert = jnp.searchsorted(sorted_experts, jnp.arange(num_experts + 1))
+  first_of_expert = jnp.searchsorted(
+      sorted_experts, jnp.arange(num_experts + 1)
+  )
   rank_sorted = jnp.arange(num_rows) - first_of_expert[sorted_experts]
-  rank = jnp.zeros((num_rows,), jnp.int32).at[order].set(rank_sorted.astype(jnp.int32))
+  rank = (
+      jnp.zeros((num_rows,), jnp.int32)
+      .at[order]
+      .set(rank_sorted.astype(jnp.int32))
+  )
   dropped = experts >= num_experts
   safe_expert = jnp.minimum(experts, num_experts - 1)
   dest = jnp.where(dropped, num_blocks * block, group_start[safe_expert] + rank)
-  block_expert = jnp.searchsorted(group_end, jnp.arange(num_blocks) * block, side="right")
+  block_expert = jnp.searchsorted(
+      group_end, jnp.arange(num_blocks) * block, side="right"
+  )
   block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)
   return dest, block_expert, num_blocks
 
 
-def _grouped_linear_flat(x: jax.Array, experts: jax.Array, w: jax.Array, *lora: jax.Array,
-                         transpose: bool) -> jax.Array:
+def _grouped_linear_flat(
+    x: jax.Array,
+    experts: jax.Array,
+    w: jax.Array,
+    *lora: jax.Array,
+    transpose: bool,
+) -> jax.Array:
   """Unbatched grouped dispatch: y[t] = x[t] @ w[e_t] (+ x[t] @ a[e_t] @ b[e_t]).
 
   `lora` is () or a frozen low-rank pair (a [E, d_in, r], b [E, r, d_out]),
@@ -163,20 +178,28 @@ def _grouped_linear_flat(x: jax.Array, experts: jax.Array, w: jax.Array, *lora: 
   d_out = w.shape[1] if transpose else w.shape[2]
   block = block_size(num_rows, num_experts)
   dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
-  buf = jnp.zeros((num_blocks * block, d_in), x.dtype).at[dest].set(x, mode="drop")
+  buf = (
+      jnp.zeros((num_blocks * block, d_in), x.dtype)
+      .at[dest]
+      .set(x, mode="drop")
+  )
   buf = buf.reshape(num_blocks, block, d_in)
   contract = (((1,), (1,)), ((), ())) if transpose else (((1,), (0,)), ((), ()))
   low_rank = tuple(reversed(lora)) if transpose else lora
 
   def matmul(rows, matrix):
-    return jax.lax.dot_general(rows, matrix, contract, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(
+        rows, matrix, contract, preferred_element_type=jnp.float32
+    )
 
   def one_block(_, inputs):
     rows, expert = inputs
     out = matmul(rows, w[expert])
     if low_rank:
       first, second = low_rank
-      out = out + matmul(matmul(rows, first[expert]).astype(x.dtype), second[expert])
+      out = out + matmul(
+          matmul(rows, first[expert]).astype(x.dtype), second[expert]
+      )
     return None, out.astype(x.dtype)
 
   _, out = jax.lax.scan(one_block, None, (buf, block_expert))
@@ -195,7 +218,8 @@ def _rowwise(fn):
       raise NotImplementedError(
           "grouped_linear: per-record expert weights are not supported; pass "
           "trainable expert parameters through the LoRA/owner path or use "
-          "dispatch='dense'.")
+          "dispatch='dense'."
+      )
     if not x_batched:
       x = jnp.broadcast_to(x, (axis_size,) + x.shape)
     if not experts_batched:
@@ -206,8 +230,12 @@ def _rowwise(fn):
   return wrapped
 
 
-_grouped_forward = _rowwise(functools.partial(_grouped_linear_flat, transpose=False))
-_grouped_backward = _rowwise(functools.partial(_grouped_linear_flat, transpose=True))
+_grouped_forward = _rowwise(
+    functools.partial(_grouped_linear_flat, transpose=False)
+)
+_grouped_backward = _rowwise(
+    functools.partial(_grouped_linear_flat, transpose=True)
+)
 
 
 @jax.custom_vjp
@@ -217,7 +245,12 @@ def _grouped_linear(x, experts, w, *lora):
 
 def _grouped_linear_fwd(x, experts, w, *lora):
   # x is kept only for the adapter's gradient.
-  return _grouped_forward(x, experts, w, *lora), (x if lora else None, experts, w, lora)
+  return _grouped_forward(x, experts, w, *lora), (
+      x if lora else None,
+      experts,
+      w,
+      lora,
+  )
 
 
 def _grouped_linear_bwd(residuals, dy):
@@ -248,8 +281,12 @@ def _stacked_lora_grads(x, experts, a, b, dy):
 _grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
 
 
-def grouped_linear(x: jax.Array, experts: jax.Array, w: jax.Array,
-                   lora: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+def grouped_linear(
+    x: jax.Array,
+    experts: jax.Array,
+    w: jax.Array,
+    lora: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
   """y[t] = x[t] @ w[experts[t]] with work proportional to the rows, not to E.
 
   Args:
@@ -286,18 +323,27 @@ def _grouped_linear_trainable_bwd(residuals, dy):
 
   def blocks(rows):
     buf = jnp.zeros((num_blocks * block, rows.shape[-1]), rows.dtype)
-    return buf.at[dest].set(rows, mode="drop").reshape(num_blocks, block, rows.shape[-1])
+    return (
+        buf.at[dest]
+        .set(rows, mode="drop")
+        .reshape(num_blocks, block, rows.shape[-1])
+    )
 
-  per_block = jnp.einsum("nbi,nbo->nio", blocks(x), blocks(dy),
-                         preferred_element_type=jnp.float32)
+  per_block = jnp.einsum(
+      "nbi,nbo->nio", blocks(x), blocks(dy), preferred_element_type=jnp.float32
+  )
   dw = jax.ops.segment_sum(per_block, block_expert, num_segments=num_experts)
   return _grouped_backward(dy, experts, w), None, dw.astype(w.dtype)
 
 
-_grouped_linear_trainable.defvjp(_grouped_linear_trainable_fwd, _grouped_linear_trainable_bwd)
+_grouped_linear_trainable.defvjp(
+    _grouped_linear_trainable_fwd, _grouped_linear_trainable_bwd
+)
 
 
-def grouped_linear_trainable(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:
+def grouped_linear_trainable(
+    x: jax.Array, experts: jax.Array, w: jax.Array
+) -> jax.Array:
   """`grouped_linear` differentiable in the stacked weights (pretraining).
 
   The weight gradient dw[e] = sum_{t: e_t = e} x[t]^T dy[t] is computed in
@@ -332,8 +378,13 @@ def dense_linear(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:
 # Differentiable low-rank expert updates (LoRA) and the owner slice.
 
 
-def expert_lora(x: jax.Array, experts: jax.Array, lora_a: jax.Array,
-                lora_b: jax.Array, scale: float) -> jax.Array:
+def expert_lora(
+    x: jax.Array,
+    experts: jax.Array,
+    lora_a: jax.Array,
+    lora_b: jax.Array,
+    scale: float,
+) -> jax.Array:
   """Per-row LoRA update  scale * x[t] @ A[e_t] @ B[e_t]  (0 if dropped).
 
   The plain-autodiff reference (every expert's factors on every row, then
@@ -358,9 +409,14 @@ def expert_lora(x: jax.Array, experts: jax.Array, lora_a: jax.Array,
   return scale * v
 
 
-def owner_lora_delta(x: jax.Array, experts: jax.Array, scale: float,
-                     owner: jax.Array, owner_a: jax.Array,
-                     owner_b: jax.Array) -> jax.Array:
+def owner_lora_delta(
+    x: jax.Array,
+    experts: jax.Array,
+    scale: float,
+    owner: jax.Array,
+    owner_a: jax.Array,
+    owner_b: jax.Array,
+) -> jax.Array:
   """The owner slice's gradient path of a frozen expert layer with LoRA.
 
   RAPTOR's expert stream (Sec. 5.2), for ONE record (this runs under vmap).
@@ -393,8 +449,13 @@ def owner_lora_delta(x: jax.Array, experts: jax.Array, scale: float,
   return delta - jax.lax.stop_gradient(delta)
 
 
-def owner_linear(x: jax.Array, experts: jax.Array, w: jax.Array,
-                 owner: jax.Array, owner_w: jax.Array) -> jax.Array:
+def owner_linear(
+    x: jax.Array,
+    experts: jax.Array,
+    w: jax.Array,
+    owner: jax.Array,
+    owner_w: jax.Array,
+) -> jax.Array:
   """`grouped_linear` whose owner expert uses a trainable full-weight slice.
 
   The full-weight counterpart of the owner path in `expert_lora`: rows routed
@@ -405,4 +466,6 @@ def owner_linear(x: jax.Array, experts: jax.Array, w: jax.Array,
   """
   frozen = grouped_linear(x, experts, w)
   own = jnp.einsum("td,df->tf", x, owner_w)
-  return jnp.where((experts == owner)[:, None], own.astype(frozen.dtype), frozen)
+  return jnp.where(
+      (experts == owner)[:, None], own.astype(frozen.dtype), frozen
+  )

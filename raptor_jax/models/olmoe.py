@@ -29,14 +29,13 @@ import jax
 import jax.numpy as jnp
 
 from raptor_jax.models import moe
+from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import ExpertLinear, LoRADense
-from raptor_jax.models.switch import BackboneOutput, OwnerOverride
-
 
 
 @dataclasses.dataclass(frozen=True)
-class OlmoeConfig:
-  """Architecture (from HF config.json) plus fine-tuning options."""
+class OlmoeConfig(FineTuningOptions):
+  """Architecture (from HF config.json) plus the shared fine-tuning options."""
 
   vocab_size: int = 50304
   hidden_size: int = 2048
@@ -51,31 +50,29 @@ class OlmoeConfig:
   rope_theta: float = 10000.0
   clip_qkv: float | None = None
   hidden_act: str = "silu"
-  # Fine-tuning options (not part of the checkpoint).
-  lora_rank: int = 0  # LoRA rank r; 0 disables every adapter.
-  lora_alpha: float = 16.0  # LoRA scale is alpha / r.
-  attention_lora: bool = False  # adapters on q, k, v, o of every block.
-  expert_lora_layers: tuple[int, ...] = ()  # blocks whose experts get adapters.
-  dispatch: str = "grouped"  # expert dispatch: 'grouped', 'dense' or 'grouped_train' (pretraining).
-  dtype: str = "float32"  # activation dtype; router and norm statistics use float32.
 
   def __post_init__(self):
     if self.hidden_act not in moe.ACTIVATIONS:
-      raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; "
-                       f"supported: {sorted(moe.ACTIVATIONS)}")
+      raise ValueError(
+          f"unsupported hidden_act {self.hidden_act!r}; "
+          f"supported: {sorted(moe.ACTIVATIONS)}"
+      )
     if self.hidden_size % self.num_attention_heads:
-      raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
-                       f"num_attention_heads {self.num_attention_heads}")
+      raise ValueError(
+          f"hidden_size {self.hidden_size} is not a multiple of "
+          f"num_attention_heads {self.num_attention_heads}"
+      )
     if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple "
-                       f"of num_key_value_heads {self.num_key_value_heads}")
+      raise ValueError(
+          f"num_attention_heads {self.num_attention_heads} is not a multiple "
+          f"of num_key_value_heads {self.num_key_value_heads}"
+      )
     if not 1 <= self.num_experts_per_tok <= self.num_experts:
-      raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
-                       f"[1, num_experts={self.num_experts}]")
-    bad = [l for l in self.expert_lora_layers if l not in self.sparse_layers]
-    if bad:
-      raise ValueError(f"expert_lora_layers {bad} are not blocks of this model; its "
-                       f"blocks are 0..{self.num_hidden_layers - 1}")
+      raise ValueError(
+          f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+          f"[1, num_experts={self.num_experts}]"
+      )
+    super().__post_init__()
 
   @property
   def top_k(self) -> int:
@@ -108,16 +105,21 @@ class RMSNorm(nn.Module):
     return scale.astype(self.dtype) * normed
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float,
-                  dtype: Any) -> tuple[jax.Array, jax.Array]:
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, dtype: Any
+) -> tuple[jax.Array, jax.Array]:
   """cos and sin [S, head_dim] of default RoPE (HF OlmoeRotaryEmbedding)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  inv_freq = 1.0 / (
+      theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  )
   freqs = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
   emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def apply_rotary(x_BxSxHxD: jax.Array, cos_SxD: jax.Array, sin_SxD: jax.Array) -> jax.Array:
+def apply_rotary(
+    x_BxSxHxD: jax.Array, cos_SxD: jax.Array, sin_SxD: jax.Array
+) -> jax.Array:
   """x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)."""
   x1, x2 = jnp.split(x_BxSxHxD, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -134,10 +136,16 @@ class OlmoeAttention(nn.Module):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     rank = cfg.lora_rank if cfg.attention_lora else 0
-    heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    heads, kv_heads, head_dim = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    )
 
     def proj(name, features):
-      return LoRADense(features, rank=rank, alpha=cfg.lora_alpha, dtype=dtype, name=name)
+      return LoRADense(
+          features, rank=rank, alpha=cfg.lora_alpha, dtype=dtype, name=name
+      )
 
     def norm(name):
       return RMSNorm(cfg.rms_norm_eps, dtype=dtype, name=name)
@@ -153,10 +161,17 @@ class OlmoeAttention(nn.Module):
     v = v.reshape(batch, seq, kv_heads, head_dim)
     # Query head h reads key/value head h // (heads / kv_heads) (HF repeat_kv).
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k).astype(jnp.float32) * head_dim ** -0.5
-    scores = jnp.where(allowed_BxSxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    scores = (
+        jnp.einsum("bqgrd,bkgd->bgrqk", q, k).astype(jnp.float32)
+        * head_dim**-0.5
+    )
+    scores = jnp.where(
+        allowed_BxSxS[:, None, None], scores, jnp.finfo(jnp.float32).min
+    )
     weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bgrqk,bkgd->bqgrd", weights, v).reshape(batch, seq, heads * head_dim)
+    out = jnp.einsum("bgrqk,bkgd->bqgrd", weights, v).reshape(
+        batch, seq, heads * head_dim
+    )
     return proj("o", cfg.hidden_size)(out)
 
 
@@ -172,13 +187,22 @@ class OlmoeExperts(nn.Module):
     owner_params = owner_params or {}
 
     def linear(name, features, x):
-      layer = ExpertLinear(cfg.num_experts, features, rank=self.rank, alpha=cfg.lora_alpha,
-                           dispatch=cfg.dispatch, dtype=jnp.dtype(cfg.dtype), name=name)
+      layer = ExpertLinear(
+          cfg.num_experts,
+          features,
+          rank=self.rank,
+          alpha=cfg.lora_alpha,
+          dispatch=cfg.dispatch,
+          dtype=jnp.dtype(cfg.dtype),
+          name=name,
+      )
       return layer(x, experts, owner, owner_params.get(name))
 
     gate = linear("gate", cfg.intermediate_size, rows)
     up = linear("up", cfg.intermediate_size, rows)
-    return linear("down", cfg.hidden_size, moe.ACTIVATIONS[cfg.hidden_act](gate) * up)
+    return linear(
+        "down", cfg.hidden_size, moe.ACTIVATIONS[cfg.hidden_act](gate) * up
+    )
 
 
 class OlmoeSparseMLP(nn.Module):
@@ -191,14 +215,20 @@ class OlmoeSparseMLP(nn.Module):
   def __call__(self, x, owner=None, owner_params=None):
     cfg = self.config
     batch, seq, d_model = x.shape
-    router = nn.Dense(cfg.num_experts, use_bias=False, dtype=jnp.float32,
-                      param_dtype=jnp.float32, name="router")
+    router = nn.Dense(
+        cfg.num_experts,
+        use_bias=False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        name="router",
+    )
     router_logits = router(x.astype(jnp.float32))
     routing = moe.route_topk(router_logits, cfg.top_k, cfg.norm_topk_prob)
     # One row per (token, slot): work scales with tokens x k, not tokens x E.
     rows = jnp.repeat(x.reshape(batch * seq, d_model), cfg.top_k, axis=0)
     out = OlmoeExperts(cfg, rank=self.rank, name="experts")(
-        rows, routing.experts.reshape(-1), owner, owner_params)
+        rows, routing.experts.reshape(-1), owner, owner_params
+    )
     out = out.reshape(batch, seq, cfg.top_k, d_model)
     out = jnp.sum(out * routing.weights[..., None].astype(out.dtype), axis=2)
     return out, router_logits
@@ -215,13 +245,16 @@ class OlmoeBlock(nn.Module):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype=dtype, name=name)
-    x = x + OlmoeAttention(cfg, name="attention")(norm("attention_norm")(x), allowed, cos, sin)
+    x = x + OlmoeAttention(cfg, name="attention")(
+        norm("attention_norm")(x), allowed, cos, sin
+    )
     rank = cfg.lora_rank if self.index in cfg.expert_lora_layers else 0
     owner, owner_params = None, None
     if owner_override is not None and owner_override.layer == self.index:
       owner, owner_params = owner_override.owner, owner_override.params
     h, router_logits = OlmoeSparseMLP(cfg, rank=rank, name="mlp")(
-        norm("mlp_norm")(x), owner, owner_params)
+        norm("mlp_norm")(x), owner, owner_params
+    )
     return x + h, router_logits
 
 
@@ -231,8 +264,12 @@ class OlmoeDecoder(nn.Module):
   config: OlmoeConfig
 
   @nn.compact
-  def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-               owner_override: OwnerOverride | None = None) -> BackboneOutput:
+  def __call__(
+      self,
+      input_ids: jax.Array,
+      attention_mask: jax.Array | None = None,
+      owner_override: OwnerOverride | None = None,
+  ) -> BackboneOutput:
     """Decodes a batch (right padding).
 
     Args:
@@ -248,9 +285,14 @@ class OlmoeDecoder(nn.Module):
       router_logits: one float32 [B, S, E] per block).
     """
     cfg = self.config
-    if owner_override is not None and owner_override.layer not in cfg.sparse_layers:
-      raise ValueError(f"owner layer {owner_override.layer} is not a block of this model; "
-                       f"blocks: 0..{cfg.num_hidden_layers - 1}")
+    if (
+        owner_override is not None
+        and owner_override.layer not in cfg.sparse_layers
+    ):
+      raise ValueError(
+          f"owner layer {owner_override.layer} is not a block of this model; "
+          f"blocks: 0..{cfg.num_hidden_layers - 1}"
+      )
     dtype = jnp.dtype(cfg.dtype)
     seq = input_ids.shape[1]
     if attention_mask is None:
@@ -258,10 +300,14 @@ class OlmoeDecoder(nn.Module):
     causal = jnp.tril(jnp.ones((seq, seq), bool))
     allowed = causal[None] & (attention_mask[:, None, :] > 0)  # [B, S_q, S_k]
     cos, sin = rotary_tables(seq, cfg.head_dim, cfg.rope_theta, dtype)
-    x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")(input_ids).astype(dtype)
+    x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")(
+        input_ids
+    ).astype(dtype)
     router_logits = []
     for i in range(cfg.num_hidden_layers):
-      x, logits = OlmoeBlock(cfg, i, name=f"block_{i}")(x, allowed, cos, sin, owner_override)
+      x, logits = OlmoeBlock(cfg, i, name=f"block_{i}")(
+          x, allowed, cos, sin, owner_override
+      )
       router_logits.append(logits)
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
     return BackboneOutput(x, tuple(router_logits))

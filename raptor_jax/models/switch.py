@@ -22,20 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from raptor_jax.models import moe
+from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 
 
-
 @dataclasses.dataclass(frozen=True)
-class SwitchConfig:
-  """Architecture (from HF config.json) plus fine-tuning options."""
+class SwitchConfig(FineTuningOptions):
+  """Architecture (from HF config.json) plus the shared fine-tuning options."""
 
   vocab_size: int = 32128
   d_model: int = 768
@@ -51,22 +51,14 @@ class SwitchConfig:
   layer_norm_epsilon: float = 1e-6
   dense_act_fn: str = "relu"
   router_bias: bool = False
-  # Fine-tuning options (not part of the checkpoint).
-  lora_rank: int = 0  # LoRA rank r; 0 disables every adapter.
-  lora_alpha: float = 16.0  # LoRA scale is alpha / r.
-  attention_lora: bool = False  # adapters on q, k, v, o of every block.
-  expert_lora_layers: tuple[int, ...] = ()  # blocks whose experts get adapters.
-  dispatch: str = "grouped"  # expert dispatch: 'grouped', 'dense' or 'grouped_train' (pretraining).
-  dtype: str = "float32"  # activation dtype; router and norms use float32.
 
   def __post_init__(self):
     if self.dense_act_fn not in moe.ACTIVATIONS:
-      raise ValueError(f"unsupported dense_act_fn {self.dense_act_fn!r}; "
-                       f"supported: {sorted(moe.ACTIVATIONS)}")
-    bad = [l for l in self.expert_lora_layers if l not in self.sparse_layers]
-    if bad:
-      raise ValueError(f"expert_lora_layers {bad} are not sparse blocks; the sparse "
-                       f"blocks of this model are {list(self.sparse_layers)}")
+      raise ValueError(
+          f"unsupported dense_act_fn {self.dense_act_fn!r}; "
+          f"supported: {sorted(moe.ACTIVATIONS)}"
+      )
+    super().__post_init__()
 
   @property
   def top_k(self) -> int:
@@ -78,30 +70,11 @@ class SwitchConfig:
     """Indices of the sparse (MoE) blocks, in HF's placement."""
     if self.sparse_step <= 0:
       return ()
-    return tuple(i for i in range(self.num_layers)
-                 if self.sparse_step == 1 or i % self.sparse_step == 1)
-
-
-class BackboneOutput(NamedTuple):
-  """Output of a backbone: final hidden states and per-sparse-layer logits."""
-
-  hidden_states: jax.Array  # [B, S, D]
-  router_logits: tuple[jax.Array, ...]  # one float32 [B, S, E] per sparse layer
-
-
-class OwnerOverride(NamedTuple):
-  """Routes one record's expert-stream gradient into its owner's slice.
-
-  Attributes:
-    layer: index of the block whose experts train (a Python int).
-    owner: int32 scalar, the record's owner expert.
-    params: this block's trainable expert parameters without the expert
-      axis, {'wi': {'lora_a', 'lora_b'} | {'kernel'}, 'wo': {...}}.
-  """
-
-  layer: int
-  owner: jax.Array
-  params: Mapping[str, Mapping[str, jax.Array]]
+    return tuple(
+        i
+        for i in range(self.num_layers)
+        if self.sparse_step == 1 or i % self.sparse_step == 1
+    )
 
 
 class T5RMSNorm(nn.Module):
@@ -115,11 +88,14 @@ class T5RMSNorm(nn.Module):
     scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
     x32 = x.astype(jnp.float32)
     variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    return (scale * (x32 * jax.lax.rsqrt(variance + self.eps))).astype(self.dtype)
+    return (scale * (x32 * jax.lax.rsqrt(variance + self.eps))).astype(
+        self.dtype
+    )
 
 
-def relative_position_bucket(relative_position: jax.Array, num_buckets: int,
-                             max_distance: int) -> jax.Array:
+def relative_position_bucket(
+    relative_position: jax.Array, num_buckets: int, max_distance: int
+) -> jax.Array:
   """T5's bidirectional relative-position buckets (HF `_relative_position_bucket`)."""
   num_buckets //= 2
   buckets = (relative_position > 0).astype(jnp.int32) * num_buckets
@@ -128,8 +104,10 @@ def relative_position_bucket(relative_position: jax.Array, num_buckets: int,
   is_small = relative_position < max_exact
   safe = jnp.maximum(relative_position, 1).astype(jnp.float32)
   if_large = max_exact + (
-      jnp.log(safe / max_exact) / math.log(max_distance / max_exact)
-      * (num_buckets - max_exact)).astype(jnp.int32)
+      jnp.log(safe / max_exact)
+      / math.log(max_distance / max_exact)
+      * (num_buckets - max_exact)
+  ).astype(jnp.int32)
   if_large = jnp.minimum(if_large, num_buckets - 1)
   return buckets + jnp.where(is_small, relative_position, if_large)
 
@@ -148,20 +126,29 @@ class SwitchAttention(nn.Module):
     rank = cfg.lora_rank if cfg.attention_lora else 0
 
     def proj(name, features):
-      return LoRADense(features, rank=rank, alpha=cfg.lora_alpha, dtype=dtype, name=name)
+      return LoRADense(
+          features, rank=rank, alpha=cfg.lora_alpha, dtype=dtype, name=name
+      )
 
     batch, seq = x.shape[:2]
     q = proj("q", inner)(x).reshape(batch, seq, cfg.num_heads, cfg.d_kv)
     k = proj("k", inner)(x).reshape(batch, seq, cfg.num_heads, cfg.d_kv)
     v = proj("v", inner)(x).reshape(batch, seq, cfg.num_heads, cfg.d_kv)
     if position_bias is None:
-      bias_table = nn.Embed(cfg.relative_attention_num_buckets, cfg.num_heads,
-                            name="relative_attention_bias")
+      bias_table = nn.Embed(
+          cfg.relative_attention_num_buckets,
+          cfg.num_heads,
+          name="relative_attention_bias",
+      )
       positions = jnp.arange(seq)
       buckets = relative_position_bucket(
           positions[None, :] - positions[:, None],
-          cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance)
-      position_bias = jnp.transpose(bias_table(buckets), (2, 0, 1))[None]  # [1, H, S, S]
+          cfg.relative_attention_num_buckets,
+          cfg.relative_attention_max_distance,
+      )
+      position_bias = jnp.transpose(bias_table(buckets), (2, 0, 1))[
+          None
+      ]  # [1, H, S, S]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     scores = scores + position_bias.astype(jnp.float32) + mask_bias
     weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
@@ -178,7 +165,9 @@ class DenseMLP(nn.Module):
   def __call__(self, x):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    h = moe.ACTIVATIONS[cfg.dense_act_fn](LoRADense(cfg.d_ff, dtype=dtype, name="wi")(x))
+    h = moe.ACTIVATIONS[cfg.dense_act_fn](
+        LoRADense(cfg.d_ff, dtype=dtype, name="wi")(x)
+    )
     return LoRADense(cfg.d_model, dtype=dtype, name="wo")(h)
 
 
@@ -194,8 +183,15 @@ class SwitchExperts(nn.Module):
     owner_params = owner_params or {}
 
     def linear(name, features):
-      return ExpertLinear(cfg.num_experts, features, rank=self.rank, alpha=cfg.lora_alpha,
-                          dispatch=cfg.dispatch, dtype=jnp.dtype(cfg.dtype), name=name)
+      return ExpertLinear(
+          cfg.num_experts,
+          features,
+          rank=self.rank,
+          alpha=cfg.lora_alpha,
+          dispatch=cfg.dispatch,
+          dtype=jnp.dtype(cfg.dtype),
+          name=name,
+      )
 
     h = linear("wi", cfg.d_ff)(rows, experts, owner, owner_params.get("wi"))
     h = moe.ACTIVATIONS[cfg.dense_act_fn](h)
@@ -212,13 +208,19 @@ class SwitchSparseMLP(nn.Module):
   def __call__(self, x, owner=None, owner_params=None):
     cfg = self.config
     batch, seq, d_model = x.shape
-    router = nn.Dense(cfg.num_experts, use_bias=cfg.router_bias, dtype=jnp.float32,
-                      param_dtype=jnp.float32, name="router")
+    router = nn.Dense(
+        cfg.num_experts,
+        use_bias=cfg.router_bias,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        name="router",
+    )
     router_logits = router(x.astype(jnp.float32))
     routing = moe.route_top1(router_logits, cfg.expert_capacity)
     rows = x.reshape(batch * seq, d_model)
     out = SwitchExperts(cfg, rank=self.rank, name="experts")(
-        rows, routing.experts.reshape(-1), owner, owner_params)
+        rows, routing.experts.reshape(-1), owner, owner_params
+    )
     out = out.reshape(batch, seq, d_model)
     return out * routing.weights.astype(out.dtype), router_logits
 
@@ -233,9 +235,12 @@ class SwitchBlock(nn.Module):
   def __call__(self, x, mask_bias, position_bias, owner_override=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    norm = lambda name: T5RMSNorm(cfg.layer_norm_epsilon, dtype=dtype, name=name)
+    norm = lambda name: T5RMSNorm(
+        cfg.layer_norm_epsilon, dtype=dtype, name=name
+    )
     attn_out, position_bias = SwitchAttention(cfg, name="attention")(
-            norm("attention_norm")(x), mask_bias, position_bias)
+        norm("attention_norm")(x), mask_bias, position_bias
+    )
     x = x + attn_out
     h = norm("mlp_norm")(x)
     router_logits = None
@@ -244,7 +249,9 @@ class SwitchBlock(nn.Module):
       owner, owner_params = None, None
       if owner_override is not None and owner_override.layer == self.index:
         owner, owner_params = owner_override.owner, owner_override.params
-      h, router_logits = SwitchSparseMLP(cfg, rank=rank, name="mlp")(h, owner, owner_params)
+      h, router_logits = SwitchSparseMLP(cfg, rank=rank, name="mlp")(
+          h, owner, owner_params
+      )
     else:
       h = DenseMLP(cfg, name="mlp")(h)
     return x + h, position_bias, router_logits
@@ -256,8 +263,12 @@ class SwitchEncoder(nn.Module):
   config: SwitchConfig
 
   @nn.compact
-  def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-               owner_override: OwnerOverride | None = None) -> BackboneOutput:
+  def __call__(
+      self,
+      input_ids: jax.Array,
+      attention_mask: jax.Array | None = None,
+      owner_override: OwnerOverride | None = None,
+  ) -> BackboneOutput:
     """Encodes a batch.
 
     Args:
@@ -270,21 +281,32 @@ class SwitchEncoder(nn.Module):
       BackboneOutput(hidden_states [B, S, D], router_logits per sparse block).
     """
     cfg = self.config
-    if owner_override is not None and owner_override.layer not in cfg.sparse_layers:
-      raise ValueError(f"owner layer {owner_override.layer} is not a sparse block; "
-                       f"sparse blocks: {list(cfg.sparse_layers)}")
+    if (
+        owner_override is not None
+        and owner_override.layer not in cfg.sparse_layers
+    ):
+      raise ValueError(
+          f"owner layer {owner_override.layer} is not a sparse block; "
+          f"sparse blocks: {list(cfg.sparse_layers)}"
+      )
     dtype = jnp.dtype(cfg.dtype)
     if attention_mask is None:
       attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed_tokens")(input_ids).astype(dtype)
-    mask_bias = ((1.0 - attention_mask.astype(jnp.float32))
-                 * jnp.finfo(jnp.float32).min)[:, None, None, :]
+    x = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed_tokens")(
+        input_ids
+    ).astype(dtype)
+    mask_bias = (
+        (1.0 - attention_mask.astype(jnp.float32)) * jnp.finfo(jnp.float32).min
+    )[:, None, None, :]
     position_bias = None
     router_logits = []
     for i in range(cfg.num_layers):
       x, position_bias, logits = SwitchBlock(cfg, i, name=f"block_{i}")(
-          x, mask_bias, position_bias, owner_override)
+          x, mask_bias, position_bias, owner_override
+      )
       if logits is not None:
         router_logits.append(logits)
-    x = T5RMSNorm(cfg.layer_norm_epsilon, dtype=dtype, name="final_layer_norm")(x)
+    x = T5RMSNorm(cfg.layer_norm_epsilon, dtype=dtype, name="final_layer_norm")(
+        x
+    )
     return BackboneOutput(x, tuple(router_logits))

@@ -26,27 +26,41 @@ def base_config(family: str = "switch") -> ml_collections.ConfigDict:
   c.model.embedding_init = "spectral"  # spectral (PPMI + SVD of the corpus) | normal (HF's random init)
 
   c.tokenizer = ml_collections.ConfigDict()
-  c.tokenizer.vocab_size = 8192  # WordPiece vocabulary (special tokens included)
+  c.tokenizer.vocab_size = (
+      8192  # WordPiece vocabulary (special tokens included)
+  )
   c.tokenizer.min_frequency = 2  # a merge must occur this often
 
   c.corpus = ml_collections.ConfigDict()
   c.corpus.sources = "wikitext2,imdb"  # comma list of wikitext2 | imdb | synthetic | name=/path/file
   c.corpus.local_dir = ""  # local copies (<dir>/wikitext2/train.txt, <dir>/imdb/unsup.tsv); '' = the Hub
-  c.corpus.heldout_fraction = 0.01  # documents held out (by hash) for evaluation
-  c.corpus.min_chars = 32  # task texts shorter than this (letters+digits) are not matched
+  c.corpus.heldout_fraction = (
+      0.01  # documents held out (by hash) for evaluation
+  )
+  c.corpus.min_chars = (
+      32  # task texts shorter than this (letters+digits) are not matched
+  )
   c.corpus.n_synthetic = 4000  # documents of the synthetic source
 
   c.decontaminate = ml_collections.ConfigDict()
-  c.decontaminate.task = "sst2"  # fine-tuning task whose train/dev texts are removed; '' = none
+  c.decontaminate.task = (
+      "sst2"  # fine-tuning task whose train/dev texts are removed; '' = none
+  )
   c.decontaminate.train_path = ""  # its local train file; '' = the Hub
   c.decontaminate.dev_path = ""  # its local dev file; '' = the Hub
   c.decontaminate.seed = 0  # synthetic task only: the task's seed
 
   c.objective = ml_collections.ConfigDict()
   c.objective.mlm_rate = 0.15  # switch: share of tokens predicted (80% [MASK], 10% random, 10% kept)
-  c.objective.aux_loss_coef = -1.0  # load-balancing weight; -1 = HF default (switch 0.001, olmoe 0.01)
-  c.objective.z_loss_coef = -1.0  # router z-loss weight; -1 = HF default (switch 0.001, olmoe 0)
-  c.objective.owner_balance_coef = 0.0  # weight of the record-owner balance loss (not in HF; 0 = off)
+  c.objective.aux_loss_coef = (
+      -1.0
+  )  # load-balancing weight; -1 = HF default (switch 0.001, olmoe 0.01)
+  c.objective.z_loss_coef = (
+      -1.0
+  )  # router z-loss weight; -1 = HF default (switch 0.001, olmoe 0)
+  c.objective.owner_balance_coef = (
+      0.0  # weight of the record-owner balance loss (not in HF; 0 = off)
+  )
 
   c.seq_len = 64  # tokens per training row (documents packed, no padding)
   c.batch_size = 128  # rows per step
@@ -59,22 +73,38 @@ def base_config(family: str = "switch") -> ml_collections.ConfigDict:
   c.grad_clip = 1.0  # global gradient-norm clip
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.records = 2000  # held-out documents used as records for the routing report
+  c.eval.records = (
+      2000  # held-out documents used as records for the routing report
+  )
   c.eval.record_length = 64  # their length in tokens (as fine-tuning inputs)
-  c.eval.min_owner_share = 0.02  # each expert of the selected layer must own this share
+  c.eval.min_owner_share = (
+      0.02  # each expert of the selected layer must own this share
+  )
 
   c.eval_every = 300  # held-out evaluation period in steps (and at the end)
   c.log_every = 20  # training metrics period
   c.checkpoint_every = 100  # checkpoint period (and at the end, and on errors)
-  c.stop_after_steps = 0  # stop (with a checkpoint) after this many steps; 0 = run to the end
+  c.stop_after_steps = (
+      0  # stop (with a checkpoint) after this many steps; 0 = run to the end
+  )
   c.progress_bar = True  # tqdm bar with loss and tokens/s
   return c
 
 
 def tiny_preset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A micro model on generated text: under a minute on a CPU, offline."""
-  c.model.update(d_model=32, num_layers=2, num_heads=2, d_kv=16, d_ff=64, num_experts=4,
-                 sparse_step=2, expert_capacity=32, top_k=2, num_kv_heads=2)
+  c.model.update(
+      d_model=32,
+      num_layers=2,
+      num_heads=2,
+      d_kv=16,
+      d_ff=64,
+      num_experts=4,
+      sparse_step=2,
+      expert_capacity=32,
+      top_k=2,
+      num_kv_heads=2,
+  )
   c.tokenizer.vocab_size = 400
   c.corpus.sources = "synthetic"
   c.corpus.heldout_fraction = 0.05
@@ -93,7 +123,9 @@ def tiny_preset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return c
 
 
-def with_preset(c: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:
+def with_preset(
+    c: ml_collections.ConfigDict, arg: str
+) -> ml_collections.ConfigDict:
   presets = {"": lambda c: c, "tiny": tiny_preset}
   if arg not in presets:
     raise ValueError(f"unknown preset {arg!r}; use one of {sorted(presets)}")

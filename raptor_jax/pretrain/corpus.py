@@ -42,9 +42,16 @@ class PretrainSource:
 
 # WikiText-2 *train* only: its valid split quotes an SST-2 dev sentence.
 PRETRAIN_SOURCES: dict[str, PretrainSource] = {
-    "wikitext2": PretrainSource("Salesforce/wikitext", "wikitext-2-raw-v1", "train", "text",
-                                "wikitext2/train.txt"),
-    "imdb": PretrainSource("stanfordnlp/imdb", None, "unsupervised", "text", "imdb/unsup.tsv"),
+    "wikitext2": PretrainSource(
+        "Salesforce/wikitext",
+        "wikitext-2-raw-v1",
+        "train",
+        "text",
+        "wikitext2/train.txt",
+    ),
+    "imdb": PretrainSource(
+        "stanfordnlp/imdb", None, "unsupervised", "text", "imdb/unsup.tsv"
+    ),
 }
 # Generated offline (the `:tiny` presets): unlabeled reviews and descriptions
 # in the synthetic task's vocabulary, from other random streams than the task.
@@ -84,8 +91,9 @@ def normalize(text: str) -> str:
   return _NOT_ALNUM.sub("", text.lower())
 
 
-def read_source(name: str, *, local_dir: str = "", seed: int = 0,
-                n_synthetic: int = 4000) -> list[str]:
+def read_source(
+    name: str, *, local_dir: str = "", seed: int = 0, n_synthetic: int = 4000
+) -> list[str]:
   """The raw documents of one source, in corpus order.
 
   Args:
@@ -99,11 +107,17 @@ def read_source(name: str, *, local_dir: str = "", seed: int = 0,
   """
   name, _, path = name.partition("=")
   if name == SYNTHETIC:
-    reviews = synthetic.generate_records(seed + 1_000_003, n_synthetic // 2).texts
-    return reviews + synthetic.generate_public_texts(seed + 1_000_003, n_synthetic // 2)
+    reviews = synthetic.generate_records(
+        seed + 1_000_003, n_synthetic // 2
+    ).texts
+    return reviews + synthetic.generate_public_texts(
+        seed + 1_000_003, n_synthetic // 2
+    )
   if name not in PRETRAIN_SOURCES:
-    raise ValueError(f"unknown pretraining source {name!r}; use {', '.join(PRETRAIN_SOURCES)}, "
-                     f"{SYNTHETIC!r} or name=/path/to/file")
+    raise ValueError(
+        f"unknown pretraining source {name!r}; use {', '.join(PRETRAIN_SOURCES)}, "
+        f"{SYNTHETIC!r} or name=/path/to/file"
+    )
   spec = PRETRAIN_SOURCES[name]
   if not path and local_dir:
     path = str(Path(local_dir) / spec.local_name)
@@ -111,16 +125,25 @@ def read_source(name: str, *, local_dir: str = "", seed: int = 0,
     columns = tables.read_columns(path)
   else:
     columns = tables.load_hub_columns(
-        spec.hub_id, spec.hub_config, spec.split,
+        spec.hub_id,
+        spec.hub_config,
+        spec.split,
         fix=f"set --config.corpus.local_dir to a directory with {spec.local_name}, or give "
-        f"--config.corpus.sources={name}=/path/to/file")
-  field = tables.pick_column(columns, (spec.text_field,), source=path or spec.hub_id,
-                             kind="text", option="corpus.sources")
+        f"--config.corpus.sources={name}=/path/to/file",
+    )
+  field = tables.pick_column(
+      columns,
+      (spec.text_field,),
+      source=path or spec.hub_id,
+      kind="text",
+      option="corpus.sources",
+  )
   return [str(t) for t in columns[field] if t is not None]
 
 
-def task_texts(task: str, *, train_path: str = "", dev_path: str = "", seed: int = 0
-               ) -> list[str]:
+def task_texts(
+    task: str, *, train_path: str = "", dev_path: str = "", seed: int = 0
+) -> list[str]:
   """Every text of the fine-tuning task's train and dev splits.
 
   Sentence pairs contribute both sides. The synthetic task is regenerated
@@ -134,7 +157,9 @@ def task_texts(task: str, *, train_path: str = "", dev_path: str = "", seed: int
   return texts
 
 
-def contamination_index(task_texts_: Iterable[str], *, min_chars: int) -> dict[str, set[str]]:
+def contamination_index(
+    task_texts_: Iterable[str], *, min_chars: int
+) -> dict[str, set[str]]:
   """The task's normalised texts of at least `min_chars`, keyed by their prefix.
 
   Shorter texts (SST-2 train holds phrases such as "good") would match
@@ -148,7 +173,9 @@ def contamination_index(task_texts_: Iterable[str], *, min_chars: int) -> dict[s
   return index
 
 
-def is_contaminated(document: str, index: dict[str, set[str]], min_chars: int) -> bool:
+def is_contaminated(
+    document: str, index: dict[str, set[str]], min_chars: int
+) -> bool:
   """Whether any indexed task text occurs verbatim (normalised) in `document`.
 
   Candidate positions are the starts of the document's words; each window of
@@ -165,7 +192,7 @@ def is_contaminated(document: str, index: dict[str, set[str]], min_chars: int) -
     position += len(match.group())
   norm = "".join(norm_parts)
   for start in starts:
-    candidates = index.get(norm[start:start + min_chars])
+    candidates = index.get(norm[start : start + min_chars])
     if candidates and any(norm.startswith(c, start) for c in candidates):
       return True
   return False
@@ -173,12 +200,22 @@ def is_contaminated(document: str, index: dict[str, set[str]], min_chars: int) -
 
 def heldout_bucket(text: str) -> float:
   """A uniform number in [0, 1) from the text's hash (order independent)."""
-  return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") / 2.0**64
+  return (
+      int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+      / 2.0**64
+  )
 
 
-def build_corpus(sources: Sequence[str], *, contaminants: Iterable[str] = (),
-                 local_dir: str = "", heldout_fraction: float = 0.01, min_chars: int = 32,
-                 seed: int = 0, n_synthetic: int = 4000) -> Corpus:
+def build_corpus(
+    sources: Sequence[str],
+    *,
+    contaminants: Iterable[str] = (),
+    local_dir: str = "",
+    heldout_fraction: float = 0.01,
+    min_chars: int = 32,
+    seed: int = 0,
+    n_synthetic: int = 4000,
+) -> Corpus:
   """Reads, cleans, deduplicates and decontaminates the public documents.
 
   Args:
@@ -197,15 +234,24 @@ def build_corpus(sources: Sequence[str], *, contaminants: Iterable[str] = (),
   if not sources:
     raise ValueError("no pretraining source; set --config.corpus.sources")
   if not 0.0 < heldout_fraction < 1.0:
-    raise ValueError(f"corpus.heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    raise ValueError(
+        f"corpus.heldout_fraction must be in (0, 1), got {heldout_fraction}"
+    )
   index = contamination_index(contaminants, min_chars=min_chars)
-  stats = dict(read=0, empty=0, duplicate=0, contaminated=0, task_texts_indexed=sum(
-      len(v) for v in index.values()))
+  stats = dict(
+      read=0,
+      empty=0,
+      duplicate=0,
+      contaminated=0,
+      task_texts_indexed=sum(len(v) for v in index.values()),
+  )
   seen: set[str] = set()
   train, heldout = [], []
   for source in sources:
     name = source.partition("=")[0]
-    for raw in read_source(source, local_dir=local_dir, seed=seed, n_synthetic=n_synthetic):
+    for raw in read_source(
+        source, local_dir=local_dir, seed=seed, n_synthetic=n_synthetic
+    ):
       stats["read"] += 1
       text = clean(raw, name)
       if not text:
@@ -219,9 +265,13 @@ def build_corpus(sources: Sequence[str], *, contaminants: Iterable[str] = (),
       if is_contaminated(text, index, min_chars):
         stats["contaminated"] += 1
         continue
-      (heldout if heldout_bucket(key) < heldout_fraction else train).append(text)
+      (heldout if heldout_bucket(key) < heldout_fraction else train).append(
+          text
+      )
   stats.update(train=len(train), heldout=len(heldout))
   if not train or not heldout:
-    raise ValueError(f"the pretraining corpus has {len(train)} training and {len(heldout)} "
-                     "held-out documents; add sources or change corpus.heldout_fraction")
+    raise ValueError(
+        f"the pretraining corpus has {len(train)} training and {len(heldout)} "
+        "held-out documents; add sources or change corpus.heldout_fraction"
+    )
   return Corpus(train, heldout, stats)

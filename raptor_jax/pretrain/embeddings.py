@@ -19,7 +19,9 @@ import numpy as np
 MAX_VOCAB = 16384  # dense V x V counts: 1 GiB of float32 at this size
 
 
-def cooccurrence(rows: np.ndarray, vocab_size: int, window: int = 4) -> np.ndarray:
+def cooccurrence(
+    rows: np.ndarray, vocab_size: int, window: int = 4
+) -> np.ndarray:
   """Symmetric counts of token pairs at distance 1..window, weighted 1/distance.
 
   Args:
@@ -31,13 +33,17 @@ def cooccurrence(rows: np.ndarray, vocab_size: int, window: int = 4) -> np.ndarr
     float32 [V, V].
   """
   if vocab_size > MAX_VOCAB:
-    raise ValueError(f"spectral embeddings count a dense {vocab_size}^2 matrix; use a vocabulary "
-                     f"of at most {MAX_VOCAB} or --config.model.embedding_init=normal")
+    raise ValueError(
+        f"spectral embeddings count a dense {vocab_size}^2 matrix; use a vocabulary "
+        f"of at most {MAX_VOCAB} or --config.model.embedding_init=normal"
+    )
   rows = np.asarray(rows, np.int64)
   counts = np.zeros(vocab_size * vocab_size, np.float64)
   for k in range(1, window + 1):
     left, right = rows[:, :-k].reshape(-1), rows[:, k:].reshape(-1)
-    counts += np.bincount(left * vocab_size + right, minlength=vocab_size ** 2) / k
+    counts += (
+        np.bincount(left * vocab_size + right, minlength=vocab_size**2) / k
+    )
   counts = counts.reshape(vocab_size, vocab_size)
   return (counts + counts.T).astype(np.float32)
 
@@ -49,15 +55,28 @@ def ppmi(counts: np.ndarray, smoothing: float = 0.75) -> np.ndarray:
   context = counts.sum(axis=0) ** smoothing
   context = context / context.sum()
   with np.errstate(divide="ignore", invalid="ignore"):
-    pmi = np.log(counts / total) - np.log(word)[:, None] - np.log(context)[None, :]
-  return np.where(np.isfinite(pmi), np.maximum(pmi, 0.0), 0.0).astype(np.float32)
+    pmi = (
+        np.log(counts / total)
+        - np.log(word)[:, None]
+        - np.log(context)[None, :]
+    )
+  return np.where(np.isfinite(pmi), np.maximum(pmi, 0.0), 0.0).astype(
+      np.float32
+  )
 
 
-def truncated_svd(matrix: np.ndarray, rank: int, seed: int, oversample: int = 10,
-                  power_iterations: int = 2) -> tuple[np.ndarray, np.ndarray]:
+def truncated_svd(
+    matrix: np.ndarray,
+    rank: int,
+    seed: int,
+    oversample: int = 10,
+    power_iterations: int = 2,
+) -> tuple[np.ndarray, np.ndarray]:
   """(U [V, rank], S [rank]) of a randomised SVD (Halko et al.), seeded."""
   rng = np.random.default_rng(seed)
-  q = matrix @ rng.standard_normal((matrix.shape[1], rank + oversample)).astype(np.float32)
+  q = matrix @ rng.standard_normal((matrix.shape[1], rank + oversample)).astype(
+      np.float32
+  )
   for _ in range(power_iterations):
     q, _ = np.linalg.qr(q)
     q = matrix @ (matrix.T @ q)
@@ -66,8 +85,15 @@ def truncated_svd(matrix: np.ndarray, rank: int, seed: int, oversample: int = 10
   return q @ u[:, :rank], s[:rank]
 
 
-def spectral_embeddings(rows: np.ndarray, vocab_size: int, dim: int, *, std: float,
-                        seed: int = 0, window: int = 4) -> np.ndarray:
+def spectral_embeddings(
+    rows: np.ndarray,
+    vocab_size: int,
+    dim: int,
+    *,
+    std: float,
+    seed: int = 0,
+    window: int = 4,
+) -> np.ndarray:
   """Token embeddings [V, dim] from PPMI + SVD, scaled to per-coordinate `std`.
 
   Tokens that never occur (and so have an all-zero PPMI row) keep a small
@@ -77,6 +103,11 @@ def spectral_embeddings(rows: np.ndarray, vocab_size: int, dim: int, *, std: flo
   emb = u * np.sqrt(s)[None, :]
   emb *= std / max(float(emb.std()), 1e-12)
   unseen = np.abs(emb).sum(axis=1) < 1e-6
-  emb[unseen] = 0.1 * std * np.random.default_rng(seed + 1).standard_normal(
-      (int(unseen.sum()), dim))
+  emb[unseen] = (
+      0.1
+      * std
+      * np.random.default_rng(seed + 1).standard_normal(
+          (int(unseen.sum()), dim)
+      )
+  )
   return emb.astype(np.float32)

@@ -26,8 +26,16 @@ def _normalized_entropy(shares: np.ndarray) -> float:
   return float(-np.sum(nonzero * np.log(nonzero)) / math.log(len(shares)))
 
 
-def routing_report(router_logits, mask: np.ndarray, *, layers, top_k: int, weighting: str,
-                   normalize: bool, min_share: float) -> dict[str, Any]:
+def routing_report(
+    router_logits,
+    mask: np.ndarray,
+    *,
+    layers,
+    top_k: int,
+    weighting: str,
+    normalize: bool,
+    min_share: float,
+) -> dict[str, Any]:
   """Per-layer token load, owner shares and the collapse check.
 
   Args:
@@ -41,27 +49,53 @@ def routing_report(router_logits, mask: np.ndarray, *, layers, top_k: int, weigh
   num_experts = router_logits[0].shape[-1]
   rows, owners = [], []
   for layer, logits in zip(layers, router_logits):
-    _, chosen = jax.lax.top_k(jax.nn.softmax(jnp.asarray(logits, jnp.float32)), top_k)
+    _, chosen = jax.lax.top_k(
+        jax.nn.softmax(jnp.asarray(logits, jnp.float32)), top_k
+    )
     chosen = np.asarray(chosen)[np.asarray(mask) > 0].reshape(-1)
     load = np.bincount(chosen, minlength=num_experts) / max(chosen.size, 1)
-    owner = np.asarray(ownership.owners(logits, mask, top_k, weighting, normalize))
+    owner = np.asarray(
+        ownership.owners(logits, mask, top_k, weighting, normalize)
+    )
     owners.append(owner)
     shares = np.bincount(owner, minlength=num_experts) / len(owner)
-    rows.append(dict(layer=int(layer), token_load=load.tolist(),
-                     token_entropy_norm=_normalized_entropy(load),
-                     owner_shares=shares.tolist(), min_owner_share=float(shares.min()),
-                     **ownership.routing_stats(owner, num_experts)))
+    rows.append(
+        dict(
+            layer=int(layer),
+            token_load=load.tolist(),
+            token_entropy_norm=_normalized_entropy(load),
+            owner_shares=shares.tolist(),
+            min_owner_share=float(shares.min()),
+            **ownership.routing_stats(owner, num_experts),
+        )
+    )
   table = ownership.layer_table(np.stack(owners), layers, num_experts)
   selected = ownership.select_layer("entropy", layers, table)
-  min_selected = next(r["min_owner_share"] for r in rows if r["layer"] == selected)
-  return dict(layers=rows, selected_layer=selected, selected_min_owner_share=min_selected,
-              min_share_required=min_share, collapsed=bool(min_selected < min_share),
-              records=int(len(mask)))
+  min_selected = next(
+      r["min_owner_share"] for r in rows if r["layer"] == selected
+  )
+  return dict(
+      layers=rows,
+      selected_layer=selected,
+      selected_min_owner_share=min_selected,
+      min_share_required=min_share,
+      collapsed=bool(min_selected < min_share),
+      records=int(len(mask)),
+  )
 
 
-def evaluate(module, params: dict, loss: Callable, heldout_rows: np.ndarray,
-             record_ids: np.ndarray, record_mask: np.ndarray, *, batch_size: int, seed: int,
-             min_share: float) -> dict[str, Any]:
+def evaluate(
+    module,
+    params: dict,
+    loss: Callable,
+    heldout_rows: np.ndarray,
+    record_ids: np.ndarray,
+    record_mask: np.ndarray,
+    *,
+    batch_size: int,
+    seed: int,
+    min_share: float,
+) -> dict[str, Any]:
   """Held-out LM loss/accuracy (fixed masking) and the routing report.
 
   Returns:
@@ -72,26 +106,43 @@ def evaluate(module, params: dict, loss: Callable, heldout_rows: np.ndarray,
   totals: dict[str, float] = {}
   batches = max(1, len(heldout_rows) // batch_size)
   for i in range(batches):
-    ids = jnp.asarray(heldout_rows[i * batch_size:(i + 1) * batch_size])
+    ids = jnp.asarray(heldout_rows[i * batch_size : (i + 1) * batch_size])
     for k, v in parts_fn(params, ids, jax.random.fold_in(eval_key, i)).items():
       totals[k] = totals.get(k, 0.0) + float(v) / batches
-  router_fn = jax.jit(lambda p, ids, mask: module.apply(
-      {"params": p["backbone"]}, ids, mask).router_logits)
+  router_fn = jax.jit(
+      lambda p, ids, mask: module.apply(
+          {"params": p["backbone"]}, ids, mask
+      ).router_logits
+  )
   logits = [[] for _ in module.config.sparse_layers]
   for start in range(0, len(record_ids), batch_size):
-    out = router_fn(params, jnp.asarray(record_ids[start:start + batch_size]),
-                    jnp.asarray(record_mask[start:start + batch_size]))
+    out = router_fn(
+        params,
+        jnp.asarray(record_ids[start : start + batch_size]),
+        jnp.asarray(record_mask[start : start + batch_size]),
+    )
     for layer_logits, chunk in zip(logits, out):
       layer_logits.append(np.asarray(chunk))
   cfg = module.config
   routing = routing_report(
-      [np.concatenate(l) for l in logits], record_mask, layers=cfg.sparse_layers,
-      top_k=cfg.top_k, weighting="count" if cfg.top_k == 1 else "prob",
-      normalize=bool(getattr(cfg, "norm_topk_prob", False)), min_share=min_share)
-  scalars = {"lm_loss": totals["lm_loss"], "accuracy": totals["accuracy"],
-             "aux_loss": totals["aux_loss"], "owner_balance_loss": totals["owner_balance_loss"],
-             "selected_min_owner_share": routing["selected_min_owner_share"]}
+      [np.concatenate(l) for l in logits],
+      record_mask,
+      layers=cfg.sparse_layers,
+      top_k=cfg.top_k,
+      weighting="count" if cfg.top_k == 1 else "prob",
+      normalize=bool(getattr(cfg, "norm_topk_prob", False)),
+      min_share=min_share,
+  )
+  scalars = {
+      "lm_loss": totals["lm_loss"],
+      "accuracy": totals["accuracy"],
+      "aux_loss": totals["aux_loss"],
+      "owner_balance_loss": totals["owner_balance_loss"],
+      "selected_min_owner_share": routing["selected_min_owner_share"],
+  }
   for row in routing["layers"]:
-    scalars[f"token_entropy_norm/layer_{row['layer']}"] = row["token_entropy_norm"]
+    scalars[f"token_entropy_norm/layer_{row['layer']}"] = row[
+        "token_entropy_norm"
+    ]
     scalars[f"owner_entropy_norm/layer_{row['layer']}"] = row["entropy_norm"]
   return dict(scalars=scalars, routing=routing)

@@ -38,25 +38,46 @@ class SpecialIds(NamedTuple):
 
   pad: int
   mask: int
-  first_regular: int  # ids below are special tokens; random replacements draw above
+  first_regular: (
+      int  # ids below are special tokens; random replacements draw above
+  )
   vocab_size: int
 
 
-def backbone(family: str, mc: ml_collections.ConfigDict, vocab_size: int) -> nn.Module:
+def backbone(
+    family: str, mc: ml_collections.ConfigDict, vocab_size: int
+) -> nn.Module:
   """The backbone module of a pretraining config (trainable expert kernels)."""
   if family == "switch":
-    return models.SwitchEncoder(models.SwitchConfig(
-        vocab_size=vocab_size, d_model=mc.d_model, d_kv=mc.d_kv, d_ff=mc.d_ff,
-        num_layers=mc.num_layers, num_heads=mc.num_heads, num_experts=mc.num_experts,
-        expert_capacity=mc.expert_capacity, sparse_step=mc.sparse_step,
-        dispatch="grouped_train"))
+    return models.SwitchEncoder(
+        models.SwitchConfig(
+            vocab_size=vocab_size,
+            d_model=mc.d_model,
+            d_kv=mc.d_kv,
+            d_ff=mc.d_ff,
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            num_experts=mc.num_experts,
+            expert_capacity=mc.expert_capacity,
+            sparse_step=mc.sparse_step,
+            dispatch="grouped_train",
+        )
+    )
   if family == "olmoe":
-    return models.OlmoeDecoder(models.OlmoeConfig(
-        vocab_size=vocab_size, hidden_size=mc.d_model, intermediate_size=mc.d_ff,
-        num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads,
-        num_key_value_heads=mc.num_kv_heads, num_experts=mc.num_experts,
-        num_experts_per_tok=mc.top_k, norm_topk_prob=mc.norm_topk_prob,
-        dispatch="grouped_train"))
+    return models.OlmoeDecoder(
+        models.OlmoeConfig(
+            vocab_size=vocab_size,
+            hidden_size=mc.d_model,
+            intermediate_size=mc.d_ff,
+            num_hidden_layers=mc.num_layers,
+            num_attention_heads=mc.num_heads,
+            num_key_value_heads=mc.num_kv_heads,
+            num_experts=mc.num_experts,
+            num_experts_per_tok=mc.top_k,
+            norm_topk_prob=mc.norm_topk_prob,
+            dispatch="grouped_train",
+        )
+    )
   raise ValueError(f"unknown model family {family!r}; use 'switch' or 'olmoe'")
 
 
@@ -67,12 +88,19 @@ def _switch_std(path: str, cfg: models.SwitchConfig) -> float:
   instead of HF's std 1, which saturates the router softmax at step 0.
   """
   d, dkv, heads = cfg.d_model, cfg.d_kv, cfg.num_heads
-  table = {"embed_tokens/embedding": 1.0, "attention/q/kernel": (d * dkv) ** -0.5,
-           "attention/k/kernel": d ** -0.5, "attention/v/kernel": d ** -0.5,
-           "attention/o/kernel": (heads * dkv) ** -0.5,
-           "relative_attention_bias/embedding": d ** -0.5, "mlp/wi/kernel": d ** -0.5,
-           "mlp/wo/kernel": cfg.d_ff ** -0.5, "experts/wi/kernel": d ** -0.5,
-           "experts/wo/kernel": cfg.d_ff ** -0.5, "router/kernel": (0.1 / d) ** 0.5}
+  table = {
+      "embed_tokens/embedding": 1.0,
+      "attention/q/kernel": (d * dkv) ** -0.5,
+      "attention/k/kernel": d**-0.5,
+      "attention/v/kernel": d**-0.5,
+      "attention/o/kernel": (heads * dkv) ** -0.5,
+      "relative_attention_bias/embedding": d**-0.5,
+      "mlp/wi/kernel": d**-0.5,
+      "mlp/wo/kernel": cfg.d_ff**-0.5,
+      "experts/wi/kernel": d**-0.5,
+      "experts/wo/kernel": cfg.d_ff**-0.5,
+      "router/kernel": (0.1 / d) ** 0.5,
+  }
   for suffix, std in table.items():
     if path.endswith(suffix):
       return std
@@ -86,7 +114,9 @@ def init_params(module: nn.Module, key: jax.Array) -> dict[str, Any]:
   (Switch: `_switch_std`; OLMoE: initializer_range 0.02).
   """
   key_shapes, key_init = jax.random.split(key)
-  shapes = jax.eval_shape(lambda k: module.init(k, *hf.example_inputs())["params"], key_shapes)
+  shapes = jax.eval_shape(
+      lambda k: module.init(k, *hf.example_inputs())["params"], key_shapes
+  )
   flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes), sep="/")
   is_switch = isinstance(module, models.SwitchEncoder)
   out = {}
@@ -97,12 +127,19 @@ def init_params(module: nn.Module, key: jax.Array) -> dict[str, Any]:
       out[path] = jnp.zeros(leaf.shape, leaf.dtype)
     else:
       std = _switch_std(path, module.config) if is_switch else 0.02
-      out[path] = std * jax.random.normal(jax.random.fold_in(key_init, i), leaf.shape, leaf.dtype)
+      out[path] = std * jax.random.normal(
+          jax.random.fold_in(key_init, i), leaf.shape, leaf.dtype
+      )
   params = {"backbone": flax.traverse_util.unflatten_dict(out, sep="/")}
   if not is_switch:
     cfg = module.config
-    params["lm_head"] = {"kernel": 0.02 * jax.random.normal(
-        jax.random.fold_in(key_init, len(flat)), (cfg.hidden_size, cfg.vocab_size))}
+    params["lm_head"] = {
+        "kernel": 0.02
+        * jax.random.normal(
+            jax.random.fold_in(key_init, len(flat)),
+            (cfg.hidden_size, cfg.vocab_size),
+        )
+    }
   return params
 
 
@@ -110,26 +147,46 @@ def lm_logits(module: nn.Module, params: dict, hidden: jax.Array) -> jax.Array:
   """Vocabulary logits of hidden states [..., D] -> [..., V] (float32)."""
   if isinstance(module, models.SwitchEncoder):
     embedding = params["backbone"]["embed_tokens"]["embedding"]
-    scaled = hidden.astype(jnp.float32) * module.config.d_model ** -0.5
+    scaled = hidden.astype(jnp.float32) * module.config.d_model**-0.5
     return scaled @ embedding.T.astype(jnp.float32)
-  return hidden.astype(jnp.float32) @ params["lm_head"]["kernel"].astype(jnp.float32)
+  return hidden.astype(jnp.float32) @ params["lm_head"]["kernel"].astype(
+      jnp.float32
+  )
 
 
-def router_losses(module: nn.Module, router_logits, mask: jax.Array) -> dict[str, jax.Array]:
+def router_losses(
+    module: nn.Module, router_logits, mask: jax.Array
+) -> dict[str, jax.Array]:
   """The family's auxiliary router losses and the owner-balance term (unweighted)."""
   layers = len(router_logits)
   mean = lambda fn: sum(fn(l, mask) for l in router_logits) / layers
   owner = dict(owner_balance_loss=mean(objectives.owner_balance_loss))
   if isinstance(module, models.SwitchEncoder):
-    return dict(aux_loss=mean(objectives.switch_load_balancing_loss),
-                z_loss=mean(objectives.router_z_loss), **owner)
-  return dict(aux_loss=objectives.topk_load_balancing_loss(router_logits, mask,
-                                                           module.config.top_k), **owner)
+    return dict(
+        aux_loss=mean(objectives.switch_load_balancing_loss),
+        z_loss=mean(objectives.router_z_loss),
+        **owner,
+    )
+  return dict(
+      aux_loss=objectives.topk_load_balancing_loss(
+          router_logits, mask, module.config.top_k
+      ),
+      **owner,
+  )
 
 
-def loss_fn(module: nn.Module, params: dict, input_ids: jax.Array, key: jax.Array,
-            special: SpecialIds, *, mlm_rate: float, aux_loss_coef: float, z_loss_coef: float,
-            owner_balance_coef: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_fn(
+    module: nn.Module,
+    params: dict,
+    input_ids: jax.Array,
+    key: jax.Array,
+    special: SpecialIds,
+    *,
+    mlm_rate: float,
+    aux_loss_coef: float,
+    z_loss_coef: float,
+    owner_balance_coef: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Total loss and its parts for one batch of packed rows [B, S].
 
   Padding (id `special.pad`) is masked out; the masked-LM family predicts
@@ -138,20 +195,33 @@ def loss_fn(module: nn.Module, params: dict, input_ids: jax.Array, key: jax.Arra
   mask = (input_ids != special.pad).astype(jnp.int32)
   if isinstance(module, models.SwitchEncoder):
     maskable = (mask > 0) & (input_ids >= special.first_regular)
-    batch = objectives.mask_tokens(key, input_ids, maskable, mask_id=special.mask,
-                                   random_ids=(special.first_regular, special.vocab_size),
-                                   rate=mlm_rate)
+    batch = objectives.mask_tokens(
+        key,
+        input_ids,
+        maskable,
+        mask_id=special.mask,
+        random_ids=(special.first_regular, special.vocab_size),
+        rate=mlm_rate,
+    )
     out = module.apply({"params": params["backbone"]}, batch.input_ids, mask)
-    hidden = jnp.take_along_axis(out.hidden_states, batch.positions[..., None], axis=1)
+    hidden = jnp.take_along_axis(
+        out.hidden_states, batch.positions[..., None], axis=1
+    )
     targets, weights = batch.targets, batch.weights
   else:
     out = module.apply({"params": params["backbone"]}, input_ids, mask)
     hidden = out.hidden_states[:, :-1]
-    targets, weights = input_ids[:, 1:], (mask[:, 1:] * mask[:, :-1]).astype(jnp.float32)
-  lm_loss, accuracy = objectives.token_cross_entropy(lm_logits(module, params, hidden),
-                                                     targets, weights)
+    targets, weights = input_ids[:, 1:], (mask[:, 1:] * mask[:, :-1]).astype(
+        jnp.float32
+    )
+  lm_loss, accuracy = objectives.token_cross_entropy(
+      lm_logits(module, params, hidden), targets, weights
+  )
   parts = router_losses(module, out.router_logits, mask)
-  total = (lm_loss + aux_loss_coef * parts["aux_loss"]
-           + z_loss_coef * parts.get("z_loss", 0.0)
-           + owner_balance_coef * parts["owner_balance_loss"])
+  total = (
+      lm_loss
+      + aux_loss_coef * parts["aux_loss"]
+      + z_loss_coef * parts.get("z_loss", 0.0)
+      + owner_balance_coef * parts["owner_balance_loss"]
+  )
   return total, dict(loss=total, lm_loss=lm_loss, accuracy=accuracy, **parts)

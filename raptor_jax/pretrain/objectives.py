@@ -26,9 +26,17 @@ def max_predictions(seq_len: int, rate: float) -> int:
   return max(1, int(round(rate * seq_len + 0.5)))
 
 
-def mask_tokens(key: jax.Array, input_ids: jax.Array, maskable: jax.Array, *, mask_id: int,
-                random_ids: tuple[int, int], rate: float = 0.15, mask_prob: float = 0.8,
-                random_prob: float = 0.1) -> MaskedBatch:
+def mask_tokens(
+    key: jax.Array,
+    input_ids: jax.Array,
+    maskable: jax.Array,
+    *,
+    mask_id: int,
+    random_ids: tuple[int, int],
+    rate: float = 0.15,
+    mask_prob: float = 0.8,
+    random_prob: float = 0.1,
+) -> MaskedBatch:
   """BERT's masking: `rate` of each sequence's tokens, 80% [MASK] / 10% random / 10% kept.
 
   Every sequence gets exactly round(rate * m) predictions, m its maskable
@@ -49,32 +57,50 @@ def mask_tokens(key: jax.Array, input_ids: jax.Array, maskable: jax.Array, *, ma
   slots = max_predictions(seq, rate)
   k_pos, k_kind, k_rand = jax.random.split(key, 3)
   scores = jnp.where(maskable, jax.random.uniform(k_pos, (batch, seq)), -1.0)
-  _, positions = jax.lax.top_k(scores, slots)  # maskable positions first, in random order
-  count = jnp.round(rate * maskable.sum(axis=1)).astype(jnp.int32)  # per sequence
+  _, positions = jax.lax.top_k(
+      scores, slots
+  )  # maskable positions first, in random order
+  count = jnp.round(rate * maskable.sum(axis=1)).astype(
+      jnp.int32
+  )  # per sequence
   weights = (jnp.arange(slots)[None, :] < count[:, None]).astype(jnp.float32)
   targets = jnp.take_along_axis(input_ids, positions, axis=1)
   kind = jax.random.uniform(k_kind, (batch, slots))
   replacement = jnp.where(
-      kind < mask_prob, mask_id,
-      jnp.where(kind < mask_prob + random_prob,
-                jax.random.randint(k_rand, (batch, slots), *random_ids), targets))
+      kind < mask_prob,
+      mask_id,
+      jnp.where(
+          kind < mask_prob + random_prob,
+          jax.random.randint(k_rand, (batch, slots), *random_ids),
+          targets,
+      ),
+  )
   replacement = jnp.where(weights > 0, replacement, targets)
   rows = jnp.arange(batch)[:, None]
-  return MaskedBatch(input_ids.at[rows, positions].set(replacement), positions, targets,
-                     weights)
+  return MaskedBatch(
+      input_ids.at[rows, positions].set(replacement),
+      positions,
+      targets,
+      weights,
+  )
 
 
-def token_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array
-                        ) -> tuple[jax.Array, jax.Array]:
+def token_cross_entropy(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """(mean loss, accuracy) over the weighted positions, float32."""
   logits = logits.astype(jnp.float32)
-  nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+  nll = -jnp.take_along_axis(
+      jax.nn.log_softmax(logits), targets[..., None], axis=-1
+  )[..., 0]
   total = jnp.maximum(weights.sum(), 1.0)
   correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
   return (nll * weights).sum() / total, (correct * weights).sum() / total
 
 
-def switch_load_balancing_loss(router_logits: jax.Array, mask: jax.Array) -> jax.Array:
+def switch_load_balancing_loss(
+    router_logits: jax.Array, mask: jax.Array
+) -> jax.Array:
   """Switch Transformer's balancing loss of one layer (Fedus et al., Eqs. 4-6).
 
   Per sequence, E * sum_e f_e P_e with f_e the share of its tokens whose top-1
@@ -104,8 +130,9 @@ def router_z_loss(router_logits: jax.Array, mask: jax.Array) -> jax.Array:
   return (jnp.square(log_z) * m).sum() / jnp.maximum(m.sum(), 1.0)
 
 
-def topk_load_balancing_loss(router_logits: Sequence[jax.Array], mask: jax.Array,
-                             top_k: int) -> jax.Array:
+def topk_load_balancing_loss(
+    router_logits: Sequence[jax.Array], mask: jax.Array, top_k: int
+) -> jax.Array:
   """OLMoE's (Mixtral's) balancing loss over all layers' tokens.
 
   E * sum_e c_e P_e, where c_e is the number of top-k slots given to expert e
@@ -117,9 +144,13 @@ def topk_load_balancing_loss(router_logits: Sequence[jax.Array], mask: jax.Array
   m = mask.astype(jnp.float32).reshape(-1, 1)
   counts, probs_sum = 0.0, 0.0
   for logits in router_logits:
-    probs = jax.nn.softmax(logits.astype(jnp.float32).reshape(-1, num_experts), axis=-1)
+    probs = jax.nn.softmax(
+        logits.astype(jnp.float32).reshape(-1, num_experts), axis=-1
+    )
     _, chosen = jax.lax.top_k(probs, top_k)
-    counts = counts + (jax.nn.one_hot(chosen, num_experts).sum(axis=1) * m).sum(axis=0)
+    counts = counts + (jax.nn.one_hot(chosen, num_experts).sum(axis=1) * m).sum(
+        axis=0
+    )
     probs_sum = probs_sum + (probs * m).sum(axis=0)
   rows = len(router_logits) * jnp.maximum(m.sum(), 1.0)
   return num_experts * jnp.sum((counts / rows) * (probs_sum / rows))
@@ -144,7 +175,11 @@ def owner_balance_loss(router_logits: jax.Array, mask: jax.Array) -> jax.Array:
   num_experts = router_logits.shape[-1]
   probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
   m = mask.astype(jnp.float32)[..., None]
-  votes = (jax.nn.one_hot(jnp.argmax(probs, axis=-1), num_experts) * m).sum(axis=1)
-  owned = jax.nn.one_hot(jnp.argmax(votes, axis=-1), num_experts)  # ties: lowest index
+  votes = (jax.nn.one_hot(jnp.argmax(probs, axis=-1), num_experts) * m).sum(
+      axis=1
+  )
+  owned = jax.nn.one_hot(
+      jnp.argmax(votes, axis=-1), num_experts
+  )  # ties: lowest index
   record_probs = (probs * m).sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
   return num_experts * jnp.sum(owned.mean(axis=0) * record_probs.mean(axis=0))

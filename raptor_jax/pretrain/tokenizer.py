@@ -29,8 +29,13 @@ MASK = "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)  # ids 0..4
 
 
-def train_wordpiece(texts: Iterable[str], *, vocab_size: int, min_frequency: int = 2,
-                    model_max_length: int = 512) -> transformers.PreTrainedTokenizerFast:
+def train_wordpiece(
+    texts: Iterable[str],
+    *,
+    vocab_size: int,
+    min_frequency: int = 2,
+    model_max_length: int = 512,
+) -> transformers.PreTrainedTokenizerFast:
   """Trains a lowercase BERT-style WordPiece tokenizer.
 
   Args:
@@ -44,27 +49,40 @@ def train_wordpiece(texts: Iterable[str], *, vocab_size: int, min_frequency: int
     for a pair, with `[PAD]` = 0 and a `[MASK]` token for masked LM.
   """
   if vocab_size <= len(SPECIAL_TOKENS):
-    raise ValueError(f"tokenizer vocab_size must exceed {len(SPECIAL_TOKENS)}, got {vocab_size}")
+    raise ValueError(
+        f"tokenizer vocab_size must exceed {len(SPECIAL_TOKENS)}, got {vocab_size}"
+    )
   backend = tokenizers.Tokenizer(models.WordPiece(unk_token=UNK))
-  backend.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True,
-                                                  clean_text=True)
+  backend.normalizer = normalizers.BertNormalizer(
+      lowercase=True, strip_accents=True, clean_text=True
+  )
   backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
   backend.decoder = decoders.WordPiece()
   texts = list(texts)
   continuations = _continuation_alphabet(backend.normalizer, texts)
-  trainer = trainers.WordPieceTrainer(vocab_size=vocab_size,
-                                      min_frequency=min_frequency,
-                                      special_tokens=list(SPECIAL_TOKENS) + continuations,
-                                      show_progress=False)
+  trainer = trainers.WordPieceTrainer(
+      vocab_size=vocab_size,
+      min_frequency=min_frequency,
+      special_tokens=list(SPECIAL_TOKENS) + continuations,
+      show_progress=False,
+  )
   backend.train_from_iterator(texts, trainer=trainer)
   backend = _demote_to_vocabulary(backend, set(continuations))
   cls_id, sep_id = backend.token_to_id(CLS), backend.token_to_id(SEP)
   backend.post_processor = processors.TemplateProcessing(
-      single=f"{CLS} $A {SEP}", pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
-      special_tokens=[(CLS, cls_id), (SEP, sep_id)])
+      single=f"{CLS} $A {SEP}",
+      pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
+      special_tokens=[(CLS, cls_id), (SEP, sep_id)],
+  )
   return transformers.PreTrainedTokenizerFast(
-      tokenizer_object=backend, pad_token=PAD, unk_token=UNK, cls_token=CLS, sep_token=SEP,
-      mask_token=MASK, model_max_length=model_max_length)
+      tokenizer_object=backend,
+      pad_token=PAD,
+      unk_token=UNK,
+      cls_token=CLS,
+      sep_token=SEP,
+      mask_token=MASK,
+      model_max_length=model_max_length,
+  )
 
 
 def _continuation_alphabet(normalizer, texts: list[str]) -> list[str]:
@@ -78,13 +96,19 @@ def _continuation_alphabet(normalizer, texts: list[str]) -> list[str]:
     raw.update(text)
   chars = set(normalizer.normalize_str("".join(sorted(raw))))
   split = pre_tokenizers.BertPreTokenizer()
-  return [f"##{c}" for c in sorted(chars)
-          if len(split.pre_tokenize_str(f"a{c}a")) == 1]  # c can continue a word
+  return [
+      f"##{c}"
+      for c in sorted(chars)
+      if len(split.pre_tokenize_str(f"a{c}a")) == 1
+  ]  # c can continue a word
 
 
-def _demote_to_vocabulary(backend: tokenizers.Tokenizer,
-                          continuations: set[str]) -> tokenizers.Tokenizer:
+def _demote_to_vocabulary(
+    backend: tokenizers.Tokenizer, continuations: set[str]
+) -> tokenizers.Tokenizer:
   """Makes the seeded `##c` ordinary vocabulary entries, not special tokens."""
   state = json.loads(backend.to_str())
-  state["added_tokens"] = [t for t in state["added_tokens"] if t["content"] not in continuations]
+  state["added_tokens"] = [
+      t for t in state["added_tokens"] if t["content"] not in continuations
+  ]
   return tokenizers.Tokenizer.from_str(json.dumps(state))

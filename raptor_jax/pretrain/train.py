@@ -22,6 +22,7 @@ an interrupt or a crash saves the last finished step first.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -47,9 +48,21 @@ from raptor_jax.train.checkpoint import Checkpointer
 log = logging.getLogger("raptor_jax")
 
 # Fields that do not change what is computed: a resumed run may change them.
-RESUME_INSENSITIVE = ("log_every", "eval_every", "checkpoint_every", "progress_bar",
-                      "stop_after_steps")
-_DATA_FIELDS = ("seed", "corpus", "decontaminate", "tokenizer", "seq_len", "eval")
+RESUME_INSENSITIVE = (
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "progress_bar",
+    "stop_after_steps",
+)
+_DATA_FIELDS = (
+    "seed",
+    "corpus",
+    "decontaminate",
+    "tokenizer",
+    "seq_len",
+    "eval",
+)
 
 
 def _write_json(path: Path, payload: Any) -> None:
@@ -61,28 +74,50 @@ def _write_json(path: Path, payload: Any) -> None:
 def coefficients(config: ml_collections.ConfigDict) -> tuple[float, float]:
   """(aux_loss_coef, z_loss_coef): the config's, or the family's HF defaults (-1)."""
   oc = config.objective
-  aux = model.HF_AUX_LOSS_COEF[config.family] if oc.aux_loss_coef < 0 else oc.aux_loss_coef
-  z = model.HF_Z_LOSS_COEF[config.family] if oc.z_loss_coef < 0 else oc.z_loss_coef
+  aux = (
+      model.HF_AUX_LOSS_COEF[config.family]
+      if oc.aux_loss_coef < 0
+      else oc.aux_loss_coef
+  )
+  z = (
+      model.HF_Z_LOSS_COEF[config.family]
+      if oc.z_loss_coef < 0
+      else oc.z_loss_coef
+  )
   return float(aux), float(z)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """One clear error for a config that cannot run, before any data is read."""
   if config.family not in ("switch", "olmoe"):
-    raise ValueError(f"family must be 'switch' or 'olmoe', got {config.family!r}")
-  positive = dict(steps=config.steps, batch_size=config.batch_size, seq_len=config.seq_len,
-                  learning_rate=config.learning_rate)
+    raise ValueError(
+        f"family must be 'switch' or 'olmoe', got {config.family!r}"
+    )
+  positive = dict(
+      steps=config.steps,
+      batch_size=config.batch_size,
+      seq_len=config.seq_len,
+      learning_rate=config.learning_rate,
+  )
   for name, value in positive.items():
     if value <= 0:
-      raise ValueError(f"{name} must be positive, got {value}; set --config.{name}")
+      raise ValueError(
+          f"{name} must be positive, got {value}; set --config.{name}"
+      )
   if not 0 <= config.warmup_steps < config.steps:
-    raise ValueError(f"warmup_steps must be in [0, steps={config.steps}), got "
-                     f"{config.warmup_steps}")
+    raise ValueError(
+        f"warmup_steps must be in [0, steps={config.steps}), got "
+        f"{config.warmup_steps}"
+    )
   if config.model.embedding_init not in ("normal", "spectral"):
-    raise ValueError(f"model.embedding_init must be 'normal' or 'spectral', got "
-                     f"{config.model.embedding_init!r}")
+    raise ValueError(
+        f"model.embedding_init must be 'normal' or 'spectral', got "
+        f"{config.model.embedding_init!r}"
+    )
   if not 0.0 < config.objective.mlm_rate < 1.0:
-    raise ValueError(f"objective.mlm_rate must be in (0, 1), got {config.objective.mlm_rate}")
+    raise ValueError(
+        f"objective.mlm_rate must be in (0, 1), got {config.objective.mlm_rate}"
+    )
 
 
 def _tokenize_rows(tok, texts, seq_len: int) -> np.ndarray:
@@ -91,56 +126,97 @@ def _tokenize_rows(tok, texts, seq_len: int) -> np.ndarray:
   flat = np.fromiter((t for doc in ids for t in doc), dtype=np.int32)
   rows = len(flat) // seq_len
   if rows == 0:
-    raise ValueError(f"the corpus has {len(flat)} tokens, fewer than one row of seq_len="
-                     f"{seq_len}; add text or lower --config.seq_len")
-  return flat[:rows * seq_len].reshape(rows, seq_len)
+    raise ValueError(
+        f"the corpus has {len(flat)} tokens, fewer than one row of seq_len="
+        f"{seq_len}; add text or lower --config.seq_len"
+    )
+  return flat[: rows * seq_len].reshape(rows, seq_len)
 
 
-def prepare_data(config: ml_collections.ConfigDict, workdir: Path) -> dict[str, Any]:
+def prepare_data(
+    config: ml_collections.ConfigDict, workdir: Path
+) -> dict[str, Any]:
   """Corpus, tokenizer and token rows; cached in `<workdir>/data`."""
   data_dir = workdir / "data"
-  key = json.dumps({k: config.to_dict()[k] for k in _DATA_FIELDS}, sort_keys=True)
+  key = json.dumps(
+      {k: config.to_dict()[k] for k in _DATA_FIELDS}, sort_keys=True
+  )
   cached = data_dir / "config.json"
   if cached.exists() and cached.read_text() == key:
     arrays = np.load(data_dir / "rows.npz")
-    return dict(tokenizer=encoding.load_tokenizer(str(data_dir / "tokenizer")),
-                corpus=json.loads((data_dir / "corpus.json").read_text()), **arrays)
+    return dict(
+        tokenizer=encoding.load_tokenizer(str(data_dir / "tokenizer")),
+        corpus=json.loads((data_dir / "corpus.json").read_text()),
+        **arrays,
+    )
   cc, dc = config.corpus, config.decontaminate
-  contaminants = corpus_lib.task_texts(dc.task, train_path=dc.train_path, dev_path=dc.dev_path,
-                                       seed=dc.seed) if dc.task else []
+  contaminants = (
+      corpus_lib.task_texts(
+          dc.task, train_path=dc.train_path, dev_path=dc.dev_path, seed=dc.seed
+      )
+      if dc.task
+      else []
+  )
   sources = [s for s in cc.sources.split(",") if s]
   texts = corpus_lib.build_corpus(
-      sources, contaminants=contaminants, local_dir=cc.local_dir,
-      heldout_fraction=cc.heldout_fraction, min_chars=cc.min_chars, seed=config.seed,
-      n_synthetic=cc.n_synthetic)
+      sources,
+      contaminants=contaminants,
+      local_dir=cc.local_dir,
+      heldout_fraction=cc.heldout_fraction,
+      min_chars=cc.min_chars,
+      seed=config.seed,
+      n_synthetic=cc.n_synthetic,
+  )
   log.info("corpus: %s", texts.stats)
-  tok = tokenizer_lib.train_wordpiece(texts.train, vocab_size=config.tokenizer.vocab_size,
-                                      min_frequency=config.tokenizer.min_frequency)
+  tok = tokenizer_lib.train_wordpiece(
+      texts.train,
+      vocab_size=config.tokenizer.vocab_size,
+      min_frequency=config.tokenizer.min_frequency,
+  )
   heldout_ids, heldout_mask = encoding.tokenize(
-      tok, texts.heldout[:config.eval.records], max_length=config.eval.record_length)
-  arrays = dict(train_rows=_tokenize_rows(tok, texts.train, config.seq_len),
-                heldout_rows=_tokenize_rows(tok, texts.heldout, config.seq_len),
-                record_ids=heldout_ids, record_mask=heldout_mask)
+      tok,
+      texts.heldout[: config.eval.records],
+      max_length=config.eval.record_length,
+  )
+  arrays = dict(
+      train_rows=_tokenize_rows(tok, texts.train, config.seq_len),
+      heldout_rows=_tokenize_rows(tok, texts.heldout, config.seq_len),
+      record_ids=heldout_ids,
+      record_mask=heldout_mask,
+  )
   data_dir.mkdir(parents=True, exist_ok=True)
   tok.save_pretrained(data_dir / "tokenizer")
   np.savez(data_dir / "rows.npz", **arrays)
-  stats = dict(texts.stats, train_tokens=int(arrays["train_rows"].size),
-               heldout_tokens=int(arrays["heldout_rows"].size),
-               decontaminated_against=dc.task or None)
+  stats = dict(
+      texts.stats,
+      train_tokens=int(arrays["train_rows"].size),
+      heldout_tokens=int(arrays["heldout_rows"].size),
+      decontaminated_against=dc.task or None,
+  )
   _write_json(data_dir / "corpus.json", stats)
   cached.write_text(key)
   return dict(tokenizer=tok, corpus=stats, **arrays)
 
 
 def special_ids(tok) -> model.SpecialIds:
-  specials = [tok.convert_tokens_to_ids(t) for t in tokenizer_lib.SPECIAL_TOKENS]
+  specials = [
+      tok.convert_tokens_to_ids(t) for t in tokenizer_lib.SPECIAL_TOKENS
+  ]
   if specials != list(range(len(specials))):
-    raise ValueError(f"the tokenizer's special tokens must be ids 0..{len(specials) - 1}")
-  return model.SpecialIds(pad=tok.pad_token_id, mask=tok.mask_token_id,
-                          first_regular=len(specials), vocab_size=len(tok))
+    raise ValueError(
+        f"the tokenizer's special tokens must be ids 0..{len(specials) - 1}"
+    )
+  return model.SpecialIds(
+      pad=tok.pad_token_id,
+      mask=tok.mask_token_id,
+      first_regular=len(specials),
+      vocab_size=len(tok),
+  )
 
 
-def batch_rows(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+def batch_rows(
+    num_rows: int, batch_size: int, step: int, seed: int
+) -> np.ndarray:
   """Row indices of batch `step`: consecutive slices of per-epoch permutations."""
   positions = step * batch_size + np.arange(batch_size)
   epochs = positions // num_rows
@@ -152,17 +228,30 @@ def batch_rows(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarr
   return out
 
 
-def optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def optimizer(
+    config: ml_collections.ConfigDict,
+) -> optax.GradientTransformation:
   """AdamW, warmup + cosine decay, global-norm clipping; no decay on norm scales."""
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, config.warmup_steps, config.steps,
-      end_value=config.learning_rate * config.end_learning_rate_ratio)
+      0.0,
+      config.learning_rate,
+      config.warmup_steps,
+      config.steps,
+      end_value=config.learning_rate * config.end_learning_rate_ratio,
+  )
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], "key", "") != "scale", params)
+      lambda path, _: getattr(path[-1], "key", "") != "scale", params
+  )
   return optax.chain(
       optax.clip_by_global_norm(config.grad_clip),
-      optax.adamw(schedule, b1=0.9, b2=config.adam_b2, weight_decay=config.weight_decay,
-                  mask=decay_mask))
+      optax.adamw(
+          schedule,
+          b1=0.9,
+          b2=config.adam_b2,
+          weight_decay=config.weight_decay,
+          mask=decay_mask,
+      ),
+  )
 
 
 def count_parameters(module, params: dict) -> dict[str, int]:
@@ -175,7 +264,192 @@ def count_parameters(module, params: dict) -> dict[str, int]:
   return dict(total=total, active_per_token=active)
 
 
-def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
+def _initial_params(
+    config, module, train_rows, vocab_size: int, *, spectral: bool
+) -> dict:
+  """Fresh parameters; spectral token embeddings when configured (fresh runs only)."""
+  params = model.init_params(module, jax.random.PRNGKey(config.seed))
+  if config.model.embedding_init == "spectral" and spectral:
+    embedding = params["backbone"]["embed_tokens"]["embedding"]
+    params["backbone"]["embed_tokens"]["embedding"] = jnp.asarray(
+        embeddings.spectral_embeddings(
+            train_rows,
+            vocab_size,
+            embedding.shape[1],
+            std=float(jnp.std(embedding)),
+            seed=config.seed,
+        )
+    )
+  return params
+
+
+def _train_step(loss, tx, mask_key):
+  """The jitted (params, opt_state, input_ids, step) -> (params, opt_state, parts)."""
+
+  # No buffer donation: an interrupt mid-step must leave the last finished
+  # step's (params, opt_state) intact for the checkpoint saved on the way out.
+  @jax.jit
+  def train_step(params, opt_state, input_ids, step):
+    grads, parts = jax.grad(
+        lambda p: loss(p, input_ids, jax.random.fold_in(mask_key, step)),
+        has_aux=True,
+    )(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (
+        optax.apply_updates(params, updates),
+        opt_state,
+        dict(parts, grad_norm=optax.global_norm(grads)),
+    )
+
+  return train_step
+
+
+def _export(
+    config, module, params, model_dir: Path, tok, special, aux_coef, z_coef
+) -> None:
+  """Writes the pretrained backbone (and LM head) in `save_pretrained` format."""
+  export.save_pretrained(
+      module,
+      params["backbone"],
+      model_dir,
+      tokenizer=tok,
+      lm_head=params["lm_head"]["kernel"] if "lm_head" in params else None,
+      hf_config_extra=dict(
+          pad_token_id=special.pad,
+          router_aux_loss_coef=aux_coef,
+          **(
+              {
+                  "router_z_loss_coef": z_coef,
+                  "decoder_start_token_id": special.pad,
+              }
+              if config.family == "switch"
+              else {}
+          ),
+      ),
+  )
+
+
+@dataclasses.dataclass
+class _Progress:
+  """Pretraining's state; (params, opt_state, step) change together."""
+
+  params: Any
+  opt_state: Any
+  step: int = 0
+  train_time_s: float = 0.0
+  earlier_wall_s: float = 0.0  # earlier segments of a resumed run
+  start: float = 0.0
+
+  def wall_time_s(self) -> float:
+    return self.earlier_wall_s + time.time() - self.start
+
+
+def _train_loop(
+    config,
+    run: _Progress,
+    train_step,
+    train_rows,
+    checkpointer,
+    writer,
+    heldout,
+) -> None:
+  """Steps until config.steps (or stop_after_steps), logging and checkpointing."""
+  tokens_per_step = config.batch_size * config.seq_len
+
+  def save():
+    checkpointer.save(
+        run.step,
+        {"params": run.params, "opt_state": run.opt_state},
+        dict(
+            step=run.step,
+            wall_time_s=run.wall_time_s(),
+            train_time_s=run.train_time_s,
+        ),
+    )
+
+  stop_at = (
+      config.steps
+      if not config.stop_after_steps
+      else min(config.steps, run.step + config.stop_after_steps)
+  )
+  progress = None
+  if config.progress_bar:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+    progress = tqdm(
+        total=config.steps, initial=run.step, unit="step", dynamic_ncols=True
+    )
+  last_saved, window_start, window_steps = run.step, time.time(), 0
+  try:
+    while run.step < stop_at:
+      step = run.step
+      ids = jnp.asarray(
+          train_rows[
+              batch_rows(len(train_rows), config.batch_size, step, config.seed)
+          ]
+      )
+      step_start = time.time()
+      new_params, new_opt_state, parts = train_step(
+          run.params, run.opt_state, ids, step
+      )
+      if (step + 1) % config.log_every == 0 or step + 1 == stop_at:
+        parts = {k: float(v) for k, v in parts.items()}  # waits for the step
+      run.params, run.opt_state, run.step = (
+          new_params,
+          new_opt_state,
+          step + 1,
+      )  # together
+      step = run.step
+      run.train_time_s += time.time() - step_start
+      window_steps += 1
+      if step % config.log_every == 0 or step == stop_at:
+        rate = (
+            window_steps
+            * tokens_per_step
+            / max(time.time() - window_start, 1e-9)
+        )
+        window_start, window_steps = time.time(), 0
+        writer.write(
+            step,
+            {
+                **{f"train/{k}": v for k, v in parts.items()},
+                "train/tokens_per_s": rate,
+                "train/tokens": step * tokens_per_step,
+            },
+        )
+        if progress is not None:
+          progress.set_postfix(
+              loss=f"{parts['lm_loss']:.3f}",
+              tok_s=f"{rate:,.0f}",
+              refresh=False,
+          )
+      if progress is not None:
+        progress.update(1)
+      if (
+          config.eval_every
+          and step % config.eval_every == 0
+          and step < config.steps
+      ):
+        writer.write(
+            step, {f"heldout/{k}": v for k, v in heldout()["scalars"].items()}
+        )
+      if step - last_saved >= config.checkpoint_every:
+        save()
+        last_saved = step
+  except BaseException:
+    if run.step > last_saved:  # a crash or an interrupt loses no finished step
+      save()
+    raise
+  finally:
+    if progress is not None:
+      progress.close()
+  if run.step > last_saved:
+    save()
+
+
+def pretrain(
+    config: ml_collections.ConfigDict, workdir: str | Path
+) -> dict[str, Any]:
   """Pretrains per `config` in `workdir` (resuming), exports `<workdir>/model`.
 
   Returns:
@@ -189,98 +463,58 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
   tok, special = data["tokenizer"], special_ids(data["tokenizer"])
   train_rows = data["train_rows"]
   module = model.backbone(config.family, config.model, len(tok))
-  checkpointer = Checkpointer(workdir, config, insensitive=RESUME_INSENSITIVE)
+  checkpointer = Checkpointer(
+      workdir, config, insensitive=RESUME_INSENSITIVE, format_version=None
+  )  # pretraining's layout never changed
   meta = checkpointer.restore_meta()
-  params = model.init_params(module, jax.random.PRNGKey(config.seed))
-  if config.model.embedding_init == "spectral" and not meta:
-    embedding = params["backbone"]["embed_tokens"]["embedding"]
-    params["backbone"]["embed_tokens"]["embedding"] = jnp.asarray(
-        embeddings.spectral_embeddings(train_rows, len(tok), embedding.shape[1],
-                                       std=float(jnp.std(embedding)), seed=config.seed))
+  params = _initial_params(
+      config, module, train_rows, len(tok), spectral=not meta
+  )
   tx = optimizer(config)
   opt_state = tx.init(params)
   aux_coef, z_coef = coefficients(config)
-  loss = functools.partial(model.loss_fn, module, special=special,
-                           mlm_rate=config.objective.mlm_rate, aux_loss_coef=aux_coef,
-                           z_loss_coef=z_coef,
-                           owner_balance_coef=config.objective.owner_balance_coef)
-  mask_key = jax.random.PRNGKey(config.seed + 1)
-
-  # No buffer donation: an interrupt mid-step must leave the last finished
-  # step's (params, opt_state) intact for the checkpoint saved on the way out.
-  @jax.jit
-  def train_step(params, opt_state, input_ids, step):
-    grads, parts = jax.grad(
-        lambda p: loss(p, input_ids, jax.random.fold_in(mask_key, step)), has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, dict(
-        parts, grad_norm=optax.global_norm(grads))
-
-  step, earlier_wall_s, train_time_s = 0, 0.0, 0.0
+  loss = functools.partial(
+      model.loss_fn,
+      module,
+      special=special,
+      mlm_rate=config.objective.mlm_rate,
+      aux_loss_coef=aux_coef,
+      z_loss_coef=z_coef,
+      owner_balance_coef=config.objective.owner_balance_coef,
+  )
+  train_step = _train_step(loss, tx, jax.random.PRNGKey(config.seed + 1))
+  run = _Progress(params, opt_state, start=start)
   if meta:
-    state = checkpointer.restore_state({"params": params, "opt_state": opt_state})
-    params, opt_state = state["params"], state["opt_state"]
-    step, earlier_wall_s = int(meta["step"]), float(meta["wall_time_s"])
-    train_time_s = float(meta["train_time_s"])
-    log.info("resumed pretraining at step %d of %d", step, config.steps)
+    state = checkpointer.restore_state(
+        {"params": params, "opt_state": opt_state}
+    )
+    run.params, run.opt_state = state["params"], state["opt_state"]
+    run.step, run.earlier_wall_s = int(meta["step"]), float(meta["wall_time_s"])
+    run.train_time_s = float(meta["train_time_s"])
+    log.info("resumed pretraining at step %d of %d", run.step, config.steps)
   else:
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
   writer = metrics.MetricWriter(workdir)
   tokens_per_step = config.batch_size * config.seq_len
 
-  def save():
-    checkpointer.save(step, {"params": params, "opt_state": opt_state},
-                      dict(step=step, wall_time_s=earlier_wall_s + time.time() - start,
-                           train_time_s=train_time_s))
-
   def heldout():
-    return evaluate.evaluate(module, params, loss, data["heldout_rows"], data["record_ids"],
-                             data["record_mask"], batch_size=config.batch_size,
-                             seed=config.seed, min_share=config.eval.min_owner_share)
+    return evaluate.evaluate(
+        module,
+        run.params,
+        loss,
+        data["heldout_rows"],
+        data["record_ids"],
+        data["record_mask"],
+        batch_size=config.batch_size,
+        seed=config.seed,
+        min_share=config.eval.min_owner_share,
+    )
 
-  stop_at = config.steps if not config.stop_after_steps else min(
-      config.steps, step + config.stop_after_steps)
-  progress = None
-  if config.progress_bar:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-    progress = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
-  last_saved, window_start, window_steps = step, time.time(), 0
-  try:
-    while step < stop_at:
-      ids = jnp.asarray(train_rows[batch_rows(len(train_rows), config.batch_size, step,
-                                              config.seed)])
-      step_start = time.time()
-      new_params, new_opt_state, parts = train_step(params, opt_state, ids, step)
-      if (step + 1) % config.log_every == 0 or step + 1 == stop_at:
-        parts = {k: float(v) for k, v in parts.items()}  # waits for the step
-      params, opt_state, step = new_params, new_opt_state, step + 1  # commit together
-      train_time_s += time.time() - step_start
-      window_steps += 1
-      if step % config.log_every == 0 or step == stop_at:
-        rate = window_steps * tokens_per_step / max(time.time() - window_start, 1e-9)
-        window_start, window_steps = time.time(), 0
-        writer.write(step, {**{f"train/{k}": v for k, v in parts.items()},
-                            "train/tokens_per_s": rate, "train/tokens": step * tokens_per_step})
-        if progress is not None:
-          progress.set_postfix(loss=f"{parts['lm_loss']:.3f}", tok_s=f"{rate:,.0f}",
-                               refresh=False)
-      if progress is not None:
-        progress.update(1)
-      if config.eval_every and step % config.eval_every == 0 and step < config.steps:
-        writer.write(step, {f"heldout/{k}": v for k, v in heldout()["scalars"].items()})
-      if step - last_saved >= config.checkpoint_every:
-        save()
-        last_saved = step
-  except BaseException:
-    if step > last_saved:  # a crash or an interrupt loses no finished step
-      save()
-    raise
-  finally:
-    if progress is not None:
-      progress.close()
-  if step > last_saved:
-    save()
+  _train_loop(
+      config, run, train_step, train_rows, checkpointer, writer, heldout
+  )
   checkpointer.close()
+  params, step, train_time_s = run.params, run.step, run.train_time_s
 
   report = heldout()
   writer.write(step, {f"heldout/{k}": v for k, v in report["scalars"].items()})
@@ -288,23 +522,28 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
   finished = step >= config.steps
   model_dir = workdir / "model"
   if finished:
-    export.save_pretrained(
-        module, params["backbone"], model_dir, tokenizer=tok,
-        lm_head=params["lm_head"]["kernel"] if "lm_head" in params else None,
-        hf_config_extra=dict(
-            pad_token_id=special.pad, router_aux_loss_coef=aux_coef,
-            **({"router_z_loss_coef": z_coef, "decoder_start_token_id": special.pad}
-               if config.family == "switch" else {})))
+    _export(config, module, params, model_dir, tok, special, aux_coef, z_coef)
   result = dict(
-      family=config.family, finished=finished, steps=step, planned_steps=config.steps,
-      tokens_seen=step * tokens_per_step, batch_size=config.batch_size, seq_len=config.seq_len,
-      parameters=count_parameters(module, params), vocab_size=len(tok),
-      aux_loss_coef=aux_coef, z_loss_coef=z_coef, corpus=data["corpus"],
-      wall_time_s=earlier_wall_s + time.time() - start, train_time_s=train_time_s,
+      family=config.family,
+      finished=finished,
+      steps=step,
+      planned_steps=config.steps,
+      tokens_seen=step * tokens_per_step,
+      batch_size=config.batch_size,
+      seq_len=config.seq_len,
+      parameters=count_parameters(module, params),
+      vocab_size=len(tok),
+      aux_loss_coef=aux_coef,
+      z_loss_coef=z_coef,
+      corpus=data["corpus"],
+      wall_time_s=run.wall_time_s(),
+      train_time_s=train_time_s,
       tokens_per_s=step * tokens_per_step / max(train_time_s, 1e-9),
-      heldout=report["scalars"], routing=report["routing"],
+      heldout=report["scalars"],
+      routing=report["routing"],
       model_dir=str(model_dir) if finished else None,
-      architecture={k: v for k, v in config.model.to_dict().items()})
+      architecture={k: v for k, v in config.model.to_dict().items()},
+  )
   _write_json(workdir / "pretrain_report.json", result)
   if finished:
     _write_json(model_dir / "pretrain_report.json", result)

@@ -1,7 +1,7 @@
 """Training: RAPTOR, its baselines and ablations through one loop.
 
-    from raptor_jax.train import train_and_evaluate
-    results = train_and_evaluate(config, workdir)
+from raptor_jax.train import train_and_evaluate
+results = train_and_evaluate(config, workdir)
 """
 
 from raptor_jax.train.config import base_config

@@ -4,6 +4,29 @@ from __future__ import annotations
 
 import ml_collections
 
+from raptor_jax import data
+
+
+def _random_model_config() -> ml_collections.ConfigDict:
+  """`model.random`: the randomly initialised stand-in of a pretrained model."""
+  r = ml_collections.ConfigDict()
+  r.family = "switch"  # switch | olmoe
+  r.d_model = 64  # hidden size
+  r.num_layers = 4  # blocks
+  r.num_heads = 4  # attention heads
+  r.d_kv = 16  # head size
+  r.d_ff = 128  # feed-forward width (each expert)
+  r.num_experts = 4  # experts per sparse block
+  r.sparse_step = 2  # HF placement: block i sparse iff i % step == 1
+  r.expert_capacity = 16  # per-sequence expert capacity (switch)
+  r.top_k = 2  # experts per token (olmoe)
+  r.num_kv_heads = 2  # key/value heads (olmoe)
+  r.norm_topk_prob = False  # renormalise the top-k weights (olmoe)
+  r.topic_scale = (
+      2.0  # embedding boost shared by same-topic words (routing matters)
+  )
+  return r
+
 
 def base_config() -> ml_collections.ConfigDict:
   """Paper defaults (Sec. 8, App. C) for Switch-base-8 on SST-2."""
@@ -17,25 +40,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.lora_rank = 8  # LoRA rank r of every adapter
   c.model.lora_alpha = 16.0  # LoRA alpha (scale alpha / r)
   c.model.dtype = "float32"  # activation dtype ('bfloat16' on GPUs); DP sums and noise stay float32
-  c.model.pooling = ""  # '' = model default ('mean' for encoders, 'last' for decoders)
-  c.model.random = ml_collections.ConfigDict()  # architecture of the 'random' model
-  c.model.random.family = "switch"  # switch | olmoe
-  c.model.random.d_model = 64  # hidden size
-  c.model.random.num_layers = 4  # blocks
-  c.model.random.num_heads = 4  # attention heads
-  c.model.random.d_kv = 16  # head size
-  c.model.random.d_ff = 128  # feed-forward width (each expert)
-  c.model.random.num_experts = 4  # experts per sparse block
-  c.model.random.sparse_step = 2  # HF placement: block i sparse iff i % step == 1
-  c.model.random.expert_capacity = 16  # per-sequence expert capacity (switch)
-  c.model.random.top_k = 2  # experts per token (olmoe)
-  c.model.random.num_kv_heads = 2  # key/value heads (olmoe)
-  c.model.random.norm_topk_prob = False  # renormalise the top-k weights (olmoe)
-  c.model.random.topic_scale = 2.0  # embedding boost shared by same-topic words (routing matters)
-
+  c.model.pooling = (
+      ""  # '' = model default ('mean' for encoders, 'last' for decoders)
+  )
+  c.model.random = _random_model_config()  # architecture of the 'random' model
   c.data = ml_collections.ConfigDict()
   c.data.task = "sst2"  # sst2 | mnli | qnli | qqp | synthetic
-  c.data.train_path = ""  # local train file (tsv/csv/parquet/jsonl); '' = the hub dataset
+  c.data.train_path = (
+      ""  # local train file (tsv/csv/parquet/jsonl); '' = the hub dataset
+  )
   c.data.dev_path = ""  # local dev file; '' = the hub dataset
   c.data.text_fields = ()  # override the text column(s)
   c.data.label_field = ""  # override the label column
@@ -44,19 +57,25 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.dev_limit = 0  # use only the first N dev records (0 = all)
   c.data.holdout = 0  # N train-file records after the first train_limit, never trained on (0 = none)
   c.data.eval_split = "dev"  # dev | holdout (tuning: evaluate on the held-out train records, not dev)
-  c.data.public_corpus = "imdb"  # preset (imdb | squad | anli_r2 | paws), hub id, or '' for none
+  c.data.public_corpus = (
+      "imdb"  # preset (imdb | squad | anli_r2 | paws), hub id, or '' for none
+  )
   c.data.public_path = ""  # local public corpus file (overrides the hub)
   c.data.public_split = ""  # hub split ('' = the preset's)
   c.data.public_text_fields = ()  # text column(s) of the public corpus ('' = the preset's)
   c.data.n_pub = 1000  # public texts used for layer selection
-  c.data.synthetic = ml_collections.ConfigDict()  # the embedded offline task (task='synthetic')
+  c.data.synthetic = (
+      ml_collections.ConfigDict()
+  )  # the embedded offline task (task='synthetic')
   c.data.synthetic.n_train = 4000  # private training records
   c.data.synthetic.n_dev = 500  # dev records
   c.data.synthetic.label_noise = 0.05  # flipped labels
 
   c.batch_size = 1000  # expected batch size B (public); sample rate q = B / n
   c.microbatch_size = 32  # records per device per vmap(grad) call (memory only; no effect on privacy)
-  c.num_devices = 0  # data-parallel devices; 0 = all (of every host in a multi-host run)
+  c.num_devices = (
+      0  # data-parallel devices; 0 = all (of every host in a multi-host run)
+  )
   c.epochs = 20  # one epoch = ceil(1/q) cycles (SPEC 1.8)
   c.learning_rate = 5e-4  # Adam learning rate of every stream
 
@@ -66,25 +85,47 @@ def base_config() -> ml_collections.ConfigDict:
   c.privacy.rho = 0.9  # shared stream's share of the budget (RAPTOR)
   c.privacy.clip_shared = 1.0  # C_s (and C of one-stream methods)
   c.privacy.clip_expert = 1.0  # C_e
-  c.privacy.secret_seed = -1  # seed of Poisson samples and noise; -1 = secret OS entropy (>= 0 only for reproducible experiments)
+  c.privacy.secret_seed = (
+      -1
+  )  # seed of Poisson samples and noise; -1 = secret OS entropy (>= 0 only for reproducible experiments)
 
   c.raptor = ml_collections.ConfigDict()
-  c.raptor.layer = "entropy"  # expert layer l*: entropy | first | last | a block index
-  c.raptor.owner_weighting = "count"  # Switch owner vote: count | prob (top-k models use gate weights)
-  c.raptor.expert_denominator = "B/E"  # public expert denominator D_e: B/E | B (ablation)
+  c.raptor.layer = (
+      "entropy"  # expert layer l*: entropy | first | last | a block index
+  )
+  c.raptor.owner_weighting = (
+      "count"  # Switch owner vote: count | prob (top-k models use gate weights)
+  )
+  c.raptor.expert_denominator = (
+      "B/E"  # public expert denominator D_e: B/E | B (ablation)
+  )
   c.raptor.residual = "shared"  # residual weight logits: shared (expert stream off) | full | none
   c.raptor.residual_gamma = 1.0  # w_i ** gamma, gamma in (0, 1]
-  c.raptor.alternate = True  # False: both streams from one sample (sigma_eff accounting)
-  c.raptor.joint_clip = False  # True: one clip over shared + expert grads of a record
-  c.raptor.shared_full_weights = False  # shared stream trains q,k,v,o kernels instead of LoRA
-  c.raptor.expert_full_weights = False  # expert stream trains expert kernels instead of LoRA
+  c.raptor.alternate = (
+      True  # False: both streams from one sample (sigma_eff accounting)
+  )
+  c.raptor.joint_clip = (
+      False  # True: one clip over shared + expert grads of a record
+  )
+  c.raptor.shared_full_weights = (
+      False  # shared stream trains q,k,v,o kernels instead of LoRA
+  )
+  c.raptor.expert_full_weights = (
+      False  # expert stream trains expert kernels instead of LoRA
+  )
 
   c.eval_every_epochs = 1  # dev evaluation period (and at the end)
   c.eval_batch_size = 64  # records per evaluation batch
-  c.checkpoint_every_cycles = 100  # checkpoint period (and at the end, and on errors)
+  c.checkpoint_every_cycles = (
+      100  # checkpoint period (and at the end, and on errors)
+  )
   c.log_every_cycles = 10  # progress / epsilon-spent logging period
-  c.stop_after_cycles = 0  # stop (with a checkpoint) after this many cycles; 0 = run to the end
-  c.log_private_stats = False  # opt-in: log the private training loss (not DP; warns)
+  c.stop_after_cycles = (
+      0  # stop (with a checkpoint) after this many cycles; 0 = run to the end
+  )
+  c.log_private_stats = (
+      False  # opt-in: log the private training loss (not DP; warns)
+  )
   c.progress_bar = True  # tqdm progress bar with ETA and epsilon spent
   return c
 
@@ -96,7 +137,9 @@ def tiny_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   config.model.lora_alpha = 8.0
   config.data.task = "synthetic"
   config.data.max_length = 32
-  config.data.public_corpus = "synthetic"  # the task's own disjoint public corpus
+  config.data.public_corpus = (
+      "synthetic"  # the task's own disjoint public corpus
+  )
   config.data.n_pub = 1000
   config.batch_size = 250
   config.microbatch_size = 64
@@ -125,7 +168,9 @@ def cpu_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return config
 
 
-def small_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def small_preset(
+    config: ml_collections.ConfigDict,
+) -> ml_collections.ConfigDict:
   """A small pretrained MoE (`launch/pretrain.py`) on the real task's files.
 
   Set --config.model.name=<pretrain workdir>/model (its WordPiece tokenizer is
@@ -142,24 +187,31 @@ def small_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
   config.batch_size = 500
   config.microbatch_size = 100
   config.epochs = 1
-  config.learning_rate = 1e-2  # non-private LoRA pilot on the holdout (results/sst2_small)
+  config.learning_rate = (
+      1e-2  # non-private LoRA pilot on the holdout (results/sst2_small)
+  )
   config.eval_batch_size = 250
   config.log_every_cycles = 10
   config.checkpoint_every_cycles = 20
   return config
 
 
-def olmoe_family(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def olmoe_family(
+    config: ml_collections.ConfigDict,
+) -> ml_collections.ConfigDict:
   """OLMoE-1B-7B (E=64, top-8, 16 sparse blocks) instead of Switch-base-8."""
   config.model.name = "allenai/OLMoE-1B-7B-0924"
   config.model.dtype = "bfloat16"  # activations; DP sums and noise stay float32
   config.microbatch_size = 8
-  config.model.random.update(family="olmoe", num_experts=8, top_k=2, num_kv_heads=2)
+  config.model.random.update(
+      family="olmoe", num_experts=8, top_k=2, num_kv_heads=2
+  )
   return config
 
 
-def with_preset(config: ml_collections.ConfigDict, arg: str,
-                family: str = "switch") -> ml_collections.ConfigDict:
+def with_preset(
+    config: ml_collections.ConfigDict, arg: str, family: str = "switch"
+) -> ml_collections.ConfigDict:
   """Applies a model family and the preset named by a config file's argument.
 
   Args:
@@ -169,20 +221,75 @@ def with_preset(config: ml_collections.ConfigDict, arg: str,
       model from launch/pretrain.py on the real task's files).
     family: 'switch' or 'olmoe'.
   """
-  presets = {"": lambda c: c, "tiny": tiny_preset, "cpu": cpu_preset, "small": small_preset}
+  presets = {
+      "": lambda c: c,
+      "tiny": tiny_preset,
+      "cpu": cpu_preset,
+      "small": small_preset,
+  }
   if arg not in presets:
     raise ValueError(f"unknown preset {arg!r}; use one of {sorted(presets)}")
   if family == "olmoe":
     config = olmoe_family(config)
   elif family != "switch":
-    raise ValueError(f"unknown model family {family!r}; use 'switch' or 'olmoe'")
+    raise ValueError(
+        f"unknown model family {family!r}; use 'switch' or 'olmoe'"
+    )
   config = presets[arg](config)
   if arg and family == "olmoe":
     config.model.dtype = "float32"
   return config
 
 
+def glue_config(
+    task: str = "sst2", model: str = "switch", preset: str = ""
+) -> ml_collections.ConfigDict:
+  """A GLUE task with its public corpus (`data.TASK_CORPUS`), a model family and a preset.
+
+  Args:
+    task: 'sst2', 'qnli', 'qqp' or 'mnli'.
+    model: 'switch' (google/switch-base-8) or 'olmoe' (OLMoE-1B-7B).
+    preset: see `with_preset`.
+  """
+  if task not in data.TASK_CORPUS:
+    raise ValueError(
+        f"unknown task {task!r}; use one of {', '.join(data.TASK_CORPUS)}"
+    )
+  config = base_config()
+  config.data.task = task
+  config.data.public_corpus = data.TASK_CORPUS[task]
+  return with_preset(config, preset, family=model)
+
+
+def parse_arg(arg: str, **defaults: str) -> dict[str, str]:
+  """The `key=value,...` argument of a config file (big_vision style) over `defaults`.
+
+  `parse_arg("model=olmoe,preset=tiny", task="sst2", model="switch", preset="")`
+  is `{"task": "sst2", "model": "olmoe", "preset": "tiny"}`. Only the keys of
+  `defaults` are accepted; values are strings ('preset=' is the empty string).
+  """
+  accepted = ", ".join(f"{k}=..." for k in defaults)
+  values = dict(defaults)
+  for pair in filter(None, arg.split(",")):
+    key, eq, value = pair.partition("=")
+    if not eq or key.strip() not in defaults:
+      raise ValueError(
+          f"config argument {pair!r} is not one of {accepted} "
+          f"(comma-separated, e.g. task=mnli,model=olmoe,preset=tiny)"
+      )
+    values[key.strip()] = value.strip()
+  return values
+
+
 # Fields that do not change what the run computes: resuming with other values is fine.
-RESUME_INSENSITIVE = ("eval_every_epochs", "eval_batch_size", "checkpoint_every_cycles",
-                      "log_every_cycles", "stop_after_cycles", "log_private_stats",
-                      "progress_bar", "microbatch_size", "num_devices")
+RESUME_INSENSITIVE = (
+    "eval_every_epochs",
+    "eval_batch_size",
+    "checkpoint_every_cycles",
+    "log_every_cycles",
+    "stop_after_cycles",
+    "log_private_stats",
+    "progress_bar",
+    "microbatch_size",
+    "num_devices",
+)

@@ -49,16 +49,31 @@ import dataclasses
 
 import dp_accounting
 
-from raptor_jax import accounting, sampling
+from raptor_jax import accounting, roles, sampling
 
-METHODS = ("raptor", "baseline_a", "baseline_b", "baseline_c", "monolithic",
-           "monolithic_lora", "nonprivate_lora", "nonprivate_full")
-PRIVATE_METHODS = ("raptor", "baseline_a", "baseline_b", "baseline_c", "monolithic",
-                   "monolithic_lora")
-SHARED_ROLES = ("attention_adapter", "head")
-SHARED_FULL_ROLES = ("attention_kernel", "head")
-LORA_ROLES = ("attention_adapter", "head", "expert_adapter")
-ALL_ROLES = ("attention_kernel", "head", "expert_kernel", "router", "base")
+METHODS = (
+    "raptor",
+    "baseline_a",
+    "baseline_b",
+    "baseline_c",
+    "monolithic",
+    "monolithic_lora",
+    "nonprivate_lora",
+    "nonprivate_full",
+)
+PRIVATE_METHODS = (
+    "raptor",
+    "baseline_a",
+    "baseline_b",
+    "baseline_c",
+    "monolithic",
+    "monolithic_lora",
+)
+# The streams' role sets live in `roles`; kept here under their old names.
+SHARED_ROLES = roles.SHARED_ROLES
+SHARED_FULL_ROLES = roles.SHARED_FULL_ROLES
+LORA_ROLES = roles.LORA_ROLES
+ALL_ROLES = roles.ALL_ROLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,42 +153,72 @@ class Plan:
     """The DpEvent of the whole planned run (None for non-private methods)."""
     if not is_private(self):
       return None
-    return dp_accounting.ComposedDpEvent([
-        accounting.dpsgd_event(noise_multiplier=p.noise_multiplier,
-                               sample_rate=self.sample_rate, steps=self.cycles)
-        for p in self.phases])
+    return dp_accounting.ComposedDpEvent(
+        [
+            accounting.dpsgd_event(
+                noise_multiplier=p.noise_multiplier,
+                sample_rate=self.sample_rate,
+                steps=self.cycles,
+            )
+            for p in self.phases
+        ]
+    )
 
 
-def _check(config) -> None:
+def check_config(config) -> None:
+  """Checks the method's fields of `config` (no data or model needed)."""
   rc = config.raptor
   if config.method not in METHODS:
-    raise ValueError(f"unknown method {config.method!r}; choose one of {', '.join(METHODS)}")
+    raise ValueError(
+        f"unknown method {config.method!r}; choose one of {', '.join(METHODS)}"
+    )
   if rc.expert_denominator not in ("B/E", "B"):
-    raise ValueError(f"raptor.expert_denominator must be 'B/E' or 'B', got "
-                     f"{rc.expert_denominator!r}")
+    raise ValueError(
+        f"raptor.expert_denominator must be 'B/E' or 'B', got "
+        f"{rc.expert_denominator!r}"
+    )
   if rc.residual not in ("shared", "full", "none"):
-    raise ValueError(f"raptor.residual must be 'shared', 'full' or 'none', got {rc.residual!r}")
+    raise ValueError(
+        f"raptor.residual must be 'shared', 'full' or 'none', got {rc.residual!r}"
+    )
   if not 0.0 < rc.residual_gamma <= 1.0:
-    raise ValueError(f"raptor.residual_gamma must be in (0, 1], got {rc.residual_gamma}")
+    raise ValueError(
+        f"raptor.residual_gamma must be in (0, 1], got {rc.residual_gamma}"
+    )
   if config.method == "raptor" and rc.joint_clip and rc.alternate:
-    raise ValueError("raptor.joint_clip=True clips a record's shared and expert gradients "
-                     "together, which needs both from one sample: also set "
-                     "--config.raptor.alternate=False")
+    raise ValueError(
+        "raptor.joint_clip=True clips a record's shared and expert gradients "
+        "together, which needs both from one sample: also set "
+        "--config.raptor.alternate=False"
+    )
   if config.epochs < 1:
     raise ValueError(f"epochs must be >= 1, got {config.epochs}")
   if not config.learning_rate > 0:
     raise ValueError(f"learning_rate must be > 0, got {config.learning_rate}")
   for name in ("clip_shared", "clip_expert"):
     if not config.privacy[name] > 0:
-      raise ValueError(f"privacy.{name} must be > 0, got {config.privacy[name]}")
+      raise ValueError(
+          f"privacy.{name} must be > 0, got {config.privacy[name]}"
+      )
 
 
 class _Calibration:
   """Noise multipliers for the plan's target (epsilon, delta, q, cycles)."""
 
-  def __init__(self, epsilon: float, delta: float, sample_rate: float, cycles: int, rho: float):
-    self.kwargs = dict(target_epsilon=epsilon, delta=delta, sample_rate=sample_rate,
-                       steps=cycles)
+  def __init__(
+      self,
+      epsilon: float,
+      delta: float,
+      sample_rate: float,
+      cycles: int,
+      rho: float,
+  ):
+    self.kwargs = dict(
+        target_epsilon=epsilon,
+        delta=delta,
+        sample_rate=sample_rate,
+        steps=cycles,
+    )
     self.rho = rho
 
   def dpsgd(self) -> float:
@@ -183,45 +228,102 @@ class _Calibration:
     return accounting.calibrate_raptor(**self.kwargs, rho=self.rho, joint=joint)
 
 
-def _phases(config, *, b: float, num_experts: int, expert_layer: int,
-            sigmas: _Calibration) -> tuple[Phase, ...]:
+def _phases(
+    config,
+    *,
+    b: float,
+    num_experts: int,
+    expert_layer: int,
+    sigmas: _Calibration,
+) -> tuple[Phase, ...]:
   """The phases of `config.method`, with noise from `sigmas`."""
   method, rc, pc = config.method, config.raptor, config.privacy
   d_e = b / num_experts if rc.expert_denominator == "B/E" else b
-  shared_roles = SHARED_FULL_ROLES if rc.shared_full_weights else SHARED_ROLES
-  expert_roles = ("expert_kernel",) if rc.expert_full_weights else ("expert_adapter",)
+  shared_roles = (
+      roles.SHARED_FULL_ROLES if rc.shared_full_weights else roles.SHARED_ROLES
+  )
+  expert_roles = (
+      roles.EXPERT_FULL_ROLES if rc.expert_full_weights else roles.EXPERT_ROLES
+  )
   residual = rc.residual != "none"
 
   def shared(sigma, clip=pc.clip_shared):
     return Part("shared", shared_roles, None, False, clip, sigma, b)
 
   def expert(sigma, clip=pc.clip_expert):
-    return Part("expert", expert_roles, (expert_layer,), True, clip, sigma, d_e, residual)
+    return Part(
+        "expert",
+        expert_roles,
+        (expert_layer,),
+        True,
+        clip,
+        sigma,
+        d_e,
+        residual,
+    )
 
-  if method == "raptor" and rc.joint_clip:  # one clip, one sigma: rho plays no part
+  if (
+      method == "raptor" and rc.joint_clip
+  ):  # one clip, one sigma: rho plays no part
     sigma = sigmas.dpsgd()
-    return (Phase("joint", sampling.SHARED_STREAM,
-                  (shared(sigma), expert(sigma, clip=pc.clip_shared)), joint_clip=True),)
+    return (
+        Phase(
+            "joint",
+            sampling.SHARED_STREAM,
+            (shared(sigma), expert(sigma, clip=pc.clip_shared)),
+            joint_clip=True,
+        ),
+    )
   if method == "raptor":
     s_sh, s_ex = sigmas.raptor(joint=not rc.alternate)
     if not rc.alternate:
-      return (Phase("joint", sampling.SHARED_STREAM, (shared(s_sh), expert(s_ex))),)
-    return (Phase("shared", sampling.SHARED_STREAM, (shared(s_sh),)),
-            Phase("expert", sampling.EXPERT_STREAM, (expert(s_ex),)))
+      return (
+          Phase("joint", sampling.SHARED_STREAM, (shared(s_sh), expert(s_ex))),
+      )
+    return (
+        Phase("shared", sampling.SHARED_STREAM, (shared(s_sh),)),
+        Phase("expert", sampling.EXPERT_STREAM, (expert(s_ex),)),
+    )
   if method == "baseline_a":
     sigma = sigmas.dpsgd()
-    every_expert = Part("expert", expert_roles, (expert_layer,), False, pc.clip_shared, sigma, b)
-    return (Phase("dpsgd", sampling.SHARED_STREAM, (shared(sigma), every_expert),
-                  joint_clip=True),)
+    every_expert = Part(
+        "expert", expert_roles, (expert_layer,), False, pc.clip_shared, sigma, b
+    )
+    return (
+        Phase(
+            "dpsgd",
+            sampling.SHARED_STREAM,
+            (shared(sigma), every_expert),
+            joint_clip=True,
+        ),
+    )
   if method == "baseline_b":
     return (Phase("shared", sampling.SHARED_STREAM, (shared(sigmas.dpsgd()),)),)
   if method == "baseline_c":
     return (Phase("expert", sampling.EXPERT_STREAM, (expert(sigmas.dpsgd()),)),)
   private = method in PRIVATE_METHODS
-  roles = ALL_ROLES if method in ("monolithic", "nonprivate_full") else LORA_ROLES
-  part = Part("all", roles, None, False, pc.clip_shared, sigmas.dpsgd() if private else 0.0, b)
-  return (Phase("dpsgd" if private else "nonprivate", sampling.SHARED_STREAM, (part,),
-                private=private),)
+  every = (
+      roles.ALL_ROLES
+      if method in ("monolithic", "nonprivate_full")
+      else roles.LORA_ROLES
+  )
+  part = Part(
+      "all",
+      every,
+      None,
+      False,
+      pc.clip_shared,
+      sigmas.dpsgd() if private else 0.0,
+      b,
+  )
+  return (
+      Phase(
+          "dpsgd" if private else "nonprivate",
+          sampling.SHARED_STREAM,
+          (part,),
+          private=private,
+      ),
+  )
 
 
 def _model_options(config, phases, sparse_layers, expert_layer) -> dict:
@@ -235,17 +337,34 @@ def _model_options(config, phases, sparse_layers, expert_layer) -> dict:
   dense = any("expert_kernel" in p.roles and not p.owner for p in parts)
   options = dict(dispatch="dense" if dense else "grouped")
   if method in ("monolithic", "nonprivate_full"):
-    return dict(options, lora_rank=0, attention_lora=False, expert_lora_layers=())
+    return dict(
+        options, lora_rank=0, attention_lora=False, expert_lora_layers=()
+    )
   if method in ("monolithic_lora", "nonprivate_lora"):
-    return dict(options, lora_rank=mc.lora_rank, lora_alpha=mc.lora_alpha, attention_lora=True,
-                expert_lora_layers=tuple(sparse_layers))
-  return dict(options, lora_rank=mc.lora_rank, lora_alpha=mc.lora_alpha,
-              attention_lora=not rc.shared_full_weights,
-              expert_lora_layers=() if rc.expert_full_weights else (expert_layer,))
+    return dict(
+        options,
+        lora_rank=mc.lora_rank,
+        lora_alpha=mc.lora_alpha,
+        attention_lora=True,
+        expert_lora_layers=tuple(sparse_layers),
+    )
+  return dict(
+      options,
+      lora_rank=mc.lora_rank,
+      lora_alpha=mc.lora_alpha,
+      attention_lora=not rc.shared_full_weights,
+      expert_lora_layers=() if rc.expert_full_weights else (expert_layer,),
+  )
 
 
-def build_plan(config, *, n: int, num_experts: int, sparse_layers: tuple[int, ...],
-               expert_layer: int) -> Plan:
+def build_plan(
+    config,
+    *,
+    n: int,
+    num_experts: int,
+    sparse_layers: tuple[int, ...],
+    expert_layer: int,
+) -> Plan:
   """Turns a config into phases with calibrated noise.
 
   Every private method is calibrated by the PLD accountant to the same
@@ -261,26 +380,47 @@ def build_plan(config, *, n: int, num_experts: int, sparse_layers: tuple[int, ..
   Returns:
     The Plan.
   """
-  _check(config)
+  check_config(config)
   q = config.batch_size / n
   sampling.check_sample_rate(q)
   cycles = config.epochs * accounting.steps_per_epoch(q)
   delta = config.privacy.delta or accounting.default_delta(n)
   accounting.validate_delta(delta, n)
   private = config.method in PRIVATE_METHODS
-  calibration = _Calibration(config.privacy.epsilon, delta, q, cycles, config.privacy.rho)
-  phases = _phases(config, b=float(config.batch_size), num_experts=num_experts,
-                   expert_layer=expert_layer, sigmas=calibration)
-  return Plan(config.method, phases, cycles, q, delta,
-              config.privacy.epsilon if private else None, expert_layer,
-              _model_options(config, phases, sparse_layers, expert_layer))
+  calibration = _Calibration(
+      config.privacy.epsilon, delta, q, cycles, config.privacy.rho
+  )
+  phases = _phases(
+      config,
+      b=float(config.batch_size),
+      num_experts=num_experts,
+      expert_layer=expert_layer,
+      sigmas=calibration,
+  )
+  return Plan(
+      config.method,
+      phases,
+      cycles,
+      q,
+      delta,
+      config.privacy.epsilon if private else None,
+      expert_layer,
+      _model_options(config, phases, sparse_layers, expert_layer),
+  )
 
 
 def noise_summary(plan: Plan) -> dict:
   """Per-part sigmas, clips and denominators (public; for the privacy report)."""
-  return {part.name: dict(noise_multiplier=part.noise_multiplier, l2_clip=part.l2_clip,
-                          denominator=part.denominator, phase=phase.name)
-          for phase in plan.phases for part in phase.parts}
+  return {
+      part.name: dict(
+          noise_multiplier=part.noise_multiplier,
+          l2_clip=part.l2_clip,
+          denominator=part.denominator,
+          phase=phase.name,
+      )
+      for phase in plan.phases
+      for part in phase.parts
+  }
 
 
 def is_private(plan: Plan) -> bool:

@@ -28,40 +28,70 @@ def binary_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
 
 
 METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
-    "accuracy": accuracy, "f1": binary_f1}
+    "accuracy": accuracy,
+    "f1": binary_f1,
+}
 
 
-def evaluate(logits_fn: Callable, input_ids: np.ndarray, attention_mask: np.ndarray,
-             labels: np.ndarray, metric_names, batch_size: int) -> dict[str, float]:
+def evaluate(
+    logits_fn: Callable,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    labels: np.ndarray,
+    metric_names,
+    batch_size: int,
+) -> dict[str, float]:
   """Metrics of the current model on a labelled split (fixed-size batches)."""
   predictions = []
   for start in range(0, len(labels), batch_size):
-    ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+    ids, mask = (
+        input_ids[start : start + batch_size],
+        attention_mask[start : start + batch_size],
+    )
     real = len(ids)
     if real < batch_size:
       pad = ((0, batch_size - real), (0, 0))
       ids, mask = np.pad(ids, pad), np.pad(mask, pad)
-    predictions.append(np.argmax(np.asarray(logits_fn(ids, mask)), axis=-1)[:real])
+    predictions.append(
+        np.argmax(np.asarray(logits_fn(ids, mask)), axis=-1)[:real]
+    )
   predictions = np.concatenate(predictions)
   return {name: METRICS[name](predictions, labels) for name in metric_names}
 
 
 class MetricWriter:
-  """Appends scalars to `<workdir>/metrics.jsonl` and TensorBoard event files."""
+  """Appends scalars to `<workdir>/metrics.jsonl` and TensorBoard event files.
 
-  def __init__(self, workdir: Path):
+  With `just_logging=True` (every process but 0 of a multi-host run, as in
+  flax's examples: `just_logging=jax.process_index() > 0`) nothing is opened
+  or written: one process writes the shared workdir.
+  """
+
+  def __init__(self, workdir: Path, just_logging: bool = False):
+    self._just_logging = just_logging
+    if just_logging:
+      return
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+
     self._jsonl = open(workdir / "metrics.jsonl", "a", encoding="utf-8")
     self._tb = SummaryWriter(str(workdir / "tensorboard"))
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
-    self._jsonl.write(json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}})
-                      + "\n")
+    if self._just_logging:
+      return
+    self._jsonl.write(
+        json.dumps(
+            {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
+        )
+        + "\n"
+    )
     self._jsonl.flush()
     for name, value in scalars.items():
       self._tb.add_scalar(name, float(value), int(step))
     self._tb.flush()
 
   def close(self) -> None:
+    if self._just_logging:
+      return
     self._jsonl.close()
     self._tb.close()

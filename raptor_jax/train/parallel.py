@@ -31,28 +31,36 @@ from raptor_jax import sampling
 AXIS = "data"
 
 
-def initialize_distributed(coordinator_address: str = "", num_processes: int = 0,
-                           process_id: int = -1) -> None:
+def initialize_distributed(
+    coordinator_address: str = "", num_processes: int = 0, process_id: int = -1
+) -> None:
   """Starts `jax.distributed` when several processes are configured.
 
   Arguments left empty come from the usual environment (JAX_COORDINATOR_ADDRESS,
   JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a cluster JAX detects: SLURM, ...).
   With neither arguments nor such environment, this is a single-process run.
   """
-  coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  coordinator_address = coordinator_address or os.environ.get(
+      "JAX_COORDINATOR_ADDRESS", ""
+  )
   num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0"))
   if process_id < 0:
     process_id = int(os.environ.get("JAX_PROCESS_ID", "-1"))
   if not coordinator_address and num_processes <= 1:
     return
   if not coordinator_address or num_processes < 1 or process_id < 0:
-    raise ValueError("multi-host runs need the coordinator address, the number of processes "
-                     "and this process's id (--coordinator_address, --num_processes, "
-                     "--process_id or JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)")
+    raise ValueError(
+        "multi-host runs need the coordinator address, the number of processes "
+        "and this process's id (--coordinator_address, --num_processes, "
+        "--process_id or JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)"
+    )
   # CPU hosts need a collectives backend for cross-process psum (GPUs use NCCL).
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
+  jax.distributed.initialize(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+  )
 
 
 def agree(value: int) -> int:
@@ -60,6 +68,7 @@ def agree(value: int) -> int:
   if jax.process_count() == 1:
     return value
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
@@ -74,6 +83,7 @@ def global_count(local: int) -> int:
   if jax.process_count() == 1:
     return local
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   return int(np.sum(multihost_utils.process_allgather(np.int32(local))))
 
 
@@ -82,21 +92,41 @@ def make_mesh(num_devices: int = 0) -> Mesh:
   devices = jax.devices()
   if num_devices:
     if jax.process_count() > 1 and num_devices != len(devices):
-      raise ValueError("with several processes, num_devices must be 0 (all devices)")
+      raise ValueError(
+          "with several processes, num_devices must be 0 (all devices)"
+      )
     if not 1 <= num_devices <= len(devices):
-      raise ValueError(f"num_devices={num_devices} but {len(devices)} devices are visible; "
-                       "set --config.num_devices=0 for all of them")
+      raise ValueError(
+          f"num_devices={num_devices} but {len(devices)} devices are visible; "
+          "set --config.num_devices=0 for all of them"
+      )
     devices = devices[:num_devices]
   return Mesh(np.asarray(devices), (AXIS,))
 
 
+def _is_typed_key(x) -> bool:
+  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(
+      x.dtype, jax.dtypes.prng_key
+  )
+
+
 def replicate(tree: Any, mesh: Mesh) -> Any:
-  """Places identical host values on every device of the mesh."""
+  """Places identical host values on every device of the mesh.
+
+  Typed PRNG keys (`jax.random.key`) stay typed keys (their key data is
+  replicated); raw `PRNGKey` arrays are ordinary uint32 arrays.
+  """
   sharding = NamedSharding(mesh, PartitionSpec())
 
   def put(x):
+    if _is_typed_key(x):
+      return jax.random.wrap_key_data(
+          put(jax.random.key_data(x)), impl=jax.random.key_impl(x)
+      )
     x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return jax.make_array_from_callback(
+        x.shape, sharding, lambda index: x[index]
+    )
 
   return jax.tree.map(put, tree)
 
@@ -104,11 +134,15 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 def shard_records(tree: Any, mesh: Mesh) -> Any:
   """A global array, sharded over records, from this process's records."""
   sharding = NamedSharding(mesh, PartitionSpec(AXIS))
-  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
-                      tree)
+  return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+      tree,
+  )
 
 
-def local_microbatches(sample: np.ndarray, local_size: int) -> list[sampling.Microbatch]:
+def local_microbatches(
+    sample: np.ndarray, local_size: int
+) -> list[sampling.Microbatch]:
   """This host's fixed-size microbatches of a global Poisson sample.
 
   Args:
@@ -125,5 +159,7 @@ def local_microbatches(sample: np.ndarray, local_size: int) -> list[sampling.Mic
   shares = [sample[sample % processes == p] for p in range(processes)]
   count = max(math.ceil(len(share) / local_size) for share in shares)
   mine = sampling.microbatches(shares[me] // processes, local_size)
-  padding = sampling.Microbatch(np.zeros(local_size, np.int64), np.zeros(local_size, np.float32))
+  padding = sampling.Microbatch(
+      np.zeros(local_size, np.int64), np.zeros(local_size, np.float32)
+  )
   return mine + [padding] * (count - len(mine))

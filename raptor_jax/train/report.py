@@ -43,18 +43,33 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   """
   groups: dict[tuple, list[dict]] = {}
   for row in rows:
-    groups.setdefault((row["target_epsilon"], row["variant"], row["task"]), []).append(row)
+    groups.setdefault(
+        (row["target_epsilon"], row["variant"], row["task"]), []
+    ).append(row)
   order = _order({variant for _, variant, _ in groups})
   entries = []
   for (eps, variant, task), members in groups.items():
     values = np.array([100.0 * m[METRIC] for m in members])
-    entries.append(dict(
-        epsilon=eps, variant=variant, label=sweep.LABELS.get(variant, variant), task=task,
-        mean=float(values.mean()), std=float(values.std(ddof=1)) if len(values) > 1 else None,
-        seeds=len(values), wall_time_s=float(np.mean([m["wall_time_s"] for m in members])),
-        finished=all(m.get("finished", True) for m in members)))
-  entries.sort(key=lambda e: (-math.inf if e["epsilon"] is None else e["epsilon"],
-                              order.index(e["variant"]), e["task"]))
+    entries.append(
+        dict(
+            epsilon=eps,
+            variant=variant,
+            label=sweep.LABELS.get(variant, variant),
+            task=task,
+            mean=float(values.mean()),
+            std=float(values.std(ddof=1)) if len(values) > 1 else None,
+            seeds=len(values),
+            wall_time_s=float(np.mean([m["wall_time_s"] for m in members])),
+            finished=all(m.get("finished", True) for m in members),
+        )
+    )
+  entries.sort(
+      key=lambda e: (
+          -math.inf if e["epsilon"] is None else e["epsilon"],
+          order.index(e["variant"]),
+          e["task"],
+      )
+  )
   return entries
 
 
@@ -69,7 +84,9 @@ def _row_keys(entries) -> list[tuple]:
 def _fmt(entry: dict | None) -> str:
   if entry is None:
     return "-"
-  text = f"{entry['mean']:.2f}" + ("" if entry["std"] is None else f" ± {entry['std']:.2f}")
+  text = f"{entry['mean']:.2f}" + (
+      "" if entry["std"] is None else f" ± {entry['std']:.2f}"
+  )
   return text + ("" if entry["finished"] else " (unfinished)")
 
 
@@ -78,21 +95,39 @@ def markdown(entries: Sequence[dict[str, Any]]) -> str:
   tasks = sorted({e["task"] for e in entries})
   cell = {(e["epsilon"], e["variant"], e["task"]): e for e in entries}
   seeds = sorted({e["seeds"] for e in entries})
-  lines = [f"Dev {METRIC} (%), mean ± std over {'/'.join(map(str, seeds))} seed(s).", "",
-           "| ε | Method | " + " | ".join(tasks) + " |",
-           "|---|---|" + "---|" * len(tasks)]
-  times = ["", "Mean wall time per run (s).", "",
-           "| ε | Method | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+  lines = [
+      f"Dev {METRIC} (%), mean ± std over {'/'.join(map(str, seeds))} seed(s).",
+      "",
+      "| ε | Method | " + " | ".join(tasks) + " |",
+      "|---|---|" + "---|" * len(tasks),
+  ]
+  times = [
+      "",
+      "Mean wall time per run (s).",
+      "",
+      "| ε | Method | " + " | ".join(tasks) + " |",
+      "|---|---|" + "---|" * len(tasks),
+  ]
   previous = object()
   for eps, variant in _row_keys(entries):
     shown = "" if eps == previous else ("∞" if eps is None else f"{eps:g}")
     previous = eps
     label = sweep.LABELS.get(variant, variant)
-    lines.append(f"| {shown} | {label} | "
-                 + " | ".join(_fmt(cell.get((eps, variant, t))) for t in tasks) + " |")
-    times.append(f"| {shown} | {label} | " + " | ".join(
-        "-" if (eps, variant, t) not in cell else f"{cell[eps, variant, t]['wall_time_s']:.0f}"
-        for t in tasks) + " |")
+    lines.append(
+        f"| {shown} | {label} | "
+        + " | ".join(_fmt(cell.get((eps, variant, t))) for t in tasks)
+        + " |"
+    )
+    times.append(
+        f"| {shown} | {label} | "
+        + " | ".join(
+            "-"
+            if (eps, variant, t) not in cell
+            else f"{cell[eps, variant, t]['wall_time_s']:.0f}"
+            for t in tasks
+        )
+        + " |"
+    )
   return "\n".join(lines + times) + "\n"
 
 
@@ -102,36 +137,71 @@ def write_csv(entries: Sequence[dict[str, Any]], path: Path) -> None:
   cell = {(e["epsilon"], e["variant"], e["task"]): e for e in entries}
   with open(path, "w", newline="", encoding="utf-8") as f:
     writer = csv.writer(f)
-    writer.writerow(["epsilon", "variant", "method"] + [
-        f"{t}_{k}" for t in tasks for k in ("mean", "std", "seeds", "wall_time_s")])
+    writer.writerow(
+        ["epsilon", "variant", "method"]
+        + [
+            f"{t}_{k}"
+            for t in tasks
+            for k in ("mean", "std", "seeds", "wall_time_s")
+        ]
+    )
     for eps, variant in _row_keys(entries):
-      row = ["inf" if eps is None else f"{eps:g}", variant, sweep.LABELS.get(variant, variant)]
+      row = [
+          "inf" if eps is None else f"{eps:g}",
+          variant,
+          sweep.LABELS.get(variant, variant),
+      ]
       for t in tasks:
         e = cell.get((eps, variant, t))
-        row += (["", "", "", ""] if e is None else
-                [f"{e['mean']:.4f}", "" if e["std"] is None else f"{e['std']:.4f}",
-                 e["seeds"], f"{e['wall_time_s']:.1f}"])
+        row += (
+            ["", "", "", ""]
+            if e is None
+            else [
+                f"{e['mean']:.4f}",
+                "" if e["std"] is None else f"{e['std']:.4f}",
+                e["seeds"],
+                f"{e['wall_time_s']:.1f}",
+            ]
+        )
       writer.writerow(row)
 
 
 def plot_accuracy(entries: Sequence[dict[str, Any]], path: Path) -> None:
   """Dev accuracy vs epsilon per variant (one panel per task); non-private as lines."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   tasks = sorted({e["task"] for e in entries})
-  fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+  fig, axes = plt.subplots(
+      1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False
+  )
   for ax, task in zip(axes[0], tasks):
     mine = [e for e in entries if e["task"] == task]
     for variant in _order({e["variant"] for e in mine}):
-      points = sorted((e for e in mine if e["variant"] == variant),
-                      key=lambda e: _epsilon_key(e["epsilon"]))
+      points = sorted(
+          (e for e in mine if e["variant"] == variant),
+          key=lambda e: _epsilon_key(e["epsilon"]),
+      )
       label = sweep.LABELS.get(variant, variant)
       if points[0]["epsilon"] is None:
-        ax.axhline(points[0]["mean"], linestyle="--", linewidth=1, label=label, color="gray")
+        ax.axhline(
+            points[0]["mean"],
+            linestyle="--",
+            linewidth=1,
+            label=label,
+            color="gray",
+        )
         continue
-      ax.errorbar([e["epsilon"] for e in points], [e["mean"] for e in points],
-                  yerr=[e["std"] or 0.0 for e in points], marker="o", capsize=3, label=label)
+      ax.errorbar(
+          [e["epsilon"] for e in points],
+          [e["mean"] for e in points],
+          yerr=[e["std"] or 0.0 for e in points],
+          marker="o",
+          capsize=3,
+          label=label,
+      )
     ax.set_xscale("log")
     ticks = sorted({e["epsilon"] for e in mine if e["epsilon"] is not None})
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
@@ -162,17 +232,26 @@ def routing_tables(workdir: str | Path) -> dict[str, dict[str, Any]]:
 def plot_routing_entropy(tables: dict[str, dict[str, Any]], path: Path) -> None:
   """H(q)/log E per sparse layer on the public corpus; the entropy-selected layer marked."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   tasks = sorted(tables)
-  fig, axes = plt.subplots(1, max(len(tasks), 1), figsize=(4 * max(len(tasks), 1), 3.5),
-                           squeeze=False)
+  fig, axes = plt.subplots(
+      1,
+      max(len(tasks), 1),
+      figsize=(4 * max(len(tasks), 1), 3.5),
+      squeeze=False,
+  )
   for ax, task in zip(axes[0], tasks):
     rows = tables[task]["public_corpus"]
     layers = [r["layer"] for r in rows]
     best = ownership.select_layer("entropy", layers, rows)
-    ax.bar([str(l) for l in layers], [r["entropy_norm"] for r in rows],
-           color=["tab:orange" if l == best else "tab:blue" for l in layers])
+    ax.bar(
+        [str(l) for l in layers],
+        [r["entropy_norm"] for r in rows],
+        color=["tab:orange" if l == best else "tab:blue" for l in layers],
+    )
     ax.set_ylim(0, 1)
     ax.set_xlabel("sparse block")
     ax.set_ylabel("H(q) / log E (public corpus)")
@@ -201,25 +280,42 @@ def diagnostics_markdown(rows: Sequence[dict[str, Any]]) -> str | None:
     values = [v for v in values if v is not None]
     return f"{np.mean(values):.3g}" if values else "-"
 
-  lines = ["App. G diagnostics on each cell's dev split (means over seeds); λ+ per role (Eq. 40).",
-           "", "| Task | ε | Method | M_role | mean SNR | SNR-CV | λ+ shared | λ+ head "
-           "| λ+ experts |", "|---|---|---|---|---|---|---|---|---|"]
-  for (task, eps, variant) in sorted(groups, key=lambda k: (k[0], k[1], order.index(k[2]))):
+  lines = [
+      "App. G diagnostics on each cell's dev split (means over seeds); λ+ per role (Eq. 40).",
+      "",
+      "| Task | ε | Method | M_role | mean SNR | SNR-CV | λ+ shared | λ+ head "
+      "| λ+ experts |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for task, eps, variant in sorted(
+      groups, key=lambda k: (k[0], k[1], order.index(k[2]))
+  ):
     diags = groups[task, eps, variant]
     snr = [d["expert_snr"] for d in diags]
-    lam = {role: mean([d["noise_sensitivity"]["roles"].get(role, {}).get("lambda_plus")
-                       for d in diags]) for role in ("shared", "head", "experts")}
+    lam = {
+        role: mean(
+            [
+                d["noise_sensitivity"]["roles"].get(role, {}).get("lambda_plus")
+                for d in diags
+            ]
+        )
+        for role in ("shared", "head", "experts")
+    }
     lines.append(
         f"| {task} | {'∞' if eps == math.inf else f'{eps:g}'} | "
         f"{sweep.LABELS.get(variant, variant)} | "
         f"{mean([d['role_mismatch']['M_role'] for d in diags])} | "
         f"{mean([s and s['mean'] for s in snr])} | {mean([s and s['cv'] for s in snr])} | "
-        f"{lam['shared']} | {lam['head']} | {lam['experts']} |")
+        f"{lam['shared']} | {lam['head']} | {lam['experts']} |"
+    )
   return "\n".join(lines) + "\n"
 
 
-def paired_differences(rows: Sequence[dict[str, Any]], a: str = "raptor",
-                       b: str = "monolithic_lora") -> list[dict[str, Any]]:
+def paired_differences(
+    rows: Sequence[dict[str, Any]],
+    a: str = "raptor",
+    b: str = "monolithic_lora",
+) -> list[dict[str, Any]]:
   """Per (task, epsilon): the seed-paired accuracy difference a - b, in points.
 
   Cells of the same seed share the initialisation (`config.seed`), so the
@@ -227,23 +323,38 @@ def paired_differences(rows: Sequence[dict[str, Any]], a: str = "raptor",
   of the mean difference over the seeds both variants finished.
   """
   from scipy import stats  # pylint: disable=g-import-not-at-top
+
   by_key: dict[tuple, dict[int, float]] = {}
   for row in rows:
     if row["variant"] in (a, b) and row["target_epsilon"] is not None:
-      by_key.setdefault((row["task"], row["target_epsilon"], row["variant"]), {})[
-          row["seed"]] = 100.0 * row[METRIC]
+      by_key.setdefault(
+          (row["task"], row["target_epsilon"], row["variant"]), {}
+      )[row["seed"]] = (100.0 * row[METRIC])
   out = []
   for task, eps in sorted({(t, e) for t, e, _ in by_key}):
-    first, second = by_key.get((task, eps, a), {}), by_key.get((task, eps, b), {})
+    first, second = by_key.get((task, eps, a), {}), by_key.get(
+        (task, eps, b), {}
+    )
     seeds = sorted(set(first) & set(second))
     if not seeds:
       continue
     diffs = np.array([first[s] - second[s] for s in seeds])
-    entry = dict(task=task, epsilon=eps, a=a, b=b, seeds=seeds, differences=diffs.tolist(),
-                 mean=float(diffs.mean()), std=None, ci95=None)
+    entry = dict(
+        task=task,
+        epsilon=eps,
+        a=a,
+        b=b,
+        seeds=seeds,
+        differences=diffs.tolist(),
+        mean=float(diffs.mean()),
+        std=None,
+        ci95=None,
+    )
     if len(diffs) > 1:
       sd = float(diffs.std(ddof=1))
-      half = float(stats.t.ppf(0.975, len(diffs) - 1) * sd / math.sqrt(len(diffs)))
+      half = float(
+          stats.t.ppf(0.975, len(diffs) - 1) * sd / math.sqrt(len(diffs))
+      )
       entry.update(std=sd, ci95=(entry["mean"] - half, entry["mean"] + half))
     out.append(entry)
   return out
@@ -253,36 +364,55 @@ def paired_markdown(pairs: Sequence[dict[str, Any]]) -> str | None:
   if not pairs:
     return None
   a, b = pairs[0]["a"], pairs[0]["b"]
-  lines = [f"Paired difference {sweep.LABELS.get(a, a)} − {sweep.LABELS.get(b, b)} "
-           "(points, same seed = same initialisation; 95% Student t interval).", "",
-           "| Task | ε | seeds | per-seed differences | mean | 95% interval |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+      f"Paired difference {sweep.LABELS.get(a, a)} − {sweep.LABELS.get(b, b)} "
+      "(points, same seed = same initialisation; 95% Student t interval).",
+      "",
+      "| Task | ε | seeds | per-seed differences | mean | 95% interval |",
+      "|---|---|---|---|---|---|",
+  ]
   for p in pairs:
-    interval = "-" if p["ci95"] is None else f"[{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}]"
-    lines.append(f"| {p['task']} | {p['epsilon']:g} | {len(p['seeds'])} | "
-                 + ", ".join(f"{d:+.2f}" for d in p["differences"])
-                 + f" | {p['mean']:+.2f} | {interval} |")
+    interval = (
+        "-"
+        if p["ci95"] is None
+        else f"[{p['ci95'][0]:+.2f}, {p['ci95'][1]:+.2f}]"
+    )
+    lines.append(
+        f"| {p['task']} | {p['epsilon']:g} | {len(p['seeds'])} | "
+        + ", ".join(f"{d:+.2f}" for d in p["differences"])
+        + f" | {p['mean']:+.2f} | {interval} |"
+    )
   return "\n".join(lines) + "\n"
 
 
 def tuning_markdown(workdir: str | Path) -> str | None:
   """The clip-norm search of each (variant, epsilon): held-out accuracy per candidate."""
-  found = [json.loads(p.read_text()) for p in sorted(Path(workdir).rglob("tuning.json"))]
+  found = [
+      json.loads(p.read_text())
+      for p in sorted(Path(workdir).rglob("tuning.json"))
+  ]
   if not found:
     return None
   order = _order({t["variant"] for t in found})
   found.sort(key=lambda t: (t["epsilon"], order.index(t["variant"])))
   clips = sorted({c for t in found for c in t["holdout_accuracy"]}, key=float)
-  lines = ["Clip-norm tuning: held-out train-record accuracy (%) per candidate C "
-           f"(seed {found[0]['tune_seed']}, never the dev set); the chosen C is used for every "
-           "seed of the table.", "",
-           "| ε | Method | " + " | ".join(f"C={c}" for c in clips) + " | chosen |",
-           "|---|---|" + "---|" * (len(clips) + 1)]
+  lines = [
+      "Clip-norm tuning: held-out train-record accuracy (%) per candidate C "
+      f"(seed {found[0]['tune_seed']}, never the dev set); the chosen C is used for every "
+      "seed of the table.",
+      "",
+      "| ε | Method | " + " | ".join(f"C={c}" for c in clips) + " | chosen |",
+      "|---|---|" + "---|" * (len(clips) + 1),
+  ]
   for t in found:
     accs = t["holdout_accuracy"]
-    lines.append(f"| {t['epsilon']:g} | {sweep.LABELS.get(t['variant'], t['variant'])} | "
-                 + " | ".join("-" if c not in accs else f"{100 * accs[c]:.2f}" for c in clips)
-                 + f" | {t['chosen_clip']:g} |")
+    lines.append(
+        f"| {t['epsilon']:g} | {sweep.LABELS.get(t['variant'], t['variant'])} | "
+        + " | ".join(
+            "-" if c not in accs else f"{100 * accs[c]:.2f}" for c in clips
+        )
+        + f" | {t['chosen_clip']:g} |"
+    )
   return "\n".join(lines) + "\n"
 
 
@@ -297,15 +427,25 @@ def write(workdir: str | Path, out: str | Path | None = None) -> list[Path]:
   rows = sweep.collect(workdir)
   entries = summarize(rows)
   if not entries:
-    raise ValueError(f"no finished cells (cell.json + results.json) under {workdir}")
+    raise ValueError(
+        f"no finished cells (cell.json + results.json) under {workdir}"
+    )
   out = Path(out) if out is not None else workdir
   out.mkdir(parents=True, exist_ok=True)
-  paths = [out / name for name in ("results.csv", "results.md", "accuracy_vs_epsilon.png",
-                                   "routing_entropy.png")]
+  paths = [
+      out / name
+      for name in (
+          "results.csv",
+          "results.md",
+          "accuracy_vs_epsilon.png",
+          "routing_entropy.png",
+      )
+  ]
   write_csv(entries, paths[0])
   extra = [paired_markdown(paired_differences(rows)), tuning_markdown(workdir)]
-  paths[1].write_text("\n".join([markdown(entries)] + [e for e in extra if e]),
-                      encoding="utf-8")
+  paths[1].write_text(
+      "\n".join([markdown(entries)] + [e for e in extra if e]), encoding="utf-8"
+  )
   plot_accuracy(entries, paths[2])
   plot_routing_entropy(routing_tables(workdir), paths[3])
   environment = workdir / "environment.json"

@@ -8,7 +8,7 @@ function has fixed input shapes, so each compiles once per run.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -18,7 +18,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from raptor_jax import grads, roles, transforms
-from raptor_jax.models.switch import OwnerOverride
+from raptor_jax.models.common import OwnerOverride
+from raptor_jax.train import parallel, setup
 from raptor_jax.train.methods import Phase
 from raptor_jax.train.parallel import AXIS
 
@@ -28,23 +29,19 @@ Batch = Mapping[str, jax.Array]  # input_ids, attention_mask, labels, owners
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   """Per-record softmax cross-entropy (float32)."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), labels
+  )
 
 
 def _owner_params(flat_slice: Flat, layer: int) -> dict:
   """{'backbone/block_l/mlp/experts/wi/lora_a': s} -> {'wi': {'lora_a': s}}."""
-  prefix = f"backbone/block_{layer}/mlp/experts/"
+  prefix = roles.expert_prefix(layer)
   nested: dict[str, dict[str, jax.Array]] = {}
   for path, value in flat_slice.items():
-    matrix, leaf = path[len(prefix):].split("/")
+    matrix, leaf = path[len(prefix) :].split("/")
     nested.setdefault(matrix, {})[leaf] = value
   return nested
-
-
-def _scale_records(tree, weights: jax.Array):
-  """Multiplies each record's leaves ([n, ...]) by its weight ([n])."""
-  return jax.tree.map(
-      lambda g: g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype), tree)
 
 
 def merged_params(frozen: Flat, trainable: Mapping[str, Flat]) -> dict:
@@ -64,40 +61,81 @@ class PhaseFunctions:
   step from one PRNG state, identical parameters on every device.
   """
 
-  def __init__(self, model: nn.Module, phase: Phase, *, mesh: Mesh, expert_layer: int,
-               num_experts: int, learning_rate: float, residual: str, residual_gamma: float,
-               key: jax.Array):
+  def __init__(
+      self,
+      model: nn.Module,
+      phase: Phase,
+      *,
+      mesh: Mesh,
+      expert_layer: int,
+      num_experts: int,
+      learning_rate: float,
+      residual: str,
+      residual_gamma: float,
+      key: jax.Array,
+  ):
     self.model = model
     self.phase = phase
     self.expert_layer = expert_layer
     self.num_experts = num_experts
     self.residual = residual
     self.residual_gamma = residual_gamma
+    # Per part, as README documents: chain(privatize_sums, adam). The noise
+    # key of part i is fold_in(key, i): distinct and secret per transform.
     self.privatizers = {
-        part.name: transforms.privatize_sums(part.l2_clip, part.noise_multiplier,
-                                             part.denominator, jax.random.fold_in(key, i))
-        for i, part in enumerate(phase.parts)}
-    self.optimizer = optax.adam(learning_rate)
+        part.name: transforms.privatize_sums(
+            part.l2_clip,
+            part.noise_multiplier,
+            part.denominator,
+            jax.random.fold_in(key, i),
+        )
+        for i, part in enumerate(phase.parts)
+    }
+    self.optimizers = {
+        name: optax.chain(privatizer, optax.adam(learning_rate))
+        for name, privatizer in self.privatizers.items()
+    }
     replicated, records = PartitionSpec(), PartitionSpec(AXIS)
-    self.accumulate = jax.jit(jax.shard_map(
-        self._accumulate, mesh=mesh,
-        in_specs=(replicated, replicated, replicated, records, records),
-        out_specs=replicated, check_vma=False), donate_argnums=(2,))
+    self.accumulate = jax.jit(
+        jax.shard_map(
+            self._accumulate,
+            mesh=mesh,
+            in_specs=(replicated, replicated, replicated, records, records),
+            out_specs=replicated,
+            check_vma=False,
+        ),
+        donate_argnums=(2,),
+    )
     self.update = jax.jit(self._update)
-    self.privatize = jax.jit(self._privatize)
-    self.loss_sum = jax.jit(jax.shard_map(
-        self._loss_sum, mesh=mesh, in_specs=(replicated, replicated, records, records),
-        out_specs=replicated, check_vma=False))
-    self.zero_sums = jax.jit(self._zero_sums, out_shardings=NamedSharding(mesh, replicated))
+    self.loss_sum = jax.jit(
+        jax.shard_map(
+            self._loss_sum,
+            mesh=mesh,
+            in_specs=(replicated, replicated, records, records),
+            out_specs=replicated,
+            check_vma=False,
+        )
+    )
+    self.zero_sums = jax.jit(
+        self._zero_sums, out_shardings=NamedSharding(mesh, replicated)
+    )
 
   # -- per-record losses ------------------------------------------------------
 
   def _zero_sums(self, trainable: Mapping[str, Flat]) -> dict[str, Flat]:
     """Float32 zeros shaped like the phase's sums: a step with no record is noise only."""
-    return {p.name: grads.zeros_like_f32(trainable[p.name]) for p in self.phase.parts}
+    return {
+        p.name: grads.zeros_like_f32(trainable[p.name])
+        for p in self.phase.parts
+    }
 
-  def _record_loss(self, dense: Mapping[str, Flat], slices: Mapping[str, Flat],
-                   constants: Flat, record: Batch) -> jax.Array:
+  def _record_loss(
+      self,
+      dense: Mapping[str, Flat],
+      slices: Mapping[str, Flat],
+      constants: Flat,
+      record: Batch,
+  ) -> jax.Array:
     """Loss of ONE record; `slices` are its owner slices (owner parts)."""
     flat = dict(constants)
     for part in dense.values():
@@ -105,11 +143,17 @@ class PhaseFunctions:
     override = None
     if slices:  # at most one owner part: the experts of layer l*
       (part_slices,) = slices.values()
-      override = OwnerOverride(self.expert_layer, record["owners"],
-                               _owner_params(part_slices, self.expert_layer))
-    logits, _ = self.model.apply({"params": roles.unflatten(flat)},
-                                 record["input_ids"][None], record["attention_mask"][None],
-                                 owner_override=override)
+      override = OwnerOverride(
+          self.expert_layer,
+          record["owners"],
+          _owner_params(part_slices, self.expert_layer),
+      )
+    logits, _ = self.model.apply(
+        {"params": roles.unflatten(flat)},
+        record["input_ids"][None],
+        record["attention_mask"][None],
+        owner_override=override,
+    )
     return cross_entropy(logits[0], record["labels"])
 
   def _residual_weights(self, params_flat: Flat, batch: Batch) -> jax.Array:
@@ -120,27 +164,47 @@ class PhaseFunctions:
     value); 'full' uses the current model.
     """
     if self.residual == "shared":
-      prefix = f"backbone/block_{self.expert_layer}/mlp/experts/"
-      params_flat = {p: (jnp.zeros_like(v) if p.startswith(prefix) and p.endswith("lora_b")
-                         else v) for p, v in params_flat.items()}
-    logits, _ = self.model.apply({"params": roles.unflatten(params_flat)},
-                                 batch["input_ids"], batch["attention_mask"])
+      prefix = roles.expert_prefix(self.expert_layer)
+      params_flat = {
+          p: (
+              jnp.zeros_like(v)
+              if p.startswith(prefix) and p.endswith("lora_b")
+              else v
+          )
+          for p, v in params_flat.items()
+      }
+    logits, _ = self.model.apply(
+        {"params": roles.unflatten(params_flat)},
+        batch["input_ids"],
+        batch["attention_mask"],
+    )
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     p_true = jnp.take_along_axis(probs, batch["labels"][:, None], axis=-1)[:, 0]
     return jax.lax.stop_gradient((1.0 - p_true) ** self.residual_gamma)
 
   # -- the two jitted functions -------------------------------------------------
 
-  def _accumulate(self, trainable: Mapping[str, Flat], frozen: Flat,
-                  sums: Mapping[str, Flat], batch: Batch, mask: jax.Array):
+  def _accumulate(
+      self,
+      trainable: Mapping[str, Flat],
+      frozen: Flat,
+      sums: Mapping[str, Flat],
+      batch: Batch,
+      mask: jax.Array,
+  ):
     """sums + this microbatch's clipped per-record gradient sums (float32).
 
     Runs per device on its records; the devices' sums are combined by psum.
     """
-    return jax.tree.map(jnp.add, sums,
-                        jax.lax.psum(self._local_sums(trainable, frozen, batch, mask), AXIS))
+    return jax.tree.map(
+        jnp.add,
+        sums,
+        jax.lax.psum(self._local_sums(trainable, frozen, batch, mask), AXIS),
+    )
 
-  def _split(self, trainable: Mapping[str, Flat], frozen: Flat) -> tuple[dict, Flat]:
+  def _split(
+      self, trainable: Mapping[str, Flat], frozen: Flat
+  ) -> tuple[dict, Flat]:
     """(this phase's dense parts, everything else as constants).
 
     Owner parts' stacked experts are constants too: they run in the forward
@@ -153,8 +217,13 @@ class PhaseFunctions:
         constants.update(part_params)
     return dense, constants
 
-  def released_per_record(self, trainable: Mapping[str, Flat], frozen: Flat, batch: Batch,
-                          mask: jax.Array) -> dict[str, Flat]:
+  def released_per_record(
+      self,
+      trainable: Mapping[str, Flat],
+      frozen: Flat,
+      batch: Batch,
+      mask: jax.Array,
+  ) -> dict[str, Flat]:
     """Each record's contribution to the phase's sums, per part (float32).
 
     Per-record gradients (owner parts: with respect to the record's owner
@@ -165,11 +234,14 @@ class PhaseFunctions:
     """
     parts = self.phase.parts
     dense, constants = self._split(trainable, frozen)
-    slices = {p.name: grads.owner_slices(trainable[p.name], batch["owners"])
-              for p in parts if p.owner}
+    slices = {
+        p.name: grads.owner_slices(trainable[p.name], batch["owners"])
+        for p in parts
+        if p.owner
+    }
     dense_grads, slice_grads = jax.vmap(
-        jax.grad(self._record_loss, argnums=(0, 1)), in_axes=(None, 0, None, 0))(
-            dense, slices, constants, batch)
+        jax.grad(self._record_loss, argnums=(0, 1)), in_axes=(None, 0, None, 0)
+    )(dense, slices, constants, batch)
     per_record = {**dense_grads, **slice_grads}
     if self.residual != "none" and any(p.residual for p in parts):
       current = dict(constants)
@@ -178,82 +250,249 @@ class PhaseFunctions:
       weights = self._residual_weights(current, batch)
       for part in parts:
         if part.residual:
-          per_record[part.name] = _scale_records(per_record[part.name], weights)
+          per_record[part.name] = grads.scale_records(
+              per_record[part.name], weights
+          )
     if not self.phase.private:
-      return {name: _scale_records(jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask)
-              for name, g_part in per_record.items()}
+      return {
+          name: grads.scale_records(
+              jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask
+          )
+          for name, g_part in per_record.items()
+      }
     return self._clip(per_record, mask)
 
-  def _clip(self, per_record: Mapping[str, Flat], mask: jax.Array) -> dict[str, Flat]:
+  def _clip(
+      self, per_record: Mapping[str, Flat], mask: jax.Array
+  ) -> dict[str, Flat]:
     """Clips each record as the phase says: one norm over all parts, or per part."""
     parts = self.phase.parts
     if self.phase.joint_clip:
       return grads.clip_per_record(dict(per_record), parts[0].l2_clip, mask)[0]
-    return {p.name: grads.clip_per_record(per_record[p.name], p.l2_clip, mask)[0]
-            for p in parts}
+    return {
+        p.name: grads.clip_per_record(per_record[p.name], p.l2_clip, mask)[0]
+        for p in parts
+    }
 
-  def _sum(self, clipped: Mapping[str, Flat], owners: jax.Array) -> dict[str, Flat]:
+  def _sum(
+      self, clipped: Mapping[str, Flat], owners: jax.Array
+  ) -> dict[str, Flat]:
     """Sums over records; owner parts into their owner's row of [E, ...]."""
-    return {p.name: (grads.sum_by_owner(clipped[p.name], owners, self.num_experts)
-                     if p.owner else jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped[p.name]))
-            for p in self.phase.parts}
+    return {
+        p.name: (
+            grads.sum_by_owner(clipped[p.name], owners, self.num_experts)
+            if p.owner
+            else jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped[p.name])
+        )
+        for p in self.phase.parts
+    }
 
-  def _local_sums(self, trainable: Mapping[str, Flat], frozen: Flat, batch: Batch,
-                  mask: jax.Array):
+  def _local_sums(
+      self,
+      trainable: Mapping[str, Flat],
+      frozen: Flat,
+      batch: Batch,
+      mask: jax.Array,
+  ):
     """This device's clipped per-record gradient sums (float32)."""
     if not self.phase.private:
       return self._nonprivate_sums(*self._split(trainable, frozen), batch, mask)
-    return self._sum(self.released_per_record(trainable, frozen, batch, mask), batch["owners"])
+    return self._sum(
+        self.released_per_record(trainable, frozen, batch, mask),
+        batch["owners"],
+    )
 
   def _loss_sum(self, trainable, frozen, batch, mask) -> jax.Array:
     """Summed training loss of the records (NOT private; opt-in logging only)."""
-    logits, _ = self.model.apply({"params": merged_params(frozen, trainable)},
-                                 batch["input_ids"], batch["attention_mask"])
-    return jax.lax.psum(jnp.sum(cross_entropy(logits, batch["labels"]) * mask), AXIS)
+    logits, _ = self.model.apply(
+        {"params": merged_params(frozen, trainable)},
+        batch["input_ids"],
+        batch["attention_mask"],
+    )
+    return jax.lax.psum(
+        jnp.sum(cross_entropy(logits, batch["labels"]) * mask), AXIS
+    )
 
   def _nonprivate_sums(self, dense, constants, batch, mask):
     """Plain gradient of the summed (unclipped) loss: the non-private bounds."""
+
     def total_loss(dense):
       flat = dict(constants)
       for part in dense.values():
         flat.update(part)
-      logits, _ = self.model.apply({"params": roles.unflatten(flat)},
-                                   batch["input_ids"], batch["attention_mask"])
+      logits, _ = self.model.apply(
+          {"params": roles.unflatten(flat)},
+          batch["input_ids"],
+          batch["attention_mask"],
+      )
       return jnp.sum(cross_entropy(logits, batch["labels"]) * mask)
-    return jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(total_loss)(dense))
 
-  def _privatize(self, sums: Mapping[str, Flat], opt_states: Mapping[str, Any]):
-    """Noisy gradients (sums + N(0, (sigma C)^2)) / denominator, and new noise states."""
-    noisy, states = {}, {}
-    for part in self.phase.parts:
-      noisy[part.name], states[part.name] = self.privatizers[part.name].update(
-          sums[part.name], opt_states[part.name]["noise"])
-    return noisy, states
+    return jax.tree.map(
+        lambda g: g.astype(jnp.float32), jax.grad(total_loss)(dense)
+    )
 
-  def _update(self, trainable: dict[str, Flat], opt_states: dict[str, Any],
-              sums: Mapping[str, Flat]):
-    """One noisy DP-Adam update of every part of the phase (noise drawn once)."""
+  def _update(
+      self,
+      trainable: dict[str, Flat],
+      opt_states: dict[str, Any],
+      sums: Mapping[str, Flat],
+  ):
+    """One noisy DP-Adam update of every part of the phase (noise drawn once).
+
+    Each part's `optax.chain(privatize_sums, adam)` adds N(0, (sigma C)^2) to
+    its clipped sums, divides by the public denominator, then takes the Adam
+    step: the release is the privatized sum, Adam is post-processing.
+    """
     trainable, opt_states = dict(trainable), dict(opt_states)
-    noisy, noise_states = self._privatize(sums, opt_states)
     for part in self.phase.parts:
-      updates, adam = self.optimizer.update(noisy[part.name], opt_states[part.name]["adam"],
-                                            trainable[part.name])
+      updates, opt_states[part.name] = self.optimizers[part.name].update(
+          sums[part.name], opt_states[part.name], trainable[part.name]
+      )
       trainable[part.name] = optax.apply_updates(trainable[part.name], updates)
-      opt_states[part.name] = {"noise": noise_states[part.name], "adam": adam}
     return trainable, opt_states
 
   def init_opt_states(self, trainable: Mapping[str, Flat]) -> dict[str, Any]:
-    """Per part: the noise transform's PRNG state and the Adam state."""
-    return {p.name: {"noise": self.privatizers[p.name].init(trainable[p.name]),
-                     "adam": self.optimizer.init(trainable[p.name])}
-            for p in self.phase.parts}
+    """Per part: the chain's state (noise transform's PRNG state, Adam state)."""
+    return {
+        p.name: self.optimizers[p.name].init(trainable[p.name])
+        for p in self.phase.parts
+    }
 
 
 def make_eval_fn(model: nn.Module) -> Callable:
   """Jitted batched logits of the current parameters."""
+
   @jax.jit
   def logits_fn(trainable, frozen, input_ids, attention_mask):
-    logits, _ = model.apply({"params": merged_params(frozen, trainable)}, input_ids,
-                            attention_mask)
+    logits, _ = model.apply(
+        {"params": merged_params(frozen, trainable)}, input_ids, attention_mask
+    )
     return logits
+
   return logits_fn
+
+
+class StepState(NamedTuple):
+  """The state `PhaseStep` threads: replicated on its mesh.
+
+  Attributes:
+    trainable: {part name: {path: array}} the phase's parts.
+    frozen: {path: array} every other parameter.
+    opt_state: {part name: state of chain(privatize_sums, adam)}; holds the
+      secret noise key: as private as the training data.
+  """
+
+  trainable: dict[str, Flat]
+  frozen: Flat
+  opt_state: dict[str, Any]
+
+
+class PhaseStep:
+  """One phase's DP step, exactly as the trainer runs it.
+
+      phase = run.plan.phases[0]   # or methods.Phase(name=..., stream=..., parts=(...))
+      dp = PhaseStep(model, phase, key=jax.random.key(0), learning_rate=1e-3)
+      state = dp.init(params)      # the classifier's full parameter tree
+      sums = dp.zero_sums(state)
+      for batch, mask in microbatches:  # fixed-size; dict of input_ids,
+        sums = dp.accumulate(state, sums, batch, mask)  # attention_mask, labels, owners
+      state = dp.update(state, sums)   # noise drawn once, then Adam
+      params = dp.params(state)
+
+  `accumulate` adds the microbatch's clipped per-record gradient sums (float32,
+  psum over the mesh's devices); `update` makes the phase's one noisy update.
+  Guarantee (private phase): each record moves the sums of each part by at
+  most its clip norm (jointly for `joint_clip`), and `update` adds Gaussian
+  noise of std sigma * C to every element before dividing by the public
+  denominator; with a Poisson sample per step (`sampling.poisson_sample`) it
+  is the subsampled Gaussian mechanism the ledger accounts for. Call
+  `update` once per sample, never per microbatch.
+
+  Args:
+    model: the classifier (`models.SequenceClassifier`).
+    phase: a `methods.Phase`.
+    key: secret PRNG key (`jax.random.key(seed)` or a raw `PRNGKey`); part i
+      of the phase draws its noise from `fold_in(key, i)`.
+    learning_rate: Adam's learning rate.
+    mesh: a 1-D 'data' mesh (`parallel.make_mesh`; default: every device).
+    expert_layer: l* (default: the block of the phase's owner part, else the
+      last sparse block).
+    residual, residual_gamma: the residual weight (Eq. 8): 'none', 'shared'
+      or 'full', and gamma.
+  """
+
+  def __init__(
+      self,
+      model: nn.Module,
+      phase: Phase,
+      *,
+      key: jax.Array,
+      learning_rate: float = 1e-3,
+      mesh: Mesh | None = None,
+      expert_layer: int | None = None,
+      residual: str = "none",
+      residual_gamma: float = 1.0,
+  ):
+    bc = model.backbone.config
+    if expert_layer is None:
+      blocks = [
+          part.blocks[0] for part in phase.parts if part.owner and part.blocks
+      ]
+      expert_layer = blocks[0] if blocks else bc.sparse_layers[-1]
+    self.mesh = mesh if mesh is not None else parallel.make_mesh()
+    self.phase = phase
+    self.functions = PhaseFunctions(
+        model,
+        phase,
+        mesh=self.mesh,
+        expert_layer=expert_layer,
+        num_experts=bc.num_experts,
+        learning_rate=learning_rate,
+        residual=residual,
+        residual_gamma=residual_gamma,
+        key=key,
+    )
+
+  def init(self, params: Mapping[str, Any]) -> StepState:
+    """Splits `params` into the phase's parts and the rest; fresh optimizer states."""
+    trainable, frozen = setup.partition(params, self.phase.parts)
+    opt_state = self.functions.init_opt_states(trainable)
+    return StepState(
+        *parallel.replicate((trainable, frozen, opt_state), self.mesh)
+    )
+
+  def zero_sums(self, state: StepState) -> dict[str, Flat]:
+    """Float32 zero sums: the start of every step."""
+    return self.functions.zero_sums(state.trainable)
+
+  def accumulate(
+      self,
+      state: StepState,
+      sums: dict[str, Flat],
+      batch: Batch,
+      mask: Any = None,
+  ) -> dict[str, Flat]:
+    """`sums` + the clipped gradient sums of one microbatch of host records.
+
+    `batch`: input_ids, attention_mask, labels, owners (int [n], zeros when no
+    part uses owners); `mask`: [n], 1 real, 0 padding (default: all real).
+    n must be a multiple of the mesh's devices and fixed (one compilation).
+    `sums` is donated: use the returned sums.
+    """
+    n = len(batch["labels"])
+    mask = jnp.ones((n,), jnp.float32) if mask is None else mask
+    placed, placed_mask = parallel.shard_records((dict(batch), mask), self.mesh)
+    return self.functions.accumulate(
+        state.trainable, state.frozen, sums, placed, placed_mask
+    )
+
+  def update(self, state: StepState, sums: Mapping[str, Flat]) -> StepState:
+    """The phase's one noisy DP-Adam update from the step's total sums."""
+    trainable, opt_state = self.functions.update(
+        state.trainable, state.opt_state, sums
+    )
+    return StepState(trainable, state.frozen, opt_state)
+
+  def params(self, state: StepState) -> dict:
+    """The full nested parameter tree of `state`."""
+    return merged_params(state.frozen, state.trainable)

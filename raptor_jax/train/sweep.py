@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
-from raptor_jax.train import loop, methods
+from raptor_jax.train import methods, train_and_evaluate
 
 log = logging.getLogger("raptor_jax")
 
@@ -39,20 +39,30 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "raptor_last": {"method": "raptor", "raptor.layer": "last"},
     "raptor": {"method": "raptor", "raptor.layer": "entropy"},
     "raptor_de_b": {"method": "raptor", "raptor.expert_denominator": "B"},
-    "raptor_full_clip": {"method": "raptor", "raptor.joint_clip": True,
-                         "raptor.alternate": False},
+    "raptor_full_clip": {
+        "method": "raptor",
+        "raptor.joint_clip": True,
+        "raptor.alternate": False,
+    },
     "raptor_no_alternation": {"method": "raptor", "raptor.alternate": False},
     "raptor_no_residual": {"method": "raptor", "raptor.residual": "none"},
 }
 # Row labels of the tables, after the paper's.
 LABELS = {
-    "nonprivate_lora": "Non-priv. LoRA", "nonprivate_full": "Non-priv. full",
-    "monolithic_lora": "Monolith. DP-Adam LoRA", "monolithic": "Monolith. DP-Adam",
-    "baseline_a": "Baseline A (global)", "baseline_b": "Baseline B (shared-only)",
-    "baseline_c": "Baseline C (expert-only)", "raptor_first": "Ours, first sparse",
-    "raptor_last": "Ours, last sparse", "raptor": "Ours, entropy-sel.",
-    "raptor_de_b": "Ours w/ D_e = B", "raptor_full_clip": "Ours w/ full-model clip",
-    "raptor_no_alternation": "Ours w/o alternating", "raptor_no_residual": "Ours w/o residual",
+    "nonprivate_lora": "Non-priv. LoRA",
+    "nonprivate_full": "Non-priv. full",
+    "monolithic_lora": "Monolith. DP-Adam LoRA",
+    "monolithic": "Monolith. DP-Adam",
+    "baseline_a": "Baseline A (global)",
+    "baseline_b": "Baseline B (shared-only)",
+    "baseline_c": "Baseline C (expert-only)",
+    "raptor_first": "Ours, first sparse",
+    "raptor_last": "Ours, last sparse",
+    "raptor": "Ours, entropy-sel.",
+    "raptor_de_b": "Ours w/ D_e = B",
+    "raptor_full_clip": "Ours w/ full-model clip",
+    "raptor_no_alternation": "Ours w/o alternating",
+    "raptor_no_residual": "Ours w/o residual",
 }
 
 
@@ -83,33 +93,43 @@ def is_private_variant(variant: str) -> bool:
   return VARIANTS[variant]["method"] in methods.PRIVATE_METHODS
 
 
-def grid(task: str, variants: Sequence[str], epsilons: Sequence[float],
-         seeds: Sequence[int]) -> list[Cell]:
+def grid(
+    task: str,
+    variants: Sequence[str],
+    epsilons: Sequence[float],
+    seeds: Sequence[int],
+) -> list[Cell]:
   """The cells of a sweep, seed by seed; a non-private variant gets one cell per seed."""
   unknown = [v for v in variants if v not in VARIANTS]
   if unknown:
-    raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    raise ValueError(
+        f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}"
+    )
   if not epsilons or not seeds or not variants:
-    raise ValueError("a sweep needs at least one variant, one epsilon and one seed")
+    raise ValueError(
+        "a sweep needs at least one variant, one epsilon and one seed"
+    )
   cells = []
-  for seed in seeds:  # seeds outermost: a partial sweep already compares every variant
+  for (
+      seed
+  ) in seeds:  # seeds outermost: a partial sweep already compares every variant
     for eps in epsilons:
-      cells.extend(Cell(task, v, float(eps), int(seed)) for v in variants
-                   if is_private_variant(v))
-    cells.extend(Cell(task, v, None, int(seed)) for v in variants if not is_private_variant(v))
+      cells.extend(
+          Cell(task, v, float(eps), int(seed))
+          for v in variants
+          if is_private_variant(v)
+      )
+    cells.extend(
+        Cell(task, v, None, int(seed))
+        for v in variants
+        if not is_private_variant(v)
+    )
   return cells
 
 
-def _set(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
-  *path, last = key.split(".")
-  target = config
-  for name in path:
-    target = target[name]
-  target[last] = value
-
-
-def cell_config(base: ml_collections.ConfigDict, cell: Cell,
-                clip: float | None = None) -> ml_collections.ConfigDict:
+def cell_config(
+    base: ml_collections.ConfigDict, cell: Cell, clip: float | None = None
+) -> ml_collections.ConfigDict:
   """`base` with the cell's variant overrides, epsilon and seed.
 
   `clip` (or the tuning cell's own clip norm) sets every clip norm of the
@@ -117,8 +137,7 @@ def cell_config(base: ml_collections.ConfigDict, cell: Cell,
   on the held-out train records (`data.eval_split='holdout'`).
   """
   config = ml_collections.ConfigDict(base.to_dict())
-  for key, value in VARIANTS[cell.variant].items():
-    _set(config, key, value)
+  config.update_from_flattened_dict(VARIANTS[cell.variant])
   if cell.target_epsilon is not None:
     config.privacy.epsilon = cell.target_epsilon
   config.seed = cell.seed
@@ -130,21 +149,34 @@ def cell_config(base: ml_collections.ConfigDict, cell: Cell,
   return config
 
 
-def _train_cell(cell: Cell, config: ml_collections.ConfigDict, directory: Path, train,
-                after) -> None:
+def _train_cell(
+    cell: Cell, config: ml_collections.ConfigDict, directory: Path, train, after
+) -> None:
   directory.mkdir(parents=True, exist_ok=True)
-  (directory / "cell.json").write_text(json.dumps(
-      dict(dataclasses.asdict(cell), clip_shared=config.privacy.clip_shared,
-           clip_expert=config.privacy.clip_expert), indent=2))
+  (directory / "cell.json").write_text(
+      json.dumps(
+          dict(
+              dataclasses.asdict(cell),
+              clip_shared=config.privacy.clip_shared,
+              clip_expert=config.privacy.clip_expert,
+          ),
+          indent=2,
+      )
+  )
   train(config, str(directory))
   if after is not None and cell.tune_clip is None:
     after(config, directory)
 
 
-def tune_clip(base: ml_collections.ConfigDict, workdir: str | Path, variant: str,
-              epsilon: float, clip_grid: Sequence[float], tune_seed: int,
-              train: Callable[[ml_collections.ConfigDict, str], Mapping] | None = None
-              ) -> float:
+def tune_clip(
+    base: ml_collections.ConfigDict,
+    workdir: str | Path,
+    variant: str,
+    epsilon: float,
+    clip_grid: Sequence[float],
+    tune_seed: int,
+    train: Callable[[ml_collections.ConfigDict, str], Mapping] | None = None,
+) -> float:
   """The clip norm of (variant, epsilon): best held-out accuracy over `clip_grid`.
 
   Each candidate trains once with seed `tune_seed` (kept apart from the
@@ -156,31 +188,64 @@ def tune_clip(base: ml_collections.ConfigDict, workdir: str | Path, variant: str
   Tuning reads private data outside the privacy accounting, as the paper's
   hyperparameter search does (App. C): report it as such.
   """
-  train = train or loop.train_and_evaluate
+  train = train or train_and_evaluate
   if not base.data.holdout:
-    raise ValueError("clip tuning scores candidates on held-out train records; set "
-                     "--config.data.holdout=N (and --config.data.train_limit)")
+    raise ValueError(
+        "clip tuning scores candidates on held-out train records; set "
+        "--config.data.holdout=N (and --config.data.train_limit)"
+    )
   scores = {}
   for clip in clip_grid:
-    cell = Cell(base.data.task, variant, float(epsilon), tune_seed, tune_clip=float(clip))
+    cell = Cell(
+        base.data.task,
+        variant,
+        float(epsilon),
+        tune_seed,
+        tune_clip=float(clip),
+    )
     directory = cell.directory(workdir)
     if not (directory / "results.json").exists():
       log.info("tuning %s eps %g: clip %g", variant, epsilon, clip)
       _train_cell(cell, cell_config(base, cell), directory, train, None)
-    scores[float(clip)] = float(json.loads((directory / "results.json").read_text())["accuracy"])
+    scores[float(clip)] = float(
+        json.loads((directory / "results.json").read_text())["accuracy"]
+    )
   chosen = max(scores, key=lambda c: (scores[c], -list(scores).index(c)))
-  path = Cell(base.data.task, variant, float(epsilon), tune_seed).directory(workdir).parent
-  (path / "tuning.json").write_text(json.dumps(dict(
-      variant=variant, epsilon=epsilon, tune_seed=tune_seed, metric="holdout accuracy",
-      holdout_accuracy={f"{c:g}": v for c, v in scores.items()}, chosen_clip=chosen), indent=2))
+  path = (
+      Cell(base.data.task, variant, float(epsilon), tune_seed)
+      .directory(workdir)
+      .parent
+  )
+  (path / "tuning.json").write_text(
+      json.dumps(
+          dict(
+              variant=variant,
+              epsilon=epsilon,
+              tune_seed=tune_seed,
+              metric="holdout accuracy",
+              holdout_accuracy={f"{c:g}": v for c, v in scores.items()},
+              chosen_clip=chosen,
+          ),
+          indent=2,
+      )
+  )
   return chosen
 
 
-def run(base: ml_collections.ConfigDict, workdir: str | Path, *, variants: Sequence[str],
-        epsilons: Sequence[float], seeds: Sequence[int], clip_grid: Sequence[float] = (),
-        tune_seed: int = 100,
-        train: Callable[[ml_collections.ConfigDict, str], Mapping] = loop.train_and_evaluate,
-        after: Callable[[ml_collections.ConfigDict, Path], None] | None = None) -> list[Path]:
+def run(
+    base: ml_collections.ConfigDict,
+    workdir: str | Path,
+    *,
+    variants: Sequence[str],
+    epsilons: Sequence[float],
+    seeds: Sequence[int],
+    clip_grid: Sequence[float] = (),
+    tune_seed: int = 100,
+    train: Callable[
+        [ml_collections.ConfigDict, str], Mapping
+    ] = train_and_evaluate,
+    after: Callable[[ml_collections.ConfigDict, Path], None] | None = None,
+) -> list[Path]:
   """Runs every cell of the grid that has no `results.json` yet.
 
   Args:
@@ -199,7 +264,9 @@ def run(base: ml_collections.ConfigDict, workdir: str | Path, *, variants: Seque
   """
   cells = grid(base.data.task, variants, epsilons, seeds)
   if clip_grid and tune_seed in seeds:
-    raise ValueError(f"tune_seed {tune_seed} is also a table seed; use a seed outside {seeds}")
+    raise ValueError(
+        f"tune_seed {tune_seed} is also a table seed; use a seed outside {seeds}"
+    )
   directories = []
   for i, cell in enumerate(cells):
     directory = cell.directory(workdir)
@@ -209,8 +276,15 @@ def run(base: ml_collections.ConfigDict, workdir: str | Path, *, variants: Seque
       continue
     clip = None
     if clip_grid and cell.target_epsilon is not None:
-      clip = tune_clip(base, workdir, cell.variant, cell.target_epsilon, clip_grid, tune_seed,
-                       train)
+      clip = tune_clip(
+          base,
+          workdir,
+          cell.variant,
+          cell.target_epsilon,
+          clip_grid,
+          tune_seed,
+          train,
+      )
     log.info("[%d/%d] %s", i + 1, len(cells), directory)
     _train_cell(cell, cell_config(base, cell, clip), directory, train, after)
   return directories
@@ -220,11 +294,21 @@ def write_environment(workdir: str | Path, argv: Sequence[str]) -> Path:
   """Appends this invocation and the software versions to `<workdir>/environment.json`."""
   import platform  # pylint: disable=g-import-not-at-top
   from importlib import metadata  # pylint: disable=g-import-not-at-top
+
   path = Path(workdir) / "environment.json"
   path.parent.mkdir(parents=True, exist_ok=True)
   env = json.loads(path.read_text()) if path.exists() else {"invocations": []}
-  packages = ("jax", "jaxlib", "flax", "optax", "dp-accounting", "orbax-checkpoint",
-              "transformers", "tokenizers", "numpy")
+  packages = (
+      "jax",
+      "jaxlib",
+      "flax",
+      "optax",
+      "dp-accounting",
+      "orbax-checkpoint",
+      "transformers",
+      "tokenizers",
+      "numpy",
+  )
   env["python"] = platform.python_version()
   env["platform"] = platform.platform()
   env["packages"] = {p: metadata.version(p) for p in packages}
@@ -245,7 +329,10 @@ def collect(workdir: str | Path, tuning: bool = False) -> list[dict[str, Any]]:
     cell_path = results_path.with_name("cell.json")
     if not cell_path.exists():
       continue
-    row = {**json.loads(results_path.read_text()), **json.loads(cell_path.read_text())}
+    row = {
+        **json.loads(results_path.read_text()),
+        **json.loads(cell_path.read_text()),
+    }
     if (row.get("tune_clip") is not None) != tuning:
       continue
     row["directory"] = str(results_path.parent)

@@ -37,15 +37,15 @@ what per-record DP gradients need):
 
 Paper scale (switch-base-8 / -64 widths; the defaults), and more records:
 
-  python launch/bench_dispatch.py
-  python launch/bench_dispatch.py --num_experts=8 --batch_sizes=32 \
+  python -m launch.bench.bench_dispatch
+  python -m launch.bench.bench_dispatch --num_experts=8 --batch_sizes=32 \
       --max_dense_gflop=1000
 
 OLMoE-1B-7B's sparse layer (d_model 2048, intermediate 1024, E=64, top-8;
 the olmoe defaults), and at a smaller width:
 
-  python launch/bench_dispatch.py --family=olmoe
-  python launch/bench_dispatch.py --family=olmoe --d_model=1024 --d_ff=512 \
+  python -m launch.bench.bench_dispatch --family=olmoe
+  python -m launch.bench.bench_dispatch --family=olmoe --d_model=1024 --d_ff=512 \
       --num_experts=8,64 --batch_sizes=1,8
 
 The wall time of an all-experts variant (dense, all) is skipped (its FLOPs
@@ -56,58 +56,95 @@ buffer.
 
 import dataclasses
 import functools
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from raptor_jax import profiling  # noqa: E402
-from raptor_jax.models import moe, olmoe, switch  # noqa: E402
+from launch.bench import profiling
+from raptor_jax.models import moe, olmoe, switch
 
 # Per family: the defaults of the size flags (switch-base-8/-64; OLMoE-1B-7B),
 # the matrices of one expert MLP in order, and the all-experts variants run.
 FAMILIES = {
-    'switch': dict(num_experts=(8, 64), batch_sizes=(1, 8), d_model=768, d_ff=3072,
-                   top_k=1, matrices=('wi', 'wo'), references=('dense',)),
-    'olmoe': dict(num_experts=(64,), batch_sizes=(1,), d_model=2048, d_ff=1024,
-                  top_k=8, matrices=('gate', 'up', 'down'), references=('dense', 'all')),
+    'switch': dict(
+        num_experts=(8, 64),
+        batch_sizes=(1, 8),
+        d_model=768,
+        d_ff=3072,
+        top_k=1,
+        matrices=('wi', 'wo'),
+        references=('dense',),
+    ),
+    'olmoe': dict(
+        num_experts=(64,),
+        batch_sizes=(1,),
+        d_model=2048,
+        d_ff=1024,
+        top_k=8,
+        matrices=('gate', 'up', 'down'),
+        references=('dense', 'all'),
+    ),
 }
 
 
 def define_flags() -> None:
   """Defines the command-line flags; only when run as a script, so that tests can
   import several scripts into one process."""
-  flags.DEFINE_enum('family', 'switch', list(FAMILIES),
-                    'Sparse layer: switch (top-1, ReLU experts) or olmoe (top-k, SwiGLU).')
-  flags.DEFINE_list('num_experts', None, 'Values of E (default: 8,64 switch; 64 olmoe).')
-  flags.DEFINE_list('batch_sizes', None,
-                    'Records per call (B); tokens = B x seq_len (default: 1,8 switch; 1 olmoe).')
-  flags.DEFINE_integer('top_k', None, 'Experts per token (olmoe only; default 8).')
+  flags.DEFINE_enum(
+      'family',
+      'switch',
+      list(FAMILIES),
+      'Sparse layer: switch (top-1, ReLU experts) or olmoe (top-k, SwiGLU).',
+  )
+  flags.DEFINE_list(
+      'num_experts', None, 'Values of E (default: 8,64 switch; 64 olmoe).'
+  )
+  flags.DEFINE_list(
+      'batch_sizes',
+      None,
+      'Records per call (B); tokens = B x seq_len (default: 1,8 switch; 1 olmoe).',
+  )
+  flags.DEFINE_integer(
+      'top_k', None, 'Experts per token (olmoe only; default 8).'
+  )
   flags.DEFINE_integer('seq_len', 128, 'Tokens per record (S).')
-  flags.DEFINE_integer('d_model', None, 'Model width (default: 768 switch; 2048 olmoe).')
-  flags.DEFINE_integer('d_ff', None,
-                       'Expert hidden width (default: 3072 switch; 1024 olmoe).')
-  flags.DEFINE_integer('expert_capacity', 64, 'Per-record expert capacity (switch; HF: 64).')
+  flags.DEFINE_integer(
+      'd_model', None, 'Model width (default: 768 switch; 2048 olmoe).'
+  )
+  flags.DEFINE_integer(
+      'd_ff', None, 'Expert hidden width (default: 3072 switch; 1024 olmoe).'
+  )
+  flags.DEFINE_integer(
+      'expert_capacity', 64, 'Per-record expert capacity (switch; HF: 64).'
+  )
   flags.DEFINE_integer('repeats', 5, 'Timed rounds per variant.')
-  flags.DEFINE_float('max_dense_gflop', 250.0,
-                     'Skip timing an all-experts variant of a pass above this many GFLOP.')
+  flags.DEFINE_float(
+      'max_dense_gflop',
+      250.0,
+      'Skip timing an all-experts variant of a pass above this many GFLOP.',
+  )
 
 
 PASSES = ('fwd', 'fwd+bwd')
 _NAN = float('nan')
 
 
-def ideal_flops(tokens: int, d_model: int, d_ff: int, num_experts: int,
-                top_k: int = 1, expert_matmuls: int = 2) -> float:
+def ideal_flops(
+    tokens: int,
+    d_model: int,
+    d_ff: int,
+    num_experts: int,
+    top_k: int = 1,
+    expert_matmuls: int = 2,
+) -> float:
   """Forward FLOPs of top-k routing done perfectly: k expert MLPs per token."""
-  return (tokens * top_k * expert_matmuls * (2 * d_model * d_ff)
-          + 2 * tokens * d_model * num_experts)
+  return (
+      tokens * top_k * expert_matmuls * (2 * d_model * d_ff)
+      + 2 * tokens * d_model * num_experts
+  )
 
 
 def grouped_blocks(rows: int, num_experts: int) -> tuple[int, int]:
@@ -116,17 +153,34 @@ def grouped_blocks(rows: int, num_experts: int) -> tuple[int, int]:
   return block, -(-(rows + num_experts * (block - 1)) // block)
 
 
-def layer_config(family: str, *, num_experts: int, d_model: int, d_ff: int,
-                 top_k: int = 1, expert_capacity: int = 64):
+def layer_config(
+    family: str,
+    *,
+    num_experts: int,
+    d_model: int,
+    d_ff: int,
+    top_k: int = 1,
+    expert_capacity: int = 64,
+):
   """The config of one sparse layer of `family` (a SwitchConfig or OlmoeConfig)."""
   if family == 'switch':
     if top_k != 1:
-      raise ValueError(f'Switch routes top-1; got top_k={top_k} (use --family=olmoe)')
-    return switch.SwitchConfig(d_model=d_model, d_ff=d_ff, num_experts=num_experts,
-                               expert_capacity=expert_capacity)
+      raise ValueError(
+          f'Switch routes top-1; got top_k={top_k} (use --family=olmoe)'
+      )
+    return switch.SwitchConfig(
+        d_model=d_model,
+        d_ff=d_ff,
+        num_experts=num_experts,
+        expert_capacity=expert_capacity,
+    )
   if family == 'olmoe':
-    return olmoe.OlmoeConfig(hidden_size=d_model, intermediate_size=d_ff,
-                             num_experts=num_experts, num_experts_per_tok=top_k)
+    return olmoe.OlmoeConfig(
+        hidden_size=d_model,
+        intermediate_size=d_ff,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+    )
   raise ValueError(f'unknown family {family!r}; use one of {sorted(FAMILIES)}')
 
 
@@ -139,7 +193,9 @@ def _sparse_layer(config):
 def _expert_weights(params, matrices: tuple[str, ...]) -> tuple[jax.Array, ...]:
   """(router kernel, stacked expert kernels in `matrices` order) of one sparse layer."""
   p = params['params']
-  return (p['router']['kernel'],) + tuple(p['experts'][m]['kernel'] for m in matrices)
+  return (p['router']['kernel'],) + tuple(
+      p['experts'][m]['kernel'] for m in matrices
+  )
 
 
 def _expert_mlp(rows: jax.Array, kernels: tuple[jax.Array, ...]) -> jax.Array:
@@ -179,6 +235,7 @@ def _one_expert_fns(config):
     def scalar(x):
       out, logits = forward(weights, x)
       return jnp.vdot(out, cotangent) + jnp.sum(logits)
+
     return jax.grad(scalar)(x)
 
   return forward, forward_backward
@@ -189,13 +246,20 @@ def _all_experts_fns(config: olmoe.OlmoeConfig):
 
   def forward(weights, x):
     w_router, w_gate, w_up, w_down = weights
-    routing = moe.route_topk(x.astype(jnp.float32) @ w_router, config.top_k,
-                             config.norm_topk_prob)
-    gates = jnp.einsum('bske,bsk->bse', jax.nn.one_hot(routing.experts, config.num_experts),
-                       routing.weights)
-    h = (jax.nn.silu(jnp.einsum('bsd,edf->bsef', x, w_gate))
-         * jnp.einsum('bsd,edf->bsef', x, w_up))
-    return jnp.einsum('bsef,efd->bsd', h * gates[..., None].astype(h.dtype), w_down)
+    routing = moe.route_topk(
+        x.astype(jnp.float32) @ w_router, config.top_k, config.norm_topk_prob
+    )
+    gates = jnp.einsum(
+        'bske,bsk->bse',
+        jax.nn.one_hot(routing.experts, config.num_experts),
+        routing.weights,
+    )
+    h = jax.nn.silu(jnp.einsum('bsd,edf->bsef', x, w_gate)) * jnp.einsum(
+        'bsd,edf->bsef', x, w_up
+    )
+    return jnp.einsum(
+        'bsef,efd->bsd', h * gates[..., None].astype(h.dtype), w_down
+    )
 
   def forward_backward(weights, x, cotangent):
     return jax.grad(lambda x: jnp.vdot(forward(weights, x), cotangent))(x)
@@ -203,9 +267,20 @@ def _all_experts_fns(config: olmoe.OlmoeConfig):
   return forward, forward_backward
 
 
-def run(*, family='switch', num_experts=None, batch_sizes=None, top_k=None, seq_len=128,
-        d_model=None, d_ff=None, expert_capacity=64, repeats=5, max_dense_gflop=250.0,
-        seed=0) -> list[dict]:
+def run(
+    *,
+    family='switch',
+    num_experts=None,
+    batch_sizes=None,
+    top_k=None,
+    seq_len=128,
+    d_model=None,
+    d_ff=None,
+    expert_capacity=64,
+    repeats=5,
+    max_dense_gflop=250.0,
+    seed=0,
+) -> list[dict]:
   """Measures every (E, B, pass); returns one dict per row of the tables.
 
   Sizes left None take `FAMILIES[family]`'s defaults. Row keys: E, B, k, pass,
@@ -225,10 +300,18 @@ def run(*, family='switch', num_experts=None, batch_sizes=None, top_k=None, seq_
   rows_out = []
   key = jax.random.PRNGKey(seed)
   for e in num_experts:
-    config = layer_config(family, num_experts=e, d_model=d_model, d_ff=d_ff, top_k=top_k,
-                          expert_capacity=expert_capacity)
+    config = layer_config(
+        family,
+        num_experts=e,
+        d_model=d_model,
+        d_ff=d_ff,
+        top_k=top_k,
+        expert_capacity=expert_capacity,
+    )
     for b in batch_sizes:
-      k_param, k_x, k_ct = jax.random.split(jax.random.fold_in(key, e * 1000 + b), 3)
+      k_param, k_x, k_ct = jax.random.split(
+          jax.random.fold_in(key, e * 1000 + b), 3
+      )
       x = jax.random.normal(k_x, (b, seq_len, d_model), jnp.float32)
       cotangent = jax.random.normal(k_ct, x.shape, jnp.float32)
       params = jax.jit(_sparse_layer(config).init)(k_param, x)
@@ -238,41 +321,71 @@ def run(*, family='switch', num_experts=None, batch_sizes=None, top_k=None, seq_
           'dense': _layer_fns(dataclasses.replace(config, dispatch='dense')),
           'one_expert': _one_expert_fns(config),
       }
-      weights = {'grouped': params, 'dense': params,
-                 'one_expert': (w_router,) + tuple(w[0] for w in kernels)}
+      weights = {
+          'grouped': params,
+          'dense': params,
+          'one_expert': (w_router,) + tuple(w[0] for w in kernels),
+      }
       if 'all' in references:
         fns['all'] = _all_experts_fns(config)
         weights['all'] = (w_router, *kernels)
       tokens = b * seq_len
       block, blocks = grouped_blocks(tokens * top_k, e)
-      ideal = ideal_flops(tokens, d_model, d_ff, e, top_k, len(spec['matrices']))
+      ideal = ideal_flops(
+          tokens, d_model, d_ff, e, top_k, len(spec['matrices'])
+      )
       results = {}
       out = {}
       for i, name in enumerate(PASSES):
         args = {v: (weights[v], x) + ((cotangent,) if i else ()) for v in fns}
-        compiled = {v: jax.jit(fns[v][i]).lower(*args[v]).compile() for v in fns}
+        compiled = {
+            v: jax.jit(fns[v][i]).lower(*args[v]).compile() for v in fns
+        }
         grouped_raw, grouped = profiling.loop_corrected_flops(
-            fns['grouped'][i], *args['grouped'], compiled=compiled['grouped'])
+            fns['grouped'][i], *args['grouped'], compiled=compiled['grouped']
+        )
         ref_flops = {v: profiling.flops(compiled[v]) for v in references}
         timed = ('one_expert', 'grouped') + tuple(
-            v for v in references if ref_flops[v] <= max_dense_gflop * 1e9)
+            v for v in references if ref_flops[v] <= max_dense_gflop * 1e9
+        )
         calls = {v: functools.partial(compiled[v], *args[v]) for v in timed}
         times = profiling.interleaved_times(calls, repeats=repeats)
         results[name] = {
-            'E': e, 'B': b, 'k': top_k, 'pass': name, 'block': block, 'blocks': blocks,
+            'E': e,
+            'B': b,
+            'k': top_k,
+            'pass': name,
+            'block': block,
+            'blocks': blocks,
             'ideal_gflop': ideal * (i + 1) / 1e9,
-            'grouped_xla_gflop': grouped_raw / 1e9, 'grouped_gflop': grouped / 1e9,
+            'grouped_xla_gflop': grouped_raw / 1e9,
+            'grouped_gflop': grouped / 1e9,
             **{f'{v}_gflop': ref_flops[v] / 1e9 for v in references},
-            **{f'{v}_ms': profiling.median(times[v]) * 1e3 if v in times else _NAN
-               for v in ('one_expert', 'grouped') + references},
-            **{f'{v}_over_grouped': (profiling.paired_ratio(times[v], times['grouped'])
-                                     if v in times else _NAN) for v in references},
-            'grouped_over_one_expert': profiling.paired_ratio(times['grouped'],
-                                                              times['one_expert']),
+            **{
+                f'{v}_ms': profiling.median(times[v]) * 1e3
+                if v in times
+                else _NAN
+                for v in ('one_expert', 'grouped') + references
+            },
+            **{
+                f'{v}_over_grouped': (
+                    profiling.paired_ratio(times[v], times['grouped'])
+                    if v in times
+                    else _NAN
+                )
+                for v in references
+            },
+            'grouped_over_one_expert': profiling.paired_ratio(
+                times['grouped'], times['one_expert']
+            ),
         }
         if i == 0:
           out = {v: calls[v]() for v in ('grouped',) + references if v in calls}
-      diffs = [float(jnp.max(jnp.abs(out['grouped'] - out[v]))) for v in references if v in out]
+      diffs = [
+          float(jnp.max(jnp.abs(out['grouped'] - out[v])))
+          for v in references
+          if v in out
+      ]
       for name in PASSES:
         results[name]['max_abs_diff'] = max(diffs) if diffs else _NAN
         rows_out.append(results[name])
@@ -289,29 +402,65 @@ def _references(rows: list[dict]) -> tuple[str, ...]:
 
 def flops_table(rows: list[dict]) -> str:
   refs = _references(rows)
-  header = ['E', 'B', 'k', 'pass', 'block x blocks', 'ideal GF', 'grouped XLA raw GF',
-            'grouped GF (loops x trips)', 'grouped/ideal']
+  header = [
+      'E',
+      'B',
+      'k',
+      'pass',
+      'block x blocks',
+      'ideal GF',
+      'grouped XLA raw GF',
+      'grouped GF (loops x trips)',
+      'grouped/ideal',
+  ]
   header += [h for v in refs for h in (f'{v} GF', f'{v}/ideal')]
-  body = [[r['E'], r['B'], r['k'], r['pass'], f"{r['block']} x {r['blocks']}",
-           f"{r['ideal_gflop']:.2f}", f"{r['grouped_xla_gflop']:.3f}",
-           f"{r['grouped_gflop']:.2f}", f"{r['grouped_gflop'] / r['ideal_gflop']:.3f}"]
-          + [c for v in refs for c in (f"{r[f'{v}_gflop']:.1f}",
-                                       f"{r[f'{v}_gflop'] / r['ideal_gflop']:.2f}")]
-          for r in rows]
+  body = [
+      [
+          r['E'],
+          r['B'],
+          r['k'],
+          r['pass'],
+          f"{r['block']} x {r['blocks']}",
+          f"{r['ideal_gflop']:.2f}",
+          f"{r['grouped_xla_gflop']:.3f}",
+          f"{r['grouped_gflop']:.2f}",
+          f"{r['grouped_gflop'] / r['ideal_gflop']:.3f}",
+      ]
+      + [
+          c
+          for v in refs
+          for c in (
+              f"{r[f'{v}_gflop']:.1f}",
+              f"{r[f'{v}_gflop'] / r['ideal_gflop']:.2f}",
+          )
+      ]
+      for r in rows
+  ]
   return profiling.format_table(header, body)
 
 
 def time_table(rows: list[dict]) -> str:
   refs = _references(rows)
-  header = (['E', 'B', 'k', 'pass', '1-expert ms', 'grouped ms']
-            + [f'{v} ms' for v in refs] + [f'{v}/grouped' for v in refs]
-            + ['grouped/1-expert', 'max|grouped-' + '/'.join(refs) + '|'])
-  body = [[r['E'], r['B'], r['k'], r['pass'], f"{r['one_expert_ms']:.1f}",
-           f"{r['grouped_ms']:.1f}"]
-          + [_fmt(r[f'{v}_ms'], '.1f') for v in refs]
-          + [_fmt(r[f'{v}_over_grouped'], '.2f') for v in refs]
-          + [f"{r['grouped_over_one_expert']:.2f}", _fmt(r['max_abs_diff'], '.1e')]
-          for r in rows]
+  header = (
+      ['E', 'B', 'k', 'pass', '1-expert ms', 'grouped ms']
+      + [f'{v} ms' for v in refs]
+      + [f'{v}/grouped' for v in refs]
+      + ['grouped/1-expert', 'max|grouped-' + '/'.join(refs) + '|']
+  )
+  body = [
+      [
+          r['E'],
+          r['B'],
+          r['k'],
+          r['pass'],
+          f"{r['one_expert_ms']:.1f}",
+          f"{r['grouped_ms']:.1f}",
+      ]
+      + [_fmt(r[f'{v}_ms'], '.1f') for v in refs]
+      + [_fmt(r[f'{v}_over_grouped'], '.2f') for v in refs]
+      + [f"{r['grouped_over_one_expert']:.2f}", _fmt(r['max_abs_diff'], '.1e')]
+      for r in rows
+  ]
   return profiling.format_table(header, body)
 
 
@@ -319,20 +468,38 @@ def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   spec = FAMILIES[FLAGS.family]
-  pick = lambda name: spec[name] if FLAGS[name].value is None else FLAGS[name].value
+  pick = (
+      lambda name: spec[name]
+      if FLAGS[name].value is None
+      else FLAGS[name].value
+  )
   num_experts = [int(v) for v in pick('num_experts')]
   batch_sizes = [int(v) for v in pick('batch_sizes')]
   top_k, d_model, d_ff = pick('top_k'), pick('d_model'), pick('d_ff')
-  routing = (f'top-1, capacity={FLAGS.expert_capacity}, ReLU experts'
-             if FLAGS.family == 'switch' else f'top-{top_k}, no capacity, SwiGLU experts')
-  print(f'one {FLAGS.family} sparse layer: d_model={d_model} d_ff={d_ff} S={FLAGS.seq_len} '
-        f'{routing}; {jax.devices()[0].platform}, jax {jax.__version__}; '
-        f'medians of {FLAGS.repeats} interleaved rounds; ratios are medians of '
-        'per-round ratios', flush=True)
-  rows = run(family=FLAGS.family, num_experts=num_experts, batch_sizes=batch_sizes,
-             top_k=top_k, seq_len=FLAGS.seq_len, d_model=d_model, d_ff=d_ff,
-             expert_capacity=FLAGS.expert_capacity, repeats=FLAGS.repeats,
-             max_dense_gflop=FLAGS.max_dense_gflop)
+  routing = (
+      f'top-1, capacity={FLAGS.expert_capacity}, ReLU experts'
+      if FLAGS.family == 'switch'
+      else f'top-{top_k}, no capacity, SwiGLU experts'
+  )
+  print(
+      f'one {FLAGS.family} sparse layer: d_model={d_model} d_ff={d_ff} S={FLAGS.seq_len} '
+      f'{routing}; {jax.devices()[0].platform}, jax {jax.__version__}; '
+      f'medians of {FLAGS.repeats} interleaved rounds; ratios are medians of '
+      'per-round ratios',
+      flush=True,
+  )
+  rows = run(
+      family=FLAGS.family,
+      num_experts=num_experts,
+      batch_sizes=batch_sizes,
+      top_k=top_k,
+      seq_len=FLAGS.seq_len,
+      d_model=d_model,
+      d_ff=d_ff,
+      expert_capacity=FLAGS.expert_capacity,
+      repeats=FLAGS.repeats,
+      max_dense_gflop=FLAGS.max_dense_gflop,
+  )
   print('\nFLOPs (GF = 1e9; XLA cost analysis counts a loop body once)')
   print(flops_table(rows))
   print('\nWall time')

@@ -1,0 +1,40 @@
+"""RAPTOR on a GLUE task: `configs/glue.py:task=...,model=...,preset=...`.
+
+The argument is comma-separated key=value pairs (big_vision style):
+
+  task    sst2 (default) | qnli | qqp | mnli; the public corpus of layer
+          selection is the paper's pairing (`raptor_jax.data.TASK_CORPUS`):
+          IMDb unsupervised reviews, SQuAD contexts, PAWS-Wiki sentence pairs,
+          ANLI R2 premises and hypotheses.
+  model   switch (default; google/switch-base-8, the paper's setting) |
+          olmoe (allenai/OLMoE-1B-7B-0924, Tab. 2: E=64, top-8, bf16
+          activations; the classifier reads the last non-padding token)
+  preset  empty (default; paper scale) | tiny (embedded offline task, a small
+          random model; CPU, minutes) | cpu (the tiny model size on the real
+          task's files) | small (a small pretrained model from
+          launch/pretrain.py on the real task's files)
+
+Paper scale (GPU; downloads the model and GLUE through Hugging Face):
+
+  python launch/main.py --config=configs/glue.py:task=sst2 --workdir=/tmp/raptor_sst2
+
+Local GLUE files instead of the Hub (TSV as GLUE ships them):
+
+  python launch/main.py --config=configs/glue.py:task=sst2 --workdir=/tmp/raptor_sst2 \
+    --config.data.train_path=glue/sst2/train.tsv --config.data.dev_path=glue/sst2/dev.tsv \
+    --config.data.public_path=calib/imdb/unsup_sample5000.tsv
+
+Embedded offline default (a small random OLMoE, 8 experts, top-2):
+
+  python launch/main.py --config=configs/glue.py:task=mnli,model=olmoe,preset=tiny \
+    --workdir=/tmp/raptor_olmoe_tiny
+
+`configs/{switch,olmoe}_{sst2,qnli,qqp,mnli}.py:<preset>` name the same configs.
+Any field can be overridden, e.g. --config.privacy.epsilon=1 --config.method=baseline_a.
+"""
+
+from raptor_jax.train.config import glue_config, parse_arg
+
+
+def get_config(arg: str = ""):
+  return glue_config(**parse_arg(arg, task="sst2", model="switch", preset=""))

@@ -1,0 +1,4 @@
+"""Benchmark scripts and their measurement helpers (`profiling`).
+
+Run them from the repository root as modules, e.g. `python -m launch.bench.benchmark`.
+"""

@@ -1,0 +1,581 @@
+r"""Benchmarks a DP training step against a non-private one, and expert-stream memory.
+
+One process, a small randomly initialised classifier, fixed shapes, every step
+jitted once. `--family=switch` (default): `SequenceClassifier(SwitchEncoder)`,
+top-1, every 2nd block sparse, mean pooling. `--family=olmoe`:
+`SequenceClassifier(OlmoeDecoder)`, every block sparse with SwiGLU experts
+(gate, up, down), top-k routing (`--top_k`, default 8 at every E, so only E
+changes between the expert-stream rows), as many key/value heads as heads,
+last-token pooling; the same width flags (d_model = hidden size, d_ff = each
+expert's intermediate size; d_kv and expert_capacity are unused).
+
+1. Shared stream. Trainable: LoRA (rank r) on attention q, k, v, o of every
+   block plus the classification head (LoRA-scale); everything else frozen
+   (passed as a non-differentiated argument). For each microbatch size m,
+   on the same batch of m records:
+   * non-private step: `jax.grad` of the mean loss + Adam;
+   * DP step: the trainer's own step through the public API
+     (`train.step.PhaseStep`): `accumulate` (vmap(grad) per record, clip,
+     float32 sum) + `update` (`optax.chain(transforms.privatize_sums, adam)`:
+     noise once, public denominator m, Adam).
+   Prints their wall times (medians of interleaved runs), the ratio, compile
+   times and XLA's temporary memory (of the DP `accumulate`).
+2. Expert stream at one sparse layer l (the last): trainable = that layer's
+   expert LoRA (wi/wo, or gate/up/down), RAPTOR's expert phase through
+   `PhaseStep` as the trainer runs it: each record differentiates only its
+   owner's slice (`models.OwnerOverride`, `grads.owner_slices`), weighted by
+   its residual weight, clipped and summed by owner; noise for every expert
+   (`privatize_sums`, denominator m/E), Adam on the stacked [E, ...] LoRA. For
+   each E it prints XLA's memory analysis of the compiled `accumulate`: temporary memory (scratch;
+   arguments, so parameters, excluded) should not grow with E, since a
+   record's gradient is one expert slice; and XLA's FLOPs of the step with
+   every `lax.scan` body counted once per iteration
+   (`profiling.loop_corrected_flops`). The largest buffers of the smallest and
+   the largest E are listed with the JAX op that makes them, to see which one
+   grows if it does.
+
+  python -m launch.bench.benchmark
+  python -m launch.bench.benchmark --microbatch_sizes=32 --expert_num_experts=8,64 \
+      --num_layers=12 --d_model=768 --d_ff=3072 --num_heads=12   # base width
+  python -m launch.bench.benchmark --family=olmoe --microbatch_sizes=   # expert stream only
+
+An empty --microbatch_sizes skips the shared stream.
+"""
+
+import dataclasses
+import functools
+
+from absl import app
+from absl import flags
+from flax import traverse_util
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from launch.bench import profiling
+from raptor_jax import models, roles
+from raptor_jax.train import methods, parallel
+from raptor_jax.train import step as step_lib
+
+
+def define_flags() -> None:
+  """Defines the command-line flags; only when run as a script, so that tests can
+  import several scripts into one process."""
+  flags.DEFINE_enum(
+      'family',
+      'switch',
+      ['switch', 'olmoe'],
+      'Model: switch (top-1, ReLU experts) or olmoe (top-k, SwiGLU experts).',
+  )
+  flags.DEFINE_integer(
+      'top_k', 8, 'Experts per token (olmoe only; Switch is top-1).'
+  )
+  flags.DEFINE_list(
+      'microbatch_sizes',
+      ['8', '32', '128'],
+      'Microbatch sizes m of the shared-stream steps (empty: skip them).',
+  )
+  flags.DEFINE_list(
+      'expert_num_experts',
+      ['8', '64'],
+      'Values of E for the expert-stream step.',
+  )
+  flags.DEFINE_integer(
+      'expert_microbatch', 32, 'Microbatch size of the expert-stream step.'
+  )
+  flags.DEFINE_integer('num_experts', 8, 'E of the shared-stream model.')
+  flags.DEFINE_integer('d_model', 256, 'Model width.')
+  flags.DEFINE_integer('d_ff', 1024, 'Feed-forward width (dense and experts).')
+  flags.DEFINE_integer('num_heads', 4, 'Attention heads.')
+  flags.DEFINE_integer('d_kv', 64, 'Width of one head.')
+  flags.DEFINE_integer('num_layers', 4, 'Blocks (every 2nd sparse).')
+  flags.DEFINE_integer('seq_len', 128, 'Tokens per record.')
+  flags.DEFINE_integer('vocab_size', 8000, 'Vocabulary size.')
+  flags.DEFINE_integer('expert_capacity', 64, 'Per-record expert capacity.')
+  flags.DEFINE_integer('lora_rank', 8, 'LoRA rank r.')
+  flags.DEFINE_integer('repeats', 5, 'Timed rounds per variant.')
+
+
+L2_CLIP = 1.0
+NOISE_MULTIPLIER = 1.0
+LEARNING_RATE = 1e-3
+_MB = 2.0**20
+
+
+def model_config(**overrides) -> models.SwitchConfig:
+  """A small Switch (`overrides` on top of the defaults) with LoRA on attention
+  and on the experts of the last sparse block, the expert-stream layer."""
+  base = dict(
+      vocab_size=8000,
+      d_model=256,
+      d_kv=64,
+      d_ff=1024,
+      num_layers=4,
+      num_heads=4,
+      num_experts=8,
+      expert_capacity=64,
+      sparse_step=2,
+      lora_rank=8,
+      attention_lora=True,
+  )
+  base.update(overrides)
+  config = models.SwitchConfig(**base)
+  return dataclasses.replace(
+      config, expert_lora_layers=(config.sparse_layers[-1],)
+  )
+
+
+def olmoe_config(**overrides) -> models.OlmoeConfig:
+  """A small OLMoE (`overrides` on top of the defaults: 4 blocks, all sparse, top-8)
+  with LoRA on attention and on the experts of the last block, the expert-stream layer.
+  """
+  base = dict(
+      vocab_size=8000,
+      hidden_size=256,
+      intermediate_size=1024,
+      num_hidden_layers=4,
+      num_attention_heads=4,
+      num_key_value_heads=4,
+      num_experts=8,
+      num_experts_per_tok=8,
+      lora_rank=8,
+      attention_lora=True,
+  )
+  base.update(overrides)
+  config = models.OlmoeConfig(**base)
+  return dataclasses.replace(
+      config, expert_lora_layers=(config.sparse_layers[-1],)
+  )
+
+
+def build(
+    config: models.SwitchConfig | models.OlmoeConfig,
+    seq_len: int,
+    seed: int = 0,
+):
+  """(module, params) of a randomly initialised SequenceClassifier (mean pooling for
+  Switch, last token for the OLMoE decoder)."""
+  if isinstance(config, models.OlmoeConfig):
+    module = models.SequenceClassifier(
+        models.OlmoeDecoder(config), num_labels=2, pooling='last'
+    )
+  else:
+    module = models.SequenceClassifier(
+        models.SwitchEncoder(config), num_labels=2
+    )
+  ids = jnp.zeros((1, seq_len), jnp.int32)
+  params = jax.jit(module.init)(
+      jax.random.PRNGKey(seed), ids, jnp.ones_like(ids)
+  )
+  return module, params['params']
+
+
+def split(params, is_trainable):
+  """(trainable, frozen) nested dicts; `is_trainable(path_tuple)` decides."""
+  flat = traverse_util.flatten_dict(params)
+  pick = lambda keep: traverse_util.unflatten_dict(
+      {k: v for k, v in flat.items() if is_trainable(k) == keep}
+  )
+  return pick(True), pick(False)
+
+
+def merge(*trees):
+  flat = {}
+  for tree in trees:
+    flat.update(traverse_util.flatten_dict(tree))
+  return traverse_util.unflatten_dict(flat)
+
+
+def is_shared(path) -> bool:
+  """Shared stream (paper App. C, `roles.SHARED_ROLES`): attention LoRA + the head."""
+  return roles.role_of('/'.join(path)) in roles.SHARED_ROLES
+
+
+def batch(
+    num_records: int,
+    seq_len: int,
+    vocab_size: int,
+    num_experts: int,
+    seed: int = 0,
+):
+  """Random records (ids, mask, label) with right padding, and random owners."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, vocab_size, (num_records, seq_len), dtype=np.int32)
+  lengths = rng.integers(seq_len // 2, seq_len + 1, num_records)
+  mask = (np.arange(seq_len)[None] < lengths[:, None]).astype(np.int32)
+  labels = rng.integers(0, 2, num_records, dtype=np.int32)
+  owners = rng.integers(0, num_experts, num_records, dtype=np.int32)
+  return (
+      (jnp.asarray(ids * mask), jnp.asarray(mask), jnp.asarray(labels)),
+      jnp.asarray(owners),
+  )
+
+
+def _xent(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def nonprivate_step(module):
+  """Jittable non-private step: (trainable, opt, frozen, records) -> (trainable, opt)."""
+  adam = optax.adam(LEARNING_RATE)
+
+  def step(trainable, opt_state, frozen, records):
+    def mean_loss(trainable):
+      ids, mask, labels = records
+      logits, _ = module.apply({'params': merge(frozen, trainable)}, ids, mask)
+      return jnp.mean(_xent(logits, labels))
+
+    updates, opt_state = adam.update(
+        jax.grad(mean_loss)(trainable), opt_state, trainable
+    )
+    return optax.apply_updates(trainable, updates), opt_state
+
+  return step, adam
+
+
+def one_part_phase(
+    name: str,
+    part_roles,
+    *,
+    denominator: float,
+    blocks=None,
+    owner: bool = False,
+    residual: bool = False,
+) -> methods.Phase:
+  """A phase of one part with the benchmark's clip and noise multiplier."""
+  return methods.Phase(
+      name=name,
+      stream=0,
+      parts=(
+          methods.Part(
+              name=name,
+              roles=tuple(part_roles),
+              blocks=blocks,
+              owner=owner,
+              l2_clip=L2_CLIP,
+              noise_multiplier=NOISE_MULTIPLIER,
+              denominator=denominator,
+              residual=residual,
+          ),
+      ),
+  )
+
+
+def dp_step(
+    module,
+    params,
+    phase: methods.Phase,
+    records,
+    owners,
+    *,
+    key,
+    expert_layer=None,
+    residual: str = 'none',
+):
+  """The trainer's DP step through the public API (`train.step.PhaseStep`, 1 device).
+
+  Returns (state, (jitted accumulate, its compiled program, its arguments),
+  update compile seconds, call): `call()` runs one phase step on the microbatch exactly as training
+  does: zero sums, place the records, accumulate (vmap(grad) per record,
+  clip, float32 sums), update (noise once, public denominator, Adam).
+  """
+  dp = step_lib.PhaseStep(
+      module,
+      phase,
+      key=key,
+      learning_rate=LEARNING_RATE,
+      mesh=parallel.make_mesh(1),
+      expert_layer=expert_layer,
+      residual=residual,
+  )
+  state = dp.init(params)
+  ids, mask, labels = records
+  batch = {
+      'input_ids': ids,
+      'attention_mask': mask,
+      'labels': labels,
+      'owners': owners,
+  }
+  placed = parallel.shard_records(
+      (batch, np.ones(len(labels), np.float32)), dp.mesh
+  )
+  args = (state.trainable, state.frozen, dp.zero_sums(state), *placed)
+  compiled = profiling.compile_timed(dp.functions.accumulate, *args)
+  update = profiling.compile_timed(
+      dp.functions.update, state.trainable, state.opt_state, args[2]
+  )
+
+  def call():
+    return dp.update(state, dp.accumulate(state, dp.zero_sums(state), batch))
+
+  return (
+      state,
+      (dp.functions.accumulate, compiled, args),
+      update.lower_s + update.compile_s,
+      call,
+  )
+
+
+def _num_params(tree) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def run_shared(
+    config: models.SwitchConfig | models.OlmoeConfig,
+    *,
+    microbatch_sizes=(8, 32, 128),
+    seq_len=128,
+    repeats=5,
+) -> list[dict]:
+  """Non-private vs DP shared-stream step per microbatch size; one dict per m."""
+  module, params = build(config, seq_len)
+  trainable, frozen = split(params, is_shared)
+  rows = []
+  for m in microbatch_sizes:
+    records, owners = batch(
+        m, seq_len, config.vocab_size, config.num_experts, seed=m
+    )
+    calls, row = {}, {
+        'm': m,
+        'trainable': _num_params(trainable),
+        'frozen': _num_params(frozen),
+    }
+    step, adam = nonprivate_step(module)
+    args = (trainable, adam.init(trainable), frozen, records)
+    nonprivate = profiling.compile_timed(step, *args)
+    calls['nonprivate'] = functools.partial(nonprivate.compiled, *args)
+    row['nonprivate_compile_s'] = nonprivate.lower_s + nonprivate.compile_s
+    phase = one_part_phase('shared', roles.SHARED_ROLES, denominator=float(m))
+    _, (_, compiled, _), update_s, calls['dp'] = dp_step(
+        module, params, phase, records, owners, key=jax.random.key(0)
+    )
+    row['dp_compile_s'] = compiled.lower_s + compiled.compile_s + update_s
+    for name, program in (
+        ('nonprivate', nonprivate.compiled),
+        ('dp', compiled.compiled),
+    ):
+      stats = profiling.memory_stats(program)
+      row[f'{name}_temp_mb'] = stats['temp'] / _MB if stats else float('nan')
+    times = profiling.interleaved_times(calls, repeats=repeats)
+    for name in calls:
+      row[f'{name}_ms'] = profiling.median(times[name]) * 1e3
+    row['dp_over_nonprivate'] = profiling.paired_ratio(
+        times['dp'], times['nonprivate']
+    )
+    rows.append(row)
+  return rows
+
+
+def run_expert(
+    config: models.SwitchConfig | models.OlmoeConfig,
+    *,
+    num_experts=(8, 64),
+    microbatch=32,
+    seq_len=128,
+    repeats=5,
+    num_buffers=8,
+):
+  """Expert-stream step per E: memory analysis, FLOPs and time; (rows, largest buffers).
+
+  RAPTOR's expert phase as the trainer runs it: owner slices of l*'s expert
+  LoRA, the residual weight from the shared-only logits, denominator m/E.
+  """
+  rows, calls, buffers = [], {}, {}
+  for e in num_experts:
+    cfg = dataclasses.replace(config, num_experts=e)
+    layer = cfg.expert_lora_layers[0]
+    module, params = build(cfg, seq_len)
+    records, owners = batch(microbatch, seq_len, cfg.vocab_size, e, seed=e)
+    phase = one_part_phase(
+        'expert',
+        roles.EXPERT_ROLES,
+        denominator=microbatch / e,
+        blocks=(layer,),
+        owner=True,
+        residual=True,
+    )
+    state, (accumulate, compiled, args), update_s, calls[e] = dp_step(
+        module,
+        params,
+        phase,
+        records,
+        owners,
+        key=jax.random.key(1),
+        expert_layer=layer,
+        residual='shared',
+    )
+    stats = profiling.memory_stats(compiled.compiled) or {}
+    _, step_flops = profiling.loop_corrected_flops(
+        accumulate, *args, compiled=compiled.compiled
+    )
+    one_slice = _num_params(state.trainable) // e
+    rows.append(
+        {
+            'E': e,
+            'layer': layer,
+            'm': microbatch,
+            'expert_lora_params': _num_params(state.trainable),
+            'frozen_params': _num_params(state.frozen),
+            'per_record_grad_mb': microbatch * one_slice * 4 / _MB,
+            'temp_mb': stats.get('temp', float('nan')) / _MB,
+            'argument_mb': stats.get('argument', float('nan')) / _MB,
+            'output_mb': stats.get('output', float('nan')) / _MB,
+            'gflop': step_flops / 1e9,
+            'compile_s': compiled.lower_s + compiled.compile_s + update_s,
+        }
+    )
+    buffers[e] = profiling.largest_buffers(compiled.compiled, num_buffers)
+  times = profiling.interleaved_times(calls, repeats=repeats)
+  for row in rows:
+    row['step_ms'] = profiling.median(times[row['E']]) * 1e3
+    row['temp_over_first'] = row['temp_mb'] / rows[0]['temp_mb']
+    row['flops_over_first'] = row['gflop'] / rows[0]['gflop']
+    row['time_over_first'] = profiling.paired_ratio(
+        times[row['E']], times[rows[0]['E']]
+    )
+  return rows, buffers
+
+
+def shared_table(rows: list[dict]) -> str:
+  header = [
+      'm',
+      'non-private ms',
+      'DP ms',
+      'DP/non-private',
+      'compile s (non-priv, DP)',
+      'temp MB (non-priv, DP)',
+  ]
+  body = [
+      [
+          r['m'],
+          f"{r['nonprivate_ms']:.1f}",
+          f"{r['dp_ms']:.1f}",
+          f"{r['dp_over_nonprivate']:.2f}",
+          f"{r['nonprivate_compile_s']:.1f}, {r['dp_compile_s']:.1f}",
+          f"{r['nonprivate_temp_mb']:.1f}, {r['dp_temp_mb']:.1f}",
+      ]
+      for r in rows
+  ]
+  return profiling.format_table(header, body)
+
+
+def expert_table(rows: list[dict]) -> str:
+  header = [
+      'E',
+      'expert LoRA params',
+      'per-record grads MB',
+      'temp MB',
+      'temp / first',
+      'argument MB',
+      'output MB',
+      'GF (loops x trips)',
+      'GF / first',
+      'step ms',
+      'time / first',
+      'compile s',
+  ]
+  body = [
+      [
+          r['E'],
+          r['expert_lora_params'],
+          f"{r['per_record_grad_mb']:.2f}",
+          f"{r['temp_mb']:.1f}",
+          f"{r['temp_over_first']:.2f}",
+          f"{r['argument_mb']:.1f}",
+          f"{r['output_mb']:.2f}",
+          f"{r['gflop']:.1f}",
+          f"{r['flops_over_first']:.2f}",
+          f"{r['step_ms']:.1f}",
+          f"{r['time_over_first']:.2f}",
+          f"{r['compile_s']:.1f}",
+      ]
+      for r in rows
+  ]
+  return profiling.format_table(header, body)
+
+
+def buffer_table(buffers: list[profiling.Buffer]) -> str:
+  body = [
+      [
+          f'{b.nbytes / _MB:.1f}',
+          b.shape,
+          b.opcode,
+          '/'.join(b.op_name.split('/')[-4:]),
+      ]
+      for b in buffers
+  ]
+  return profiling.format_table(
+      ['MB', 'shape', 'HLO op', 'JAX op (last parts)'], body
+  )
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  if FLAGS.family == 'olmoe':
+    config = olmoe_config(
+        vocab_size=FLAGS.vocab_size,
+        hidden_size=FLAGS.d_model,
+        intermediate_size=FLAGS.d_ff,
+        num_hidden_layers=FLAGS.num_layers,
+        num_attention_heads=FLAGS.num_heads,
+        num_key_value_heads=FLAGS.num_heads,
+        num_experts=FLAGS.num_experts,
+        num_experts_per_tok=FLAGS.top_k,
+        lora_rank=FLAGS.lora_rank,
+    )
+    routing = f'top-{config.top_k}, SwiGLU experts'
+  else:
+    config = model_config(
+        vocab_size=FLAGS.vocab_size,
+        d_model=FLAGS.d_model,
+        d_kv=FLAGS.d_kv,
+        d_ff=FLAGS.d_ff,
+        num_layers=FLAGS.num_layers,
+        num_heads=FLAGS.num_heads,
+        num_experts=FLAGS.num_experts,
+        expert_capacity=FLAGS.expert_capacity,
+        lora_rank=FLAGS.lora_rank,
+    )
+    routing = f'top-1, capacity {config.expert_capacity}'
+  print(
+      f'{FLAGS.family} classifier: d_model={FLAGS.d_model} d_ff={FLAGS.d_ff} '
+      f'layers={FLAGS.num_layers} (sparse {list(config.sparse_layers)}, {routing}) '
+      f'heads={FLAGS.num_heads} vocab={config.vocab_size} S={FLAGS.seq_len} '
+      f'LoRA r={config.lora_rank}; {jax.devices()[0].platform}, jax {jax.__version__}; '
+      f'medians of {FLAGS.repeats} interleaved rounds',
+      flush=True,
+  )
+  if FLAGS.microbatch_sizes:
+    shared = run_shared(
+        config,
+        microbatch_sizes=[int(m) for m in FLAGS.microbatch_sizes],
+        seq_len=FLAGS.seq_len,
+        repeats=FLAGS.repeats,
+    )
+    print(
+        f"\nShared stream, E={config.num_experts}: {shared[0]['trainable']:,} trainable "
+        f"(attention LoRA + head), {shared[0]['frozen']:,} frozen parameters"
+    )
+    print(shared_table(shared), flush=True)
+  expert, buffers = run_expert(
+      config,
+      num_experts=[int(e) for e in FLAGS.expert_num_experts],
+      microbatch=FLAGS.expert_microbatch,
+      seq_len=FLAGS.seq_len,
+      repeats=FLAGS.repeats,
+  )
+  print(
+      f"\nExpert stream at block {expert[0]['layer']}, m={expert[0]['m']} "
+      '(XLA memory analysis; temp excludes arguments, so parameters)'
+  )
+  print(expert_table(expert))
+  for row in expert[:1] + expert[1:][-1:]:  # the smallest and the largest E
+    print(f"\nLargest buffers of the E={row['E']} expert step (optimized HLO)")
+    print(buffer_table(buffers[row['E']]))
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

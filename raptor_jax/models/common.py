@@ -1,0 +1,77 @@
+"""Types every backbone family shares: its output, the owner override, options.
+
+A family (Switch, OLMoE, ...) is one module with a frozen config dataclass
+that subclasses `FineTuningOptions` and adds its architecture fields, and a
+backbone whose `__call__(input_ids, attention_mask, owner_override)` returns
+a `BackboneOutput`; `hf.FAMILIES` maps its Hugging Face `model_type` to the
+backbone and its checkpoint name table. The fine-tuning options are written
+once, here, so every family takes the same `from_pretrained` options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, NamedTuple
+
+import jax
+
+
+class BackboneOutput(NamedTuple):
+  """Output of a backbone: final hidden states and per-sparse-layer logits."""
+
+  hidden_states: jax.Array  # [B, S, D]
+  router_logits: tuple[jax.Array, ...]  # one float32 [B, S, E] per sparse layer
+
+
+class OwnerOverride(NamedTuple):
+  """Routes one record's expert-stream gradient into its owner's slice.
+
+  Attributes:
+    layer: index of the block whose experts train (a Python int).
+    owner: int32 scalar, the record's owner expert.
+    params: this block's trainable expert parameters without the expert
+      axis, e.g. {'wi': {'lora_a', 'lora_b'} | {'kernel'}, 'wo': {...}} for
+      Switch (the names of the family's expert projections).
+  """
+
+  layer: int
+  owner: jax.Array
+  params: Mapping[str, Mapping[str, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FineTuningOptions:
+  """Fine-tuning options of every family's config (not part of the checkpoint).
+
+  Keyword-only, so a family config keeps its architecture fields' positional
+  order. A subclass defines `sparse_layers` (indices of its sparse blocks)
+  and calls `super().__post_init__()` from its own `__post_init__`.
+  """
+
+  lora_rank: int = 0  # LoRA rank r; 0 disables every adapter.
+  lora_alpha: float = 16.0  # LoRA scale is alpha / r.
+  attention_lora: bool = False  # adapters on q, k, v, o of every block.
+  expert_lora_layers: tuple[int, ...] = ()  # blocks whose experts get adapters.
+  dispatch: str = (
+      "grouped"  # expert dispatch: 'grouped', 'dense' or 'grouped_train' (pretraining).
+  )
+  dtype: str = (
+      "float32"  # activation dtype; routers and norm statistics use float32.
+  )
+
+  @property
+  def sparse_layers(self) -> tuple[int, ...]:
+    raise NotImplementedError("a family config defines its sparse blocks")
+
+  def __post_init__(self):
+    bad = [l for l in self.expert_lora_layers if l not in self.sparse_layers]
+    if bad:
+      raise ValueError(
+          f"expert_lora_layers {bad} are not sparse blocks of this model; its "
+          f"sparse blocks are {list(self.sparse_layers)}"
+      )
+
+
+FINE_TUNING_OPTIONS = tuple(
+    f.name for f in dataclasses.fields(FineTuningOptions)
+)

@@ -1,0 +1,152 @@
+"""`build_run`: the one assembly of a run from its config.
+
+data -> backbone -> layer selection (public corpus) -> plan -> owner map ->
+adapters -> classifier -> partition. The trainer, the diagnostics, the
+benchmarks and the tests all build runs here, so they run what training runs.
+
+Privacy. `Run.owners` is the owner map of the private records: it stays in
+process memory and must never be logged, saved or returned to a user
+(SPEC 1.2). The layer table is computed on the public corpus only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from raptor_jax import data, models, ownership, sampling
+from raptor_jax.models import hf
+from raptor_jax.train import methods, parallel, setup
+
+Flat = dict[str, Any]
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Every check that needs no data and no model: run before loading anything.
+
+  Raises:
+    ValueError: a field is missing or invalid (one line naming it).
+  """
+  if not config.model.name:
+    raise ValueError(
+        "set --config.model.name to a Hub id or a save_pretrained directory "
+        "(e.g. <pretrain workdir>/model from launch/pretrain.py)"
+    )
+  methods.check_config(config)
+  setup.check_eval_split(config.data)
+  sampling.check_microbatch_size(config.microbatch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """A run's data, plan and model, ready to train or measure.
+
+  Attributes:
+    config: the config it was built from.
+    data: tokenised splits (`data.train`: this host's records).
+    n: number of private training records over all hosts.
+    plan: phases, steps and calibrated noise (public).
+    layer_table: public-corpus routing statistics per sparse layer, or None.
+    model: the classifier (backbone with the plan's adapters, and a head).
+    trainable: {part name: {path: array}} the plan's parts train.
+    frozen: {path: array} every other parameter.
+    owners: int32 owner of every record of `owner_records` at l* (zeros
+      when no part needs owners). PRIVATE for training records.
+    backbone_config: the backbone's config (sparse layers, experts, ...).
+  """
+
+  config: ml_collections.ConfigDict
+  data: setup.RunData
+  n: int
+  plan: methods.Plan
+  layer_table: list[dict[str, float]] | None
+  model: models.SequenceClassifier
+  trainable: dict[str, Flat]
+  frozen: Flat
+  owners: np.ndarray = dataclasses.field(repr=False)
+  backbone_config: Any = None
+
+  @property
+  def expert_layer(self) -> int:
+    return self.plan.expert_layer
+
+  @property
+  def num_experts(self) -> int:
+    return self.backbone_config.num_experts
+
+
+def build_run(
+    config: ml_collections.ConfigDict,
+    *,
+    host: tuple[int, int] = (0, 1),
+    owner_records: str = "train",
+) -> Run:
+  """Validates `config`, then loads and assembles its run as the trainer does.
+
+  Args:
+    config: the run's config.
+    host: (process index, process count): this host keeps the training
+      records i with i % count == index (`parallel.host_shard()`); n counts
+      the records of every host.
+    owner_records: 'train' (the trainer) or 'dev' (diagnostics): whose
+      owner map `Run.owners` holds.
+
+  Returns:
+    The frozen `Run`.
+  """
+  validate(config)
+  if owner_records not in ("train", "dev"):
+    raise ValueError(
+        f"owner_records must be 'train' or 'dev', got {owner_records!r}"
+    )
+  run_data = setup.load_run_data(config, host=host)
+  n = (
+      len(run_data.train)
+      if host[1] == 1
+      else parallel.global_count(len(run_data.train))
+  )
+  data.check_batch_size(config.batch_size, n)
+  backbone, backbone_params = setup.load_backbone(config, run_data)
+  bc = backbone.config
+  if not bc.sparse_layers:
+    raise ValueError(
+        f"{config.model.name} has no sparse (MoE) layer; RAPTOR needs an MoE model"
+    )
+  expert_layer, table = ownership.select_expert_layer(
+      config, backbone, backbone_params, run_data
+  )
+  plan = methods.build_plan(
+      config,
+      n=n,
+      num_experts=bc.num_experts,
+      sparse_layers=bc.sparse_layers,
+      expert_layer=expert_layer,
+  )
+  records = run_data.train if owner_records == "train" else run_data.dev
+  needs_owners = any(part.owner for part in plan.parts)
+  owners = (
+      ownership.private_owner_map(
+          config, backbone, backbone_params, records, expert_layer
+      )
+      if needs_owners
+      else np.zeros((len(records),), np.int32)
+  )
+  backbone, backbone_params = hf.with_options(
+      backbone,
+      backbone_params,
+      seed=config.seed,
+      dtype=config.model.dtype,
+      **plan.model_options,
+  )
+  pooling = config.model.pooling or setup.default_pooling(backbone)
+  model, params = setup.classifier(
+      backbone, backbone_params, run_data.task.num_labels, pooling, config.seed
+  )
+  del backbone_params
+  trainable, frozen = setup.partition(params, plan.parts)
+  return Run(
+      config, run_data, n, plan, table, model, trainable, frozen, owners, bc
+  )

@@ -1,0 +1,101 @@
+"""configs/glue.py and its aliases configs/{switch,olmoe}_{task}.py."""
+
+import re
+
+import pytest
+
+from helpers import load_config_module
+from raptor_jax import data
+from raptor_jax.train import config as config_lib
+
+_TASKS = ("sst2", "qnli", "qqp", "mnli")
+_PRESETS = ("", "tiny", "cpu", "small")
+
+
+@pytest.mark.parametrize("model", ["switch", "olmoe"])
+@pytest.mark.parametrize("task", _TASKS)
+def test_alias_is_glue_with_the_same_parameters(task, model):
+  glue = load_config_module("glue")
+  alias = load_config_module(f"{model}_{task}")
+  assert (
+      alias.get_config().to_dict()
+      == glue.get_config(f"task={task},model={model}").to_dict()
+  )
+  for preset in _PRESETS:
+    expected = glue.get_config(f"model={model},preset={preset},task={task}")
+    assert alias.get_config(preset).to_dict() == expected.to_dict()
+    assert repr(alias.get_config(preset)) == repr(
+        expected
+    )  # same field types too
+    if preset == "tiny":
+      assert (
+          expected.data.task == "synthetic"
+          and expected.data.public_corpus == "synthetic"
+      )
+      assert expected.model.name == "random"
+    else:
+      assert expected.data.task == task
+      assert expected.data.public_corpus == data.TASK_CORPUS[task]
+    assert expected.model.random.family == model
+
+
+def test_glue_fields():
+  glue = load_config_module("glue")
+  assert (
+      glue.get_config().to_dict()
+      == glue.get_config("task=sst2,model=switch,preset=").to_dict()
+  )
+  paper = glue.get_config("task=mnli,model=olmoe")
+  assert (
+      paper.model.name == "allenai/OLMoE-1B-7B-0924"
+      and paper.model.dtype == "bfloat16"
+  )
+  assert paper.data.public_corpus == "anli_r2" and paper.microbatch_size == 8
+  assert (
+      paper.batch_size == 1000
+      and paper.epochs == 20
+      and paper.privacy.epsilon == 8.0
+  )
+  tiny = glue.get_config("task=mnli,model=olmoe,preset=tiny")
+  assert tiny.model.dtype == "float32" and tiny.model.random.top_k == 2
+  assert (
+      tiny.batch_size == 250 and tiny.epochs == 6 and tiny.data.max_length == 32
+  )
+  cpu = glue.get_config("task=qqp,preset=cpu")
+  assert (cpu.data.task, cpu.data.public_corpus, cpu.model.tokenizer) == (
+      "qqp",
+      "paws",
+      "public-words",
+  )
+  small = glue.get_config("task=qnli,preset=small")
+  assert (
+      small.model.name == ""
+      and small.data.train_limit == 16000
+      and small.data.holdout == 2000
+  )
+  assert small.data.public_corpus == "squad"
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        (
+            "tsk=mnli",
+            "'tsk=mnli' is not one of task=..., model=..., preset=...",
+        ),
+        ("tiny", "'tiny' is not one of task=..., model=..., preset=..."),
+        ("task=cola", "unknown task 'cola'; use one of sst2, mnli, qnli, qqp"),
+        ("model=gpt", "unknown model family 'gpt'; use 'switch' or 'olmoe'"),
+        ("preset=huge", "unknown preset 'huge'; use one of"),
+    ],
+)
+def test_bad_argument_is_one_clear_line(arg, message):
+  with pytest.raises(ValueError, match=re.escape(message)) as error:
+    load_config_module("glue").get_config(arg)
+  assert "\n" not in str(error.value)
+
+
+def test_parse_arg():
+  assert config_lib.parse_arg("", a="1", b="") == {"a": "1", "b": ""}
+  assert config_lib.parse_arg("b=x, a=2", a="1", b="") == {"a": "2", "b": "x"}
+  assert config_lib.parse_arg("b=", a="1", b="y") == {"a": "1", "b": ""}
