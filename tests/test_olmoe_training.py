@@ -41,6 +41,7 @@ def _lora_b_moved(trainable, role):
   return min(values)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["baseline_a", "monolithic_lora"])
 def test_baselines_train_olmoe(method, tmp_path):
   config = micro_config(method=method, **OLMOE)

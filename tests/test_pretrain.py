@@ -290,6 +290,7 @@ def test_build_corpus_reports_and_removes_contamination(tmp_path):
 # Training, export and resume.
 
 
+@pytest.mark.slow
 def test_pretraining_reduces_the_heldout_loss(switch_run):
   workdir, report = switch_run
   config = tiny_config()
@@ -317,6 +318,7 @@ def test_pretraining_reduces_the_heldout_loss(switch_run):
   assert abs(sum(routing["layers"][0]["owner_shares"]) - 1.0) < 1e-6
 
 
+@pytest.mark.slow
 def test_export_round_trip_matches_transformers(switch_run):
   from transformers import AutoTokenizer, SwitchTransformersEncoderModel
 
@@ -354,6 +356,7 @@ def test_export_round_trip_matches_transformers(switch_run):
   )
 
 
+@pytest.mark.slow
 def test_resume_is_exact(switch_run, tmp_path):
   workdir, report = switch_run
   config = tiny_config()
@@ -375,6 +378,7 @@ def test_resume_is_exact(switch_run, tmp_path):
   assert resumed["heldout"] == report["heldout"]
 
 
+@pytest.mark.slow
 def test_olmoe_pretraining_exports_a_causal_lm(tmp_path):
   from transformers import OlmoeForCausalLM
 
@@ -400,6 +404,7 @@ def test_olmoe_pretraining_exports_a_causal_lm(tmp_path):
   np.testing.assert_allclose(ours[:, :5], theirs[:, :5], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_finetuning_reads_the_pretrained_model_and_its_tokenizer(
     switch_run, tmp_path
 ):

@@ -262,6 +262,7 @@ def test_report_needs_finished_cells(tmp_path):
     report.write(tmp_path)
 
 
+@pytest.mark.slow
 def test_tiny_sweep_trains_and_writes_table_plots_and_diagnostics(tmp_path):
   """2 methods x 1 epsilon x 1 seed through the real loop; App. G diagnostics of one."""
 
