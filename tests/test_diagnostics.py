@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raptor_jax import accounting, diagnostics, ownership, roles
-from raptor_jax.models import hf
-from raptor_jax.train import methods, parallel, setup, step
+from raptor_jax import accounting, diagnostics, roles
+from raptor_jax.train import parallel, setup, step
+from raptor_jax.train.run import build_run
 
 from helpers import micro_config
 
@@ -96,53 +96,38 @@ def test_diagnostic_roles():
   assert role("head/kernel") == "head"
 
 
-@pytest.fixture(scope="module")
-def two_block_run():
-  """Data, owners at the sparse block 1, and the LoRA model RAPTOR and Baseline A share."""
-  config = micro_config(**TWO_BLOCKS)
-  run_data = setup.load_run_data(config)
-  backbone, params = setup.load_backbone(config, run_data)
-  owners = ownership.private_owner_map(
-      config, backbone, params, run_data.train, 1
+def _two_block_run(method):
+  """The run `build_run` assembles (l* = sparse block 1), every adapter non-zero."""
+  config = micro_config(
+      method=method,
+      **TWO_BLOCKS,
+      **{
+          "raptor.layer": "last",
+          "privacy.clip_shared": 1e-3,
+          "privacy.clip_expert": 2e-3,
+      },
   )
-  backbone, params = hf.with_options(
-      backbone,
-      params,
-      lora_rank=4,
-      lora_alpha=8.0,
-      attention_lora=True,
-      expert_lora_layers=(1,),
-  )
-  model, params = setup.classifier(backbone, params, 2, "mean", 0)
+  run = build_run(config)
   flat = {
       p: (0.5 * jnp.ones_like(v) if p.endswith("lora_b") else v)
-      for p, v in roles.flatten(params).items()
+      for p, v in roles.flatten(
+          step.merged_params(run.frozen, run.trainable)
+      ).items()
   }  # every adapter has a gradient
-  return run_data, owners, model, roles.unflatten(flat)
+  trainable, frozen = setup.partition(roles.unflatten(flat), run.plan.parts)
+  return run, trainable, frozen
 
 
 @pytest.mark.parametrize("method", ["raptor", "baseline_a"])
 def test_statistics_measure_exactly_the_clipped_sums_training_makes(
-    method, two_block_run, monkeypatch
+    method, monkeypatch
 ):
   """Signal sums at l* equal the phase's own clipped sums; energy of one record is C^2."""
   # The noise plays no part here: skip calibrating it.
   monkeypatch.setattr(accounting, "calibrate_dpsgd", lambda **_: 1.0)
   monkeypatch.setattr(accounting, "calibrate_raptor", lambda **_: (1.0, 1.0))
-  run_data, owners, model, params = two_block_run
-  config = micro_config(
-      method=method,
-      **TWO_BLOCKS,
-      **{"privacy.clip_shared": 1e-3, "privacy.clip_expert": 2e-3},
-  )
-  plan = methods.build_plan(
-      config,
-      n=len(run_data.train),
-      num_experts=4,
-      sparse_layers=(1,),
-      expert_layer=1,
-  )
-  trainable, frozen = setup.partition(params, plan.parts)
+  run, trainable, frozen = _two_block_run(method)
+  run_data, owners, model, plan = run.data, run.owners, run.model, run.plan
   phase = plan.phases[
       -1
   ]  # RAPTOR's expert phase (owner slices); Baseline A's one phase
