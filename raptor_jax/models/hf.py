@@ -472,6 +472,50 @@ FAMILIES = {
 }
 
 
+def backbone_from_sizes(
+    family: str, sizes: Any, vocab_size: int, **options: Any
+) -> nn.Module:
+  """A randomly initialisable backbone of `family` from a size config.
+
+  One mapping for every model built from sizes rather than a checkpoint (the
+  `:tiny` random model, pretraining): `sizes` has d_model, d_kv, d_ff,
+  num_layers, num_heads, num_experts, and per family expert_capacity and
+  sparse_step ('switch') or num_kv_heads, top_k and norm_topk_prob ('olmoe').
+  `options` go to the family's config (e.g. `dispatch='grouped_train'`).
+  """
+  if family == "switch":
+    return switch.SwitchEncoder(
+        switch.SwitchConfig(
+            vocab_size=vocab_size,
+            d_model=sizes.d_model,
+            d_kv=sizes.d_kv,
+            d_ff=sizes.d_ff,
+            num_layers=sizes.num_layers,
+            num_heads=sizes.num_heads,
+            num_experts=sizes.num_experts,
+            expert_capacity=sizes.expert_capacity,
+            sparse_step=sizes.sparse_step,
+            **options,
+        )
+    )
+  if family == "olmoe":
+    return olmoe.OlmoeDecoder(
+        olmoe.OlmoeConfig(
+            vocab_size=vocab_size,
+            hidden_size=sizes.d_model,
+            intermediate_size=sizes.d_ff,
+            num_hidden_layers=sizes.num_layers,
+            num_attention_heads=sizes.num_heads,
+            num_key_value_heads=sizes.num_kv_heads,
+            num_experts=sizes.num_experts,
+            num_experts_per_tok=sizes.top_k,
+            norm_topk_prob=sizes.norm_topk_prob,
+            **options,
+        )
+    )
+  raise ValueError(f"unknown model family {family!r}; use 'switch' or 'olmoe'")
+
+
 def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
   unknown = sorted(set(options) - set(FINE_TUNING_OPTIONS))
   if unknown:

@@ -48,37 +48,9 @@ def backbone(
     family: str, mc: ml_collections.ConfigDict, vocab_size: int
 ) -> nn.Module:
   """The backbone module of a pretraining config (trainable expert kernels)."""
-  if family == "switch":
-    return models.SwitchEncoder(
-        models.SwitchConfig(
-            vocab_size=vocab_size,
-            d_model=mc.d_model,
-            d_kv=mc.d_kv,
-            d_ff=mc.d_ff,
-            num_layers=mc.num_layers,
-            num_heads=mc.num_heads,
-            num_experts=mc.num_experts,
-            expert_capacity=mc.expert_capacity,
-            sparse_step=mc.sparse_step,
-            dispatch="grouped_train",
-        )
-    )
-  if family == "olmoe":
-    return models.OlmoeDecoder(
-        models.OlmoeConfig(
-            vocab_size=vocab_size,
-            hidden_size=mc.d_model,
-            intermediate_size=mc.d_ff,
-            num_hidden_layers=mc.num_layers,
-            num_attention_heads=mc.num_heads,
-            num_key_value_heads=mc.num_kv_heads,
-            num_experts=mc.num_experts,
-            num_experts_per_tok=mc.top_k,
-            norm_topk_prob=mc.norm_topk_prob,
-            dispatch="grouped_train",
-        )
-    )
-  raise ValueError(f"unknown model family {family!r}; use 'switch' or 'olmoe'")
+  return hf.backbone_from_sizes(
+      family, mc, vocab_size, dispatch="grouped_train"
+  )
 
 
 def _switch_std(path: str, cfg: models.SwitchConfig) -> float:

@@ -179,38 +179,7 @@ def random_backbone(
   random router sends a topic's records to the same expert, as a pretrained
   router does for semantically related text: routing then matters.
   """
-  if rc.family == "switch":
-    module = models.SwitchEncoder(
-        models.SwitchConfig(
-            vocab_size=vocab_size,
-            d_model=rc.d_model,
-            d_kv=rc.d_kv,
-            d_ff=rc.d_ff,
-            num_layers=rc.num_layers,
-            num_heads=rc.num_heads,
-            num_experts=rc.num_experts,
-            expert_capacity=rc.expert_capacity,
-            sparse_step=rc.sparse_step,
-        )
-    )
-  elif rc.family == "olmoe":
-    module = models.OlmoeDecoder(
-        models.OlmoeConfig(
-            vocab_size=vocab_size,
-            hidden_size=rc.d_model,
-            intermediate_size=rc.d_ff,
-            num_hidden_layers=rc.num_layers,
-            num_attention_heads=rc.num_heads,
-            num_key_value_heads=rc.num_kv_heads,
-            num_experts=rc.num_experts,
-            num_experts_per_tok=rc.top_k,
-            norm_topk_prob=rc.norm_topk_prob,
-        )
-    )
-  else:
-    raise ValueError(
-        f"unknown random model family {rc.family!r}; use 'switch' or 'olmoe'"
-    )
+  module = hf.backbone_from_sizes(rc.family, rc, vocab_size)
   key_init, key_topics = jax.random.split(jax.random.PRNGKey(seed))
   params = jax.jit(module.init)(key_init, *hf.example_inputs())["params"]
   if token_groups is not None and rc.topic_scale:
