@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from raptor_jax import _validate
 from raptor_jax.data import encoding, tables
 
 _GLUE = "nyu-mll/glue"
@@ -117,12 +118,10 @@ def get_task(name: str) -> TaskSpec:
   Raises:
       ValueError: unknown task.
   """
-  spec = TASKS.get(name.lower())
-  if spec is None:
-    raise ValueError(
-        f"Unknown task {name!r}; set --config.data.task to one of {', '.join(TASKS)}."
-    )
-  return spec
+  _validate.one_of(
+      "data.task", name.lower(), TASKS, _validate.config_fix("data.task")
+  )
+  return TASKS[name.lower()]
 
 
 def _check_split_args(spec, split, text_fields, limit, offset):
@@ -132,10 +131,8 @@ def _check_split_args(spec, split, text_fields, limit, offset):
         f"Unknown split {split!r} for task {spec.name}; use one of"
         f" {', '.join(spec.splits)}."
     )
-  if limit is not None and limit < 1:
-    raise ValueError(f"limit must be at least 1 or None, got {limit}.")
-  if offset < 0:
-    raise ValueError(f"offset must be at least 0, got {offset}.")
+  _validate.check(limit is None or limit >= 1, "limit", ">= 1 or None", limit)
+  _validate.check(offset >= 0, "offset", ">= 0", offset)
   if isinstance(text_fields, str):
     text_fields = (text_fields,)
   if text_fields is not None and len(text_fields) not in (1, 2):
@@ -228,6 +225,11 @@ def load_task_split(
   if not 0 <= index < count:
     raise ValueError(f"shard index {index} is not in [0, {count}).")
   total = len(columns[label_name])
+  if not total:
+    raise ValueError(
+        f"{source} has no records (a header row only); add records or fix"
+        " the path."
+    )
   stop = total if limit is None else offset + limit
   if stop > total:
     raise ValueError(
