@@ -145,7 +145,10 @@ def cell_config(
   if clip is not None:
     config.privacy.clip_shared = config.privacy.clip_expert = float(clip)
   if cell.tune_clip is not None:
+    # The holdout replaces dev; a dev field left set would be refused as
+    # ignored (`setup.check_data_fields`).
     config.data.eval_split = "holdout"
+    config.data.dev_path, config.data.dev_limit = "", 0
   return config
 
 
