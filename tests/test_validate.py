@@ -134,12 +134,34 @@ def test_no_value_is_clamped():
         ({"data.eval_split": "test"}, "data.eval_split: must be one of 'dev'"),
         ({"microbatch_size": 0}, "microbatch_size: must be an int >= 1, got 0"),
         ({"model.name": ""}, "model.name: must be a Hub id"),
+        ({"privacy.rho": 1.5}, "privacy.rho: must be in (0, 1), got 1.5"),
+        ({"privacy.epsilon": 0.0}, "privacy.epsilon: must be a finite number"),
+        ({"privacy.delta": 1.0}, "privacy.delta: must be in (0, 1), got 1.0"),
     ],
 )
 def test_config_validation_speaks_the_uniform_line(overrides, expected):
   text = _error(run_lib.validate, micro_config(**overrides))
   assert text.startswith(expected), text
   assert "; set --config." in text  # says how to fix it
+
+
+def test_a_non_private_method_ignores_the_budget():
+  """Only private methods calibrate: their budget is checked, no one else's."""
+  run_lib.validate(
+      micro_config(
+          method="nonprivate_lora",
+          **{"privacy.epsilon": 0.0, "privacy.rho": 2.0},
+      )
+  )
+  run_lib.validate(
+      micro_config(
+          **{
+              "privacy.rho": 2.0,
+              "raptor.joint_clip": True,
+              "raptor.alternate": False,
+          }
+      )
+  )
 
 
 def test_sampling_speaks_the_uniform_line():

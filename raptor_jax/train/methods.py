@@ -203,6 +203,25 @@ def check_config(config) -> None:
   for name in ("clip_shared", "clip_expert"):
     field = f"privacy.{name}"
     _validate.positive(field, config.privacy[name], fix(field))
+  if config.method in PRIVATE_METHODS:
+    _check_budget(config)
+
+
+def _check_budget(config) -> None:
+  """The budget fields a private method calibrates to, before any data loads.
+
+  The accountant checks them again (and delta against 1/n once n is known).
+  """
+  pc, fix = config.privacy, _validate.config_fix
+  _validate.positive("privacy.epsilon", pc.epsilon, fix("privacy.epsilon"))
+  if pc.delta:  # 0 = the default 1/n**1.1
+    _validate.probability(
+        "privacy.delta", pc.delta, fix("privacy.delta") + " (0 = 1/n**1.1)"
+    )
+  if config.method == "raptor" and not config.raptor.joint_clip:
+    _validate.probability(
+        "privacy.rho", pc.rho, fix("privacy.rho") + " (the paper uses 0.9)"
+    )
 
 
 class _Calibration:
