@@ -79,6 +79,23 @@ def test_the_generated_tasks_own_fields_are_refused_on_a_real_task(no_loading):
     run_lib.build_run(config)
 
 
+def test_the_random_models_fields_are_refused_with_a_pretrained_model(
+    no_loading,
+):
+  config = load_config_module("glue").get_config("")  # google/switch-base-8
+  run_lib.validate(config)
+  config.model.random.d_model = 32
+  with pytest.raises(ValueError) as info:
+    run_lib.build_run(config)
+  assert str(info.value).startswith(
+      "model.random.d_model: must be 64 (unset) with"
+      " model.name='google/switch-base-8'"
+  )
+  assert "model.name=random" in str(info.value)
+  olmoe = load_config_module("glue").get_config("model=olmoe")
+  run_lib.validate(olmoe)  # its family's own defaults are unset too
+
+
 def _cpu_config(**overrides):
   """`configs/glue.py:preset=cpu` (the tiny model on a real task's files)."""
   config = load_config_module("glue").get_config("preset=cpu")

@@ -111,6 +111,30 @@ def _field(config: ml_collections.ConfigDict, dotted: str) -> Any:
   return config
 
 
+def _check_random_model_unset(config: ml_collections.ConfigDict) -> None:
+  """`model.random.*` describes the random model only: a pretrained one
+  brings its own architecture, so a changed field there has no effect.
+
+  Unset means either family's default (`olmoe_family` sets its own).
+  """
+  defaults = [
+      config_lib.base_config().model.random,
+      config_lib.olmoe_family(config_lib.base_config()).model.random,
+  ]
+  given = config.model.random
+  changed = [[k for k in d if given[k] != d[k]] for d in defaults]
+  if all(changed):  # the nearest default names the field to unset
+    default, names = min(zip(defaults, changed), key=lambda p: len(p[1]))
+    _validate.fail(
+        f"model.random.{names[0]}",
+        f"{default[names[0]]!r} (unset) with model.name="
+        f"{config.model.name!r}, which brings its own architecture",
+        given[names[0]],
+        "set --config.model.name=random (as :tiny and :cpu do) to train a"
+        " random model",
+    )
+
+
 def check_data_fields(config: ml_collections.ConfigDict) -> None:
   """Refuses a set field that the chosen data source ignores (one line).
 
@@ -119,9 +143,12 @@ def check_data_fields(config: ml_collections.ConfigDict) -> None:
   records and believe they trained on their file. The generated task ignores
   `GENERATED_TASK_IGNORES` (and a public corpus other than its own, and
   `model.tokenizer` under the random model); a real task ignores
-  `GENERATED_TASK_ONLY`. Set data files must exist.
+  `GENERATED_TASK_ONLY`; a pretrained model ignores `model.random`. Set data
+  files must exist.
   """
   dc, fix = config.data, _validate.config_fix
+  if config.model.name != "random":
+    _check_random_model_unset(config)
   if data.get_task(dc.task).name == "synthetic":
     where = "unset with the generated task (data.task='synthetic', as in :tiny)"
     for field in GENERATED_TASK_IGNORES:
