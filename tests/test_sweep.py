@@ -26,7 +26,9 @@ def test_grid_runs_seed_by_seed_with_one_nonprivate_cell_per_seed():
   ]
   assert str(cells[2].directory("/w")) == "/w/sst2/nonprivate_lora/epsinf/seed0"
   assert str(cells[1].directory("/w")) == "/w/sst2/raptor/eps8/seed0"
-  with pytest.raises(ValueError, match="unknown variants"):
+  with pytest.raises(
+      ValueError, match="variant: must be one of .*, got .magic."
+  ):
     sweep.grid("sst2", ["raptor", "magic"], [1.0], [0])
 
 

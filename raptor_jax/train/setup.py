@@ -348,8 +348,11 @@ def random_backbone(
         )
     )
   else:
-    raise ValueError(
-        f"unknown random model family {rc.family!r}; use 'switch' or 'olmoe'"
+    _validate.fail(
+        "model.random.family",
+        "one of 'switch', 'olmoe'",
+        rc.family,
+        _validate.config_fix("model.random.family"),
     )
   key_init, key_topics = jax.random.split(jax.random.PRNGKey(seed))
   params = jax.jit(module.init)(key_init, *hf.example_inputs())["params"]
