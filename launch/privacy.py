@@ -21,7 +21,7 @@ from absl import app
 from absl import flags
 import dp_accounting
 
-from raptor_jax import accounting
+from raptor_jax import _validate, accounting
 
 _EPSILON = flags.DEFINE_float('epsilon', 8.0, 'Target epsilon of the run.')
 _DELTA = flags.DEFINE_float('delta', None, 'Target delta; default 1/n**1.1.')
@@ -130,10 +130,13 @@ def main(argv: list[str]) -> None:
   del argv
   n, batch_size, epochs = _N.value, _BATCH_SIZE.value, _EPOCHS.value
   try:
-    if not 1 <= batch_size <= n:
-      raise ValueError(f'--batch_size must be in [1, n={n}], got {batch_size}.')
-    if epochs < 1:
-      raise ValueError(f'--epochs must be >= 1, got {epochs}.')
+    _validate.check(
+        1 <= batch_size <= n,
+        '--batch_size',
+        f'in [1, n] for --n={n}',
+        batch_size,
+    )
+    _validate.positive_int('--epochs', epochs)
     q = batch_size / n
     steps = epochs * accounting.steps_per_epoch(q)
     delta = _DELTA.value

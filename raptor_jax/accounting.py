@@ -37,11 +37,11 @@ Calibration returns noise multipliers whose epsilon lies in
 from collections.abc import Callable, Iterator, Sequence
 import functools
 import math
-import numbers
-import operator
 
 import dp_accounting
 from dp_accounting.pld import privacy_loss_distribution
+
+from raptor_jax import _validate
 
 # Width of the PLD privacy-loss grid used for every reported epsilon. Rounding
 # is pessimistic, so a coarser grid only overestimates epsilon; at 1e-4 the
@@ -66,44 +66,21 @@ _HINT = (
 _Mechanism = tuple[float, float, int]  # (sample_rate, noise_multiplier, count)
 
 
-# Validation: one clear line per mistake; privacy parameters are never clamped.
-
-
-def _check_positive(name: str, value: float) -> None:
-  if not (isinstance(value, numbers.Real) and 0 < value < math.inf):
-    raise ValueError(f'{name} must be a positive finite number, got {value!r}.')
-
-
-def _check_sample_rate(sample_rate: float) -> None:
-  if not (isinstance(sample_rate, numbers.Real) and 0 < sample_rate <= 1):
-    raise ValueError(
-        f'sample_rate must be in (0, 1] (expected batch size / dataset size),'
-        f' got {sample_rate!r}.'
-    )
-
-
-def _check_steps(name: str, steps: int) -> None:
-  try:
-    integral = operator.index(steps)
-  except TypeError:
-    integral = None
-  if integral is None or isinstance(steps, bool) or integral < 1:
-    raise ValueError(f'{name} must be an integer >= 1, got {steps!r}.')
+# Validation: one clear line per mistake (`_validate`); privacy parameters are
+# never clamped.
 
 
 def _check_rho(rho: float) -> None:
-  if not (isinstance(rho, numbers.Real) and 0 < rho < 1):
-    raise ValueError(
-        f"rho (the shared stream's share of the budget) must be in (0, 1),"
-        f' got {rho!r}; the paper uses 0.9.'
-    )
+  _validate.probability(
+      'rho',
+      rho,
+      "rho is the shared stream's share of the budget; the paper uses 0.9",
+  )
 
 
 def default_delta(n: int) -> float:
   """The default delta ``1 / n**1.1``: below ``1/n``, as DP requires."""
-  _check_steps('n (the dataset size)', n)
-  if n < 2:
-    raise ValueError(f'n (the dataset size) must be at least 2, got {n}.')
+  n = _validate.int_at_least('n', n, 2, 'n is the dataset size')
   return 1.0 / n**1.1
 
 
@@ -117,12 +94,13 @@ def validate_delta(delta: float, n: int | None = None) -> None:
     delta: the delta of the (epsilon, delta) guarantee.
     n: the number of private records, when known.
   """
-  if not (isinstance(delta, numbers.Real) and 0 < delta < 1):
-    raise ValueError(f'delta must be in (0, 1), got {delta!r}.')
+  _validate.probability('delta', delta)
   if n is not None and delta >= 1.0 / n:
-    raise ValueError(
-        f'delta={delta:.3g} must be below 1/n={1.0 / n:.3g} (n={n}); the'
-        f' default is 1/n**1.1={default_delta(n):.3g}.'
+    _validate.fail(
+        'delta',
+        f'below 1/n = {1.0 / n:.3g} (n = {n})',
+        delta,
+        f'the default is 1/n**1.1 = {default_delta(n):.3g}',
     )
 
 
@@ -135,7 +113,7 @@ def steps_per_epoch(sample_rate: float) -> int:
   ``1 / sample_rate`` is rounded to 9 decimals first so that a rate computed
   as ``B / n`` with ``n`` a multiple of ``B`` gives exactly ``n / B``.
   """
-  _check_sample_rate(sample_rate)
+  _validate.sample_rate(sample_rate)
   return math.ceil(round(1.0 / sample_rate, 9))
 
 
@@ -154,10 +132,14 @@ def sigma_eff(*noise_multipliers: float) -> float:
   Returns:
     The effective noise multiplier.
   """
-  if not noise_multipliers:
-    raise ValueError('sigma_eff needs at least one noise multiplier.')
+  _validate.check(
+      len(noise_multipliers) >= 1,
+      'noise_multipliers',
+      'at least one noise multiplier',
+      noise_multipliers,
+  )
   for sigma in noise_multipliers:
-    _check_positive('noise_multiplier', sigma)
+    _validate.positive('noise_multiplier', sigma)
   return math.fsum(sigma**-2 for sigma in noise_multipliers) ** -0.5
 
 
@@ -177,9 +159,9 @@ def dpsgd_event(
   Returns:
     ``SelfComposed(PoissonSampled(q, Gaussian(noise_multiplier)), steps)``.
   """
-  _check_positive('noise_multiplier', noise_multiplier)
-  _check_sample_rate(sample_rate)
-  _check_steps('steps', steps)
+  _validate.positive('noise_multiplier', noise_multiplier)
+  _validate.sample_rate(sample_rate)
+  _validate.positive_int('steps', steps)
   return dp_accounting.SelfComposedDpEvent(
       dp_accounting.PoissonSampledDpEvent(
           float(sample_rate),
@@ -246,12 +228,13 @@ def raptor_event(
     steps_expert)]``, or the ``joint_event`` of both sigmas.
   """
   if joint:
-    if steps_shared != steps_expert:
-      raise ValueError(
-          f'joint=True updates both streams from one sample each step, so'
-          f' steps_shared ({steps_shared}) must equal steps_expert'
-          f' ({steps_expert}).'
-      )
+    _validate.check(
+        steps_shared == steps_expert,
+        'steps_expert',
+        f'equal to steps_shared ({steps_shared}) when joint=True',
+        steps_expert,
+        'joint=True updates both streams from one sample each step',
+    )
     return joint_event(
         noise_multipliers=(sigma_shared, sigma_expert),
         sample_rate=sample_rate,
@@ -567,10 +550,10 @@ def calibrate_dpsgd(
     ``sigma`` with ``dpsgd_epsilon(sigma) <= target_epsilon`` and at least
     ``(1 - CALIBRATION_RTOL) * target_epsilon``.
   """
-  _check_positive('target_epsilon', target_epsilon)
+  _validate.positive('target_epsilon', target_epsilon)
   validate_delta(delta)
-  _check_sample_rate(sample_rate)
-  _check_steps('steps', steps)
+  _validate.sample_rate(sample_rate)
+  _validate.positive_int('steps', steps)
 
   def epsilon_at(interval: float, sigma: float) -> float:
     return _epsilon(((sample_rate, sigma, steps),), delta, interval)
@@ -614,10 +597,10 @@ def calibrate_raptor(
     ``(sigma_shared, sigma_expert)`` whose ``raptor_epsilon`` at ``delta`` is
     at most ``target_epsilon`` and at least ``(1 - CALIBRATION_RTOL)`` of it.
   """
-  _check_positive('target_epsilon', target_epsilon)
+  _validate.positive('target_epsilon', target_epsilon)
   validate_delta(delta)
-  _check_sample_rate(sample_rate)
-  _check_steps('steps', steps)
+  _validate.sample_rate(sample_rate)
+  _validate.positive_int('steps', steps)
   _check_rho(rho)
 
   _check_reachable(

@@ -47,7 +47,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from raptor_jax import grads, roles, sampling
+from raptor_jax import _validate, grads, roles, sampling
 from raptor_jax.train import methods, parallel, step
 from raptor_jax.train.run import build_run
 from raptor_jax.train.checkpoint import Checkpointer
@@ -366,10 +366,9 @@ def compute(
     dict(data=, private_audit=, records=, method=, expert_layer=, role_mismatch=,
     expert_snr= (None if undefined), noise_sensitivity=).
   """
-  if split not in ("dev", "train"):
-    raise ValueError(
-        f"split must be 'dev' or 'train' (private audit), got {split!r}"
-    )
+  _validate.one_of(
+      "split", split, ("dev", "train"), "'train' gives a private audit"
+  )
   if split == "train":
     log.warning(
         "diagnostics on the private training split: the output is a private audit "

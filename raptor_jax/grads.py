@@ -26,27 +26,16 @@ place of its owner's stacked weights, so every expert still runs in the
 forward pass while only the owner's slice carries gradient.
 """
 
-import numbers
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from raptor_jax import _validate
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
-
-
-def _check_l2_clip(l2_clip: float) -> float:
-  if (
-      isinstance(l2_clip, bool)
-      or not isinstance(l2_clip, numbers.Real)
-      or not 0.0 < float(l2_clip) < float('inf')
-  ):
-    raise ValueError(
-        f'l2_clip must be a finite Python number > 0, got {l2_clip!r}.'
-    )
-  return float(l2_clip)
 
 
 def zeros_like_f32(tree: PyTree) -> PyTree:
@@ -103,7 +92,7 @@ def clip_per_record(
     private data without noise: use them for in-process diagnostics only,
     never log or release them.
   """
-  l2_clip = _check_l2_clip(l2_clip)
+  l2_clip = _validate.positive('l2_clip', l2_clip, _validate.PUBLIC_NUMBER)
   grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads)
   leaves = jax.tree.leaves(grads)
   if not leaves:

@@ -28,7 +28,7 @@ from typing import Any
 
 import dp_accounting
 
-from raptor_jax import accounting
+from raptor_jax import _validate, accounting
 
 _FORMAT_VERSION = 1
 
@@ -83,8 +83,13 @@ class PrivacyLedger:
       noise_multiplier: noise std divided by the stream's clip norm.
       steps: how many releases to record.
     """
-    if not (isinstance(stream, str) and stream):
-      raise ValueError(f'stream must be a non-empty string, got {stream!r}.')
+    _validate.check(
+        isinstance(stream, str) and bool(stream),
+        'stream',
+        'a non-empty string',
+        stream,
+        "name it, e.g. 'shared'",
+    )
     accounting.dpsgd_event(
         noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps
     )  # Validates.
@@ -145,11 +150,12 @@ class PrivacyLedger:
   @classmethod
   def from_dict(cls, state: Mapping[str, Any]) -> 'PrivacyLedger':
     """Inverse of ``to_dict``; validates every entry."""
-    if state.get('version') != _FORMAT_VERSION:
-      raise ValueError(
-          f'unsupported privacy ledger version {state.get("version")!r};'
-          f' expected {_FORMAT_VERSION}.'
-      )
+    _validate.one_of(
+        'version',
+        state.get('version'),
+        (_FORMAT_VERSION,),
+        'the ledger was written by another raptor_jax; read it with that one',
+    )
     return cls(LedgerEntry(**entry) for entry in state['entries'])
 
   def to_json(self) -> str:

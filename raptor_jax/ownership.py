@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from raptor_jax import _validate
+
 WEIGHTINGS = ("count", "prob")
 
 
@@ -49,10 +51,12 @@ def owners(
     int32 [N] owners; ties go to the lowest expert index (a record without
     tokens is owned by expert 0).
   """
-  if weighting not in WEIGHTINGS:
-    raise ValueError(
-        f"unknown owner weighting {weighting!r}; use one of {WEIGHTINGS}"
-    )
+  _validate.one_of(
+      "raptor.owner_weighting",
+      weighting,
+      WEIGHTINGS,
+      _validate.config_fix("raptor.owner_weighting"),
+  )
   num_experts = router_logits.shape[-1]
   probs = jax.nn.softmax(jnp.asarray(router_logits, jnp.float32), axis=-1)
   gates, experts = jax.lax.top_k(
@@ -183,11 +187,13 @@ def select_layer(
         "the model has no sparse (MoE) layer; RAPTOR's expert stream needs one"
     )
   if isinstance(how, (int, np.integer)) and not isinstance(how, bool):
-    if how not in layers:
-      raise ValueError(
-          f"layer {how} is not a sparse layer of this model; "
-          f"choose one of {list(layers)}"
-      )
+    _validate.one_of(
+        "raptor.layer",
+        how,
+        layers,
+        "it is not a sparse layer of this model; "
+        + _validate.config_fix("raptor.layer"),
+    )
     return int(how)
   if how == "first":
     return layers[0]
@@ -196,9 +202,11 @@ def select_layer(
   if how == "entropy":
     best = max(table, key=lambda row: (row["entropy_norm"], -row["layer"]))
     return int(best["layer"])
-  raise ValueError(
-      f"unknown layer choice {how!r}; use 'entropy', 'first', 'last' "
-      "or a sparse block index"
+  _validate.fail(
+      "raptor.layer",
+      "'entropy', 'first', 'last' or a sparse block index",
+      how,
+      _validate.config_fix("raptor.layer"),
   )
 
 

@@ -27,10 +27,11 @@ running time, does: the same timing side channel as every Poisson DP-SGD
 implementation. Do not log or report the number of microbatches.
 """
 
-import numbers
 from typing import NamedTuple
 
 import numpy as np
+
+from raptor_jax import _validate
 
 SHARED_STREAM = 0  # also the default stream of a run with one sampler
 EXPERT_STREAM = 1
@@ -43,26 +44,9 @@ class Microbatch(NamedTuple):
   mask: np.ndarray  # float32 [microbatch_size]
 
 
-def _check_non_negative_int(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(f'{name} must be an int, got {value!r}.')
-  if value < 0:
-    raise ValueError(f'{name} must be >= 0, got {value}.')
-  return int(value)
-
-
 def check_sample_rate(sample_rate: float) -> float:
   """Returns ``sample_rate`` as a float; ValueError unless 0 < q <= 1."""
-  if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
-    raise ValueError(
-        f'sample_rate must be a number in (0, 1], got {sample_rate!r}.'
-    )
-  if not 0.0 < float(sample_rate) <= 1.0:
-    raise ValueError(
-        'sample_rate must be in (0, 1] (expected batch size / dataset'
-        f' size), got {sample_rate}.'
-    )
-  return float(sample_rate)
+  return _validate.sample_rate(sample_rate)
 
 
 def check_microbatch_size(microbatch_size: int, *, num_devices: int = 1) -> int:
@@ -76,17 +60,20 @@ def check_microbatch_size(microbatch_size: int, *, num_devices: int = 1) -> int:
   Returns:
     ``microbatch_size`` as an int.
   """
-  if _check_non_negative_int('microbatch_size', microbatch_size) == 0:
-    raise ValueError('microbatch_size must be >= 1, got 0.')
-  if _check_non_negative_int('num_devices', num_devices) == 0:
-    raise ValueError('num_devices must be >= 1, got 0.')
-  if microbatch_size % num_devices:
-    raise ValueError(
-        f'microbatch_size ({microbatch_size}) must be a multiple of the'
-        f' number of devices ({num_devices}), e.g.'
-        f' {-(-microbatch_size // num_devices) * num_devices}.'
-    )
-  return int(microbatch_size)
+  microbatch_size = _validate.positive_int(
+      'microbatch_size',
+      microbatch_size,
+      _validate.config_fix('microbatch_size'),
+  )
+  num_devices = _validate.positive_int('num_devices', num_devices)
+  _validate.check(
+      microbatch_size % num_devices == 0,
+      'microbatch_size',
+      f'a multiple of the number of devices ({num_devices})',
+      microbatch_size,
+      f'e.g. {-(-microbatch_size // num_devices) * num_devices}',
+  )
+  return microbatch_size
 
 
 def poisson_sample(
@@ -133,13 +120,13 @@ def poisson_sample(
     >>> np.array_equal(idx, shared), np.array_equal(shared, expert)
     (True, False)
   """
-  n = _check_non_negative_int('n', n)
+  n = _validate.non_negative_int('n', n)
   sample_rate = check_sample_rate(sample_rate)
   rng = np.random.default_rng(
       (
-          _check_non_negative_int('seed', seed),
-          _check_non_negative_int('stream', stream),
-          _check_non_negative_int('step', step),
+          _validate.non_negative_int('seed', seed),
+          _validate.non_negative_int('stream', stream),
+          _validate.non_negative_int('step', step),
       )
   )
   return np.flatnonzero(rng.random(n) < sample_rate).astype(np.int64)
@@ -174,13 +161,13 @@ def microbatches(indices: np.ndarray, microbatch_size: int) -> list[Microbatch]:
   """
   microbatch_size = check_microbatch_size(microbatch_size)
   indices = np.asarray(indices)
-  if indices.ndim != 1 or not (
-      indices.size == 0 or np.issubdtype(indices.dtype, np.integer)
-  ):
-    raise ValueError(
-        'indices must be a 1-D integer array, got dtype'
-        f' {indices.dtype} and shape {indices.shape}.'
-    )
+  _validate.check(
+      indices.ndim == 1
+      and (indices.size == 0 or np.issubdtype(indices.dtype, np.integer)),
+      'indices',
+      'a 1-D integer array',
+      _validate.Shown(f'dtype {indices.dtype}, shape {indices.shape}'),
+  )
   num = -(-indices.size // microbatch_size)
   padded = np.zeros(num * microbatch_size, np.int64)
   padded[: indices.size] = indices

@@ -48,7 +48,6 @@ call ``privatize_sums`` once per step: one step, one noise draw, one
 accounted release.
 """
 
-import math
 import numbers
 from typing import Any, NamedTuple, Union
 
@@ -56,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from raptor_jax import _validate
 from raptor_jax import grads as grads_lib
 
 PyTree = Any
@@ -69,16 +69,8 @@ class DpAggregateState(NamedTuple):
 
 
 def _public_number(name: str, value, *, allow_zero: bool = False) -> float:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise ValueError(
-        f'{name} must be a public Python number, got {type(value).__name__}'
-        ' (a traced or data-dependent value is not allowed).'
-    )
-  value = float(value)
-  if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-    bound = '>= 0' if allow_zero else '> 0'
-    raise ValueError(f'{name} must be finite and {bound}, got {value}.')
-  return value
+  check = _validate.non_negative if allow_zero else _validate.positive
+  return check(name, value, _validate.PUBLIC_NUMBER)
 
 
 def _canonical_key(key: Union[jax.Array, int]) -> jax.Array:
@@ -86,9 +78,11 @@ def _canonical_key(key: Union[jax.Array, int]) -> jax.Array:
     return jax.random.key(int(key))
   if isinstance(key, jax.Array):
     return key
-  raise ValueError(
-      'key must be a jax PRNG key (jax.random.key(seed)) or an int, got'
-      f' {type(key).__name__}.'
+  _validate.fail(
+      'key',
+      'a jax PRNG key or an int',
+      _validate.Shown(f'a {type(key).__name__}'),
+      'pass jax.random.key(seed)',
   )
 
 
@@ -316,24 +310,20 @@ def owner_dp_aggregate(
     >>> jax.tree.map(jnp.shape, updates)
     {'w': (4, 3)}
   """
-  if (
-      isinstance(num_experts, bool)
-      or not isinstance(num_experts, numbers.Integral)
-      or num_experts < 1
-  ):
-    raise ValueError(f'num_experts must be an int >= 1, got {num_experts!r}.')
-  num_experts = int(num_experts)
+  num_experts = _validate.positive_int('num_experts', num_experts)
   privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
 
   def update_fn(
       updates, state, params=None, *, owners=None, mask=None, **extra_args
   ):
     del params, extra_args
-    if owners is None:
-      raise ValueError(
-          'owner_dp_aggregate.update needs owners= (int [n], each'
-          " record's owner expert)."
-      )
+    _validate.check(
+        owners is not None,
+        'owners',
+        "given to owner_dp_aggregate's update",
+        owners,
+        "pass owners= (int [n], each record's owner expert)",
+    )
     clipped, _ = grads_lib.clip_per_record(updates, l2_clip, mask)
     sums = grads_lib.sum_by_owner(clipped, owners, num_experts)
     return privatizer.update(sums, state)

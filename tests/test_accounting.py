@@ -293,7 +293,9 @@ def test_invalid_mechanism_arguments():
     accounting.dpsgd_epsilon(
         noise_multiplier=0.0, sample_rate=0.1, steps=1, delta=1e-5
     )
-  with pytest.raises(ValueError, match='steps_shared .* must equal'):
+  with pytest.raises(
+      ValueError, match='steps_expert: must be equal to steps_shared'
+  ):
     accounting.raptor_epsilon(
         sigma_shared=1.0,
         sigma_expert=1.0,
@@ -358,4 +360,8 @@ def test_planner_meets_target_and_compares(method):
 def test_planner_rejects_large_delta():
   result = _run_planner('--n=1000', '--delta=0.01')
   assert result.returncode != 0
-  assert result.stderr.strip().splitlines()[-1].startswith('error: delta=')
+  assert (
+      result.stderr.strip()
+      .splitlines()[-1]
+      .startswith('error: delta: must be below 1/n')
+  )

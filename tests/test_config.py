@@ -81,12 +81,22 @@ def test_glue_fields():
     [
         (
             "tsk=mnli",
-            "'tsk=mnli' is not one of task=..., model=..., preset=...",
+            "config argument: must be one of task=..., model=..., preset=...,"
+            " got 'tsk=mnli'; pass comma-separated key=value pairs",
         ),
-        ("tiny", "'tiny' is not one of task=..., model=..., preset=..."),
-        ("task=cola", "unknown task 'cola'; use one of sst2, mnli, qnli, qqp"),
-        ("model=gpt", "unknown model family 'gpt'; use 'switch' or 'olmoe'"),
-        ("preset=huge", "unknown preset 'huge'; use one of"),
+        (
+            "tiny",
+            "config argument: must be one of task=..., model=..., preset=..., got 'tiny'",
+        ),
+        (
+            "task=cola",
+            "task: must be one of 'sst2', 'mnli', 'qnli', 'qqp', got 'cola'",
+        ),
+        ("model=gpt", "model: must be one of 'switch', 'olmoe', got 'gpt'"),
+        (
+            "preset=huge",
+            "preset: must be one of '', 'tiny', 'cpu', 'small', got 'huge'",
+        ),
     ],
 )
 def test_bad_argument_is_one_clear_line(arg, message):

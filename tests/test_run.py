@@ -1,6 +1,9 @@
 """`build_run`: one assembly of a run; its config is validated before any loading."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -8,10 +11,10 @@ import pytest
 from raptor_jax.train import run as run_lib
 from raptor_jax.train import setup, train_and_evaluate
 
-from helpers import micro_config
+from helpers import ROOT, load_config_module, micro_config
 
 BAD = [
-    ({"method": "sgd"}, "unknown method"),
+    ({"method": "sgd"}, "method: must be one of"),
     ({"model.name": ""}, "model.name"),
     ({"data.eval_split": "test"}, "eval_split"),
     ({"raptor.residual": "half"}, "raptor.residual"),
@@ -42,8 +45,142 @@ def test_a_bad_config_fails_before_any_data_or_model_is_loaded(
     run_lib.build_run(micro_config(**overrides))
 
 
+# Fields the generated task of :tiny ignores: set, they are refused, naming the
+# field and the preset that reads them (issue 14, 9b).
+IGNORED_BY_TINY = [
+    ("data.train_path", "/nonexistent/train.tsv"),
+    ("data.dev_path", "dev.tsv"),
+    ("data.public_path", "public.txt"),
+    ("data.label_field", "label"),
+    ("data.train_limit", 100),
+    ("data.holdout", 20),
+    ("data.public_corpus", "imdb"),
+    ("model.tokenizer", "bert-base-uncased"),
+]
+
+
+@pytest.mark.parametrize("field, value", IGNORED_BY_TINY)
+def test_a_field_the_tiny_preset_ignores_is_refused(field, value, no_loading):
+  with pytest.raises(ValueError) as info:
+    run_lib.build_run(micro_config(**{field: value}))
+  message = str(info.value)
+  assert "\n" not in message
+  assert (
+      message.startswith(f"{field}: must be ") and f"got {value!r}" in message
+  )
+  assert "preset=cpu" in message  # which preset reads it
+
+
+def test_the_generated_tasks_own_fields_are_refused_on_a_real_task(no_loading):
+  config = _cpu_config(**{"data.synthetic.n_train": 300})
+  with pytest.raises(
+      ValueError, match=r"^data.synthetic.n_train: .*preset=tiny$"
+  ):
+    run_lib.build_run(config)
+
+
+def test_the_random_models_fields_are_refused_with_a_pretrained_model(
+    no_loading,
+):
+  config = load_config_module("glue").get_config("")  # google/switch-base-8
+  run_lib.validate(config)
+  config.model.random.d_model = 32
+  with pytest.raises(ValueError) as info:
+    run_lib.build_run(config)
+  assert str(info.value).startswith(
+      "model.random.d_model: must be 64 (unset) with"
+      " model.name='google/switch-base-8'"
+  )
+  assert "model.name=random" in str(info.value)
+  olmoe = load_config_module("glue").get_config("model=olmoe")
+  run_lib.validate(olmoe)  # its family's own defaults are unset too
+
+
+def _cpu_config(**overrides):
+  """`configs/glue.py:preset=cpu` (the tiny model on a real task's files)."""
+  config = load_config_module("glue").get_config("preset=cpu")
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def _files(tmp_path, train_text):
+  """(train, dev, public) paths of a tiny SST-2 in GLUE's TSV layout."""
+  good = "sentence\tlabel\ngood tea\t1\ncold tea\t0\n"
+  paths = [tmp_path / "train.tsv", tmp_path / "dev.tsv", tmp_path / "pub.txt"]
+  for path, text in zip(paths, (train_text, good, "good tea\ncold tea\n")):
+    path.write_text(text)
+  return [str(p) for p in paths]
+
+
+@pytest.mark.parametrize(
+    "train_text, expected",
+    [
+        ("sentence\tlabel\ngood tea\tyes\n", "column 'label', data row 1"),
+        ("", "is empty"),
+        ("sentence\tlabel\n", "has no records"),
+    ],
+)
+def test_a_bad_train_file_is_one_line_naming_it(tmp_path, train_text, expected):
+  """:cpu reads the files: a bad one fails while loading, naming the file."""
+  train, dev, public = _files(tmp_path, train_text)
+  config = _cpu_config(
+      **{
+          "data.train_path": train,
+          "data.dev_path": dev,
+          "data.public_path": public,
+      }
+  )
+  run_lib.validate(config)
+  with pytest.raises(ValueError) as info:
+    setup.load_run_data(config)
+  message = str(info.value)
+  assert "\n" not in message and train in message and expected in message
+
+
+def test_a_missing_train_file_fails_validation_naming_it(tmp_path, no_loading):
+  _, dev, public = _files(tmp_path, "")
+  config = _cpu_config(
+      **{
+          "data.train_path": "/nonexistent/train.tsv",
+          "data.dev_path": dev,
+          "data.public_path": public,
+      }
+  )
+  with pytest.raises(ValueError) as info:
+    run_lib.build_run(config)
+  assert str(info.value) == (
+      "data.train_path: must be an existing file, got '/nonexistent/train.tsv';"
+      " set --config.data.train_path to a file that exists"
+  )
+
+
+@pytest.mark.slow  # a subprocess: ~10 s of imports on an idle machine
+def test_launch_main_refuses_an_ignored_field_in_one_line(tmp_path):
+  """The issue's command: exit status 1, one error line, no traceback."""
+  proc = subprocess.run(
+      [
+          sys.executable,
+          "launch/main.py",
+          "--config=configs/glue.py:preset=tiny",
+          f"--workdir={tmp_path / 'w'}",
+          "--config.data.train_path=/nonexistent/train.tsv",
+      ],
+      cwd=ROOT,
+      env=dict(os.environ, RAPTOR_TRACEBACK=""),
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 1
+  errors = [line for line in proc.stderr.splitlines() if "error" in line]
+  assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+  assert errors[0].startswith("error: data.train_path: must be unset")
+  assert "preset=cpu" in errors[0]
+  assert not (tmp_path / "w").exists()
+
+
 def test_the_trainer_validates_before_loading_or_writing(tmp_path, no_loading):
-  with pytest.raises(ValueError, match="unknown method"):
+  with pytest.raises(ValueError, match="method: must be one of"):
     train_and_evaluate(micro_config(method="sgd"), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 

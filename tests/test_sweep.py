@@ -9,8 +9,9 @@ import pytest
 
 from raptor_jax import diagnostics
 from raptor_jax.train import report, sweep
+from raptor_jax.train import run as run_lib
 
-from helpers import ROOT, micro_config
+from helpers import ROOT, load_config_module, micro_config
 
 
 def test_grid_runs_seed_by_seed_with_one_nonprivate_cell_per_seed():
@@ -25,7 +26,9 @@ def test_grid_runs_seed_by_seed_with_one_nonprivate_cell_per_seed():
   ]
   assert str(cells[2].directory("/w")) == "/w/sst2/nonprivate_lora/epsinf/seed0"
   assert str(cells[1].directory("/w")) == "/w/sst2/raptor/eps8/seed0"
-  with pytest.raises(ValueError, match="unknown variants"):
+  with pytest.raises(
+      ValueError, match="variant: must be one of .*, got .magic."
+  ):
     sweep.grid("sst2", ["raptor", "magic"], [1.0], [0])
 
 
@@ -33,11 +36,28 @@ def test_every_variant_is_a_valid_config():
   base = micro_config()
   for variant, overrides in sweep.VARIANTS.items():
     config = sweep.cell_config(base, sweep.Cell("synthetic", variant, 4.0, 3))
+    run_lib.validate(config)
     assert config.seed == 3 and config.privacy.epsilon == 4.0
     for key, value in overrides.items():
       section, _, name = key.rpartition(".")
       assert (config[section] if section else config)[name] == value
   assert base.method == "raptor" and base.seed == 0  # the base is not modified
+
+
+def test_a_tuning_cell_on_files_passes_validation(tmp_path):
+  """A tuning cell evaluates on the holdout, so it drops the dev fields that
+  validation would refuse as ignored."""
+  files = {}
+  for name in ("train", "dev"):
+    files[f"data.{name}_path"] = str(tmp_path / f"{name}.tsv")
+    (tmp_path / f"{name}.tsv").write_text("sentence\tlabel\n")
+  base = load_config_module("glue").get_config("preset=small")
+  base.update_from_flattened_dict({"model.name": "random", **files})
+  run_lib.validate(base)
+  cell = sweep.Cell("sst2", "raptor", 1.0, 100, tune_clip=0.1)
+  config = sweep.cell_config(base, cell)
+  run_lib.validate(config)
+  assert config.data.eval_split == "holdout" and not config.data.dev_path
 
 
 def test_run_is_resumable_and_skips_finished_cells(tmp_path):

@@ -239,14 +239,17 @@ def test_residual_weights_in_unit_interval_and_applied_before_clipping():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"data.task": "nope"}, "Unknown task"),
+        ({"data.task": "nope"}, "data.task: must be one of"),
         ({"raptor.layer": "2"}, "not a sparse layer"),
-        ({"batch_size": 5000}, "larger than the dataset"),
-        ({"method": "magic"}, "unknown method"),
+        ({"batch_size": 5000}, r"batch_size: must be in \[1, n\]"),
+        ({"method": "magic"}, "method: must be one of"),
         ({"raptor.residual_gamma": 0.0}, "residual_gamma"),
         ({"model.name": ""}, "model.name"),
-        ({"data.eval_split": "holdout"}, "data.holdout"),
-        ({"data.holdout": 10}, "train_limit"),
+        (
+            {"data.eval_split": "holdout"},
+            "data.eval_split: must be one of 'dev'",
+        ),
+        ({"data.holdout": 10}, "data.holdout: must be unset"),
     ],
 )
 def test_bad_configs_fail_with_one_clear_line(tmp_path, overrides, message):

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from raptor_jax import _validate
 from raptor_jax.data import tables
 
 
@@ -102,10 +103,13 @@ def load_public_corpus(
       FileNotFoundError: missing local file, or a Hub dataset that is neither
           reachable nor cached.
   """
-  if n_pub < 1:
-    raise ValueError(
-        f"n_pub must be at least 1, got {n_pub}; set --config.data.n_pub."
-    )
+  _validate.check(
+      n_pub >= 1,
+      "data.n_pub",
+      ">= 1",
+      n_pub,
+      _validate.config_fix("data.n_pub"),
+  )
   preset = PUBLIC_CORPORA.get(source) if source is not None else None
   if isinstance(text_fields, str):
     text_fields = (text_fields,)

@@ -18,6 +18,8 @@ import tokenizers
 import transformers
 from tokenizers import models, normalizers, pre_tokenizers, processors
 
+from raptor_jax import _validate
+
 PAD, UNK, CLS, SEP = "[PAD]", "[UNK]", "[CLS]", "[SEP]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP)  # ids 0, 1, 2, 3 in a word tokenizer
 
@@ -60,16 +62,13 @@ def check_batch_size(expected_batch_size: int, num_records: int) -> None:
   Raises:
       ValueError: ``B < 1`` or ``B > n``.
   """
-  if expected_batch_size < 1:
-    raise ValueError(
-        f"Expected batch size must be at least 1, got {expected_batch_size}; set"
-        " --config.batch_size."
-    )
-  if expected_batch_size > num_records:
-    raise ValueError(
-        f"Expected batch size {expected_batch_size} is larger than the dataset"
-        f" ({num_records} records); lower --config.batch_size."
-    )
+  _validate.check(
+      1 <= expected_batch_size <= num_records,
+      "batch_size",
+      f"in [1, n] for the n = {num_records} training records",
+      expected_batch_size,
+      _validate.config_fix("batch_size"),
+  )
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
@@ -225,10 +224,13 @@ def tokenize(
   Raises:
       ValueError: ``max_length < 2``, no texts, or pair texts of another length.
   """
-  if max_length < 2:
-    raise ValueError(
-        f"max_length must be at least 2, got {max_length}; raise --config.data.max_length."
-    )
+  _validate.check(
+      max_length >= 2,
+      "data.max_length",
+      ">= 2",
+      max_length,
+      _validate.config_fix("data.max_length"),
+  )
   if not texts:
     raise ValueError(
         "No texts to tokenise; check the data file, split or corpus."

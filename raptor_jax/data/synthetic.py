@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from raptor_jax import _validate
 from raptor_jax.data import encoding
 
 TOPICS: tuple[tuple[str, ...], ...] = (
@@ -305,12 +306,13 @@ def generate_records(
   Raises:
       ValueError: ``n < 1`` or ``label_noise`` outside [0, 0.5).
   """
-  if n < 1:
-    raise ValueError(
-        f"Number of synthetic records must be at least 1, got {n}."
-    )
-  if not 0.0 <= label_noise < 0.5:
-    raise ValueError(f"label_noise must be in [0, 0.5), got {label_noise}.")
+  _validate.check(n >= 1, "n", ">= 1 (synthetic records)", n)
+  _validate.in_interval(
+      "data.synthetic.label_noise",
+      label_noise,
+      "[0, 0.5)",
+      _validate.config_fix("data.synthetic.label_noise"),
+  )
   rng = np.random.default_rng((seed, _RECORD_STREAM))
   texts: dict[str, None] = {}
   labels, topics = [], []
@@ -346,10 +348,9 @@ def generate_public_texts(
   Raises:
       ValueError: ``n < 1``.
   """
-  if n < 1:
-    raise ValueError(
-        f"Number of public texts must be at least 1, got {n}; set n_pub."
-    )
+  _validate.check(
+      n >= 1, "data.n_pub", ">= 1", n, _validate.config_fix("data.n_pub")
+  )
   rng = np.random.default_rng((seed, _PUBLIC_STREAM))
   texts: dict[str, None] = {}
   while len(texts) < n:
@@ -416,10 +417,10 @@ def synthetic_task(
   Raises:
       ValueError: ``n_train`` or ``n_dev`` below 1, or as the generators.
   """
-  if n_train < 1 or n_dev < 1:
-    raise ValueError(
-        f"The synthetic task needs at least one train and one dev record, got"
-        f" n_train={n_train}, n_dev={n_dev}."
+  for name, value in (("n_train", n_train), ("n_dev", n_dev)):
+    field = f"data.synthetic.{name}"
+    _validate.check(
+        value >= 1, field, ">= 1", value, _validate.config_fix(field)
     )
   records = generate_records(seed, n_train + n_dev, label_noise=label_noise)
   public = generate_public_texts(seed, n_pub, exclude=frozenset(records.texts))

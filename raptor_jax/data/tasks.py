@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from raptor_jax import _validate
 from raptor_jax.data import encoding, tables
 
 _GLUE = "nyu-mll/glue"
@@ -117,32 +118,26 @@ def get_task(name: str) -> TaskSpec:
   Raises:
       ValueError: unknown task.
   """
-  spec = TASKS.get(name.lower())
-  if spec is None:
-    raise ValueError(
-        f"Unknown task {name!r}; set --config.data.task to one of {', '.join(TASKS)}."
-    )
-  return spec
+  _validate.one_of(
+      "data.task", name.lower(), TASKS, _validate.config_fix("data.task")
+  )
+  return TASKS[name.lower()]
 
 
 def _check_split_args(spec, split, text_fields, limit, offset):
   """Validates `load_task_split`'s arguments; returns text_fields as a tuple (or None)."""
-  if split not in spec.splits:
-    raise ValueError(
-        f"Unknown split {split!r} for task {spec.name}; use one of"
-        f" {', '.join(spec.splits)}."
-    )
-  if limit is not None and limit < 1:
-    raise ValueError(f"limit must be at least 1 or None, got {limit}.")
-  if offset < 0:
-    raise ValueError(f"offset must be at least 0, got {offset}.")
+  _validate.one_of(f"split of task {spec.name}", split, spec.splits)
+  _validate.check(limit is None or limit >= 1, "limit", ">= 1 or None", limit)
+  _validate.check(offset >= 0, "offset", ">= 0", offset)
   if isinstance(text_fields, str):
     text_fields = (text_fields,)
-  if text_fields is not None and len(text_fields) not in (1, 2):
-    raise ValueError(
-        f"text_fields names {len(text_fields)} columns; give one text column or two for"
-        " a sentence pair."
-    )
+  _validate.check(
+      text_fields is None or len(text_fields) in (1, 2),
+      "data.text_fields",
+      "one text column, or two for a sentence pair",
+      text_fields,
+      _validate.config_fix("data.text_fields"),
+  )
   return text_fields
 
 
@@ -225,9 +220,13 @@ def load_task_split(
       spec, columns, source, text_fields, label_field
   )
   index, count = shard
-  if not 0 <= index < count:
-    raise ValueError(f"shard index {index} is not in [0, {count}).")
+  _validate.check(0 <= index < count, "shard index", f"in [0, {count})", index)
   total = len(columns[label_name])
+  if not total:
+    raise ValueError(
+        f"{source} has no records (a header row only); add records or fix"
+        " the path."
+    )
   stop = total if limit is None else offset + limit
   if stop > total:
     raise ValueError(
@@ -266,11 +265,7 @@ def load_task_texts(
   from a public pretraining corpus. Arguments as :func:`load_task_split`.
   """
   spec = get_task(task)
-  if split not in spec.splits:
-    raise ValueError(
-        f"Unknown split {split!r} for task {spec.name}; use one of"
-        f" {', '.join(spec.splits)}."
-    )
+  _validate.one_of(f"split of task {spec.name}", split, spec.splits)
   columns, source = _split_columns(spec, split, path)
   candidates = (
       [(name,) for name in text_fields]

@@ -6,6 +6,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from raptor_jax import _validate
+
 
 def masked_mean(hidden_BxSxD: jax.Array, mask_BxS: jax.Array) -> jax.Array:
   """Mean of the non-padding token states of each record (encoders)."""
@@ -38,10 +40,12 @@ class SequenceClassifier(nn.Module):
   @nn.compact
   def __call__(self, input_ids, attention_mask, owner_override=None):
     """Returns (logits [B, num_labels] float32, the backbone output)."""
-    if self.pooling not in POOLING:
-      raise ValueError(
-          f"unknown pooling {self.pooling!r}; use one of {sorted(POOLING)}"
-      )
+    _validate.one_of(
+        "model.pooling",
+        self.pooling,
+        sorted(POOLING),
+        _validate.config_fix("model.pooling"),
+    )
     out = self.backbone(
         input_ids, attention_mask, owner_override=owner_override
     )

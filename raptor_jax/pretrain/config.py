@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from raptor_jax import _validate
+
 
 def base_config(family: str = "switch") -> ml_collections.ConfigDict:
   """A small MoE on WikiText-2 train + IMDb unsup, sized for 2 CPU cores."""
@@ -127,6 +129,7 @@ def with_preset(
     c: ml_collections.ConfigDict, arg: str
 ) -> ml_collections.ConfigDict:
   presets = {"": lambda c: c, "tiny": tiny_preset}
-  if arg not in presets:
-    raise ValueError(f"unknown preset {arg!r}; use one of {sorted(presets)}")
+  _validate.one_of(
+      "preset", arg, presets, "e.g. --config=configs/pretrain_switch.py:tiny"
+  )
   return presets[arg](c)

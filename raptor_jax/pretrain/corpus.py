@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from raptor_jax import _validate
 from raptor_jax.data import synthetic, tables, tasks
 
 
@@ -233,10 +234,12 @@ def build_corpus(
   """
   if not sources:
     raise ValueError("no pretraining source; set --config.corpus.sources")
-  if not 0.0 < heldout_fraction < 1.0:
-    raise ValueError(
-        f"corpus.heldout_fraction must be in (0, 1), got {heldout_fraction}"
-    )
+  _validate.in_interval(
+      "corpus.heldout_fraction",
+      heldout_fraction,
+      "(0, 1)",
+      _validate.config_fix("corpus.heldout_fraction"),
+  )
   index = contamination_index(contaminants, min_chars=min_chars)
   stats = dict(
       read=0,

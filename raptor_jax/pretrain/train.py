@@ -37,7 +37,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from raptor_jax import models
+from raptor_jax import _validate, models
 from raptor_jax.data import encoding
 from raptor_jax.models import export
 from raptor_jax.pretrain import corpus as corpus_lib
@@ -89,35 +89,29 @@ def coefficients(config: ml_collections.ConfigDict) -> tuple[float, float]:
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """One clear error for a config that cannot run, before any data is read."""
-  if config.family not in ("switch", "olmoe"):
-    raise ValueError(
-        f"family must be 'switch' or 'olmoe', got {config.family!r}"
-    )
-  positive = dict(
-      steps=config.steps,
-      batch_size=config.batch_size,
-      seq_len=config.seq_len,
-      learning_rate=config.learning_rate,
+  fix = _validate.config_fix
+  _validate.one_of("family", config.family, ("switch", "olmoe"), fix("family"))
+  for name in ("steps", "batch_size", "seq_len", "learning_rate"):
+    _validate.check(config[name] > 0, name, "> 0", config[name], fix(name))
+  _validate.check(
+      0 <= config.warmup_steps < config.steps,
+      "warmup_steps",
+      f"in [0, steps={config.steps})",
+      config.warmup_steps,
+      fix("warmup_steps"),
   )
-  for name, value in positive.items():
-    if value <= 0:
-      raise ValueError(
-          f"{name} must be positive, got {value}; set --config.{name}"
-      )
-  if not 0 <= config.warmup_steps < config.steps:
-    raise ValueError(
-        f"warmup_steps must be in [0, steps={config.steps}), got "
-        f"{config.warmup_steps}"
-    )
-  if config.model.embedding_init not in ("normal", "spectral"):
-    raise ValueError(
-        f"model.embedding_init must be 'normal' or 'spectral', got "
-        f"{config.model.embedding_init!r}"
-    )
-  if not 0.0 < config.objective.mlm_rate < 1.0:
-    raise ValueError(
-        f"objective.mlm_rate must be in (0, 1), got {config.objective.mlm_rate}"
-    )
+  _validate.one_of(
+      "model.embedding_init",
+      config.model.embedding_init,
+      ("normal", "spectral"),
+      fix("model.embedding_init"),
+  )
+  _validate.in_interval(
+      "objective.mlm_rate",
+      config.objective.mlm_rate,
+      "(0, 1)",
+      fix("objective.mlm_rate"),
+  )
 
 
 def _tokenize_rows(tok, texts, seq_len: int) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from raptor_jax import data
+from raptor_jax import _validate, data
 
 
 def _random_model_config() -> ml_collections.ConfigDict:
@@ -130,6 +130,13 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+# How to fix a bad config-file argument (`configs/glue.py:<arg>`).
+_ARG_FIX = (
+    "pass comma-separated key=value pairs, e.g."
+    " --config=configs/glue.py:task=mnli,model=olmoe,preset=tiny"
+)
+
+
 def tiny_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The embedded offline default: a small random Switch on the generated task."""
   config.model.name = "random"
@@ -227,14 +234,10 @@ def with_preset(
       "cpu": cpu_preset,
       "small": small_preset,
   }
-  if arg not in presets:
-    raise ValueError(f"unknown preset {arg!r}; use one of {sorted(presets)}")
+  _validate.one_of("preset", arg, presets, _ARG_FIX)
+  _validate.one_of("model", family, ("switch", "olmoe"), _ARG_FIX)
   if family == "olmoe":
     config = olmoe_family(config)
-  elif family != "switch":
-    raise ValueError(
-        f"unknown model family {family!r}; use 'switch' or 'olmoe'"
-    )
   config = presets[arg](config)
   if arg and family == "olmoe":
     config.model.dtype = "float32"
@@ -251,10 +254,7 @@ def glue_config(
     model: 'switch' (google/switch-base-8) or 'olmoe' (OLMoE-1B-7B).
     preset: see `with_preset`.
   """
-  if task not in data.TASK_CORPUS:
-    raise ValueError(
-        f"unknown task {task!r}; use one of {', '.join(data.TASK_CORPUS)}"
-    )
+  _validate.one_of("task", task, data.TASK_CORPUS, _ARG_FIX)
   config = base_config()
   config.data.task = task
   config.data.public_corpus = data.TASK_CORPUS[task]
@@ -272,11 +272,13 @@ def parse_arg(arg: str, **defaults: str) -> dict[str, str]:
   values = dict(defaults)
   for pair in filter(None, arg.split(",")):
     key, eq, value = pair.partition("=")
-    if not eq or key.strip() not in defaults:
-      raise ValueError(
-          f"config argument {pair!r} is not one of {accepted} "
-          f"(comma-separated, e.g. task=mnli,model=olmoe,preset=tiny)"
-      )
+    _validate.check(
+        bool(eq) and key.strip() in defaults,
+        "config argument",
+        f"one of {accepted}",
+        pair,
+        _ARG_FIX,
+    )
     values[key.strip()] = value.strip()
   return values
 

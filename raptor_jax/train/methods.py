@@ -49,7 +49,7 @@ import dataclasses
 
 import dp_accounting
 
-from raptor_jax import accounting, roles, sampling
+from raptor_jax import _validate, accounting, roles, sampling
 
 METHODS = (
     "raptor",
@@ -167,39 +167,61 @@ class Plan:
 
 def check_config(config) -> None:
   """Checks the method's fields of `config` (no data or model needed)."""
-  rc = config.raptor
-  if config.method not in METHODS:
-    raise ValueError(
-        f"unknown method {config.method!r}; choose one of {', '.join(METHODS)}"
+  rc, fix = config.raptor, _validate.config_fix
+  _validate.one_of("method", config.method, METHODS, fix("method"))
+  _validate.one_of(
+      "raptor.expert_denominator",
+      rc.expert_denominator,
+      ("B/E", "B"),
+      fix("raptor.expert_denominator"),
+  )
+  _validate.one_of(
+      "raptor.residual",
+      rc.residual,
+      ("shared", "full", "none"),
+      fix("raptor.residual"),
+  )
+  _validate.in_interval(
+      "raptor.residual_gamma",
+      rc.residual_gamma,
+      "(0, 1]",
+      fix("raptor.residual_gamma"),
+  )
+  if config.method == "raptor":
+    _validate.check(
+        not (rc.joint_clip and rc.alternate),
+        "raptor.alternate",
+        "False when raptor.joint_clip=True (one clip of a record's shared and"
+        " expert gradients needs both from one sample)",
+        rc.alternate,
+        fix("raptor.alternate", False),
     )
-  if rc.expert_denominator not in ("B/E", "B"):
-    raise ValueError(
-        f"raptor.expert_denominator must be 'B/E' or 'B', got "
-        f"{rc.expert_denominator!r}"
-    )
-  if rc.residual not in ("shared", "full", "none"):
-    raise ValueError(
-        f"raptor.residual must be 'shared', 'full' or 'none', got {rc.residual!r}"
-    )
-  if not 0.0 < rc.residual_gamma <= 1.0:
-    raise ValueError(
-        f"raptor.residual_gamma must be in (0, 1], got {rc.residual_gamma}"
-    )
-  if config.method == "raptor" and rc.joint_clip and rc.alternate:
-    raise ValueError(
-        "raptor.joint_clip=True clips a record's shared and expert gradients "
-        "together, which needs both from one sample: also set "
-        "--config.raptor.alternate=False"
-    )
-  if config.epochs < 1:
-    raise ValueError(f"epochs must be >= 1, got {config.epochs}")
-  if not config.learning_rate > 0:
-    raise ValueError(f"learning_rate must be > 0, got {config.learning_rate}")
+  _validate.positive_int("epochs", config.epochs, fix("epochs"))
+  _validate.positive(
+      "learning_rate", config.learning_rate, fix("learning_rate")
+  )
   for name in ("clip_shared", "clip_expert"):
-    if not config.privacy[name] > 0:
-      raise ValueError(
-          f"privacy.{name} must be > 0, got {config.privacy[name]}"
-      )
+    field = f"privacy.{name}"
+    _validate.positive(field, config.privacy[name], fix(field))
+  if config.method in PRIVATE_METHODS:
+    _check_budget(config)
+
+
+def _check_budget(config) -> None:
+  """The budget fields a private method calibrates to, before any data loads.
+
+  The accountant checks them again (and delta against 1/n once n is known).
+  """
+  pc, fix = config.privacy, _validate.config_fix
+  _validate.positive("privacy.epsilon", pc.epsilon, fix("privacy.epsilon"))
+  if pc.delta:  # 0 = the default 1/n**1.1
+    _validate.probability(
+        "privacy.delta", pc.delta, fix("privacy.delta") + " (0 = 1/n**1.1)"
+    )
+  if config.method == "raptor" and not config.raptor.joint_clip:
+    _validate.probability(
+        "privacy.rho", pc.rho, fix("privacy.rho") + " (the paper uses 0.9)"
+    )
 
 
 class _Calibration:

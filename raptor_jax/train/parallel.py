@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from raptor_jax import sampling
+from raptor_jax import _validate, sampling
 
 AXIS = "data"
 
@@ -91,15 +91,20 @@ def make_mesh(num_devices: int = 0) -> Mesh:
   """A 1-D 'data' mesh: all devices of every process, or the first `num_devices` (1 process)."""
   devices = jax.devices()
   if num_devices:
-    if jax.process_count() > 1 and num_devices != len(devices):
-      raise ValueError(
-          "with several processes, num_devices must be 0 (all devices)"
-      )
-    if not 1 <= num_devices <= len(devices):
-      raise ValueError(
-          f"num_devices={num_devices} but {len(devices)} devices are visible; "
-          "set --config.num_devices=0 for all of them"
-      )
+    _validate.check(
+        jax.process_count() == 1 or num_devices == len(devices),
+        "num_devices",
+        "0 (all devices) with several processes",
+        num_devices,
+        _validate.config_fix("num_devices", 0),
+    )
+    _validate.check(
+        1 <= num_devices <= len(devices),
+        "num_devices",
+        f"in [0, {len(devices)}] ({len(devices)} devices are visible)",
+        num_devices,
+        _validate.config_fix("num_devices", 0) + " for all of them",
+    )
     devices = devices[:num_devices]
   return Mesh(np.asarray(devices), (AXIS,))
 

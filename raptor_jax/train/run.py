@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from raptor_jax import data, models, ownership, sampling
+from raptor_jax import _validate, data, models, ownership, sampling
 from raptor_jax.models import hf
 from raptor_jax.train import methods, parallel, setup
 
@@ -28,15 +28,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Every check that needs no data and no model: run before loading anything.
 
   Raises:
-    ValueError: a field is missing or invalid (one line naming it).
+    ValueError: a field is missing or invalid, or set but ignored by the
+      chosen data source (one line naming it, `_validate`'s wording).
   """
-  if not config.model.name:
-    raise ValueError(
-        "set --config.model.name to a Hub id or a save_pretrained directory "
-        "(e.g. <pretrain workdir>/model from launch/pretrain.py)"
-    )
+  _validate.check(
+      bool(config.model.name),
+      "model.name",
+      "a Hub id, a save_pretrained directory or 'random'",
+      config.model.name,
+      _validate.config_fix("model.name")
+      + " (e.g. <pretrain workdir>/model from launch/pretrain.py)",
+  )
   methods.check_config(config)
   setup.check_eval_split(config.data)
+  setup.check_data_fields(config)
   sampling.check_microbatch_size(config.microbatch_size)
 
 
@@ -98,10 +103,7 @@ def build_run(
     The frozen `Run`.
   """
   validate(config)
-  if owner_records not in ("train", "dev"):
-    raise ValueError(
-        f"owner_records must be 'train' or 'dev', got {owner_records!r}"
-    )
+  _validate.one_of("owner_records", owner_records, ("train", "dev"))
   run_data = setup.load_run_data(config, host=host)
   n = (
       len(run_data.train)

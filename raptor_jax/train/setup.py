@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -11,8 +12,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from raptor_jax import data, models, roles
+from raptor_jax import _validate, data, models, roles
 from raptor_jax.models import hf
+from raptor_jax.train import config as config_lib
 
 # model.tokenizer value: a word-level tokenizer over the public corpus's words.
 PUBLIC_WORDS = "public-words"
@@ -45,25 +47,162 @@ def _shard_of(
 
 
 def check_eval_split(dc: ml_collections.ConfigDict) -> None:
-  """The evaluation split exists and the holdout never overlaps training records."""
-  if dc.eval_split not in ("dev", "holdout"):
-    raise ValueError(
-        f"data.eval_split must be 'dev' or 'holdout', got {dc.eval_split!r}"
+  """The evaluation split exists and the holdout never overlaps training records.
+
+  Run before `check_data_fields`, which refuses a holdout on the generated task.
+  """
+  fix = _validate.config_fix
+  _validate.one_of(
+      "data.eval_split",
+      dc.eval_split,
+      ("dev", "holdout"),
+      fix("data.eval_split"),
+  )
+  _validate.non_negative_int("data.holdout", dc.holdout, fix("data.holdout"))
+  if data.get_task(dc.task).name == "synthetic":
+    return  # no holdout: `check_data_fields` refuses one
+  _validate.check(
+      not dc.holdout or dc.train_limit,
+      "data.train_limit",
+      "> 0 when data.holdout > 0 (the holdout is the records after the first"
+      " train_limit)",
+      dc.train_limit,
+      fix("data.train_limit") + " so that the holdout is not trained on",
+  )
+  if dc.eval_split == "holdout":
+    _validate.check(
+        dc.holdout > 0,
+        "data.holdout",
+        "> 0 when data.eval_split='holdout'",
+        dc.holdout,
+        fix("data.holdout", "N"),
     )
-  if dc.holdout < 0:
-    raise ValueError(f"data.holdout must be >= 0, got {dc.holdout}")
-  if dc.holdout and not dc.train_limit:
-    raise ValueError(
-        "data.holdout takes the records after the first data.train_limit; set "
-        "--config.data.train_limit so that they are not trained on"
+
+
+# Fields the generated task (data.task='synthetic', the :tiny preset) never
+# reads: it makes its own records and public corpus and reads no file.
+GENERATED_TASK_IGNORES = (
+    "data.train_path",
+    "data.dev_path",
+    "data.text_fields",
+    "data.label_field",
+    "data.train_limit",
+    "data.dev_limit",
+    "data.holdout",
+    "data.public_path",
+    "data.public_split",
+    "data.public_text_fields",
+)
+# Fields only the generated task reads.
+GENERATED_TASK_ONLY = (
+    "data.synthetic.n_train",
+    "data.synthetic.n_dev",
+    "data.synthetic.label_noise",
+)
+_FILES_PRESET = (
+    "to train on files use --config=configs/glue.py:task=<task>,preset=cpu"
+    " (the tiny model) or preset=small"
+)
+
+
+def _field(config: ml_collections.ConfigDict, dotted: str) -> Any:
+  for key in dotted.split("."):
+    config = config[key]
+  return config
+
+
+def _check_random_model_unset(config: ml_collections.ConfigDict) -> None:
+  """`model.random.*` describes the random model only: a pretrained one
+  brings its own architecture, so a changed field there has no effect.
+
+  Unset means either family's default (`olmoe_family` sets its own).
+  """
+  defaults = [
+      config_lib.base_config().model.random,
+      config_lib.olmoe_family(config_lib.base_config()).model.random,
+  ]
+  given = config.model.random
+  changed = [[k for k in d if given[k] != d[k]] for d in defaults]
+  if all(changed):  # the nearest default names the field to unset
+    default, names = min(zip(defaults, changed), key=lambda p: len(p[1]))
+    _validate.fail(
+        f"model.random.{names[0]}",
+        f"{default[names[0]]!r} (unset) with model.name="
+        f"{config.model.name!r}, which brings its own architecture",
+        given[names[0]],
+        "set --config.model.name=random (as :tiny and :cpu do) to train a"
+        " random model",
     )
-  if dc.eval_split == "holdout" and not dc.holdout:
-    raise ValueError(
-        "data.eval_split='holdout' needs --config.data.holdout=N (N > 0)"
+
+
+def check_data_fields(config: ml_collections.ConfigDict) -> None:
+  """Refuses a set field that the chosen data source ignores (one line).
+
+  A field that has no effect must not be accepted silently: a user who sets
+  `data.train_path` on the generated task would otherwise train on generated
+  records and believe they trained on their file. The generated task ignores
+  `GENERATED_TASK_IGNORES` (and a public corpus other than its own, and
+  `model.tokenizer` under the random model); a real task ignores
+  `GENERATED_TASK_ONLY`; a pretrained model ignores `model.random`. Set data
+  files must exist.
+  """
+  dc, fix = config.data, _validate.config_fix
+  if config.model.name != "random":
+    _check_random_model_unset(config)
+  if data.get_task(dc.task).name == "synthetic":
+    where = "unset with the generated task (data.task='synthetic', as in :tiny)"
+    for field in GENERATED_TASK_IGNORES:
+      value = _field(config, field)
+      _validate.check(not value, field, where, value, _FILES_PRESET)
+    _validate.one_of(
+        "data.eval_split",
+        dc.eval_split,
+        ("dev",),
+        "the generated task has no holdout; " + _FILES_PRESET,
     )
-  if dc.eval_split == "holdout" and dc.task == "synthetic":
-    raise ValueError(
-        "the synthetic task has no holdout; use data.eval_split='dev'"
+    _validate.one_of(
+        "data.public_corpus",
+        dc.public_corpus,
+        ("synthetic", ""),
+        "the generated task brings its own public corpus; " + _FILES_PRESET,
+    )
+    if config.model.name == "random":
+      _validate.check(
+          not config.model.tokenizer,
+          "model.tokenizer",
+          where + " and model.name='random' (a word tokenizer of its own)",
+          config.model.tokenizer,
+          _FILES_PRESET,
+      )
+    return
+  defaults = config_lib.base_config()
+  for field in GENERATED_TASK_ONLY:
+    value, default = _field(config, field), _field(defaults, field)
+    _validate.check(
+        value == default,
+        field,
+        f"{default!r} (unset) with data.task={dc.task!r}, which reads no"
+        " generated records",
+        value,
+        "the generated task is --config=configs/glue.py:preset=tiny",
+    )
+  if dc.eval_split == "holdout":
+    for field in ("data.dev_path", "data.dev_limit"):
+      value = _field(config, field)
+      _validate.check(
+          not value,
+          field,
+          "unset with data.eval_split='holdout' (it evaluates on train records)",
+          value,
+          fix("data.eval_split", "dev") + " to evaluate on the dev split",
+      )
+  for field in ("train_path", "dev_path", "public_path"):
+    _validate.check(
+        not dc[field] or Path(dc[field]).is_file(),
+        f"data.{field}",
+        "an existing file",
+        dc[field],
+        fix(f"data.{field}") + " to a file that exists",
     )
 
 
@@ -82,6 +221,7 @@ def load_run_data(
   dc = config.data
   task = data.get_task(dc.task)
   check_eval_split(dc)
+  check_data_fields(config)
   if task.name == "synthetic":
     # A pretrained model reads the task through its own tokenizer.
     model_tokenizer = (
@@ -179,6 +319,13 @@ def random_backbone(
   random router sends a topic's records to the same expert, as a pretrained
   router does for semantically related text: routing then matters.
   """
+  if rc.family not in ("switch", "olmoe"):
+    _validate.fail(
+        "model.random.family",
+        "one of 'switch', 'olmoe'",
+        rc.family,
+        _validate.config_fix("model.random.family"),
+    )
   module = hf.backbone_from_sizes(rc.family, rc, vocab_size)
   key_init, key_topics = jax.random.split(jax.random.PRNGKey(seed))
   params = jax.jit(module.init)(key_init, *hf.example_inputs())["params"]

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
+from raptor_jax import _validate
 from raptor_jax.train import methods, train_and_evaluate
 
 log = logging.getLogger("raptor_jax")
@@ -100,11 +101,8 @@ def grid(
     seeds: Sequence[int],
 ) -> list[Cell]:
   """The cells of a sweep, seed by seed; a non-private variant gets one cell per seed."""
-  unknown = [v for v in variants if v not in VARIANTS]
-  if unknown:
-    raise ValueError(
-        f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}"
-    )
+  for variant in variants:
+    _validate.one_of("variant", variant, VARIANTS, "see --variants")
   if not epsilons or not seeds or not variants:
     raise ValueError(
         "a sweep needs at least one variant, one epsilon and one seed"
@@ -145,7 +143,10 @@ def cell_config(
   if clip is not None:
     config.privacy.clip_shared = config.privacy.clip_expert = float(clip)
   if cell.tune_clip is not None:
+    # The holdout replaces dev; a dev field left set would be refused as
+    # ignored (`setup.check_data_fields`).
     config.data.eval_split = "holdout"
+    config.data.dev_path, config.data.dev_limit = "", 0
   return config
 
 
