@@ -37,7 +37,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from raptor_jax import _validate, models
+from raptor_jax import _validate
 from raptor_jax.data import encoding
 from raptor_jax.models import export
 from raptor_jax.pretrain import corpus as corpus_lib
