@@ -38,7 +38,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import ml_collections
@@ -175,33 +175,48 @@ def _head_tensors(params: dict) -> dict[str, np.ndarray]:
   )
 
 
-def _write(run: Run, params: dict, report: dict, directory: Path) -> None:
-  """Writes the backbone, tokenizer, head and card into `directory`."""
+def write_model(
+    directory: str | os.PathLike,
+    model: models.SequenceClassifier,
+    params: dict,
+    tokenizer,
+    label_names: Sequence[str],
+) -> Path:
+  """Writes a classifier as transformers loads it: merged backbone + head.
+
+  Args:
+    directory: created if needed.
+    model: the run's classifier (backbone with its adapters, pooling, head).
+    params: its parameters (`backbone/...` with adapters, `head/...`).
+    tokenizer: saved alongside (None: none).
+    label_names: class names, written as the config's `id2label`.
+
+  Returns:
+    The directory.
+  """
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
 
-  backbone = run.model.backbone
+  directory = Path(directory)
+  backbone = model.backbone
   config = backbone.config
   merged = lora.merge(params["backbone"], config.lora_alpha, config.lora_rank)
-  labels = run.data.task.label_names
   hf_export.save_pretrained(
       backbone,
       merged,
       directory,
-      tokenizer=run.data.tokenizer,
+      tokenizer=tokenizer,
       hf_config_extra=dict(
           architectures=[_ARCHITECTURES[type(backbone)]],
-          id2label={i: str(name) for i, name in enumerate(labels)},
-          label2id={str(name): i for i, name in enumerate(labels)},
+          id2label={i: str(name) for i, name in enumerate(label_names)},
+          label2id={str(name): i for i, name in enumerate(label_names)},
       ),
   )
   save_file(
       _head_tensors(params),
       str(directory / HEAD),
-      metadata={"format": "pt", "pooling": run.model.pooling},
+      metadata={"format": "pt", "pooling": model.pooling},
   )
-  (directory / CARD).write_text(
-      json.dumps(privacy_card(report), indent=2, sort_keys=True)
-  )
+  return directory
 
 
 def export(workdir: str | os.PathLike, out: str | os.PathLike) -> Path:
@@ -222,7 +237,12 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike) -> Path:
   run, params, report = trained_model(workdir)
   tmp = out.parent / f".{out.name}.export-{os.getpid()}"
   try:
-    _write(run, params, report, tmp)
+    write_model(
+        tmp, run.model, params, run.data.tokenizer, run.data.task.label_names
+    )
+    (tmp / CARD).write_text(
+        json.dumps(privacy_card(report), indent=2, sort_keys=True)
+    )
     _check_out(out)
     if out.exists():
       out.rmdir()

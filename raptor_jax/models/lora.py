@@ -188,17 +188,17 @@ def merge(params: Mapping[str, Any], alpha: float, rank: int) -> dict:
       if p.rsplit("/", 1)[-1] not in ("lora_a", "lora_b")
   }
   for path in flat:
-    prefix, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
-    if leaf != "lora_a":
+    if path.rsplit("/", 1)[-1] != "lora_a":
       continue
+    prefix = path[: -len("lora_a")]  # "" or ".../"
     if rank <= 0:
       raise ValueError(
           f"{path} is an adapter but lora_rank is {rank}; pass the rank the "
           "model was built with"
       )
     a = np.asarray(flat[path], np.float32)
-    b = np.asarray(flat[f"{prefix}/lora_b"], np.float32)
-    merged[f"{prefix}/kernel"] = merged[f"{prefix}/kernel"] + (
+    b = np.asarray(flat[f"{prefix}lora_b"], np.float32)
+    merged[f"{prefix}kernel"] = merged[f"{prefix}kernel"] + (
         alpha / rank
     ) * np.matmul(a, b)
   return flax.traverse_util.unflatten_dict(merged, sep="/")
