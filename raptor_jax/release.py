@@ -78,19 +78,16 @@ def _run_config(workdir: Path) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(json.loads(path.read_text()))
 
 
-def _finished_report(workdir: Path, cycle: int, planned: int) -> dict:
+def _finished_report(workdir: Path, cycle: int) -> dict:
   """privacy_report.json of the finished run whose latest checkpoint is `cycle`."""
   path = workdir / "privacy_report.json"
   report = json.loads(path.read_text()) if path.is_file() else {}
-  if cycle < planned or not report.get("finished"):
+  if not report.get("finished") or report.get("cycles") != cycle:
     raise ValueError(
-        f"{workdir}: the run has no finished checkpoint (cycle {cycle} of "
-        f"{planned}); finish it (rerun launch/main.py with the same --workdir)"
-    )
-  if report.get("cycles") != cycle:
-    raise ValueError(
-        f"{path} does not describe the latest checkpoint (cycle {cycle}); "
-        "rerun launch/main.py with the same --workdir to rewrite it"
+        f"{workdir}: the latest checkpoint (cycle {cycle}) is not the end of "
+        f"a finished run ({path.name}: {report.get('cycles')} of "
+        f"{report.get('planned_cycles')} cycles); finish it (rerun "
+        "launch/main.py with the same --workdir), then export"
     )
   return report
 
@@ -116,8 +113,13 @@ def trained_model(workdir: str | os.PathLike) -> tuple[Run, dict, dict]:
       raise FileNotFoundError(
           f"{workdir}/checkpoints holds no checkpoint; train there first"
       )
+    report = _finished_report(workdir, int(meta["cycle"]))
     run = build_run(config, owner_records="dev")
-    report = _finished_report(workdir, int(meta["cycle"]), run.plan.cycles)
+    if run.plan.cycles != report["cycles"]:
+      raise ValueError(
+          f"{workdir}: {report['cycles']} cycles ran but the config plans "
+          f"{run.plan.cycles}; export from the workdir of a finished run"
+      )
     abstract = jax.tree.map(np.asarray, run.trainable)
     trainable = checkpointer.restore_subtree({"trainable": abstract})
   finally:

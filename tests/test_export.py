@@ -5,6 +5,7 @@ computes, carry the run's privacy accounting, and hold no byte of the secret,
 the noise keys or a private statistic.
 """
 
+import base64
 import json
 import re
 import shutil
@@ -68,14 +69,13 @@ def _export_cli(workdir, out):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """(config, workdir, out): a finished micro RAPTOR run and its export."""
+  """(config, workdir, out, run): a finished micro RAPTOR run and its export."""
   config = micro_config(**{"privacy.secret_seed": _SECRET_SEED})
   workdir = tmp_path_factory.mktemp("run")
   train_and_evaluate(config, str(workdir))
-  out = tmp_path_factory.mktemp("release") / "model"
-  proc = _export_cli(workdir, out)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return config, workdir, out
+  out = release.export(workdir, tmp_path_factory.mktemp("release") / "model")
+  # The run as the trainer builds it (with the training records' owner map).
+  return config, workdir, out, build_run(config)
 
 
 def test_merge_folds_adapters_into_kernels_without_changing_outputs():
@@ -102,6 +102,7 @@ def test_merge_folds_adapters_into_kernels_without_changing_outputs():
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_olmoe_classifier_export_agrees_with_transformers(tmp_path):
   """The decoder family: OlmoeModel + last-token pooling + the head file,
   attention and expert adapters merged."""
@@ -160,8 +161,7 @@ def test_olmoe_classifier_export_agrees_with_transformers(tmp_path):
 
 @pytest.mark.slow
 def test_transformers_loads_the_export_and_agrees_with_flax(trained):
-  config, workdir, out = trained
-  run = build_run(config)
+  _, workdir, out, run = trained
   _, state, _ = latest_state(workdir)
   trained_params = step.merged_params(run.frozen, state["trainable"])
   ids = run.data.dev.input_ids[:16]
@@ -212,8 +212,9 @@ def test_transformers_loads_the_export_and_agrees_with_flax(trained):
 
 
 def _secret_needles(value) -> list[bytes]:
-  """Every byte form a secret value could take in a file: decimal, hex, and
-  big- and little-endian integers of its own width and of 4, 8, 16 bytes."""
+  """Every byte form a secret value could take in a file: decimal, hex, the
+  decoded hex or base64 of a string, and big- and little-endian integers of
+  its own width and of 4, 8, 16 bytes."""
   if isinstance(value, dict):
     return [n for v in value.values() for n in _secret_needles(v)]
   if isinstance(value, (list, tuple)):
@@ -224,6 +225,8 @@ def _secret_needles(value) -> list[bytes]:
       needles += _secret_needles(int(value))
     elif re.fullmatch(r"(0x)?[0-9a-fA-F]+", value):
       needles += _secret_needles(int(value, 16))
+    elif re.fullmatch(r"[A-Za-z0-9+/_-]+=*", value):  # base64
+      needles.append(base64.b64decode(value + "==", altchars=b"-_"))
     return needles
   if isinstance(value, int) and not isinstance(value, bool):
     assert value.bit_length() >= 24, "too small a secret to scan for"
@@ -262,9 +265,8 @@ def _key_needles(opt_state) -> list[bytes]:
   return needles
 
 
-def _private_statistic_needles(config) -> list[bytes]:
+def _private_statistic_needles(run) -> list[bytes]:
   """The owner map of the training records and the per-expert counts."""
-  run = build_run(config)
   owners = run.owners
   assert len(set(owners.tolist())) > 1  # a non-trivial map
   counts = np.bincount(owners, minlength=run.num_experts)
@@ -281,7 +283,7 @@ def _private_statistic_needles(config) -> list[bytes]:
 
 @pytest.mark.slow
 def test_no_secret_noise_key_or_private_statistic_in_the_export(trained):
-  config, workdir, out = trained
+  _, workdir, out, run = trained
   _, state, meta = latest_state(workdir)
   # Whatever field(s) of the checkpoint metadata hold the secret.
   secret_fields = {
@@ -293,7 +295,7 @@ def test_no_secret_noise_key_or_private_statistic_in_the_export(trained):
   needles = {
       "secret": [n for v in secret_fields.values() for n in _secret_needles(v)],
       "noise key": _key_needles(state["opt"]),
-      "private statistic": _private_statistic_needles(config),
+      "private statistic": _private_statistic_needles(run),
   }
   assert all(needles.values()), {k: len(v) for k, v in needles.items()}
   files = sorted(p for p in out.rglob("*") if p.is_file())
@@ -326,7 +328,7 @@ def _keys(tree):
 
 @pytest.mark.slow
 def test_privacy_card_is_the_run_accounting_and_nothing_else(trained):
-  config, workdir, out = trained
+  config, workdir, out, _ = trained
   card = json.loads((out / release.CARD).read_text())
   report = json.loads((workdir / "privacy_report.json").read_text())
   _, _, meta = latest_state(workdir)
@@ -360,7 +362,7 @@ def test_privacy_card_is_the_run_accounting_and_nothing_else(trained):
 
 @pytest.mark.slow
 def test_export_refuses_a_used_out_dir_and_an_unfinished_run(trained, tmp_path):
-  _, workdir, out = trained
+  _, workdir, out, _ = trained
   # The CLI: one line, non-zero exit, nothing written.
   before = sorted(p.name for p in out.iterdir())
   proc = _export_cli(workdir, out)
@@ -370,11 +372,20 @@ def test_export_refuses_a_used_out_dir_and_an_unfinished_run(trained, tmp_path):
   assert sorted(p.name for p in out.iterdir()) == before
   with pytest.raises(FileNotFoundError, match="holds no trained run"):
     release.export(tmp_path / "nothing", tmp_path / "a")
-  # A run whose latest checkpoint is not the last cycle (checkpoints 4 and 6
-  # are kept; drop 6).
+  # A run stopped before its last cycle: drop the last checkpoint, and
+  # report the one before as a run stopped there reports it.
   partial = tmp_path / "partial"
   shutil.copytree(workdir, partial)
-  shutil.rmtree(partial / "checkpoints" / "6")
-  with pytest.raises(ValueError, match="no finished checkpoint"):
+  steps = sorted(
+      int(p.name)
+      for p in (partial / "checkpoints").iterdir()
+      if p.name.isdigit()
+  )
+  assert len(steps) >= 2, steps
+  shutil.rmtree(partial / "checkpoints" / str(steps[-1]))
+  report = json.loads((partial / "privacy_report.json").read_text())
+  report.update(finished=False, cycles=steps[-2])
+  (partial / "privacy_report.json").write_text(json.dumps(report))
+  with pytest.raises(ValueError, match="not the end of a finished run"):
     release.export(partial, tmp_path / "b")
   assert not (tmp_path / "b").exists()
