@@ -27,9 +27,9 @@ The export directory:
       sample rate, the steps, the noise multipliers and clip norms per stream.
 
 Nothing else: no secret, no noise key, no optimizer state, no wall time, no
-record count (n, with the public sample rate, would give the batch size and
-vice versa; neither is needed to use the model), no owner map or per-expert
-statistic, no metric of the private data.
+record count or batch size (with the published sample rate either gives n,
+which under add/remove adjacency depends on the private data), no owner map
+or per-expert statistic, no metric of the private data.
 """
 
 from __future__ import annotations

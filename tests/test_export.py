@@ -225,8 +225,8 @@ def _secret_needles(value) -> list[bytes]:
       needles += _secret_needles(int(value))
     elif re.fullmatch(r"(0x)?[0-9a-fA-F]+", value):
       needles += _secret_needles(int(value, 16))
-    elif re.fullmatch(r"[A-Za-z0-9+/_-]+=*", value):  # base64
-      needles.append(base64.b64decode(value + "==", altchars=b"-_"))
+    elif re.fullmatch(r"[A-Za-z0-9+/_-]+=*", value) and len(value) % 4 != 1:
+      needles.append(base64.b64decode(value + "==", altchars=b"-_"))  # base64
     return needles
   if isinstance(value, int) and not isinstance(value, bool):
     assert value.bit_length() >= 24, "too small a secret to scan for"
