@@ -79,7 +79,7 @@ def _run_config(workdir: Path) -> ml_collections.ConfigDict:
 
 
 def _finished_report(workdir: Path, cycle: int) -> dict:
-  """privacy_report.json of the finished run whose latest checkpoint is `cycle`."""
+  """privacy_report.json of a finished run whose last checkpoint is `cycle`."""
   path = workdir / "privacy_report.json"
   report = json.loads(path.read_text()) if path.is_file() else {}
   if not report.get("finished") or report.get("cycles") != cycle:
