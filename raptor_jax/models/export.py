@@ -151,8 +151,7 @@ def switch_hf_config(config: switch.SwitchConfig, **extra):
       relative_attention_max_distance=config.relative_attention_max_distance,
       layer_norm_epsilon=config.layer_norm_epsilon,
       dense_act_fn=config.dense_act_fn,
-      architectures=["SwitchTransformersEncoderModel"],
-      **extra,
+      **{"architectures": ["SwitchTransformersEncoderModel"], **extra},
   )
 
 
@@ -175,8 +174,7 @@ def olmoe_hf_config(config: olmoe.OlmoeConfig, **extra):
       hidden_act=config.hidden_act,
       rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
       tie_word_embeddings=False,
-      architectures=["OlmoeForCausalLM"],
-      **extra,
+      **{"architectures": ["OlmoeForCausalLM"], **extra},
   )
 
 

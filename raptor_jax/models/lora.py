@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from raptor_jax.models import moe
 
@@ -161,3 +163,42 @@ class ExpertLinear(nn.Module):
           owner_params["lora_b"].astype(self.dtype),
       )
     return y
+
+
+def merge(params: Mapping[str, Any], alpha: float, rank: int) -> dict:
+  """The same function without adapters: kernel + (alpha / r) lora_a @ lora_b.
+
+  `LoRADense` computes x @ kernel + (alpha / r) (x @ lora_a) @ lora_b and
+  `ExpertLinear` the same per expert ([E, ...] factors, batched matmul), so
+  folding each adapter into its kernel leaves every output unchanged. The
+  merge runs in float32 on the host.
+
+  Args:
+    params: a nested parameter tree, with or without adapters.
+    alpha: the model's `lora_alpha`.
+    rank: its `lora_rank` r (> 0 if there is any adapter).
+
+  Returns:
+    A nested tree (numpy leaves) with no `lora_a` / `lora_b` leaf.
+  """
+  flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(params), sep="/")
+  merged = {
+      p: np.asarray(v, np.float32)
+      for p, v in flat.items()
+      if p.rsplit("/", 1)[-1] not in ("lora_a", "lora_b")
+  }
+  for path in flat:
+    if path.rsplit("/", 1)[-1] != "lora_a":
+      continue
+    prefix = path[: -len("lora_a")]  # "" or ".../"
+    if rank <= 0:
+      raise ValueError(
+          f"{path} is an adapter but lora_rank is {rank}; pass the rank the "
+          "model was built with"
+      )
+    a = np.asarray(flat[path], np.float32)
+    b = np.asarray(flat[f"{prefix}lora_b"], np.float32)
+    merged[f"{prefix}kernel"] = merged[f"{prefix}kernel"] + (
+        alpha / rank
+    ) * np.matmul(a, b)
+  return flax.traverse_util.unflatten_dict(merged, sep="/")

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 
 from raptor_jax.train.config import RESUME_INSENSITIVE
@@ -100,6 +101,26 @@ class Checkpointer:
         self.manager.latest_step(),
         args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)),
     )["state"]
+
+  def restore_subtree(self, abstract_subtree: Any) -> Any:
+    """Only the leaves of `abstract_subtree` of the latest state, as numpy.
+
+    `abstract_subtree` names a part of the saved state (e.g. {"trainable":
+    ...}); nothing else is read from disk, so restoring the parameters does
+    not load the optimizer states' secret noise keys.
+    """
+    path = self.directory / str(self.manager.latest_step()) / "state"
+    restore_args = jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_subtree
+    )
+    return ocp.PyTreeCheckpointer().restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+            item=abstract_subtree,
+            restore_args=restore_args,
+            partial_restore=True,
+        ),
+    )
 
   def save(self, step: int, state: Any, meta: dict) -> None:
     """Writes a checkpoint atomically (orbax commits a finished directory)."""

@@ -1,0 +1,255 @@
+"""Release the model, not the run: a trained workdir -> a directory to publish.
+
+A run's workdir is private. Its checkpoints hold the secret seed of the
+Poisson samples and of the noise and the noise transforms' PRNG keys (with
+them an adversary could regenerate and subtract the noise), and its reports
+hold wall time and counts. `export` writes only what the DP guarantee lets a
+user publish: the trained parameters are a post-processing of the noisy
+releases, so they carry the run's (epsilon, delta); the tokenizer and the
+architecture are public inputs; the privacy card holds public parameters of
+the mechanism and the epsilon its accountant computed.
+
+The export directory:
+
+  config.json, model.safetensors   the backbone in `save_pretrained` format,
+      every LoRA adapter merged into its kernel (W + (alpha / r) A B), so
+      `transformers` loads it as `SwitchTransformersEncoderModel` (Switch) or
+      `OlmoeModel` (OLMoE); `id2label` names the classes.
+  tokenizer files                  the tokenizer the run used (a pretrained
+      one, the synthetic task's generated vocabulary or the public corpus's
+      words: never built from private records).
+  classification_head.safetensors  `weight` [num_labels, D] and `bias`
+      [num_labels] (torch `nn.Linear` layout); its metadata names the
+      `pooling`: 'mean' (masked mean of the final hidden states, encoders) or
+      'last' (the last non-padding token, decoders; right padding).
+      transformers 5 has no sequence-classification class for either family.
+  privacy_card.json                (epsilon, delta), the accountant, the
+      sample rate, the steps, the noise multipliers and clip norms per stream.
+
+Nothing else: no secret, no noise key, no optimizer state, no wall time, no
+record count or batch size (with the published sample rate either gives n,
+which under add/remove adjacency depends on the private data), no owner map
+or per-expert statistic, no metric of the private data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from raptor_jax import models
+from raptor_jax.models import export as hf_export
+from raptor_jax.models import lora
+from raptor_jax.train import step
+from raptor_jax.train.checkpoint import Checkpointer
+from raptor_jax.train.run import Run, build_run
+
+CARD = "privacy_card.json"
+HEAD = "classification_head.safetensors"
+# The transformers class of each backbone (the head is exported apart).
+_ARCHITECTURES = {
+    models.SwitchEncoder: "SwitchTransformersEncoderModel",
+    models.OlmoeDecoder: "OlmoeModel",
+}
+
+
+def _check_out(out: Path) -> None:
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise ValueError(
+        f"--out {out} is not an empty directory; export into a new or empty one"
+    )
+
+
+def _run_config(workdir: Path) -> ml_collections.ConfigDict:
+  """The config the run in `workdir` was trained with (its config.json)."""
+  path = workdir / "config.json"
+  if not path.is_file() or not (workdir / "checkpoints").is_dir():
+    raise FileNotFoundError(
+        f"{workdir} holds no trained run (config.json and checkpoints/); "
+        "train there first with launch/main.py --workdir"
+    )
+  return ml_collections.ConfigDict(json.loads(path.read_text()))
+
+
+def _finished_report(workdir: Path, cycle: int) -> dict:
+  """privacy_report.json of a finished run whose last checkpoint is `cycle`."""
+  path = workdir / "privacy_report.json"
+  report = json.loads(path.read_text()) if path.is_file() else {}
+  if not report.get("finished") or report.get("cycles") != cycle:
+    raise ValueError(
+        f"{workdir}: the latest checkpoint (cycle {cycle}) is not the end of "
+        f"a finished run ({path.name}: {report.get('cycles')} of "
+        f"{report.get('planned_cycles')} cycles); finish it (rerun "
+        "launch/main.py with the same --workdir), then export"
+    )
+  return report
+
+
+def trained_model(workdir: str | os.PathLike) -> tuple[Run, dict, dict]:
+  """(run, trained classifier parameters, privacy report) of a finished run.
+
+  Rebuilds the run from its config.json as the trainer does (the owner map
+  is computed for the dev split only) and reads only the trainable
+  parameters of the latest checkpoint: its optimizer states (noise keys) are
+  never loaded; its metadata is read for the cycle and the format check.
+
+  Raises:
+    FileNotFoundError: no trained run in `workdir`.
+    ValueError: the run is not finished, or its report is stale.
+  """
+  workdir = Path(workdir).expanduser().resolve()
+  config = _run_config(workdir)
+  checkpointer = Checkpointer(workdir, config)
+  try:
+    meta = checkpointer.restore_meta()
+    if meta is None:
+      raise FileNotFoundError(
+          f"{workdir}/checkpoints holds no checkpoint; train there first"
+      )
+    report = _finished_report(workdir, int(meta["cycle"]))
+    run = build_run(config, owner_records="dev")
+    if run.plan.cycles != report["cycles"]:
+      raise ValueError(
+          f"{workdir}: {report['cycles']} cycles ran but the config plans "
+          f"{run.plan.cycles}; export from the workdir of a finished run"
+      )
+    abstract = jax.tree.map(np.asarray, run.trainable)
+    trainable = checkpointer.restore_subtree({"trainable": abstract})
+  finally:
+    checkpointer.close()
+  params = step.merged_params(run.frozen, trainable["trainable"])
+  return run, params, report
+
+
+def privacy_card(report: dict) -> dict[str, Any]:
+  """The publishable part of a privacy report: the guarantee and its mechanism.
+
+  Per stream (RAPTOR: `shared` and `expert`; the monolithic methods: `all`)
+  the noise multiplier, the clip norm and the number of noisy steps; the
+  sample rate, delta, epsilon and the accountant. Left out: the record count
+  and batch size, wall time, the ledger's layout, the secret.
+  """
+  private = bool(report["private"])
+  streams = {
+      name: dict(
+          noise_multiplier=part["noise_multiplier"],
+          l2_clip=part["l2_clip"],
+          steps=report["cycles"],
+      )
+      for name, part in report["parts"].items()
+  }
+  return dict(
+      method=report["method"],
+      private=private,
+      guarantee=(
+          "(epsilon, delta)-DP for the addition or removal of one training "
+          "record; the model is a post-processing of the noisy updates"
+          if private
+          else "none: this method trains without differential privacy"
+      ),
+      epsilon=report["epsilon"],
+      delta=report["delta"],
+      target_epsilon=report["target_epsilon"],
+      accountant=report["accountant"],
+      sampling="Poisson",
+      sample_rate=report["sample_rate"],
+      steps=report["cycles"],
+      rho=report["rho"],
+      sigma_shared=report["sigma_shared"],
+      sigma_expert=report["sigma_expert"],
+      streams=streams,
+      expert_layer=report["expert_layer"],
+  )
+
+
+def _head_tensors(params: dict) -> dict[str, np.ndarray]:
+  head = params["head"]
+  return dict(
+      weight=np.ascontiguousarray(np.asarray(head["kernel"], np.float32).T),
+      bias=np.asarray(head["bias"], np.float32),
+  )
+
+
+def write_model(
+    directory: str | os.PathLike,
+    model: models.SequenceClassifier,
+    params: dict,
+    tokenizer,
+    label_names: Sequence[str],
+) -> Path:
+  """Writes a classifier as transformers loads it: merged backbone + head.
+
+  Args:
+    directory: created if needed.
+    model: the run's classifier (backbone with its adapters, pooling, head).
+    params: its parameters (`backbone/...` with adapters, `head/...`).
+    tokenizer: saved alongside (None: none).
+    label_names: class names, written as the config's `id2label`.
+
+  Returns:
+    The directory.
+  """
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
+  directory = Path(directory)
+  backbone = model.backbone
+  config = backbone.config
+  merged = lora.merge(params["backbone"], config.lora_alpha, config.lora_rank)
+  hf_export.save_pretrained(
+      backbone,
+      merged,
+      directory,
+      tokenizer=tokenizer,
+      hf_config_extra=dict(
+          architectures=[_ARCHITECTURES[type(backbone)]],
+          id2label={i: str(name) for i, name in enumerate(label_names)},
+          label2id={str(name): i for i, name in enumerate(label_names)},
+      ),
+  )
+  save_file(
+      _head_tensors(params),
+      str(directory / HEAD),
+      metadata={"format": "pt", "pooling": model.pooling},
+  )
+  return directory
+
+
+def export(workdir: str | os.PathLike, out: str | os.PathLike) -> Path:
+  """Writes the trained model of the finished run in `workdir` to `out`.
+
+  `out` must not exist or be empty. It is written in a sibling temporary
+  directory and renamed, so it is either complete or absent.
+
+  Returns:
+    `out`, holding only publishable files (see the module docstring).
+
+  Raises:
+    FileNotFoundError: no trained run in `workdir`.
+    ValueError: `out` is not empty, or the run is not finished.
+  """
+  out = Path(out).expanduser().resolve()
+  _check_out(out)
+  run, params, report = trained_model(workdir)
+  tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+  try:
+    write_model(
+        tmp, run.model, params, run.data.tokenizer, run.data.task.label_names
+    )
+    (tmp / CARD).write_text(
+        json.dumps(privacy_card(report), indent=2, sort_keys=True)
+    )
+    _check_out(out)
+    if out.exists():
+      out.rmdir()
+    tmp.rename(out)
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp)
+  return out
