@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
-from raptor_jax.train import methods, train_and_evaluate
+from raptor_jax.train import methods, secrecy, train_and_evaluate
 
 log = logging.getLogger("raptor_jax")
 
@@ -132,6 +132,9 @@ def cell_config(
 ) -> ml_collections.ConfigDict:
   """`base` with the cell's variant overrides, epsilon and seed.
 
+  A fixed `privacy.secret_seed` N becomes a KDF of (N, cell), so cells never
+  share samples or noise (the secret itself stays OS entropy when N < 0).
+
   `clip` (or the tuning cell's own clip norm) sets every clip norm of the
   method (C_s and C_e; one-stream methods read C_s). A tuning cell evaluates
   on the held-out train records (`data.eval_split='holdout'`).
@@ -146,6 +149,10 @@ def cell_config(
     config.privacy.clip_shared = config.privacy.clip_expert = float(clip)
   if cell.tune_clip is not None:
     config.data.eval_split = "holdout"
+  if config.privacy.secret_seed >= 0:  # a fixed seed: one derived per cell
+    config.privacy.secret_seed = secrecy.cell_secret_seed(
+        base.privacy.secret_seed, str(cell.directory(""))
+    )
   return config
 
 
