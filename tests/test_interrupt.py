@@ -24,6 +24,9 @@ from raptor_jax.train.run import build_run
 
 from helpers import latest_state, micro_config
 
+# End to end: every test resumes real sessions of one micro run (built once).
+pytestmark = pytest.mark.slow
+
 
 class Interrupt(BaseException):
   """Stands for KeyboardInterrupt / SIGTERM (a BaseException, not an Exception)."""
@@ -117,7 +120,6 @@ def _finish(sess):
   sess.checkpointer.close()
 
 
-@pytest.mark.slow
 def test_interrupt_at_every_point_of_a_cycle(harness, tmp_path):
   run, wire, session, base = harness
   reference = tmp_path / "reference"
