@@ -232,3 +232,37 @@ def test_fields_of_other_methods_are_absent_not_filled_in(method):
   (stream,) = report["streams"].values()
   assert "epsilon_at_half_delta" not in stream
   assert ("target_epsilon" in report) == (method == "monolithic_lora")
+
+
+_AGREE = """
+import sys
+import jax
+from raptor_jax.train import parallel
+parallel.initialize_distributed(sys.argv[1], 2, int(sys.argv[2]))
+mine = bytes([int(sys.argv[2]) + 1]) * 16 + bytes(range(240, 256))
+print(parallel.agree_bytes(mine).hex())
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_agree_on_process_0s_wide_secret():
+  import socket  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    address = f"localhost:{s.getsockname()[1]}"
+  procs = [
+      subprocess.Popen(
+          [sys.executable, "-c", _AGREE, address, str(i)],
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          text=True,
+      )
+      for i in range(2)
+  ]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+  want = (bytes([1]) * 16 + bytes(range(240, 256))).hex()
+  assert [o.split()[-1] for o, _ in outs] == [want, want]
