@@ -73,6 +73,15 @@ def test_sweep_cells_derive_distinct_secrets_from_the_fixed_seed():
   assert sweep.cell_config(secret, cells[0]).privacy.secret_seed == -1
 
 
+def test_the_sweeps_environment_record_hides_the_seed(tmp_path):
+  argv = ["launch/sweep.py", "--config.privacy.secret_seed=4242", "--seeds=0"]
+  text = sweep.write_environment(tmp_path, argv).read_text()
+  assert "4242" not in text and "secret_seed=<redacted> --seeds=0" in text
+  argv = ["launch/sweep.py", "--config.privacy.secret_seed", "4343", "--x=1"]
+  text = sweep.write_environment(tmp_path, argv).read_text()
+  assert "4343" not in text and "secret_seed <redacted> --x=1" in text
+
+
 def test_wide_secrets_survive_the_multihost_broadcast():
   secret = bytes(range(200, 232))
   assert parallel.broadcast_bytes(secret) == secret

@@ -298,7 +298,10 @@ def run(
 
 
 def write_environment(workdir: str | Path, argv: Sequence[str]) -> Path:
-  """Appends this invocation and the software versions to `<workdir>/environment.json`."""
+  """Appends this invocation and the software versions to `<workdir>/environment.json`.
+
+  A `--config.privacy.secret_seed=N` flag is written as `=<redacted>`.
+  """
   import platform  # pylint: disable=g-import-not-at-top
   from importlib import metadata  # pylint: disable=g-import-not-at-top
 
@@ -319,9 +322,21 @@ def write_environment(workdir: str | Path, argv: Sequence[str]) -> Path:
   env["python"] = platform.python_version()
   env["platform"] = platform.platform()
   env["packages"] = {p: metadata.version(p) for p in packages}
-  env["invocations"].append(" ".join(argv))
+  env["invocations"].append(" ".join(_redacted(argv)))
   path.write_text(json.dumps(env, indent=2))
   return path
+
+
+def _redacted(argv: Sequence[str]) -> list[str]:
+  """`argv` with the value of a `secret_seed` flag hidden (never written)."""
+  out = []
+  for arg in argv:
+    if out and out[-1].endswith("secret_seed"):  # --flag value
+      arg = "<redacted>"
+    elif "secret_seed=" in arg:
+      arg = arg.split("=", 1)[0] + "=<redacted>"
+    out.append(arg)
+  return out
 
 
 def collect(workdir: str | Path, tuning: bool = False) -> list[dict[str, Any]]:
