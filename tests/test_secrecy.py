@@ -275,3 +275,28 @@ def test_two_processes_agree_on_process_0s_wide_secret():
   assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
   want = (bytes([1]) * 16 + bytes(range(240, 256))).hex()
   assert [o.split()[-1] for o, _ in outs] == [want, want]
+
+
+def test_sweep_tables_show_no_wall_time_unless_every_run_logged_it(tmp_path):
+  from raptor_jax.train import report  # pylint: disable=g-import-not-at-top
+
+  def row(seed, **extra):
+    return dict(
+        target_epsilon=8.0,
+        variant="raptor",
+        task="sst2",
+        seed=seed,
+        accuracy=0.8,
+        finished=True,
+        **extra,
+    )
+
+  (private,) = report.summarize([row(0), row(1, wall_time_s=5.0)])
+  (logged,) = report.summarize(
+      [row(0, wall_time_s=5.0), row(1, wall_time_s=7.0)]
+  )
+  assert private["wall_time_s"] is None and logged["wall_time_s"] == 6.0
+  assert "| 8 | Ours, entropy-sel. | - |" in report.markdown([private])
+  assert "| 8 | Ours, entropy-sel. | 6 |" in report.markdown([logged])
+  report.write_csv([private], tmp_path / "t.csv")
+  assert (tmp_path / "t.csv").read_text().splitlines()[1].endswith(",2,")
