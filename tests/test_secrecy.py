@@ -300,3 +300,30 @@ def test_sweep_tables_show_no_wall_time_unless_every_run_logged_it(tmp_path):
   assert "| 8 | Ours, entropy-sel. | 6 |" in report.markdown([logged])
   report.write_csv([private], tmp_path / "t.csv")
   assert (tmp_path / "t.csv").read_text().splitlines()[1].endswith(",2,")
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_the_progress_bar_times_nothing_unless_opted_in(opt_in):
+  config = micro_config(progress_bar=True, log_wall_time=opt_in)
+  bar = loop._progress_bar(config, types.SimpleNamespace(cycles=10), 0)
+  bar.update(3)
+  text = str(bar)
+  bar.close()
+  assert "3/10" in text
+  assert ("cycle/s" in text or "s/cycle" in text) == opt_in
+  assert ("00:" in text) == opt_in  # elapsed and remaining time
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_tensorboard_events_carry_walltime_0_unless_opted_in(tmp_path, opt_in):
+  from raptor_jax.train import metrics  # pylint: disable=g-import-not-at-top
+
+  writer = metrics.MetricWriter(tmp_path, wall_time=opt_in)
+  seen = []
+  add = writer._tb.add_scalar  # pylint: disable=protected-access
+  writer._tb.add_scalar = lambda *a, **k: seen.append(k) or add(*a, **k)
+  writer.write(3, {"epsilon_spent": 0.5})
+  writer.close()
+  assert seen == [dict(walltime=None if opt_in else 0.0)]
+  line = json.loads((tmp_path / "metrics.jsonl").read_text())
+  assert line == {"step": 3, "epsilon_spent": 0.5}
