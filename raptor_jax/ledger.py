@@ -140,6 +140,15 @@ class PrivacyLedger:
       self._epsilons[delta] = accounting.epsilon(self.event(), delta)
     return self._epsilons[delta]
 
+  def stream_epsilon(self, stream: str, delta: float) -> float:
+    """Epsilon of ``stream``'s releases alone at ``delta`` (0 if none).
+
+    SPEC 1.7 reports each stream's epsilon at delta/2 next to the composed
+    one: pass ``delta / 2`` for that.
+    """
+    alone = PrivacyLedger(e for e in self.entries if e.stream == stream)
+    return alone.epsilon(delta) if alone.entries else 0.0
+
   def to_dict(self) -> dict[str, Any]:
     """A JSON-compatible dict (floats round-trip exactly)."""
     return {

@@ -2,9 +2,15 @@
 
 A checkpoint holds the trainable parameters, optimizer states (including the
 noise transforms' PRNG keys and step counts), the cycle counter, the privacy
-ledger and the run's secret seed (Poisson samples and noise derive from it:
-keep checkpoints as private as the training data; release only the model). The owner map is NOT saved: it is recomputed on resume from
-the frozen pretrained model (it is deterministic), so it never touches disk.
+ledger, the run's 256-bit secret (Poisson samples and noise derive from it:
+keep checkpoints as private as the training data; release only the model)
+and the fingerprint of the training data. The owner map is NOT saved: it is
+recomputed on resume from the frozen pretrained model (it is deterministic),
+so it never touches disk.
+
+A checkpoint that cannot be read stops the run with one line naming it; the
+run never skips it silently, falls back on its own or starts from scratch
+(README, "Interrupts and damaged checkpoints": why moving it aside is safe).
 """
 
 from __future__ import annotations
@@ -21,20 +27,27 @@ import orbax.checkpoint as ocp
 
 from raptor_jax.train.config import RESUME_INSENSITIVE
 
-# Version of the checkpoint layout, saved in every checkpoint's meta. 2: each
-# part's optimizer state is the state of `optax.chain(privatize_sums, adam)`
-# (1, unversioned: a {"noise", "adam"} dict per part).
-FORMAT_VERSION = 2
+# Version of the checkpoint layout, saved in every checkpoint's meta. 3: the
+# meta holds the 256-bit `secret` (hex) and the `data` fingerprint instead of
+# a 31-bit `secret_seed`. 2: each part's optimizer state is the state of
+# `optax.chain(privatize_sums, adam)` (1, unversioned: a {"noise", "adam"}
+# dict per part).
+FORMAT_VERSION = 3
 
 
 def fingerprint(
     config: ml_collections.ConfigDict,
     insensitive: Sequence[str] = RESUME_INSENSITIVE,
 ) -> str:
-  """Hash of every config field that changes what the run computes."""
+  """Hash of every config field that changes what the run computes.
+
+  `privacy.secret_seed` is left out: a resumed run takes its secret from the
+  checkpoint, and the seed must not reach any file, not even hashed.
+  """
   values = config.to_dict()
   for key in insensitive:
     values.pop(key, None)
+  values.get("privacy", {}).pop("secret_seed", None)
   return hashlib.sha256(
       json.dumps(values, sort_keys=True, default=str).encode()
   ).hexdigest()
@@ -66,19 +79,52 @@ class Checkpointer:
   def latest(self) -> int | None:
     return self.manager.latest_step()
 
+  def latest_path(self) -> Path:
+    """The directory of the latest checkpoint (for messages)."""
+    return self.directory / str(self.manager.latest_step())
+
+  def _unreadable(self, step: int, error: Exception) -> ValueError:
+    """One line naming the unreadable checkpoint and the ways forward.
+
+    The run stops rather than fall back on its own: the latest checkpoint's
+    ledger counts cycles that the earlier one does not. Moving the bad one
+    aside resumes from the earlier checkpoint, whose cycles then rerun on the
+    same Poisson samples with the same noise (both are functions of the
+    secret, stream and cycle), so the final model still holds exactly the
+    releases its ledger counts (README, "Randomness and secrecy").
+    """
+    earlier = [s for s in self.manager.all_steps() if s < step]
+    fallback = (
+        f"move it out of {self.directory} to resume from cycle {max(earlier)}"
+        " (the same samples and noise are redrawn), or "
+        if earlier
+        else ""
+    )
+    reason = (str(error).splitlines() or [""])[0][:200]
+    return ValueError(
+        f"checkpoint {self.directory / str(step)} is unreadable"
+        f" ({type(error).__name__}: {reason}); {fallback}train in a new"
+        " --workdir"
+    )
+
   def restore_meta(self) -> dict | None:
     """The latest checkpoint's metadata, or None for a fresh workdir.
 
     Raises:
-      ValueError: the workdir holds a checkpoint of another format version
-        or of a different config.
+      ValueError: the latest checkpoint is unreadable (never skipped
+        silently), or of another format version or of a different config.
     """
     step = self.manager.latest_step()
     if step is None:
       return None
-    meta = self.manager.restore(
-        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-    )["meta"]
+    try:
+      meta = self.manager.restore(
+          step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+      )["meta"]
+      if not isinstance(meta, dict):
+        raise TypeError(f"its meta is a {type(meta).__name__}, not a dict")
+    except Exception as error:  # pylint: disable=broad-except
+      raise self._unreadable(step, error) from error
     version = meta.get("format_version")
     if self.format_version is not None and version != self.format_version:
       raise ValueError(
@@ -97,10 +143,14 @@ class Checkpointer:
   def restore_state(self, abstract_state: Any) -> Any:
     """The latest state, placed like `abstract_state` (any device count)."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-    return self.manager.restore(
-        self.manager.latest_step(),
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)),
-    )["state"]
+    step = self.manager.latest_step()
+    try:
+      return self.manager.restore(
+          step,
+          args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)),
+      )["state"]
+    except Exception as error:  # pylint: disable=broad-except
+      raise self._unreadable(step, error) from error
 
   def restore_subtree(self, abstract_subtree: Any) -> Any:
     """Only the leaves of `abstract_subtree` of the latest state, as numpy.

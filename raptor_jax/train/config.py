@@ -126,7 +126,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_private_stats = (
       False  # opt-in: log the private training loss (not DP; warns)
   )
-  c.progress_bar = True  # tqdm progress bar with ETA and epsilon spent
+  c.progress_bar = True  # tqdm progress bar with epsilon spent
+  # opt-in: wall time in results.json, TensorBoard and the progress bar's
+  # rates; it depends on realised batch sizes (not DP; warns)
+  c.log_wall_time = False
   return c
 
 
@@ -291,6 +294,7 @@ RESUME_INSENSITIVE = (
     "log_every_cycles",
     "stop_after_cycles",
     "log_private_stats",
+    "log_wall_time",
     "progress_bar",
     "microbatch_size",
     "num_devices",

@@ -1,9 +1,10 @@
 """`train_and_evaluate`: one loop for RAPTOR, its baselines and ablations.
 
 Per cycle (Alg. 1), every phase of the plan draws its own Poisson sample
-(`numpy.random.default_rng((seed, stream, cycle))`), accumulates clipped
-per-record gradient sums over fixed-size microbatches, and makes ONE noisy
-DP-Adam update; the ledger records the release. The realised sample size only
+(`numpy.random.default_rng((seed, stream, cycle))`, the seed a KDF of the
+run's secret: `secrecy`), accumulates clipped per-record gradient sums over
+fixed-size microbatches, and makes ONE noisy DP-Adam update; the ledger
+records the release in the same immutable `TrainState`. The realised sample size only
 decides how many microbatches run; nothing reads, branches on or logs it.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import numpy as np
 
 from raptor_jax import accounting, data, ownership, roles, sampling
 from raptor_jax.ledger import PrivacyLedger
-from raptor_jax.train import methods, metrics, parallel, step
+from raptor_jax.train import methods, metrics, parallel, secrecy, step
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import Run, build_run, validate
 
@@ -55,23 +55,17 @@ def _batch(
   )
 
 
-def secret_seed(config) -> int:
-  """The seed of the Poisson samples and the noise: secret unless the user fixes it.
-
-  Privacy amplification by sampling and the Gaussian noise both assume the
-  adversary cannot reproduce the randomness, so by default it comes from the
-  operating system's entropy, is kept in the (private) checkpoint for exact
-  resumption, and is never written to config.json, logs or reports.
-  `config.privacy.secret_seed >= 0` fixes it for reproducible experiments.
-  """
-  if config.privacy.secret_seed >= 0:
-    return int(config.privacy.secret_seed)
-  return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainState:
-  """What a cycle changes, committed together once all its phases ran."""
+  """Everything a cycle changes, as ONE immutable value.
+
+  The parameters, the optimizer states (whose noise transforms count the
+  noisy updates applied), the ledger (which counts the updates accounted) and
+  the cycle counter are built together by `_train_cycle` and swapped in by a
+  single assignment, so no interrupt (KeyboardInterrupt, SIGTERM) can leave a
+  state whose parameters hold more noisy updates than its ledger counts: the
+  checkpoint saved by the error handler is always a completed cycle.
+  """
 
   trainable: dict
   opt_states: dict
@@ -79,9 +73,55 @@ class TrainState:
   cycle: int
 
 
-def _phase_functions(run: Run, mesh, secret: int) -> list[step.PhaseFunctions]:
-  """The jitted step of every phase; phase i's noise keys fold i into the secret key."""
-  config, key = run.config, jax.random.PRNGKey(secret)
+def noise_counts(plan: methods.Plan, opt_states: dict) -> dict[str, int]:
+  """Per phase (ledger stream name): noisy updates its noise transforms applied.
+
+  Every part of a phase is updated once per cycle, so its `privatize_sums`
+  state (the first element of its `optax.chain` state) counts the phase's
+  updates; parts of one phase that disagree raise.
+  """
+  counts = {}
+  for phase in plan.phases:
+    seen = {int(opt_states[part.name][0].count) for part in phase.parts}
+    if len(seen) != 1:
+      raise ValueError(
+          f"the parts of phase {phase.name!r} hold different noise step counts"
+          f" {sorted(seen)}; the checkpoint is inconsistent"
+      )
+    counts[phase.name] = seen.pop()
+  return counts
+
+
+def check_consistent(plan: methods.Plan, state: TrainState, where) -> None:
+  """Refuses a state whose applied and accounted noisy updates disagree.
+
+  Applied: each phase's noise step count (the parameters hold exactly that
+  many noisy updates of the phase). Accounted: the ledger's steps of the
+  phase's stream (private phases; every phase runs once per cycle).
+
+  Raises:
+    ValueError: one line naming `where` (the checkpoint) and the counts.
+  """
+  applied = noise_counts(plan, state.opt_states)
+  for phase in plan.phases:
+    accounted = state.ledger.steps(phase.name) if phase.private else None
+    if applied[phase.name] != state.cycle or accounted not in (
+        None,
+        state.cycle,
+    ):
+      raise ValueError(
+          f"{where}: the parameters hold {applied[phase.name]} noisy updates of"
+          f" stream {phase.name!r} but the ledger accounts {accounted} at cycle"
+          f" {state.cycle}; this checkpoint under-reports its privacy cost: do"
+          " not resume or release it, train again in a new --workdir"
+      )
+
+
+def _phase_functions(
+    run: Run, mesh, secret: bytes
+) -> list[step.PhaseFunctions]:
+  """The jitted step of every phase; phase i's noise key is the KDF 'noise/i'."""
+  config = run.config
   return [
       step.PhaseFunctions(
           run.model,
@@ -92,7 +132,7 @@ def _phase_functions(run: Run, mesh, secret: int) -> list[step.PhaseFunctions]:
           learning_rate=config.learning_rate,
           residual=config.raptor.residual,
           residual_gamma=config.raptor.residual_gamma,
-          key=jax.random.fold_in(key, i),
+          key=secrecy.noise_key(secret, i),
       )
       for i, phase in enumerate(run.plan.phases)
   ]
@@ -119,16 +159,24 @@ def _initial_state(
         PrivacyLedger.from_json(meta["ledger"]),
         int(meta["cycle"]),
     )
+    check_consistent(run.plan, state, checkpointer.latest_path())
     log.info("resumed from cycle %d of %d", state.cycle, run.plan.cycles)
   return state, frozen
 
 
 def _warn_if_not_private(config) -> None:
+  secrecy.warn_if_fixed(config)
   if config.data.eval_split == "holdout":
     log.warning(
         "data.eval_split='holdout': accuracy is measured on held-out records of the "
         "private train file; it is not differentially private (use it to tune "
         "hyperparameters, as the paper does, and do not publish it as private)"
+    )
+  if config.log_wall_time:
+    log.warning(
+        "log_wall_time=True: wall time depends on the realised Poisson sample"
+        " sizes (the number of microbatches); it is NOT differentially private"
+        " and must not leave your trust boundary"
     )
   if config.log_private_stats:
     log.warning(
@@ -143,7 +191,7 @@ def _train_cycle(
     mesh,
     state: TrainState,
     frozen,
-    secret: int,
+    secret: bytes,
     writer: metrics.MetricWriter,
 ) -> TrainState:
   """Runs every phase of one cycle and returns the committed next state.
@@ -156,9 +204,10 @@ def _train_cycle(
   config, plan, cycle = run.config, run.plan, state.cycle
   local_microbatch = config.microbatch_size * len(mesh.local_devices)
   trainable, opt_states = state.trainable, state.opt_states
+  seed = secrecy.sampler_seed(secret)
   for phase, fns in zip(plan.phases, phase_fns):
     sample = sampling.poisson_sample(
-        run.n, plan.sample_rate, seed=secret, stream=phase.stream, step=cycle
+        run.n, plan.sample_rate, seed=seed, stream=phase.stream, step=cycle
     )
     sums, loss_sum = fns.zero_sums(trainable), 0.0
     for mb in parallel.local_microbatches(sample, local_microbatch):
@@ -174,9 +223,14 @@ def _train_cycle(
           cycle,
           {f"private/{phase.name}_train_loss": loss_sum / max(len(sample), 1)},
       )
-  ledger = PrivacyLedger(
-      state.ledger.entries
-  )  # a copy: `state` stays as it was
+  return TrainState(
+      trainable, opt_states, _accounted(plan, state.ledger), cycle + 1
+  )
+
+
+def _accounted(plan: methods.Plan, ledger: PrivacyLedger) -> PrivacyLedger:
+  """A new ledger: `ledger` plus one release of every private phase."""
+  ledger = PrivacyLedger(ledger.entries)  # a copy: the old state is unchanged
   for phase in plan.phases:
     if phase.private:
       ledger.record(
@@ -184,7 +238,7 @@ def _train_cycle(
           sample_rate=plan.sample_rate,
           noise_multiplier=phase.noise_multiplier,
       )
-  return TrainState(trainable, opt_states, ledger, cycle + 1)
+  return ledger
 
 
 def _epsilon_spent(plan: methods.Plan, state: TrainState) -> float | None:
@@ -198,9 +252,77 @@ def _progress_bar(config, plan: methods.Plan, cycle: int):
     return None
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
+  # Without log_wall_time: no elapsed time, ETA or rate (they time the
+  # realised sample sizes).
+  timeless = "{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}"
   return tqdm(
-      total=plan.cycles, initial=cycle, unit="cycle", dynamic_ncols=True
+      total=plan.cycles,
+      initial=cycle,
+      unit="cycle",
+      dynamic_ncols=True,
+      bar_format=None if config.log_wall_time else timeless,
   )
+
+
+def _streams(plan: methods.Plan, state: TrainState) -> dict[str, dict]:
+  """Per stream (phase): sigma, steps run and, when the plan has several
+  private streams, the stream's own epsilon at delta/2 (SPEC 1.7)."""
+  several = sum(p.private for p in plan.phases) > 1
+  streams = {}
+  for phase in plan.phases:
+    entry = dict(noise_multiplier=phase.noise_multiplier, steps=state.cycle)
+    if phase.private and several:
+      entry["epsilon_at_half_delta"] = (
+          state.ledger.stream_epsilon(phase.name, plan.delta / 2)
+          if state.cycle
+          else 0.0
+      )
+    streams[phase.name] = entry
+  return streams
+
+
+def privacy_report(
+    run: Run, state: TrainState, data_digest: dict | None = None
+) -> dict[str, Any]:
+  """privacy_report.json: public; a field that does not apply is absent.
+
+  `target_epsilon` only for private methods; `rho` only where it splits the
+  budget (alternating or unjoint RAPTOR); `sigma_<part>` and `steps_<part>`
+  only for the parts 'shared' and 'expert' the plan trains; `streams` per
+  ledger stream, with each stream's own epsilon at delta/2 when there are
+  several.
+  """
+  config, plan, cycle = run.config, run.plan, state.cycle
+  private = methods.is_private(plan)
+  noise = methods.noise_summary(plan)
+  report = dict(
+      method=plan.method,
+      epsilon=_epsilon_spent(plan, state),
+      delta=plan.delta,
+      sample_rate=plan.sample_rate,
+      cycles=cycle,
+      planned_cycles=plan.cycles,
+      finished=cycle >= plan.cycles,
+      private=private,
+      accountant="PLD (dp_accounting.pld.PLDAccountant, add/remove adjacency, Poisson sampling)",
+      parts=noise,
+      streams=_streams(plan, state),
+      ledger=state.ledger.to_dict(),
+      expert_layer=run.expert_layer,
+      batch_size=config.batch_size,
+      n=run.n,
+  )
+  if private:
+    report["target_epsilon"] = plan.target_epsilon
+  if plan.method == "raptor" and not config.raptor.joint_clip:
+    report["rho"] = config.privacy.rho
+  for name in ("shared", "expert"):
+    if name in noise:
+      report[f"sigma_{name}"] = noise[name]["noise_multiplier"]
+      report[f"steps_{name}"] = cycle
+  if data_digest is not None:
+    report["data"] = data_digest
+  return report
 
 
 def write_reports(
@@ -211,36 +333,12 @@ def write_reports(
     dev: dict[str, float],
     wall_time_s: float,
     session_s: float,
+    data_digest: dict | None = None,
 ) -> dict[str, Any]:
   """Writes privacy_report.json and results.json (public quantities only); returns results."""
   config, plan, cycle = run.config, run.plan, state.cycle
-  private = methods.is_private(plan)
-  noise = methods.noise_summary(plan)
   finished = cycle >= plan.cycles
-  report = dict(
-      method=plan.method,
-      epsilon=_epsilon_spent(plan, state),
-      target_epsilon=plan.target_epsilon if private else None,
-      delta=plan.delta,
-      sample_rate=plan.sample_rate,
-      rho=config.privacy.rho,
-      sigma_shared=noise.get("shared", noise.get("all", {})).get(
-          "noise_multiplier"
-      ),
-      sigma_expert=noise.get("expert", {}).get("noise_multiplier"),
-      steps_shared=cycle if ("shared" in noise or "all" in noise) else 0,
-      steps_expert=cycle if "expert" in noise else 0,
-      cycles=cycle,
-      planned_cycles=plan.cycles,
-      finished=finished,
-      private=private,
-      accountant="PLD (dp_accounting.pld.PLDAccountant, add/remove adjacency, Poisson sampling)",
-      parts=noise,
-      ledger=state.ledger.to_dict(),
-      expert_layer=run.expert_layer,
-      batch_size=config.batch_size,
-      n=run.n,
-  )
+  report = privacy_report(run, state, data_digest)
   _write_json(workdir / "privacy_report.json", report)
   results = dict(
       method=plan.method,
@@ -248,8 +346,6 @@ def write_reports(
       eval_split=config.data.eval_split,
       finished=finished,
       cycles=cycle,
-      wall_time_s=wall_time_s,  # every segment of the run
-      wall_time_this_session_s=session_s,
       epsilon=report["epsilon"],
       trainable_parameters={
           part.name: int(
@@ -264,8 +360,52 @@ def write_reports(
       **{f"dev_{k}": v for k, v in dev.items()},
       **dev,
   )
+  if config.log_wall_time:  # opted in, warned: a non-private quantity
+    results["wall_time_s"] = wall_time_s  # every segment of the run
+    results["wall_time_this_session_s"] = session_s
   _write_json(workdir / "results.json", results)
   return results
+
+
+def _secret(
+    config, meta: dict | None, data_fingerprint: dict, checkpointer
+) -> bytes:
+  """The run's secret: fresh (agreed by every process) or the checkpoint's.
+
+  Raises:
+    ValueError: the checkpoint was trained on other data than the config
+      names now (resuming would mix two datasets under one ledger), or the
+      workdir reports an earlier run but has no checkpoint (a fresh start
+      would hide that run's releases).
+  """
+  if not meta:
+    report = checkpointer.directory.parent / "privacy_report.json"
+    if report.exists():  # never restart from scratch under an old ledger
+      raise ValueError(
+          f"{report} reports an earlier run but {checkpointer.directory} holds"
+          " no checkpoint of it; train in a new --workdir"
+      )
+    return parallel.agree_bytes(secrecy.draw_secret(config))
+  if meta.get("data") != data_fingerprint:
+    raise ValueError(
+        f"the training data changed since {checkpointer.latest_path()} was"
+        f" written (now {_describe(data_fingerprint)}, then"
+        f" {_describe(meta.get('data'))}); restore the data the run started"
+        " on, or train in a new --workdir"
+    )
+  return bytes.fromhex(meta["secret"])
+
+
+def _describe(fingerprint: dict | None) -> str:
+  """A short public description of a data fingerprint for error messages."""
+  if not fingerprint:
+    return "unknown"
+  if fingerprint.get("source") != "file":
+    return f"{fingerprint.get('source')} {fingerprint.get('task')}"
+  return ", ".join(
+      f"{name}: {f['size']} bytes, sha256 {f['sha256'][:12]}"
+      for name, f in fingerprint["files"].items()
+  )
 
 
 class _Session:
@@ -276,9 +416,8 @@ class _Session:
     config = run.config
     self.checkpointer = Checkpointer(workdir, config)
     meta = self.checkpointer.restore_meta()
-    self.secret = (
-        meta["secret_seed"] if meta else parallel.agree(secret_seed(config))
-    )
+    self.data = secrecy.data_fingerprint(config)
+    self.secret = _secret(config, meta, self.data, self.checkpointer)
     self.phase_fns = _phase_functions(run, mesh, self.secret)
     self.state, self.frozen = _initial_state(
         run, self.phase_fns, mesh, self.checkpointer, meta
@@ -286,12 +425,25 @@ class _Session:
     # Wall time of earlier segments of a resumed run (0 for a fresh one).
     self.earlier_wall_s = float(meta.get("wall_time_s", 0.0)) if meta else 0.0
     if not meta and _is_writer():
-      (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+      (workdir / "config.json").write_text(secrecy.public_config(config))
     _warn_if_not_private(config)
-    self.writer = metrics.MetricWriter(workdir, just_logging=not _is_writer())
+    self.writer = metrics.MetricWriter(
+        workdir,
+        just_logging=not _is_writer(),
+        wall_time=config.log_wall_time,
+    )
     self.logits_fn = step.make_eval_fn(run.model)
     self.cycles_per_epoch = accounting.steps_per_epoch(run.plan.sample_rate)
     self.last_saved = self.state.cycle
+
+  def public_data(self) -> dict:
+    """The report's data field: the public source, or a keyed file digest."""
+    if self.data["source"] != "file":
+      return dict(self.data)
+    return dict(
+        source="file",
+        keyed_sha256=secrecy.keyed_digest(self.secret, self.data),
+    )
 
   def wall_time_s(self) -> float:
     return self.earlier_wall_s + time.time() - self.start_time
@@ -314,14 +466,24 @@ class _Session:
     )
 
   def save(self) -> None:
+    """Checkpoints the current state, once per cycle.
+
+    An interrupt that lands after the checkpoint of this cycle was written
+    (but before `last_saved` moved) finds it saved: the state of a cycle is
+    one value, so that checkpoint is this state and is not written twice.
+    """
     state = self.state
+    if self.checkpointer.latest() == state.cycle:
+      self.last_saved = state.cycle
+      return
     self.checkpointer.save(
         state.cycle,
         {"trainable": state.trainable, "opt": state.opt_states},
         {
             "ledger": state.ledger.to_json(),
             "cycle": state.cycle,
-            "secret_seed": self.secret,
+            "secret": self.secret.hex(),
+            "data": self.data,
             "wall_time_s": self.wall_time_s(),
         },
     )
@@ -440,6 +602,7 @@ def train_and_evaluate(
       dev,
       wall_time_s=session.wall_time_s(),
       session_s=time.time() - start_time,
+      data_digest=session.public_data(),
   )
   session.writer.write(
       session.state.cycle, {f"final/dev_{k}": v for k, v in dev.items()}

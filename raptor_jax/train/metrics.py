@@ -1,7 +1,8 @@
 """Evaluation metrics and the public metric writers (JSONL + TensorBoard).
 
 Only public quantities reach these writers: dev metrics, epsilon spent, the
-cycle counter, wall time. Private per-step statistics (training loss, realised
+cycle counter (wall time only with `config.log_wall_time`: it depends on the
+realised batch sizes, so TensorBoard events carry walltime 0 by default). Private per-step statistics (training loss, realised
 batch sizes, per-expert counts, the owner map) are never written unless the
 user opts in with `config.log_private_stats` (with a warning).
 """
@@ -67,8 +68,11 @@ class MetricWriter:
   or written: one process writes the shared workdir.
   """
 
-  def __init__(self, workdir: Path, just_logging: bool = False):
+  def __init__(
+      self, workdir: Path, just_logging: bool = False, wall_time: bool = False
+  ):
     self._just_logging = just_logging
+    self._walltime = None if wall_time else 0.0  # None: tensorboardX's clock
     if just_logging:
       return
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
@@ -87,7 +91,9 @@ class MetricWriter:
     )
     self._jsonl.flush()
     for name, value in scalars.items():
-      self._tb.add_scalar(name, float(value), int(step))
+      self._tb.add_scalar(
+          name, float(value), int(step), walltime=self._walltime
+      )
     self._tb.flush()
 
   def close(self) -> None:

@@ -72,6 +72,26 @@ def agree(value: int) -> int:
   return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
+def agree_bytes(value: bytes) -> bytes:
+  """Process 0's bytes on every process (the run's 256-bit secret).
+
+  Sent as uint8 (no integer width limit), so wide secrets survive intact.
+  """
+  if jax.process_count() == 1:
+    return value
+  return broadcast_bytes(value)
+
+
+def broadcast_bytes(value: bytes) -> bytes:
+  """`multihost_utils.broadcast_one_to_all` of `value` as a uint8 array."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  sent = np.frombuffer(value, np.uint8)
+  return np.asarray(
+      multihost_utils.broadcast_one_to_all(sent), np.uint8
+  ).tobytes()
+
+
 def host_shard() -> tuple[int, int]:
   """(this process's index, process count): the records this host loads
   (i % count == index; `setup.load_run_data(config, host=...)`)."""

@@ -3,7 +3,8 @@
 Rows are variants grouped by epsilon (non-private rows first, as epsilon
 infinity), columns are tasks, cells are dev accuracy in percent, mean +- std
 over seeds (the sample std, ddof=1; a single seed shows no std). Everything
-here reads public outputs only: results.json (dev metrics, wall time) and
+here reads public outputs only: results.json (dev metrics; wall time only
+when the runs opted in with `config.log_wall_time`, else shown as '-') and
 layer_selection.json (routing statistics of the PUBLIC corpus).
 """
 
@@ -59,7 +60,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             mean=float(values.mean()),
             std=float(values.std(ddof=1)) if len(values) > 1 else None,
             seeds=len(values),
-            wall_time_s=float(np.mean([m["wall_time_s"] for m in members])),
+            wall_time_s=_mean_wall_time(members),
             finished=all(m.get("finished", True) for m in members),
         )
     )
@@ -103,7 +104,7 @@ def markdown(entries: Sequence[dict[str, Any]]) -> str:
   ]
   times = [
       "",
-      "Mean wall time per run (s).",
+      "Mean wall time per run (s; '-' unless the runs set log_wall_time).",
       "",
       "| ε | Method | " + " | ".join(tasks) + " |",
       "|---|---|" + "---|" * len(tasks),
@@ -123,12 +124,23 @@ def markdown(entries: Sequence[dict[str, Any]]) -> str:
         + " | ".join(
             "-"
             if (eps, variant, t) not in cell
-            else f"{cell[eps, variant, t]['wall_time_s']:.0f}"
+            else _fmt_wall(cell[eps, variant, t]["wall_time_s"], ".0f")
             for t in tasks
         )
         + " |"
     )
   return "\n".join(lines + times) + "\n"
+
+
+def _mean_wall_time(members: Sequence[dict]) -> float | None:
+  """Mean wall time of the runs, or None unless every run logged it
+  (`config.log_wall_time`: wall time is private by default)."""
+  times = [m.get("wall_time_s") for m in members]
+  return None if None in times else float(np.mean(times))
+
+
+def _fmt_wall(value: float | None, spec: str, missing: str = "-") -> str:
+  return missing if value is None else format(value, spec)
 
 
 def write_csv(entries: Sequence[dict[str, Any]], path: Path) -> None:
@@ -160,7 +172,7 @@ def write_csv(entries: Sequence[dict[str, Any]], path: Path) -> None:
                 f"{e['mean']:.4f}",
                 "" if e["std"] is None else f"{e['std']:.4f}",
                 e["seeds"],
-                f"{e['wall_time_s']:.1f}",
+                _fmt_wall(e["wall_time_s"], ".1f", ""),
             ]
         )
       writer.writerow(row)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import ml_collections
 
 from raptor_jax import _validate
-from raptor_jax.train import methods, train_and_evaluate
+from raptor_jax.train import methods, secrecy, train_and_evaluate
 
 log = logging.getLogger("raptor_jax")
 
@@ -130,6 +130,9 @@ def cell_config(
 ) -> ml_collections.ConfigDict:
   """`base` with the cell's variant overrides, epsilon and seed.
 
+  A fixed `privacy.secret_seed` N becomes a KDF of (N, cell), so cells never
+  share samples or noise (the secret itself stays OS entropy when N < 0).
+
   `clip` (or the tuning cell's own clip norm) sets every clip norm of the
   method (C_s and C_e; one-stream methods read C_s). A tuning cell evaluates
   on the held-out train records (`data.eval_split='holdout'`).
@@ -147,6 +150,10 @@ def cell_config(
     # ignored (`setup.check_data_fields`).
     config.data.eval_split = "holdout"
     config.data.dev_path, config.data.dev_limit = "", 0
+  if config.privacy.secret_seed >= 0:  # a fixed seed: one derived per cell
+    config.privacy.secret_seed = secrecy.cell_secret_seed(
+        base.privacy.secret_seed, str(cell.directory(""))
+    )
   return config
 
 
@@ -292,7 +299,10 @@ def run(
 
 
 def write_environment(workdir: str | Path, argv: Sequence[str]) -> Path:
-  """Appends this invocation and the software versions to `<workdir>/environment.json`."""
+  """Appends this invocation and the software versions to `<workdir>/environment.json`.
+
+  A `--config.privacy.secret_seed=N` flag is written as `=<redacted>`.
+  """
   import platform  # pylint: disable=g-import-not-at-top
   from importlib import metadata  # pylint: disable=g-import-not-at-top
 
@@ -313,9 +323,21 @@ def write_environment(workdir: str | Path, argv: Sequence[str]) -> Path:
   env["python"] = platform.python_version()
   env["platform"] = platform.platform()
   env["packages"] = {p: metadata.version(p) for p in packages}
-  env["invocations"].append(" ".join(argv))
+  env["invocations"].append(" ".join(_redacted(argv)))
   path.write_text(json.dumps(env, indent=2))
   return path
+
+
+def _redacted(argv: Sequence[str]) -> list[str]:
+  """`argv` with the value of a `secret_seed` flag hidden (never written)."""
+  out = []
+  for arg in argv:
+    if out and out[-1].endswith("secret_seed"):  # --flag value
+      arg = "<redacted>"
+    elif "secret_seed=" in arg:
+      arg = arg.split("=", 1)[0] + "=<redacted>"
+    out.append(arg)
+  return out
 
 
 def collect(workdir: str | Path, tuning: bool = False) -> list[dict[str, Any]]:
