@@ -525,30 +525,43 @@ def _joint_clip_reference(model, flat, batch, mask, layer, clip):
   factors zeroed. Returns ({'shared': ..., 'expert': ...}, joint norms).
   """
   prefix = roles.expert_prefix(layer)
-  expert_paths = [p for p in flat if p.startswith(prefix) and "lora" in p]
-  shared_paths = roles.select(roles.unflatten(flat), roles.SHARED_ROLES, None)
-  out = {"shared": {p: [] for p in shared_paths}, "expert": {}}
-  out["expert"] = {p: [] for p in expert_paths}
-  norms = []
-  for i in range(len(batch["labels"])):
-    ids, att = batch["input_ids"][i : i + 1], batch["attention_mask"][i : i + 1]
-    label, owner = batch["labels"][i], int(batch["owners"][i])
+  ex_paths = [p for p in flat if p.startswith(prefix) and "lora" in p]
+  sh_paths = roles.select(roles.unflatten(flat), roles.SHARED_ROLES, None)
+  base = {p: v for p, v in flat.items() if p not in ex_paths + sh_paths}
 
-    def loss(sh, ex, base=flat, ids=ids, att=att, label=label):
-      tree = roles.unflatten({**base, **sh, **ex})
-      logits, _ = model.apply({"params": tree}, ids, att)
+  @jax.jit
+  def one_record(sh, ex, ids, att, label):
+    def loss(sh, ex):
+      logits, _ = model.apply(
+          {"params": roles.unflatten({**base, **sh, **ex})}, ids, att
+      )
       return step.cross_entropy(logits[0], label)
 
-    sh = {p: flat[p] for p in shared_paths}
-    ex = {p: flat[p] for p in expert_paths}
-    g_sh, g_ex = jax.grad(loss, argnums=(0, 1))(sh, ex)
-    off = {**flat, **{p: 0 * v for p, v in ex.items() if p.endswith("lora_b")}}
-    logits, _ = model.apply({"params": roles.unflatten(off)}, ids, att)
-    w = 1.0 - jax.nn.softmax(logits[0])[label]
-    g_ex = {p: w * g[owner] for p, g in g_ex.items()}
-    norm = _norm((g_sh, g_ex))
-    factor = float(mask[i]) * min(1.0, clip / norm)
-    norms.append(norm)
+    off = {p: v * (0.0 if p.endswith("lora_b") else 1.0) for p, v in ex.items()}
+    logits, _ = model.apply(
+        {"params": roles.unflatten({**base, **sh, **off})}, ids, att
+    )
+    return jax.grad(loss, argnums=(0, 1))(sh, ex), jax.nn.softmax(logits[0])
+
+  sh = {p: flat[p] for p in sh_paths}
+  ex = {p: flat[p] for p in ex_paths}
+  out = {
+      "shared": {p: [] for p in sh_paths},
+      "expert": {p: [] for p in ex_paths},
+  }
+  norms = []
+  for i in range(len(batch["labels"])):
+    label, owner = batch["labels"][i], int(batch["owners"][i])
+    (g_sh, g_ex), probs = one_record(
+        sh,
+        ex,
+        batch["input_ids"][i : i + 1],
+        batch["attention_mask"][i : i + 1],
+        label,
+    )
+    g_ex = {p: (1.0 - probs[label]) * g[owner] for p, g in g_ex.items()}
+    norms.append(_norm((g_sh, g_ex)))
+    factor = float(mask[i]) * min(1.0, clip / norms[-1])
     for name, g in (("shared", g_sh), ("expert", g_ex)):
       for p, v in g.items():
         out[name][p].append(factor * np.asarray(v))
@@ -558,6 +571,7 @@ def _joint_clip_reference(model, flat, batch, mask, layer, clip):
   }, np.array(norms)
 
 
+@pytest.mark.slow
 def test_full_model_clip_step_equals_a_record_by_record_reference(
     two_block_model,
 ):
@@ -592,8 +606,9 @@ def test_full_model_clip_step_equals_a_record_by_record_reference(
   expected, norms = _joint_clip_reference(model, flat, batch, mask, 1, clip)
   assert (norms[:3] > clip).all()  # every real record is clipped
   trainable, frozen = setup.partition(roles.unflatten(flat), plan.parts)
+  pieces = []
   for phase, fns in zip(plan.phases, _phase_functions(plan, model)):
-    released = fns.released_per_record(trainable, frozen, batch, mask)
+    released = jax.jit(fns.released_per_record)(trainable, frozen, batch, mask)
     (part,) = phase.parts
     assert set(released) == {part.name}
     assert set(released[part.name]) == set(expected[part.name])
@@ -601,10 +616,48 @@ def test_full_model_clip_step_equals_a_record_by_record_reference(
       np.testing.assert_allclose(
           value, expected[part.name][path], rtol=2e-4, atol=1e-9
       )
-    # A released piece is strictly below C: the other stream's share of the
-    # joint norm shrank it (a per-part clip would give exactly C).
-    piece = [
-        _norm({p: v[i] for p, v in released[part.name].items()})
-        for i in range(3)
-    ]
-    assert max(piece) < 0.999 * clip
+    pieces.append(
+        [
+            _norm({p: v[i] for p, v in released[part.name].items()})
+            for i in range(4)
+        ]
+    )
+  shared_piece, expert_piece = np.array(pieces)
+  # The two released pieces of a clipped record make up one vector of norm C.
+  np.testing.assert_allclose(
+      np.hypot(shared_piece, expert_piece)[:3], clip, rtol=1e-4
+  )
+  assert (expert_piece[:3] > 0).all() and shared_piece[3] == expert_piece[
+      3
+  ] == 0
+
+
+def test_shared_only_residual_refuses_full_weight_experts(two_block_model):
+  """Zeroing LoRA B cannot switch a full-weight expert off: refuse, never mislabel."""
+  with pytest.raises(ValueError, match="raptor.expert_full_weights"):
+    _plan(**{"raptor.expert_full_weights": True})
+  _plan(**{"raptor.expert_full_weights": True, "raptor.residual": "full"})
+  run_data, _, _, build = two_block_model
+  plan = methods.build_plan(
+      micro_config(**TWO_BLOCKS),
+      n=N,
+      num_experts=E,
+      sparse_layers=(1,),
+      expert_layer=1,
+  )
+  model, params = build(plan)
+  (fns,) = _phase_functions(plan, model)[1:]
+  # l*'s experts without adapters, as with raptor.expert_full_weights=True.
+  prefix = roles.expert_prefix(1)
+  full_weight = {
+      p: v
+      for p, v in roles.flatten(params).items()
+      if not (p.startswith(prefix) and "lora" in p)
+  }
+  batch = dict(
+      input_ids=jnp.asarray(run_data.train.input_ids[:2]),
+      attention_mask=jnp.asarray(run_data.train.attention_mask[:2]),
+      labels=jnp.asarray(run_data.train.labels[:2]),
+  )
+  with pytest.raises(ValueError, match="residual='full' or 'none'"):
+    fns._residual_weights(full_weight, batch)  # pylint: disable=protected-access

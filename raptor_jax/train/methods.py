@@ -211,6 +211,17 @@ def check_config(config) -> None:
     raise ValueError(
         f"raptor.residual_gamma must be in (0, 1], got {rc.residual_gamma}"
     )
+  residual_methods = ("raptor", "baseline_c")  # the expert stream's w_i
+  if (
+      config.method in residual_methods
+      and rc.residual == "shared"
+      and rc.expert_full_weights
+  ):
+    raise ValueError(
+        "raptor.residual='shared' switches l*'s expert updates off by zeroing "
+        "their LoRA B factors, which raptor.expert_full_weights=True does not "
+        "have; set --config.raptor.residual=full or none"
+    )
   if config.epochs < 1:
     raise ValueError(f"epochs must be >= 1, got {config.epochs}")
   if not config.learning_rate > 0:

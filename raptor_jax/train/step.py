@@ -162,10 +162,20 @@ class PhaseFunctions:
 
     'shared' logits come from the model with the expert stream's updates of
     layer l* switched off (its adapters' B factors at zero, their initial
-    value); 'full' uses the current model.
+    value); 'full' uses the current model. Full-weight experts have no B
+    factor to zero, so 'shared' refuses them (a trained kernel would leak
+    into the "shared-only" logits otherwise).
     """
     if self.residual == "shared":
       prefix = roles.expert_prefix(self.expert_layer)
+      if not any(
+          p.startswith(prefix) and p.endswith("lora_b") for p in params_flat
+      ):
+        raise ValueError(
+            "residual='shared' switches l*'s expert updates off by zeroing "
+            "their LoRA B factors, and l* has none (full-weight experts); "
+            "use residual='full' or 'none'"
+        )
       params_flat = {
           p: (
               jnp.zeros_like(v)
