@@ -422,6 +422,8 @@ def train_and_evaluate(
           selected_layer=run.expert_layer,
           rule=str(config.raptor.layer),
           public_corpus=run.layer_table,
+          # Data-dependent (curator pre-processing, not DP): see README.
+          public_texts_dropped_overlap_private=run.data.public_dropped,
       ),
   )
   if run.layer_table:
