@@ -270,8 +270,20 @@ def _raptor_phases(rc, shared, expert, sigmas: _Calibration):
     s_sh, s_ex = sigmas.raptor(joint=False)
     sh, ex = shared(s_sh), expert(s_ex, clip=None)
     return (
-        Phase("shared", sampling.SHARED_STREAM, (sh,), True, clip_with=(ex,)),
-        Phase("expert", sampling.EXPERT_STREAM, (ex,), True, clip_with=(sh,)),
+        Phase(
+            "shared",
+            sampling.SHARED_STREAM,
+            (sh,),
+            joint_clip=True,
+            clip_with=(ex,),
+        ),
+        Phase(
+            "expert",
+            sampling.EXPERT_STREAM,
+            (ex,),
+            joint_clip=True,
+            clip_with=(sh,),
+        ),
     )
   if rc.joint_clip:  # one sample, one clip, one sigma: rho plays no part
     sigma = sigmas.dpsgd()
