@@ -13,7 +13,7 @@ import pytest
 import transformers
 
 from raptor_jax import data
-from raptor_jax.data import synthetic, tasks
+from raptor_jax.data import overlap, synthetic, tasks
 
 SHARED_DATA = Path(
     os.environ.get(
@@ -601,3 +601,78 @@ def test_real_public_corpora():
   )
   assert len(imdb) == 1000 and all(imdb)
   assert len(squad) == 2067
+
+
+# -- public corpus disjoint from the private train split ----------------------
+
+PRIVATE = [
+    "The quick brown fox jumps over the lazy dog near the river.",
+    "Normandy is a region in France whose people gave it its name.",
+    "good",  # too short to count as a copy
+]
+PUBLIC = [
+    "Some history. NORMANDY is a region in France, whose people gave it "
+    "its name! More text follows.",  # contains a private sentence
+    "A text about the weather, which is good today and was good before.",
+    "the quick brown fox jumps over the lazy dog",  # inside a private one
+    "An unrelated paragraph about rivers, foxes and dogs in general terms.",
+]
+
+
+def test_public_texts_overlapping_private_text_are_dropped():
+  """Against a brute-force reference: normalised containment either way."""
+  kept, dropped = data.drop_overlapping(PUBLIC, PRIVATE, min_chars=32)
+  norm = overlap.normalize
+  reference = [
+      p
+      for p in PUBLIC
+      if not any(
+          min(len(norm(p)), len(norm(q))) >= 32
+          and (norm(q) in norm(p) or norm(p) in norm(q))
+          for q in PRIVATE
+      )
+  ]
+  assert kept == reference == [PUBLIC[1], PUBLIC[3]] and dropped == 2
+  assert data.drop_overlapping(PUBLIC, [], min_chars=32) == (PUBLIC, 0)
+
+
+@pytest.mark.slow
+def test_the_run_drops_overlapping_public_texts_and_counts_them(tmp_path):
+  from raptor_jax.train import config as train_config, setup
+
+  config = train_config.with_preset(train_config.base_config(), "tiny")
+  config.data.task = "sst2"
+  config.model.tokenizer = "public-words"
+  rows = "".join(f"{s}\t1\n" for s in PRIVATE)
+  config.data.train_path = str(
+      _write(tmp_path / "train.tsv", "sentence\tlabel\n" + rows)
+  )
+  config.data.dev_path = config.data.train_path
+  config.data.public_corpus = ""
+  config.data.public_path = str(_write(tmp_path / "pub.txt", "\n".join(PUBLIC)))
+  run_data = setup.load_run_data(config)
+  assert run_data.public_dropped == 2 and len(run_data.public[0]) == 2
+  config.data.public_path = str(_write(tmp_path / "all.txt", PUBLIC[0]))
+  with pytest.raises(ValueError, match="disjoint"):
+    setup.load_run_data(config)
+
+
+@pytest.mark.slow
+@needs_shared_data
+def test_real_qnli_overlap_with_squad_dev_contexts():
+  """Measured once (README): QNLI dev comes from SQuAD dev, QNLI train not."""
+  squad = data.load_public_corpus(
+      "squad",
+      path=SHARED_DATA / "calib" / "squad" / "dev_v1.1_contexts.tsv",
+      n_pub=5000,
+  )
+  counts = {
+      split: data.drop_overlapping(
+          squad,
+          data.load_task_texts(
+              "qnli", split, path=SHARED_DATA / "glue" / "qnli" / name
+          ),
+      )[1]
+      for split, name in (("train", "train_sample.tsv"), ("dev", "dev.tsv"))
+  }
+  assert counts == {"train": 3, "dev": 1772}

@@ -28,7 +28,11 @@ ABLATIONS = {
     "de_b": {"raptor.expert_denominator": "B"},
     "no_residual": {"raptor.residual": "none"},
     "no_alternation": {"raptor.alternate": False},
-    "full_clip": {"raptor.joint_clip": True, "raptor.alternate": False},
+    "full_clip": {"raptor.joint_clip": True},
+    "full_clip_one_sample": {
+        "raptor.joint_clip": True,
+        "raptor.alternate": False,
+    },
     "first_layer": {"raptor.layer": "first"},
 }
 
@@ -169,10 +173,34 @@ def test_no_alternation_is_one_gaussian_with_sigma_eff():
   assert separate < 0.99 * _epsilon(plan)
 
 
-def test_full_model_clip_is_one_clip_and_one_sigma_and_needs_one_sample():
-  with pytest.raises(ValueError, match="alternate=False"):
-    _plan(**{"raptor.joint_clip": True})
+def test_full_model_clip_is_raptors_plan_and_accounting_with_one_c():
+  """The one-change ablation: RAPTOR's phases, sigmas and event with C_s = C_e = C."""
   plan = _plan(**ABLATIONS["full_clip"], **{"privacy.clip_expert": 5.0})
+  reference = _plan(**{"privacy.clip_shared": 1.0, "privacy.clip_expert": 1.0})
+  shared_phase, expert_phase = plan.phases
+  assert shared_phase.joint_clip and expert_phase.joint_clip
+  assert shared_phase.clip_with == expert_phase.parts
+  assert expert_phase.clip_with == shared_phase.parts
+  assert shared_phase.parts[0].l2_clip == expert_phase.parts[0].l2_clip == 1.0
+  assert [
+      dataclasses.replace(phase, joint_clip=False, clip_with=())
+      for phase in plan.phases
+  ] == list(reference.phases)
+  assert plan.event() == reference.event()
+  assert plan.parts == reference.parts  # clip_with parts are not released twice
+
+
+def test_phase_clip_with_needs_a_joint_clip():
+  part = _plan().phases[0].parts[0]
+  with pytest.raises(ValueError, match="joint_clip=True"):
+    methods.Phase("shared", 0, (part,), clip_with=(part,))
+
+
+def test_full_model_clip_one_sample_is_one_clip_and_one_sigma():
+  """The older two-change variant: no alternation, one clip C_s, one sigma."""
+  plan = _plan(
+      **ABLATIONS["full_clip_one_sample"], **{"privacy.clip_expert": 5.0}
+  )
   (phase,) = plan.phases
   shared, expert = phase.parts
   sigma = accounting.calibrate_dpsgd(
@@ -398,7 +426,7 @@ CLIPS = {"privacy.clip_shared": 1e-4, "privacy.clip_expert": 2e-4}
     [(m, {}) for m in methods.PRIVATE_METHODS]
     + [
         ("raptor", ABLATIONS["no_alternation"]),
-        ("raptor", ABLATIONS["full_clip"]),
+        ("raptor", ABLATIONS["full_clip_one_sample"]),
     ],
 )
 def test_each_phase_clips_a_record_as_its_method_says(method, overrides):
@@ -486,3 +514,150 @@ def test_one_monolithic_update_moves_every_weight_routers_included(
       not np.array_equal(np.asarray(new["all"][p]), np.asarray(v))
       for p, v in trainable["all"].items()
   )
+
+
+def _joint_clip_reference(model, flat, batch, mask, layer, clip):
+  """Record by record: the joint (shared, w_i * owner-expert) gradient, clipped to C.
+
+  Independent of the step: plain `model.apply` on the full tree (no owner
+  override, no vmap), the expert gradient taken on the stacked [E, ...]
+  leaves and its owner row kept, w_i from logits with l*'s expert LoRA B
+  factors zeroed. Returns ({'shared': ..., 'expert': ...}, joint norms).
+  """
+  prefix = roles.expert_prefix(layer)
+  ex_paths = [p for p in flat if p.startswith(prefix) and "lora" in p]
+  sh_paths = roles.select(roles.unflatten(flat), roles.SHARED_ROLES, None)
+  base = {p: v for p, v in flat.items() if p not in ex_paths + sh_paths}
+
+  @jax.jit
+  def one_record(sh, ex, ids, att, label):
+    def loss(sh, ex):
+      logits, _ = model.apply(
+          {"params": roles.unflatten({**base, **sh, **ex})}, ids, att
+      )
+      return step.cross_entropy(logits[0], label)
+
+    off = {p: v * (0.0 if p.endswith("lora_b") else 1.0) for p, v in ex.items()}
+    logits, _ = model.apply(
+        {"params": roles.unflatten({**base, **sh, **off})}, ids, att
+    )
+    return jax.grad(loss, argnums=(0, 1))(sh, ex), jax.nn.softmax(logits[0])
+
+  sh = {p: flat[p] for p in sh_paths}
+  ex = {p: flat[p] for p in ex_paths}
+  out = {
+      "shared": {p: [] for p in sh_paths},
+      "expert": {p: [] for p in ex_paths},
+  }
+  norms = []
+  for i in range(len(batch["labels"])):
+    label, owner = batch["labels"][i], int(batch["owners"][i])
+    (g_sh, g_ex), probs = one_record(
+        sh,
+        ex,
+        batch["input_ids"][i : i + 1],
+        batch["attention_mask"][i : i + 1],
+        label,
+    )
+    g_ex = {p: (1.0 - probs[label]) * g[owner] for p, g in g_ex.items()}
+    norms.append(_norm((g_sh, g_ex)))
+    factor = float(mask[i]) * min(1.0, clip / norms[-1])
+    for name, g in (("shared", g_sh), ("expert", g_ex)):
+      for p, v in g.items():
+        out[name][p].append(factor * np.asarray(v))
+  return {
+      name: {p: np.stack(v) for p, v in part.items()}
+      for name, part in out.items()
+  }, np.array(norms)
+
+
+@pytest.mark.slow
+def test_full_model_clip_step_equals_a_record_by_record_reference(
+    two_block_model,
+):
+  """Each phase releases its own piece of the record's jointly clipped gradient."""
+  run_data, _, _, build = two_block_model
+  clip = 1e-3
+  config = micro_config(
+      **TWO_BLOCKS, **ABLATIONS["full_clip"], **{"privacy.clip_shared": clip}
+  )
+  plan = methods.build_plan(
+      config, n=N, num_experts=E, sparse_layers=(1,), expert_layer=1
+  )
+  model, params = build(plan)
+  # Non-zero LoRA B factors, so every adapter leaf has a gradient.
+  flat = roles.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(1), len(flat))
+  flat = {
+      p: (0.3 * jax.random.normal(k, v.shape) if p.endswith("lora_b") else v)
+      for (p, v), k in zip(flat.items(), keys)
+  }
+  rows = np.array([0, 1, 2, 3])
+  batch = jax.tree.map(
+      jnp.asarray,
+      dict(
+          input_ids=run_data.train.input_ids[rows],
+          attention_mask=run_data.train.attention_mask[rows],
+          labels=run_data.train.labels[rows],
+          owners=np.array([2, 0, 3, 2], np.int32),
+      ),
+  )
+  mask = jnp.array([1.0, 1.0, 1.0, 0.0])
+  expected, norms = _joint_clip_reference(model, flat, batch, mask, 1, clip)
+  assert (norms[:3] > clip).all()  # every real record is clipped
+  trainable, frozen = setup.partition(roles.unflatten(flat), plan.parts)
+  pieces = []
+  for phase, fns in zip(plan.phases, _phase_functions(plan, model)):
+    released = jax.jit(fns.released_per_record)(trainable, frozen, batch, mask)
+    (part,) = phase.parts
+    assert set(released) == {part.name}
+    assert set(released[part.name]) == set(expected[part.name])
+    for path, value in released[part.name].items():
+      np.testing.assert_allclose(
+          value, expected[part.name][path], rtol=2e-4, atol=1e-9
+      )
+    pieces.append(
+        [
+            _norm({p: v[i] for p, v in released[part.name].items()})
+            for i in range(4)
+        ]
+    )
+  shared_piece, expert_piece = np.array(pieces)
+  # The two released pieces of a clipped record make up one vector of norm C.
+  np.testing.assert_allclose(
+      np.hypot(shared_piece, expert_piece)[:3], clip, rtol=1e-4
+  )
+  assert (expert_piece[:3] > 0).all() and shared_piece[3] == expert_piece[
+      3
+  ] == 0
+
+
+def test_shared_only_residual_refuses_full_weight_experts(two_block_model):
+  """Zeroing LoRA B cannot switch a full-weight expert off: refuse, never mislabel."""
+  with pytest.raises(ValueError, match="raptor.expert_full_weights"):
+    _plan(**{"raptor.expert_full_weights": True})
+  _plan(**{"raptor.expert_full_weights": True, "raptor.residual": "full"})
+  run_data, _, _, build = two_block_model
+  plan = methods.build_plan(
+      micro_config(**TWO_BLOCKS),
+      n=N,
+      num_experts=E,
+      sparse_layers=(1,),
+      expert_layer=1,
+  )
+  model, params = build(plan)
+  (fns,) = _phase_functions(plan, model)[1:]
+  # l*'s experts without adapters, as with raptor.expert_full_weights=True.
+  prefix = roles.expert_prefix(1)
+  full_weight = {
+      p: v
+      for p, v in roles.flatten(params).items()
+      if not (p.startswith(prefix) and "lora" in p)
+  }
+  batch = dict(
+      input_ids=jnp.asarray(run_data.train.input_ids[:2]),
+      attention_mask=jnp.asarray(run_data.train.attention_mask[:2]),
+      labels=jnp.asarray(run_data.train.labels[:2]),
+  )
+  with pytest.raises(ValueError, match="residual='full' or 'none'"):
+    fns._residual_weights(full_weight, batch)  # pylint: disable=protected-access

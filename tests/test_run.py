@@ -18,7 +18,7 @@ BAD = [
     ({"model.name": ""}, "model.name"),
     ({"data.eval_split": "test"}, "eval_split"),
     ({"raptor.residual": "half"}, "raptor.residual"),
-    ({"raptor.joint_clip": True}, "alternate"),
+    ({"raptor.expert_full_weights": True}, "raptor.expert_full_weights"),
     ({"epochs": 0}, "epochs"),
     ({"microbatch_size": 0}, "microbatch"),
 ]

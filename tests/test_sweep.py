@@ -60,6 +60,40 @@ def test_a_tuning_cell_on_files_passes_validation(tmp_path):
   assert config.data.eval_split == "holdout" and not config.data.dev_path
 
 
+def test_full_clip_is_the_one_change_ablation_and_the_old_one_has_a_name():
+  """Tab. 5's `raptor_full_clip` keeps alternation; the two-change one is explicit."""
+  base = micro_config()
+  one_change = sweep.cell_config(
+      base, sweep.Cell("synthetic", "raptor_full_clip", 4.0, 0)
+  )
+  reference = sweep.cell_config(base, sweep.Cell("synthetic", "raptor", 4.0, 0))
+  one_change.raptor.joint_clip = False
+  assert one_change.to_dict() == reference.to_dict()  # exactly one change
+  old = sweep.cell_config(
+      base, sweep.Cell("synthetic", "raptor_full_clip_one_sample", 4.0, 0)
+  )
+  assert old.raptor.joint_clip and not old.raptor.alternate
+
+
+def test_a_stale_finished_cell_is_refused_not_skipped(tmp_path):
+  """A cell trained under an older definition of its variant must not enter the table."""
+  base = micro_config()
+  cell = sweep.Cell("synthetic", "raptor_full_clip", 2.0, 0)
+  directory = cell.directory(tmp_path)
+  directory.mkdir(parents=True)
+  (directory / "results.json").write_text("{}")
+  stale = sweep.cell_config(base, cell)
+  stale.raptor.alternate = False  # what `raptor_full_clip` used to run
+  (directory / "config.json").write_text(stale.to_json_best_effort())
+  run = dict(variants=["raptor_full_clip"], epsilons=[2.0], seeds=[0])
+  with pytest.raises(ValueError, match="raptor.alternate=False"):
+    sweep.run(base, tmp_path, train=None, **run)
+  (directory / "config.json").write_text(
+      sweep.cell_config(base, cell).to_json_best_effort()
+  )
+  assert sweep.run(base, tmp_path, train=None, **run) == [directory]
+
+
 def test_run_is_resumable_and_skips_finished_cells(tmp_path):
   calls = []
 

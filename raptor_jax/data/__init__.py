@@ -5,6 +5,8 @@
   tokenizer into right-padded ``int32`` arrays (:class:`TextClassificationData`).
 * :func:`load_public_corpus` returns the first ``n_pub`` texts of a public
   corpus for layer selection (presets in :data:`PUBLIC_CORPORA`).
+* :func:`drop_overlapping` drops public texts that overlap private text
+  verbatim (the layer-selection corpus against the private train split).
 * :func:`synthetic_task` generates the offline task of the ``:tiny`` presets:
   train/dev records, a disjoint public corpus, a word-level tokenizer and the
   token-to-topic map that lets a model make routing matter.
@@ -24,6 +26,7 @@ from raptor_jax.data.encoding import (
     public_word_tokenizer,
     tokenize,
 )
+from raptor_jax.data.overlap import drop_overlapping
 from raptor_jax.data.synthetic import SyntheticTask, synthetic_task, topic_groups
 from raptor_jax.data.tables import read_columns
 from raptor_jax.data.tasks import TASKS, TaskSpec, get_task, load_task_split, load_task_texts
@@ -39,6 +42,7 @@ __all__ = [
     "Tokenizer",
     "build_word_tokenizer",
     "check_batch_size",
+    "drop_overlapping",
     "encode",
     "get_task",
     "load_public_corpus",

@@ -41,7 +41,8 @@ class CorpusSpec:
 # use the same text column names, so a preset name plus a local path works.
 PUBLIC_CORPORA: dict[str, CorpusSpec] = {
     "imdb": CorpusSpec("stanfordnlp/imdb", None, "unsupervised", ("text",)),
-    "squad": CorpusSpec("rajpurkar/squad", None, "train", ("context",)),
+    # SQuAD v1.1 dev contexts: QNLI's train sentences come from SQuAD train.
+    "squad": CorpusSpec("rajpurkar/squad", None, "validation", ("context",)),
     "anli_r2": CorpusSpec(
         "facebook/anli", None, "train_r2", ("premise", "hypothesis")
     ),

@@ -4,9 +4,9 @@ Pretraining must never see the fine-tuning task's text, or the later DP
 fine-tuning would be evaluated on (and partly trained on) data the model
 already memorised outside the privacy accounting. So every public document
 that contains a train or dev text of the task verbatim is dropped, and the
-count is reported. Matching is on a normalised form (lowercase letters and
-digits only), so tokenisation differences (SST-2's PTB style ``does n't``
-against ``doesn't``, WikiText's `` @-@ ``) do not hide a copy.
+count is reported. Matching (`data.overlap`) is on a normalised form
+(lowercase letters and digits only), so tokenisation differences do not
+hide a copy.
 
 Documents are split into a training part and a held-out part by a hash of
 their text, so the split does not depend on file order or on which other
@@ -23,6 +23,13 @@ from pathlib import Path
 
 from raptor_jax import _validate
 from raptor_jax.data import synthetic, tables, tasks
+
+# The one matcher, shared with the public corpus of layer selection.
+from raptor_jax.data.overlap import (
+    contamination_index,
+    is_contaminated,
+    normalize,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +68,6 @@ SYNTHETIC = "synthetic"
 _WIKITEXT_MARKUP = ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."))
 _HTML_BREAK = re.compile(r"<br\s*/?>", re.IGNORECASE)
 _SPACES = re.compile(r"\s+")
-_NOT_ALNUM = re.compile(r"[^0-9a-z]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +91,6 @@ def clean(text: str, source: str) -> str:
     for markup, plain in _WIKITEXT_MARKUP:
       text = text.replace(markup, plain)
   return _SPACES.sub(" ", text).strip()
-
-
-def normalize(text: str) -> str:
-  """The matching form: lowercase letters and digits, nothing else."""
-  return _NOT_ALNUM.sub("", text.lower())
 
 
 def read_source(
@@ -156,47 +157,6 @@ def task_texts(
   for split, path in (("train", train_path), ("dev", dev_path)):
     texts.extend(tasks.load_task_texts(task, split, path=path or None))
   return texts
-
-
-def contamination_index(
-    task_texts_: Iterable[str], *, min_chars: int
-) -> dict[str, set[str]]:
-  """The task's normalised texts of at least `min_chars`, keyed by their prefix.
-
-  Shorter texts (SST-2 train holds phrases such as "good") would match
-  almost every document without being a copy of the task.
-  """
-  index: dict[str, set[str]] = {}
-  for text in task_texts_:
-    norm = normalize(text)
-    if len(norm) >= min_chars:
-      index.setdefault(norm[:min_chars], set()).add(norm)
-  return index
-
-
-def is_contaminated(
-    document: str, index: dict[str, set[str]], min_chars: int
-) -> bool:
-  """Whether any indexed task text occurs verbatim (normalised) in `document`.
-
-  Candidate positions are the starts of the document's words; each window of
-  `min_chars` normalised characters is looked up, and a hit is confirmed by
-  comparing the whole task text.
-  """
-  if not index:
-    return False
-  lowered = document.lower()
-  starts, norm_parts, position = [], [], 0
-  for match in re.finditer(r"[0-9a-z]+", lowered):
-    starts.append(position)
-    norm_parts.append(match.group())
-    position += len(match.group())
-  norm = "".join(norm_parts)
-  for start in starts:
-    candidates = index.get(norm[start : start + min_chars])
-    if candidates and any(norm.startswith(c, start) for c in candidates):
-      return True
-  return False
 
 
 def heldout_bucket(text: str) -> float:

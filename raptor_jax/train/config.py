@@ -104,15 +104,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.raptor.alternate = (
       True  # False: both streams from one sample (sigma_eff accounting)
   )
-  c.raptor.joint_clip = (
-      False  # True: one clip over shared + expert grads of a record
-  )
+  c.raptor.joint_clip = False  # True: one clip C_s over a record's shared + expert grads; each phase releases its part
   c.raptor.shared_full_weights = (
       False  # shared stream trains q,k,v,o kernels instead of LoRA
   )
-  c.raptor.expert_full_weights = (
-      False  # expert stream trains expert kernels instead of LoRA
-  )
+  c.raptor.expert_full_weights = False  # expert stream trains expert kernels instead of LoRA (residual: full | none)
 
   c.eval_every_epochs = 1  # dev evaluation period (and at the end)
   c.eval_batch_size = 64  # records per evaluation batch

@@ -314,8 +314,9 @@ def privacy_report(
   )
   if private:
     report["target_epsilon"] = plan.target_epsilon
-  if plan.method == "raptor" and not config.raptor.joint_clip:
-    report["rho"] = config.privacy.rho
+  rc = config.raptor
+  if plan.method == "raptor" and not (rc.joint_clip and not rc.alternate):
+    report["rho"] = config.privacy.rho  # it splits the budget between streams
   for name in ("shared", "expert"):
     if name in noise:
       report[f"sigma_{name}"] = noise[name]["noise_multiplier"]
@@ -584,6 +585,8 @@ def train_and_evaluate(
           selected_layer=run.expert_layer,
           rule=str(config.raptor.layer),
           public_corpus=run.layer_table,
+          # Data-dependent (curator pre-processing, not DP): see README.
+          public_texts_dropped_overlap_private=run.data.public_dropped,
       ),
   )
   if run.layer_table:

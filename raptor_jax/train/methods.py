@@ -26,10 +26,24 @@ layer l*, where every record trains its owner's slice only.
 RAPTOR's ablations are switches of `config.raptor`, each replacing one
 component (Tab. 5): `expert_denominator='B'`; `alternate=False` (both streams
 from one sample, one step); `residual='none'`; `layer` (first | last |
-entropy | a block index; the loop picks l*, every method uses it). The
-full-model clip (`joint_clip=True`) needs a record's shared and expert
-gradients in the same step, so it requires `alternate=False`: it is the
-no-alternation variant with one clip C_s and one sigma over both streams.
+entropy | a block index; the loop picks l*, every method uses it);
+`joint_clip=True`, the full-model clip, described next.
+
+Full-model clip (`joint_clip=True`, alternation kept). Each phase still draws
+its own Poisson sample, but it differentiates each record's loss with respect
+to ALL of RAPTOR's trainable parameters (shared + the record's owner slice,
+the expert gradient weighted by w_i as usual), clips that joint gradient to
+one C (`privacy.clip_shared`), and releases only its own part: the shared
+phase the shared coordinates, the expert phase the owner-slice coordinates.
+Guarantee: a released part is a sub-vector of a vector of norm <= C, so its
+norm is <= C too; each step is therefore the Gaussian mechanism of RAPTOR
+with sensitivity C, and the accounting (rho split, sigma_s, sigma_e, two
+independent streams) is RAPTOR's with C_s = C_e = C. The unreleased part only
+shrinks the clip factor, it is never released. Cost: every phase runs a
+backward pass through both streams' parameters (inherent to the ablation).
+With `alternate=False` as well, `joint_clip=True` is the older two-change
+variant (one sample, one clip C_s over both streams, one sigma from DP-SGD
+calibration): sweep variant `raptor_full_clip_one_sample`.
 
 Only RAPTOR's expert stream (raptor, its ablations, baseline_c) trains owner
 slices. Routers never train except in the full-weight monolithic baselines,
@@ -110,9 +124,13 @@ class Phase:
     name: ledger stream name.
     stream: Poisson stream id (independent samples per id).
     parts: the parameter groups updated from this sample.
-    joint_clip: clip each record's gradient over all parts together (the
-      parts then share one l2_clip and one sigma).
+    joint_clip: clip each record's gradient over all parts (and `clip_with`)
+      together, to the l2_clip of `parts[0]` (the parts then share one
+      l2_clip and one sigma).
     private: False for the non-private upper bounds (no clip, no noise).
+    clip_with: parts of another phase whose per-record gradient joins this
+      phase's clip norm but is neither released nor updated here (the
+      full-model clip with alternation); needs `joint_clip`.
   """
 
   name: str
@@ -120,6 +138,14 @@ class Phase:
   parts: tuple[Part, ...]
   joint_clip: bool = False
   private: bool = True
+  clip_with: tuple[Part, ...] = ()
+
+  def __post_init__(self):
+    if self.clip_with and not self.joint_clip:
+      raise ValueError(
+          f"phase {self.name!r}: clip_with parts join the clip norm, which "
+          "needs joint_clip=True"
+      )
 
   @property
   def noise_multiplier(self) -> float:
@@ -187,14 +213,15 @@ def check_config(config) -> None:
       "(0, 1]",
       fix("raptor.residual_gamma"),
   )
-  if config.method == "raptor":
+  if config.method in ("raptor", "baseline_c"):  # the expert stream's w_i
     _validate.check(
-        not (rc.joint_clip and rc.alternate),
-        "raptor.alternate",
-        "False when raptor.joint_clip=True (one clip of a record's shared and"
-        " expert gradients needs both from one sample)",
-        rc.alternate,
-        fix("raptor.alternate", False),
+        not (rc.residual == "shared" and rc.expert_full_weights),
+        "raptor.residual",
+        "'full' or 'none' with raptor.expert_full_weights=True ('shared'"
+        " switches l*'s expert updates off by zeroing their LoRA B factors,"
+        " which full-weight experts do not have)",
+        rc.residual,
+        fix("raptor.residual", "full"),
     )
   _validate.positive_int("epochs", config.epochs, fix("epochs"))
   _validate.positive(
@@ -218,7 +245,8 @@ def _check_budget(config) -> None:
     _validate.probability(
         "privacy.delta", pc.delta, fix("privacy.delta") + " (0 = 1/n**1.1)"
     )
-  if config.method == "raptor" and not config.raptor.joint_clip:
+  rc = config.raptor
+  if config.method == "raptor" and not (rc.joint_clip and not rc.alternate):
     _validate.probability(
         "privacy.rho", pc.rho, fix("privacy.rho") + " (the paper uses 0.9)"
     )
@@ -250,6 +278,53 @@ class _Calibration:
     return accounting.calibrate_raptor(**self.kwargs, rho=self.rho, joint=joint)
 
 
+def _raptor_phases(rc, shared, expert, sigmas: _Calibration):
+  """RAPTOR's phases and its `config.raptor` ablations.
+
+  `shared(sigma)` and `expert(sigma, clip=...)` build the two streams' parts;
+  `clip=None` gives the expert part C_s, the one C of the full-model clip.
+  """
+  if rc.joint_clip and rc.alternate:
+    # RAPTOR's phases and sigmas with C_s = C_e = C; each clips jointly.
+    s_sh, s_ex = sigmas.raptor(joint=False)
+    sh, ex = shared(s_sh), expert(s_ex, clip=None)
+    return (
+        Phase(
+            "shared",
+            sampling.SHARED_STREAM,
+            (sh,),
+            joint_clip=True,
+            clip_with=(ex,),
+        ),
+        Phase(
+            "expert",
+            sampling.EXPERT_STREAM,
+            (ex,),
+            joint_clip=True,
+            clip_with=(sh,),
+        ),
+    )
+  if rc.joint_clip:  # one sample, one clip, one sigma: rho plays no part
+    sigma = sigmas.dpsgd()
+    return (
+        Phase(
+            "joint",
+            sampling.SHARED_STREAM,
+            (shared(sigma), expert(sigma, clip=None)),
+            joint_clip=True,
+        ),
+    )
+  s_sh, s_ex = sigmas.raptor(joint=not rc.alternate)
+  if not rc.alternate:
+    return (
+        Phase("joint", sampling.SHARED_STREAM, (shared(s_sh), expert(s_ex))),
+    )
+  return (
+      Phase("shared", sampling.SHARED_STREAM, (shared(s_sh),)),
+      Phase("expert", sampling.EXPERT_STREAM, (expert(s_ex),)),
+  )
+
+
 def _phases(
     config,
     *,
@@ -278,34 +353,14 @@ def _phases(
         expert_roles,
         (expert_layer,),
         True,
-        clip,
+        pc.clip_shared if clip is None else clip,
         sigma,
         d_e,
         residual,
     )
 
-  if (
-      method == "raptor" and rc.joint_clip
-  ):  # one clip, one sigma: rho plays no part
-    sigma = sigmas.dpsgd()
-    return (
-        Phase(
-            "joint",
-            sampling.SHARED_STREAM,
-            (shared(sigma), expert(sigma, clip=pc.clip_shared)),
-            joint_clip=True,
-        ),
-    )
   if method == "raptor":
-    s_sh, s_ex = sigmas.raptor(joint=not rc.alternate)
-    if not rc.alternate:
-      return (
-          Phase("joint", sampling.SHARED_STREAM, (shared(s_sh), expert(s_ex))),
-      )
-    return (
-        Phase("shared", sampling.SHARED_STREAM, (shared(s_sh),)),
-        Phase("expert", sampling.EXPERT_STREAM, (expert(s_ex),)),
-    )
+    return _raptor_phases(rc, shared, expert, sigmas)
   if method == "baseline_a":
     sigma = sigmas.dpsgd()
     every_expert = Part(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import numpy as np
 from raptor_jax import _validate, data, models, roles
 from raptor_jax.models import hf
 from raptor_jax.train import config as config_lib
+
+log = logging.getLogger("raptor_jax")
 
 # model.tokenizer value: a word-level tokenizer over the public corpus's words.
 PUBLIC_WORDS = "public-words"
@@ -34,6 +37,9 @@ class RunData:
   public: tuple[np.ndarray, np.ndarray] | None  # (input_ids, attention_mask)
   tokenizer: Any
   token_groups: np.ndarray | None  # synthetic task: token -> topic (-1 none)
+  # Public texts dropped for verbatim overlap with the private train split
+  # (`public_disjoint_from_train`); None when not checked.
+  public_dropped: int | None = None
 
 
 def _shard_of(
@@ -258,6 +264,9 @@ def load_run_data(
         text_fields=tuple(dc.public_text_fields) or None,
         n_pub=dc.n_pub,
     )
+  dropped = None
+  if texts is not None:
+    texts, dropped = public_disjoint_from_train(texts, task.name, dc)
   if config.model.tokenizer == PUBLIC_WORDS:
     if texts is None:
       raise ValueError(
@@ -303,7 +312,37 @@ def load_run_data(
       if texts is None
       else data.tokenize(tokenizer, texts, max_length=dc.max_length)
   )
-  return RunData(task, train, dev, public, tokenizer, None)
+  return RunData(task, train, dev, public, tokenizer, None, dropped)
+
+
+def public_disjoint_from_train(
+    texts: list[str], task: str, dc: ml_collections.ConfigDict
+) -> tuple[list[str], int]:
+  """The public texts without those that overlap the private train split.
+
+  A public text containing a train text verbatim, or contained in one
+  (`data.overlap`), is dropped: it is not public. The whole train file is
+  checked (also records beyond `data.train_limit`). Only the count is
+  logged, never a text; it depends on the private data (curator-side
+  pre-processing outside the DP release; 0 for a corpus disjoint by
+  construction, whatever the dataset).
+  """
+  private = data.load_task_texts(task, "train", path=dc.train_path or None)
+  kept, dropped = data.drop_overlapping(texts, private)
+  if dropped:
+    log.warning(
+        "%d of %d public texts overlap the private train split verbatim and "
+        "were dropped; choose a public corpus disjoint from the private data",
+        dropped,
+        len(texts),
+    )
+  if not kept:
+    raise ValueError(
+        "every public text overlaps the private train split; set "
+        "--config.data.public_corpus or --config.data.public_path to a "
+        "corpus disjoint from it"
+    )
+  return kept, dropped
 
 
 def random_backbone(

@@ -76,6 +76,7 @@ class PhaseFunctions:
   ):
     self.model = model
     self.phase = phase
+    self._differentiated = phase.parts + phase.clip_with
     self.expert_layer = expert_layer
     self.num_experts = num_experts
     self.residual = residual
@@ -161,10 +162,20 @@ class PhaseFunctions:
 
     'shared' logits come from the model with the expert stream's updates of
     layer l* switched off (its adapters' B factors at zero, their initial
-    value); 'full' uses the current model.
+    value); 'full' uses the current model. Full-weight experts have no B
+    factor to zero, so 'shared' refuses them (a trained kernel would leak
+    into the "shared-only" logits otherwise).
     """
     if self.residual == "shared":
       prefix = roles.expert_prefix(self.expert_layer)
+      if not any(
+          p.startswith(prefix) and p.endswith("lora_b") for p in params_flat
+      ):
+        raise ValueError(
+            "residual='shared' switches l*'s expert updates off by zeroing "
+            "their LoRA B factors, and l* has none (full-weight experts); "
+            "use residual='full' or 'none'"
+        )
       params_flat = {
           p: (
               jnp.zeros_like(v)
@@ -205,12 +216,15 @@ class PhaseFunctions:
   def _split(
       self, trainable: Mapping[str, Flat], frozen: Flat
   ) -> tuple[dict, Flat]:
-    """(this phase's dense parts, everything else as constants).
+    """(the dense parts differentiated here, everything else as constants).
 
-    Owner parts' stacked experts are constants too: they run in the forward
-    pass, while the gradient goes to per-record owner slices.
+    Differentiated: the phase's parts and its `clip_with` parts. Owner parts'
+    stacked experts are constants too: they run in the forward pass, while
+    the gradient goes to per-record owner slices.
     """
-    dense = {p.name: trainable[p.name] for p in self.phase.parts if not p.owner}
+    dense = {
+        p.name: trainable[p.name] for p in self._differentiated if not p.owner
+    }
     constants = dict(frozen)
     for name, part_params in trainable.items():
       if name not in dense:
@@ -229,10 +243,13 @@ class PhaseFunctions:
     Per-record gradients (owner parts: with respect to the record's owner
     slice), multiplied by the residual weight where the part uses it, then
     clipped as the phase clips (jointly or per part); padding and non-finite
-    records are exactly zero. For a non-private phase: the raw gradients,
-    masked. `_local_sums` adds these up; diagnostics read them directly.
+    records are exactly zero. With `clip_with` parts (the full-model clip),
+    their gradients join the joint norm and are then dropped: only the
+    phase's own parts are returned, each a piece of a vector of norm <= C.
+    For a non-private phase: the raw gradients, masked. `_local_sums` adds
+    these up; diagnostics read them directly.
     """
-    parts = self.phase.parts
+    parts = self._differentiated
     dense, constants = self._split(trainable, frozen)
     slices = {
         p.name: grads.owner_slices(trainable[p.name], batch["owners"])
@@ -265,10 +282,17 @@ class PhaseFunctions:
   def _clip(
       self, per_record: Mapping[str, Flat], mask: jax.Array
   ) -> dict[str, Flat]:
-    """Clips each record as the phase says: one norm over all parts, or per part."""
+    """Clips each record as the phase says: one norm over all parts, or per part.
+
+    A joint clip takes the norm over everything in `per_record` (the phase's
+    parts and its `clip_with` parts) and returns the phase's parts only.
+    """
     parts = self.phase.parts
     if self.phase.joint_clip:
-      return grads.clip_per_record(dict(per_record), parts[0].l2_clip, mask)[0]
+      clipped = grads.clip_per_record(dict(per_record), parts[0].l2_clip, mask)[
+          0
+      ]
+      return {p.name: clipped[p.name] for p in parts}
     return {
         p.name: grads.clip_per_record(per_record[p.name], p.l2_clip, mask)[0]
         for p in parts
@@ -402,7 +426,8 @@ class PhaseStep:
   `accumulate` adds the microbatch's clipped per-record gradient sums (float32,
   psum over the mesh's devices); `update` makes the phase's one noisy update.
   Guarantee (private phase): each record moves the sums of each part by at
-  most its clip norm (jointly for `joint_clip`), and `update` adds Gaussian
+  most its clip norm (jointly for `joint_clip`, with `clip_with` parts
+  inside the norm but not released), and `update` adds Gaussian
   noise of std sigma * C to every element before dividing by the public
   denominator; with a Poisson sample per step (`sampling.poisson_sample`) it
   is the subsampled Gaussian mechanism the ledger accounts for. Call
@@ -455,7 +480,9 @@ class PhaseStep:
 
   def init(self, params: Mapping[str, Any]) -> StepState:
     """Splits `params` into the phase's parts and the rest; fresh optimizer states."""
-    trainable, frozen = setup.partition(params, self.phase.parts)
+    trainable, frozen = setup.partition(
+        params, self.phase.parts + self.phase.clip_with
+    )
     opt_state = self.functions.init_opt_states(trainable)
     return StepState(
         *parallel.replicate((trainable, frozen, opt_state), self.mesh)

@@ -40,7 +40,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "raptor_last": {"method": "raptor", "raptor.layer": "last"},
     "raptor": {"method": "raptor", "raptor.layer": "entropy"},
     "raptor_de_b": {"method": "raptor", "raptor.expert_denominator": "B"},
-    "raptor_full_clip": {
+    # One change: one clip C over a record's shared + expert gradient, each
+    # alternating phase releasing its part (RAPTOR accounting, C_s = C_e = C).
+    "raptor_full_clip": {"method": "raptor", "raptor.joint_clip": True},
+    # Two changes (the variant `raptor_full_clip` named before): one sample
+    # for both streams and one clip, one sigma.
+    "raptor_full_clip_one_sample": {
         "method": "raptor",
         "raptor.joint_clip": True,
         "raptor.alternate": False,
@@ -62,6 +67,7 @@ LABELS = {
     "raptor": "Ours, entropy-sel.",
     "raptor_de_b": "Ours w/ D_e = B",
     "raptor_full_clip": "Ours w/ full-model clip",
+    "raptor_full_clip_one_sample": "Ours w/ full-model clip, one sample",
     "raptor_no_alternation": "Ours w/o alternating",
     "raptor_no_residual": "Ours w/o residual",
 }
@@ -88,6 +94,33 @@ class Cell:
     if self.tune_clip is not None:
       return base / "tune" / f"clip{self.tune_clip:g}"
     return base / f"seed{self.seed}"
+
+
+def check_finished_cell(
+    directory: Path, config: ml_collections.ConfigDict
+) -> None:
+  """A finished cell was trained as its variant is defined now.
+
+  Variant definitions change between versions (`raptor_full_clip` was the
+  one-sample variant before it kept alternation), and a finished cell is
+  skipped, so a stale cell would enter the table under the new name. Every
+  field some variant overrides must match the cell's `config.json`.
+  """
+  path = directory / "config.json"
+  if not path.exists():
+    return
+  saved = json.loads(path.read_text())
+  for key in sorted({k for o in VARIANTS.values() for k in o}):
+    *sections, name = key.split(".")
+    old, new = saved, config
+    for section in sections:
+      old, new = old.get(section, {}), new[section]
+    if name in old and old[name] != new[name]:
+      raise ValueError(
+          f"{directory} was trained with {key}={old[name]!r}, but its variant "
+          f"now sets {new[name]!r}; move the cell away (or use a new "
+          "--workdir) to retrain it"
+      )
 
 
 def is_private_variant(variant: str) -> bool:
@@ -280,6 +313,7 @@ def run(
     directory = cell.directory(workdir)
     directories.append(directory)
     if (directory / "results.json").exists():
+      check_finished_cell(directory, cell_config(base, cell))
       log.info("[%d/%d] %s: done, skipped", i + 1, len(cells), directory)
       continue
     clip = None
