@@ -605,16 +605,72 @@ def calibrate_raptor(
 
   _check_reachable(
       target_epsilon,
-      raptor_epsilon(
-          sigma_shared=NOISE_MULTIPLIER_RANGE[1],
-          sigma_expert=NOISE_MULTIPLIER_RANGE[1],
+      _raptor_spent(
+          (NOISE_MULTIPLIER_RANGE[1], NOISE_MULTIPLIER_RANGE[1]),
           sample_rate=sample_rate,
-          steps_shared=steps,
-          steps_expert=steps,
+          steps=steps,
           delta=delta,
           joint=joint,
       ),
   )
+  composed_at, sigma_expert = _composed_epsilon(
+      sample_rate=sample_rate, steps=steps, delta=delta, rho=rho, joint=joint
+  )
+  sigma_shared = _calibrate(composed_at, target_epsilon, 'sigma_shared', _HINT)
+  sigmas = (
+      sigma_shared,
+      sigma_expert[VALUE_DISCRETIZATION_INTERVAL, sigma_shared],
+  )
+  spent = _raptor_spent(
+      sigmas, sample_rate=sample_rate, steps=steps, delta=delta, joint=joint
+  )
+  if spent > target_epsilon:
+    raise RuntimeError(
+        f'calibrated sigmas {sigmas} spend epsilon {spent} > target'
+        f' {target_epsilon}; this is a bug, please report.'
+    )
+  return sigmas
+
+
+def _raptor_spent(
+    sigmas: tuple[float, float],
+    *,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    joint: bool,
+) -> float:
+  """``raptor_epsilon`` of ``(sigma_shared, sigma_expert)``, ``steps`` each."""
+  return raptor_epsilon(
+      sigma_shared=sigmas[0],
+      sigma_expert=sigmas[1],
+      sample_rate=sample_rate,
+      steps_shared=steps,
+      steps_expert=steps,
+      delta=delta,
+      joint=joint,
+  )
+
+
+def _composed_epsilon(
+    *,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    rho: float,
+    joint: bool,
+) -> tuple[Callable[[float, float], float], dict]:
+  """The composed epsilon as a function of ``sigma_shared`` (SPEC 1.7).
+
+  ``sigma_shared`` fixes the scale ``t`` (its stream alone spends ``rho * t``
+  at ``delta / 2``); an inner search finds the ``sigma_expert`` whose stream
+  alone spends ``(1 - rho) * t``, warm-started from the previous call.
+
+  Returns:
+    ``(composed_at, sigma_expert)``: ``composed_at(interval, sigma_shared)``
+    is the epsilon at ``delta`` of both streams composed, and records the
+    inner result in ``sigma_expert[interval, sigma_shared]``.
+  """
 
   def stream_epsilon(interval: float, sigma: float) -> float:
     return _epsilon(((sample_rate, sigma, steps),), delta / 2, interval)
@@ -645,23 +701,4 @@ def calibrate_raptor(
       )
     return _epsilon(mechanisms, delta, interval)
 
-  sigma_shared = _calibrate(composed_at, target_epsilon, 'sigma_shared', _HINT)
-  sigmas = (
-      sigma_shared,
-      sigma_expert[VALUE_DISCRETIZATION_INTERVAL, sigma_shared],
-  )
-  spent = raptor_epsilon(
-      sigma_shared=sigmas[0],
-      sigma_expert=sigmas[1],
-      sample_rate=sample_rate,
-      steps_shared=steps,
-      steps_expert=steps,
-      delta=delta,
-      joint=joint,
-  )
-  if spent > target_epsilon:
-    raise RuntimeError(
-        f'calibrated sigmas {sigmas} spend epsilon {spent} > target'
-        f' {target_epsilon}; this is a bug, please report.'
-    )
-  return sigmas
+  return composed_at, sigma_expert

@@ -340,6 +340,58 @@ def _sensitivities(
   return base_loss, sensitivity
 
 
+def _check_split(split: str) -> None:
+  """Refuses an unknown split; warns that 'train' gives a private audit."""
+  _validate.one_of(
+      "split", split, ("dev", "train"), "'train' gives a private audit"
+  )
+  if split == "train":
+    log.warning(
+        "diagnostics on the private training split: the output is a private audit "
+        "statistic, NOT differentially private; keep it inside your trust boundary"
+    )
+
+
+def _phase_functions(config, run) -> list[step.PhaseFunctions]:
+  """The step functions of each phase of `run`'s plan, on one device.
+
+  Only their per-record loss and residual weights are used (no noise, no
+  update).
+  """
+  return [
+      step.PhaseFunctions(
+          run.model,
+          phase,
+          mesh=parallel.make_mesh(1),
+          expert_layer=run.expert_layer,
+          num_experts=run.backbone_config.num_experts,
+          learning_rate=config.learning_rate,
+          residual=config.raptor.residual,
+          residual_gamma=config.raptor.residual_gamma,
+          key=jax.random.PRNGKey(0),
+      )
+      for phase in run.plan.phases
+  ]
+
+
+def _param_counts(trainable) -> dict[str, int]:
+  """Number of trainable parameters per diagnostic role (0 for absent roles)."""
+  param_counts = dict.fromkeys(DIAGNOSTIC_ROLES, 0)
+  for part_params in trainable.values():
+    for path, value in part_params.items():
+      param_counts[diagnostic_role(path)] += int(np.size(value))
+  return param_counts
+
+
+def _data_note(split: str, n: int) -> str:
+  """The `data` field: which records were measured, and whether it is private."""
+  return f"{split} split, first {n} records" + (
+      " (PRIVATE AUDIT: not differentially private)"
+      if split == "train"
+      else " (not the private training data)"
+  )
+
+
 def compute(
     config: ml_collections.ConfigDict,
     workdir: str | Path,
@@ -366,14 +418,7 @@ def compute(
     dict(data=, private_audit=, records=, method=, expert_layer=, role_mismatch=,
     expert_snr= (None if undefined), noise_sensitivity=).
   """
-  _validate.one_of(
-      "split", split, ("dev", "train"), "'train' gives a private audit"
-  )
-  if split == "train":
-    log.warning(
-        "diagnostics on the private training split: the output is a private audit "
-        "statistic, NOT differentially private; keep it inside your trust boundary"
-    )
+  _check_split(split)
   run = build_run(config, owner_records=split)
   plan, bc, expert_layer = run.plan, run.backbone_config, run.expert_layer
   data = run.data.dev if split == "dev" else run.data.train
@@ -381,24 +426,8 @@ def compute(
   records = (data.input_ids[:n], data.attention_mask[:n], data.labels[:n])
   owners, model, frozen = run.owners[:n], run.model, run.frozen
   trainable = _restore_trainable(config, workdir)
-  # Only the per-record loss and residual weights are used (no noise, no update).
-  phase_fns = [
-      step.PhaseFunctions(
-          model,
-          phase,
-          mesh=parallel.make_mesh(1),
-          expert_layer=expert_layer,
-          num_experts=bc.num_experts,
-          learning_rate=config.learning_rate,
-          residual=config.raptor.residual,
-          residual_gamma=config.raptor.residual_gamma,
-          key=jax.random.PRNGKey(0),
-      )
-      for phase in plan.phases
-  ]
-
   squared, signals = _gradient_statistics(
-      phase_fns,
+      _phase_functions(config, run),
       trainable,
       frozen,
       records,
@@ -407,11 +436,7 @@ def compute(
       num_experts=bc.num_experts,
       microbatch_size=config.microbatch_size,
   )
-  param_counts = dict.fromkeys(DIAGNOSTIC_ROLES, 0)
-  for part_params in trainable.values():
-    for path, value in part_params.items():
-      param_counts[diagnostic_role(path)] += int(np.size(value))
-
+  param_counts = _param_counts(trainable)
   base_loss, sensitivity = _sensitivities(
       config,
       model,
@@ -423,12 +448,7 @@ def compute(
       draws=draws,
   )
   return dict(
-      data=f"{split} split, first {n} records"
-      + (
-          " (PRIVATE AUDIT: not differentially private)"
-          if split == "train"
-          else " (not the private training data)"
-      ),
+      data=_data_note(split, n),
       private_audit=split == "train",
       records=n,
       method=plan.method,

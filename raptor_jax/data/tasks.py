@@ -164,6 +164,29 @@ def _pick_columns(spec, columns, source, text_fields, label_field):
   return text_names, label_name
 
 
+def _records_stop(
+    source: str, total: int, offset: int, limit: int | None
+) -> int:
+  """End (exclusive) of the records ``offset .. offset + limit - 1``.
+
+  Raises:
+      ValueError: the file has no records, or fewer than the slice asks for.
+  """
+  if not total:
+    raise ValueError(
+        f"{source} has no records (a header row only); add records or fix"
+        " the path."
+    )
+  stop = total if limit is None else offset + limit
+  if stop > total:
+    raise ValueError(
+        f"{source} has {total} records, fewer than the {stop} that offset"
+        f" {offset} and limit {limit} ask for; lower the limit"
+        " (train_limit/holdout)."
+    )
+  return stop
+
+
 def load_task_split(
     task: str,
     split: str,
@@ -221,18 +244,7 @@ def load_task_split(
   )
   index, count = shard
   _validate.check(0 <= index < count, "shard index", f"in [0, {count})", index)
-  total = len(columns[label_name])
-  if not total:
-    raise ValueError(
-        f"{source} has no records (a header row only); add records or fix"
-        " the path."
-    )
-  stop = total if limit is None else offset + limit
-  if stop > total:
-    raise ValueError(
-        f"{source} has {total} records, fewer than the {stop} that offset {offset} and"
-        f" limit {limit} ask for; lower the limit (train_limit/holdout)."
-    )
+  stop = _records_stop(source, len(columns[label_name]), offset, limit)
   labels = [
       _label_id(value, spec, row=row, column=label_name, source=source)
       for row, value in enumerate(

@@ -7,12 +7,8 @@ import ml_collections
 from raptor_jax import _validate
 
 
-def base_config(family: str = "switch") -> ml_collections.ConfigDict:
-  """A small MoE on WikiText-2 train + IMDb unsup, sized for 2 CPU cores."""
-  c = ml_collections.ConfigDict()
-  c.family = family  # switch (encoder, masked LM) | olmoe (decoder, causal LM)
-  c.seed = 0  # initialisation, data order and masking (the run is deterministic given it)
-
+def _model(c: ml_collections.ConfigDict) -> None:
+  """Sets `c.model`: the MoE backbone's shape."""
   c.model = ml_collections.ConfigDict()
   c.model.d_model = 128  # hidden size
   c.model.num_layers = 4  # blocks
@@ -27,6 +23,9 @@ def base_config(family: str = "switch") -> ml_collections.ConfigDict:
   c.model.norm_topk_prob = False  # olmoe: renormalise the top-k weights
   c.model.embedding_init = "spectral"  # spectral (PPMI + SVD of the corpus) | normal (HF's random init)
 
+
+def _data(c: ml_collections.ConfigDict) -> None:
+  """Sets `c.tokenizer`, `c.corpus` and `c.decontaminate`: the training text."""
   c.tokenizer = ml_collections.ConfigDict()
   c.tokenizer.vocab_size = (
       8192  # WordPiece vocabulary (special tokens included)
@@ -52,6 +51,9 @@ def base_config(family: str = "switch") -> ml_collections.ConfigDict:
   c.decontaminate.dev_path = ""  # its local dev file; '' = the Hub
   c.decontaminate.seed = 0  # synthetic task only: the task's seed
 
+
+def _objective(c: ml_collections.ConfigDict) -> None:
+  """Sets `c.objective`: the pretraining loss and its auxiliary terms."""
   c.objective = ml_collections.ConfigDict()
   c.objective.mlm_rate = 0.15  # switch: share of tokens predicted (80% [MASK], 10% random, 10% kept)
   c.objective.aux_loss_coef = (
@@ -64,6 +66,9 @@ def base_config(family: str = "switch") -> ml_collections.ConfigDict:
       0.0  # weight of the record-owner balance loss (not in HF; 0 = off)
   )
 
+
+def _optimizer(c: ml_collections.ConfigDict) -> None:
+  """Sets the batch shape, schedule and AdamW fields of `c`."""
   c.seq_len = 64  # tokens per training row (documents packed, no padding)
   c.batch_size = 128  # rows per step
   c.steps = 900  # optimizer steps
@@ -74,6 +79,9 @@ def base_config(family: str = "switch") -> ml_collections.ConfigDict:
   c.adam_b2 = 0.98  # AdamW second-moment decay
   c.grad_clip = 1.0  # global gradient-norm clip
 
+
+def _eval(c: ml_collections.ConfigDict) -> None:
+  """Sets `c.eval` and the evaluation, logging and checkpoint periods."""
   c.eval = ml_collections.ConfigDict()
   c.eval.records = (
       2000  # held-out documents used as records for the routing report
@@ -90,6 +98,20 @@ def base_config(family: str = "switch") -> ml_collections.ConfigDict:
       0  # stop (with a checkpoint) after this many steps; 0 = run to the end
   )
   c.progress_bar = True  # tqdm bar with loss and tokens/s
+
+
+def base_config(family: str = "switch") -> ml_collections.ConfigDict:
+  """A small MoE on WikiText-2 train + IMDb unsup, sized for 2 CPU cores."""
+  c = ml_collections.ConfigDict()
+  c.family = family  # switch (encoder, masked LM) | olmoe (decoder, causal LM)
+  c.seed = 0  # initialisation, data order and masking (the run is deterministic given it)
+
+  _model(c)
+  _data(c)
+  _objective(c)
+  _optimizer(c)
+  _eval(c)
+
   return c
 
 

@@ -338,6 +338,85 @@ class _Progress:
     return self.earlier_wall_s + time.time() - self.start
 
 
+def _save(checkpointer, run: _Progress) -> None:
+  """Checkpoints `run`: (params, opt_state) and the step and timings."""
+  checkpointer.save(
+      run.step,
+      {"params": run.params, "opt_state": run.opt_state},
+      dict(
+          step=run.step,
+          wall_time_s=run.wall_time_s(),
+          train_time_s=run.train_time_s,
+      ),
+  )
+
+
+def _stop_at(config, run: _Progress) -> int:
+  """The step this segment stops at: config.steps, or stop_after_steps more."""
+  return (
+      config.steps
+      if not config.stop_after_steps
+      else min(config.steps, run.step + config.stop_after_steps)
+  )
+
+
+def _progress_bar(config, run: _Progress):
+  """A tqdm bar at `run.step` of config.steps, or None when turned off."""
+  if not config.progress_bar:
+    return None
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+  return tqdm(
+      total=config.steps, initial=run.step, unit="step", dynamic_ncols=True
+  )
+
+
+def _advance(config, run: _Progress, train_step, train_rows, stop_at) -> dict:
+  """Runs step `run.step` and advances `run` past it.
+
+  Returns:
+    The step's loss parts: floats (waited for) when the step will be logged,
+    device arrays otherwise.
+  """
+  step = run.step
+  ids = jnp.asarray(
+      train_rows[
+          batch_rows(len(train_rows), config.batch_size, step, config.seed)
+      ]
+  )
+  step_start = time.time()
+  new_params, new_opt_state, parts = train_step(
+      run.params, run.opt_state, ids, step
+  )
+  if (step + 1) % config.log_every == 0 or step + 1 == stop_at:
+    parts = {k: float(v) for k, v in parts.items()}  # waits for the step
+  run.params, run.opt_state, run.step = (
+      new_params,
+      new_opt_state,
+      step + 1,
+  )  # together
+  run.train_time_s += time.time() - step_start
+  return parts
+
+
+def _log_train(writer, progress, step, parts, rate, tokens_per_step) -> None:
+  """Writes the training metrics of `step` and shows them on the bar."""
+  writer.write(
+      step,
+      {
+          **{f"train/{k}": v for k, v in parts.items()},
+          "train/tokens_per_s": rate,
+          "train/tokens": step * tokens_per_step,
+      },
+  )
+  if progress is not None:
+    progress.set_postfix(
+        loss=f"{parts['lm_loss']:.3f}",
+        tok_s=f"{rate:,.0f}",
+        refresh=False,
+    )
+
+
 def _train_loop(
     config,
     run: _Progress,
@@ -349,52 +428,13 @@ def _train_loop(
 ) -> None:
   """Steps until config.steps (or stop_after_steps), logging and checkpointing."""
   tokens_per_step = config.batch_size * config.seq_len
-
-  def save():
-    checkpointer.save(
-        run.step,
-        {"params": run.params, "opt_state": run.opt_state},
-        dict(
-            step=run.step,
-            wall_time_s=run.wall_time_s(),
-            train_time_s=run.train_time_s,
-        ),
-    )
-
-  stop_at = (
-      config.steps
-      if not config.stop_after_steps
-      else min(config.steps, run.step + config.stop_after_steps)
-  )
-  progress = None
-  if config.progress_bar:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-
-    progress = tqdm(
-        total=config.steps, initial=run.step, unit="step", dynamic_ncols=True
-    )
+  stop_at = _stop_at(config, run)
+  progress = _progress_bar(config, run)
   last_saved, window_start, window_steps = run.step, time.time(), 0
   try:
     while run.step < stop_at:
+      parts = _advance(config, run, train_step, train_rows, stop_at)
       step = run.step
-      ids = jnp.asarray(
-          train_rows[
-              batch_rows(len(train_rows), config.batch_size, step, config.seed)
-          ]
-      )
-      step_start = time.time()
-      new_params, new_opt_state, parts = train_step(
-          run.params, run.opt_state, ids, step
-      )
-      if (step + 1) % config.log_every == 0 or step + 1 == stop_at:
-        parts = {k: float(v) for k, v in parts.items()}  # waits for the step
-      run.params, run.opt_state, run.step = (
-          new_params,
-          new_opt_state,
-          step + 1,
-      )  # together
-      step = run.step
-      run.train_time_s += time.time() - step_start
       window_steps += 1
       if step % config.log_every == 0 or step == stop_at:
         rate = (
@@ -403,20 +443,7 @@ def _train_loop(
             / max(time.time() - window_start, 1e-9)
         )
         window_start, window_steps = time.time(), 0
-        writer.write(
-            step,
-            {
-                **{f"train/{k}": v for k, v in parts.items()},
-                "train/tokens_per_s": rate,
-                "train/tokens": step * tokens_per_step,
-            },
-        )
-        if progress is not None:
-          progress.set_postfix(
-              loss=f"{parts['lm_loss']:.3f}",
-              tok_s=f"{rate:,.0f}",
-              refresh=False,
-          )
+        _log_train(writer, progress, step, parts, rate, tokens_per_step)
       if progress is not None:
         progress.update(1)
       if (
@@ -428,17 +455,76 @@ def _train_loop(
             step, {f"heldout/{k}": v for k, v in heldout()["scalars"].items()}
         )
       if step - last_saved >= config.checkpoint_every:
-        save()
+        _save(checkpointer, run)
         last_saved = step
   except BaseException:
     if run.step > last_saved:  # a crash or an interrupt loses no finished step
-      save()
+      _save(checkpointer, run)
     raise
   finally:
     if progress is not None:
       progress.close()
   if run.step > last_saved:
-    save()
+    _save(checkpointer, run)
+
+
+def _loss(config, module, special, aux_coef, z_coef):
+  """The family's LM loss plus its router auxiliary losses, per `config`."""
+  return functools.partial(
+      model.loss_fn,
+      module,
+      special=special,
+      mlm_rate=config.objective.mlm_rate,
+      aux_loss_coef=aux_coef,
+      z_loss_coef=z_coef,
+      owner_balance_coef=config.objective.owner_balance_coef,
+  )
+
+
+def _resume(config, workdir: Path, checkpointer, meta, run: _Progress) -> None:
+  """Restores `run` from its checkpoint (if `meta`), else writes config.json.
+
+  A fresh run records its config as `<workdir>/config.json`.
+  """
+  if meta:
+    state = checkpointer.restore_state(
+        {"params": run.params, "opt_state": run.opt_state}
+    )
+    run.params, run.opt_state = state["params"], state["opt_state"]
+    run.step, run.earlier_wall_s = int(meta["step"]), float(meta["wall_time_s"])
+    run.train_time_s = float(meta["train_time_s"])
+    log.info("resumed pretraining at step %d of %d", run.step, config.steps)
+  else:
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+
+def _result(
+    config, module, run: _Progress, data, report, coefs, model_dir, finished
+) -> dict[str, Any]:
+  """The pretraining report of `run` (`report`: the final held-out eval)."""
+  step, train_time_s = run.step, run.train_time_s
+  tokens_per_step = config.batch_size * config.seq_len
+  return dict(
+      family=config.family,
+      finished=finished,
+      steps=step,
+      planned_steps=config.steps,
+      tokens_seen=step * tokens_per_step,
+      batch_size=config.batch_size,
+      seq_len=config.seq_len,
+      parameters=count_parameters(module, run.params),
+      vocab_size=len(data["tokenizer"]),
+      aux_loss_coef=coefs[0],
+      z_loss_coef=coefs[1],
+      corpus=data["corpus"],
+      wall_time_s=run.wall_time_s(),
+      train_time_s=train_time_s,
+      tokens_per_s=step * tokens_per_step / max(train_time_s, 1e-9),
+      heldout=report["scalars"],
+      routing=report["routing"],
+      model_dir=str(model_dir) if finished else None,
+      architecture={k: v for k, v in config.model.to_dict().items()},
+  )
 
 
 def pretrain(
@@ -465,31 +551,12 @@ def pretrain(
       config, module, train_rows, len(tok), spectral=not meta
   )
   tx = optimizer(config)
-  opt_state = tx.init(params)
   aux_coef, z_coef = coefficients(config)
-  loss = functools.partial(
-      model.loss_fn,
-      module,
-      special=special,
-      mlm_rate=config.objective.mlm_rate,
-      aux_loss_coef=aux_coef,
-      z_loss_coef=z_coef,
-      owner_balance_coef=config.objective.owner_balance_coef,
-  )
+  loss = _loss(config, module, special, aux_coef, z_coef)
   train_step = _train_step(loss, tx, jax.random.PRNGKey(config.seed + 1))
-  run = _Progress(params, opt_state, start=start)
-  if meta:
-    state = checkpointer.restore_state(
-        {"params": params, "opt_state": opt_state}
-    )
-    run.params, run.opt_state = state["params"], state["opt_state"]
-    run.step, run.earlier_wall_s = int(meta["step"]), float(meta["wall_time_s"])
-    run.train_time_s = float(meta["train_time_s"])
-    log.info("resumed pretraining at step %d of %d", run.step, config.steps)
-  else:
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  run = _Progress(params, tx.init(params), start=start)
+  _resume(config, workdir, checkpointer, meta, run)
   writer = metrics.MetricWriter(workdir)
-  tokens_per_step = config.batch_size * config.seq_len
 
   def heldout():
     return evaluate.evaluate(
@@ -508,7 +575,7 @@ def pretrain(
       config, run, train_step, train_rows, checkpointer, writer, heldout
   )
   checkpointer.close()
-  params, step, train_time_s = run.params, run.step, run.train_time_s
+  params, step = run.params, run.step
 
   report = heldout()
   writer.write(step, {f"heldout/{k}": v for k, v in report["scalars"].items()})
@@ -517,26 +584,8 @@ def pretrain(
   model_dir = workdir / "model"
   if finished:
     _export(config, module, params, model_dir, tok, special, aux_coef, z_coef)
-  result = dict(
-      family=config.family,
-      finished=finished,
-      steps=step,
-      planned_steps=config.steps,
-      tokens_seen=step * tokens_per_step,
-      batch_size=config.batch_size,
-      seq_len=config.seq_len,
-      parameters=count_parameters(module, params),
-      vocab_size=len(tok),
-      aux_loss_coef=aux_coef,
-      z_loss_coef=z_coef,
-      corpus=data["corpus"],
-      wall_time_s=run.wall_time_s(),
-      train_time_s=train_time_s,
-      tokens_per_s=step * tokens_per_step / max(train_time_s, 1e-9),
-      heldout=report["scalars"],
-      routing=report["routing"],
-      model_dir=str(model_dir) if finished else None,
-      architecture={k: v for k, v in config.model.to_dict().items()},
+  result = _result(
+      config, module, run, data, report, (aux_coef, z_coef), model_dir, finished
   )
   _write_json(workdir / "pretrain_report.json", result)
   if finished:
