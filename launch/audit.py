@@ -1,4 +1,5 @@
-"""Empirical privacy audit: one-run canary audit per stream, and membership inference.
+"""Empirical privacy audit: a one-run canary audit per stream, membership
+inference, and the white-box audit of the transforms.
 
   PYTHONPATH=. python launch/audit.py --config=configs/switch_sst2.py:tiny \
     --workdir=/tmp/audit_raptor

@@ -1,4 +1,5 @@
-"""Empirical privacy auditing: canaries, epsilon lower bounds, membership inference.
+"""Empirical privacy auditing: canaries, epsilon lower bounds, membership
+inference.
 
 A proof says a mechanism is (epsilon, delta)-DP; an audit checks the claim from
 outside. The auditor plants *canaries* (records it controls), runs the
@@ -65,15 +66,16 @@ FPRS = (0.001, 0.01)  # false positive rates of the membership-inference TPRs
 PLANTED_BUGS = {
     "no_clipping": "records are clipped to 1e30 instead of l2_clip",
     "half_noise": "noise std sigma * C / 2 instead of sigma * C",
-    "noise_on_mean": "noise calibrated for the mean (std sigma * C / denominator) added to "
-    "the sum",
-    "realised_count": "divides by the realised number of records (per expert for the owner "
-    "transform) instead of the public denominator",
-    "owner_leak": "owner transform only: every record's gradient is added to every expert",
+    "noise_on_mean": "noise calibrated for the mean (std sigma * C / "
+    "denominator) added to the sum",
+    "realised_count": "divides by the realised number of records (per "
+    "expert for the owner transform) instead of the public denominator",
+    "owner_leak": "owner transform only: every record's gradient is added "
+    "to every expert",
 }
 
 
-# -- statistics (jax_privacy.auditing) ---------------------------------------------------------
+# -- statistics (jax_privacy.auditing) ---------------------------------------
 
 
 def _auditor(in_scores, out_scores) -> auditing.CanaryScoreAuditor:
@@ -186,7 +188,7 @@ def analytic_epsilon(noise_multiplier: float, delta: float = DELTA) -> float:
   )
 
 
-# -- planted bugs --------------------------------------------------------------------------------
+# -- planted bugs ------------------------------------------------------------
 
 
 def planted_bug(
@@ -198,7 +200,9 @@ def planted_bug(
     *,
     num_experts: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """A deliberately broken ``dp_aggregate`` (or ``owner_dp_aggregate``): NEVER train with it.
+  """A deliberately broken ``dp_aggregate`` (or ``owner_dp_aggregate``).
+
+  NEVER train with it.
 
   It takes the same arguments and ``update`` extra args as the real transform
   and claims the same guarantee, but breaks it as ``PLANTED_BUGS[bug]``
@@ -266,7 +270,7 @@ def planted_bug(
   return optax.GradientTransformationExtraArgs(privatizer.init, update_fn)
 
 
-# -- the white-box audit of one step ------------------------------------------------------------
+# -- the white-box audit of one step -----------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +371,7 @@ def _make_transform(
 
 
 def _release_scores(make_tx, batch: AuditBatch, owner: bool):
-  """(key, canary_in) -> the release's projection on v: [] or, per expert, [E]."""
+  """(key, canary_in) -> the release's projection on v: [] or [E]."""
   grads = jax.tree.map(jnp.asarray, batch.grads)
   owners, v = jnp.asarray(batch.owners), jax.tree.map(
       jnp.asarray, batch.direction

@@ -1,4 +1,4 @@
-"""Privacy audits: the transforms' white-box audit, planted bugs, the one-run pipeline."""
+"""Privacy audits: white-box audit of the transforms, planted bugs, one run."""
 
 import json
 

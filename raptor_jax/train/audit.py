@@ -1,4 +1,4 @@
-"""One-run privacy audit of a training run, per stream, and membership inference.
+"""One-run privacy audit of a training run, per stream; membership inference.
 
   python launch/audit.py --config=configs/switch_sst2.py:tiny --workdir=W
 
@@ -76,7 +76,10 @@ _SCORES = {
 
 
 def make_loss_fn(model) -> Callable:
-  """Jitted per-record cross-entropy: (trainable, frozen, ids, mask, labels) -> [N]."""
+  """Jitted per-record cross-entropy.
+
+  (trainable, frozen, input_ids, attention_mask, labels) -> [N].
+  """
   logits_fn = step.make_eval_fn(model)
 
   @jax.jit
@@ -90,7 +93,7 @@ def make_loss_fn(model) -> Callable:
 def per_record_losses(
     loss_fn, trainable, frozen, records: data.TextClassificationData, batch_size
 ) -> np.ndarray:
-  """Cross-entropy of every record, in fixed-size (padded) batches: one compilation."""
+  """Cross-entropy of every record, in fixed-size (padded) batches."""
   losses = []
   for start in range(0, len(records), batch_size):
     real = min(batch_size, len(records) - start)
@@ -113,7 +116,7 @@ def streams(plan: methods.Plan) -> dict[str, tuple[methods.Part, ...]]:
 
 
 def reset_expert(final: dict, initial: dict, parts, expert: int) -> dict:
-  """``final`` with ``expert``'s slice of every owner part back at ``initial``."""
+  """``final`` with ``expert``'s slice of every owner part at ``initial``."""
   out = dict(final)
   for part in parts:
     if part.owner:
@@ -146,7 +149,7 @@ def final_trainable(workdir: Path, config: ml_collections.ConfigDict) -> dict:
 
 
 def nonmembers(run: Run) -> tuple[data.TextClassificationData, str]:
-  """Held-out records of the training distribution: data.holdout if set, else dev."""
+  """Held-out records of the training distribution: data.holdout, else dev."""
   config = run.config
   if config.data.holdout:
     if config.data.eval_split == "holdout":
