@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 
 from raptor_jax import accounting, audit as audit_lib, data
 from raptor_jax.train import canaries as canaries_lib
@@ -127,25 +126,24 @@ def reset_expert(final: dict, initial: dict, parts, expert: int) -> dict:
   return out
 
 
-def final_trainable(workdir: Path, config: ml_collections.ConfigDict) -> dict:
-  """The trainable parameters of the run's latest checkpoint.
+def final_trainable(workdir: Path, run: Run) -> dict:
+  """The trainable parameters of `run`'s latest checkpoint in `workdir`.
+
+  Only the parameters are read (`Checkpointer.restore_subtree`), never the
+  optimizer states' secret noise keys.
 
   Raises:
     FileNotFoundError: the workdir holds no checkpoint.
     ValueError: it holds a checkpoint of another config.
   """
-  checkpointer = Checkpointer(workdir, config)
+  checkpointer = Checkpointer(workdir, run.config)
   try:
     if checkpointer.restore_meta() is None:
       raise FileNotFoundError(f"no checkpoint in {workdir}; train first")
-    state = checkpointer.manager.restore(
-        checkpointer.latest(),
-        args=ocp.args.Composite(state=ocp.args.StandardRestore()),
-    )["state"]
+    state = checkpointer.restore_subtree({"trainable": run.trainable})
   finally:
     checkpointer.close()
-  # One placement for every parameter tree: one compilation of the loss.
-  return jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state["trainable"])
+  return jax.tree.map(jnp.asarray, state["trainable"])
 
 
 def nonmembers(run: Run) -> tuple[data.TextClassificationData, str]:
@@ -267,7 +265,7 @@ def run(
   results = train_and_evaluate(audit_config, str(train_dir))
   report = json.loads((train_dir / "privacy_report.json").read_text())
   audit_run = build_run(audit_config)  # the same run: model, canaries
-  final = final_trainable(train_dir, audit_config)
+  final = final_trainable(train_dir, audit_run)
   canaries = audit_run.canaries
   out: dict[str, Any] = dict(
       private_experiment=True,
