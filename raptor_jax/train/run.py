@@ -19,6 +19,7 @@ import numpy as np
 
 from raptor_jax import _validate, data, models, ownership, sampling
 from raptor_jax.models import hf
+from raptor_jax.train import canaries as canaries_lib
 from raptor_jax.train import methods, parallel, setup
 
 Flat = dict[str, Any]
@@ -61,6 +62,10 @@ class Run:
     owners: int32 owner of every record of `owner_records` at l* (zeros
       when no part needs owners). PRIVATE for training records.
     backbone_config: the backbone's config (sparse layers, experts, ...).
+    canaries: an audit run's canaries (`config.audit`, see
+      `raptor_jax.train.canaries`): the included ones are the last records
+      of `data.train` and are counted in `n`. None for every other run.
+      PRIVATE (the auditor's secret).
   """
 
   config: ml_collections.ConfigDict
@@ -73,6 +78,9 @@ class Run:
   frozen: Flat
   owners: np.ndarray = dataclasses.field(repr=False)
   backbone_config: Any = None
+  canaries: canaries_lib.Canaries | None = dataclasses.field(
+      default=None, repr=False
+  )
 
   @property
   def expert_layer(self) -> int:
@@ -99,6 +107,9 @@ def build_run(
     owner_records: 'train' (the trainer) or 'dev' (diagnostics): whose
       owner map `Run.owners` holds.
 
+  A config with an ``audit`` section builds an audit run: the included
+  canaries join the private records before the plan, so n counts them.
+
   Returns:
     The frozen `Run`.
   """
@@ -119,6 +130,9 @@ def build_run(
     )
   expert_layer, table = ownership.select_expert_layer(
       config, backbone, backbone_params, run_data
+  )
+  run_data, n, canaries = _insert_canaries(
+      config, run_data, n, backbone, backbone_params, expert_layer, host
   )
   plan = methods.build_plan(
       config,
@@ -148,7 +162,27 @@ def build_run(
       backbone, backbone_params, run_data.task.num_labels, pooling, config.seed
   )
   del backbone_params
-  trainable, frozen = setup.partition(params, plan.parts)
+  split = setup.partition(params, plan.parts)  # (trainable, frozen)
   return Run(
-      config, run_data, n, plan, table, model, trainable, frozen, owners, bc
+      config, run_data, n, plan, table, model, *split, owners, bc, canaries
   )
+
+
+def _insert_canaries(config, run_data, n, backbone, params, expert_layer, host):
+  """(run_data, n, canaries) with an audit run's included canaries appended
+  (unchanged, None for every other run)."""
+  if not canaries_lib.requested(config):
+    return run_data, n, None
+  if host[1] != 1:
+    raise ValueError("an audit run (config.audit) needs a single-host run")
+  canaries = canaries_lib.draw(
+      config,
+      run_data.tokenizer,
+      run_data.task.num_labels,
+      lambda records: ownership.private_owner_map(
+          config, backbone, params, records, expert_layer
+      ),
+      backbone.config.num_experts,
+  )
+  inserted = canaries_lib.with_train_records(run_data, canaries.take(True))
+  return inserted, n + int(canaries.included.sum()), canaries
