@@ -116,28 +116,9 @@ def load_public_corpus(
     text_fields = (text_fields,)
   if text_fields is None:
     text_fields = preset.text_fields if preset is not None else ("text",)
-  if path is not None:
-    columns, name = tables.read_columns(path), str(path)
-    if Path(path).suffix.lower() == ".txt":
-      text_fields = ("text",)
-  elif source is not None:
-    hub_id = preset.hub_id if preset is not None else source
-    hub_config = hub_config or (
-        preset.hub_config if preset is not None else None
-    )
-    split = split or (preset.split if preset is not None else "train")
-    columns = tables.load_hub_columns(
-        hub_id,
-        hub_config,
-        split,
-        fix="set --config.data.public_path to a local file",
-    )
-    name = f"{hub_id} split {split}"
-  else:
-    raise ValueError(
-        "No public corpus given; set --config.data.public_corpus to a preset"
-        f" ({', '.join(PUBLIC_CORPORA)}) or Hub id, or --config.data.public_path to a file."
-    )
+  columns, name = _read_corpus(source, preset, path, hub_config, split)
+  if path is not None and Path(path).suffix.lower() == ".txt":
+    text_fields = ("text",)
   fields = [
       tables.pick_column(
           columns,
@@ -155,6 +136,37 @@ def load_public_corpus(
         " source, split and text fields."
     )
   return texts
+
+
+def _read_corpus(
+    source: str | None,
+    preset: CorpusSpec | None,
+    path: str | Path | None,
+    hub_config: str | None,
+    split: str | None,
+) -> tuple[tables.Columns, str]:
+  """Returns the corpus's columns and its name for error messages.
+
+  A local ``path`` wins over ``source``; a Hub source takes the preset's
+  config and split unless ``hub_config`` / ``split`` are given.
+  """
+  if path is not None:
+    return tables.read_columns(path), str(path)
+  if source is None:
+    raise ValueError(
+        "No public corpus given; set --config.data.public_corpus to a preset"
+        f" ({', '.join(PUBLIC_CORPORA)}) or Hub id, or --config.data.public_path to a file."
+    )
+  hub_id = preset.hub_id if preset is not None else source
+  hub_config = hub_config or (preset.hub_config if preset is not None else None)
+  split = split or (preset.split if preset is not None else "train")
+  columns = tables.load_hub_columns(
+      hub_id,
+      hub_config,
+      split,
+      fix="set --config.data.public_path to a local file",
+  )
+  return columns, f"{hub_id} split {split}"
 
 
 def _distinct_texts(rows: Iterable[tuple[Any, ...]], n_pub: int) -> list[str]:

@@ -128,31 +128,13 @@ class ExpertLinear(nn.Module):
     owner_lora = self.rank > 0 and "lora_a" in owner_params
     if owner_lora:
       a, b = jax.lax.stop_gradient(a), jax.lax.stop_gradient(b)
-    lora = (a, scale * b) if self.rank > 0 else None
+    factors = (a, b, scale) if self.rank > 0 else None
+    owner_kernel = None
     if "kernel" in owner_params:
-      y = moe.owner_linear(
-          x, experts, kernel, owner, owner_params["kernel"].astype(self.dtype)
-      )
-      if lora is not None:
-        y = y + moe.expert_lora(x, experts, a, b, scale)
-    elif self.dispatch == "grouped":
-      # Adapters ride in the base weights' blocks: no factor E in the forward.
-      y = moe.grouped_linear(x, experts, kernel, lora)
-    elif self.dispatch == "grouped_train":
-      if lora is not None:
-        raise ValueError(
-            "dispatch='grouped_train' trains the base kernels; it takes no adapters"
-        )
-      y = moe.grouped_linear_trainable(x, experts, kernel)
-    elif self.dispatch == "dense":
-      y = moe.dense_linear(x, experts, kernel)
-      if lora is not None:
-        y = y + moe.expert_lora(x, experts, a, b, scale)
-    else:
-      raise ValueError(
-          f"unknown dispatch {self.dispatch!r}; use 'grouped', 'dense' or "
-          "'grouped_train' (pretraining: differentiable kernels, no adapters)"
-      )
+      owner_kernel = owner_params["kernel"].astype(self.dtype)
+    y = _stacked_output(
+        x, experts, kernel, factors, self.dispatch, owner, owner_kernel
+    )
     if owner_lora:
       y = y + moe.owner_lora_delta(
           x,
@@ -163,6 +145,60 @@ class ExpertLinear(nn.Module):
           owner_params["lora_b"].astype(self.dtype),
       )
     return y
+
+
+def _stacked_output(
+    x: jax.Array,
+    experts: jax.Array,
+    kernel: jax.Array,
+    factors: tuple[jax.Array, jax.Array, float] | None,
+    dispatch: str,
+    owner: jax.Array | None,
+    owner_kernel: jax.Array | None,
+) -> jax.Array:
+  """`ExpertLinear`'s output from its stacked parameters, row by row.
+
+  Args:
+    x: [T, d_in] rows.
+    experts: int32 [T] (E = dropped row, output 0).
+    kernel: [E, d_in, d_out] stacked kernels.
+    factors: `(lora_a, lora_b, alpha / rank)` of the stacked adapters, or
+      `None` without adapters.
+    dispatch: 'grouped', 'grouped_train' or 'dense' (see `ExpertLinear`).
+    owner: the record's owner expert, when `owner_kernel` is given.
+    owner_kernel: [d_in, d_out] owner kernel slice that trains alone, or
+      `None`; it replaces the owner's stacked kernel and overrides `dispatch`.
+
+  Returns:
+    [T, d_out].
+  """
+  lora = None
+  if factors is not None:
+    a, b, scale = factors
+    lora = (a, scale * b)
+  if owner_kernel is not None:
+    y = moe.owner_linear(x, experts, kernel, owner, owner_kernel)
+    if lora is not None:
+      y = y + moe.expert_lora(x, experts, a, b, scale)
+  elif dispatch == "grouped":
+    # Adapters ride in the base weights' blocks: no factor E in the forward.
+    y = moe.grouped_linear(x, experts, kernel, lora)
+  elif dispatch == "grouped_train":
+    if lora is not None:
+      raise ValueError(
+          "dispatch='grouped_train' trains the base kernels; it takes no adapters"
+      )
+    y = moe.grouped_linear_trainable(x, experts, kernel)
+  elif dispatch == "dense":
+    y = moe.dense_linear(x, experts, kernel)
+    if lora is not None:
+      y = y + moe.expert_lora(x, experts, a, b, scale)
+  else:
+    raise ValueError(
+        f"unknown dispatch {dispatch!r}; use 'grouped', 'dense' or "
+        "'grouped_train' (pretraining: differentiable kernels, no adapters)"
+    )
+  return y
 
 
 def merge(params: Mapping[str, Any], alpha: float, rank: int) -> dict:

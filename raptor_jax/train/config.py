@@ -28,48 +28,96 @@ def _random_model_config() -> ml_collections.ConfigDict:
   return r
 
 
+def _model_config() -> ml_collections.ConfigDict:
+  """`model`: the pretrained model, its adapters and activation dtype."""
+  m = ml_collections.ConfigDict()
+  m.name = "google/switch-base-8"  # HF hub id or local directory; 'random' = model.random
+  m.tokenizer = ""  # tokenizer id/path; '' = same as model.name
+  m.lora_rank = 8  # LoRA rank r of every adapter
+  m.lora_alpha = 16.0  # LoRA alpha (scale alpha / r)
+  m.dtype = "float32"  # activation dtype ('bfloat16' on GPUs); DP sums and noise stay float32
+  m.pooling = (
+      ""  # '' = model default ('mean' for encoders, 'last' for decoders)
+  )
+  m.random = _random_model_config()  # architecture of the 'random' model
+  return m
+
+
+def _data_config() -> ml_collections.ConfigDict:
+  """`data`: the private task, its public corpus and the synthetic task."""
+  d = ml_collections.ConfigDict()
+  d.task = "sst2"  # sst2 | mnli | qnli | qqp | synthetic
+  d.train_path = (
+      ""  # local train file (tsv/csv/parquet/jsonl); '' = the hub dataset
+  )
+  d.dev_path = ""  # local dev file; '' = the hub dataset
+  d.text_fields = ()  # override the text column(s)
+  d.label_field = ""  # override the label column
+  d.max_length = 128  # tokens per record, right padding
+  d.train_limit = 0  # use only the first N train records (0 = all)
+  d.dev_limit = 0  # use only the first N dev records (0 = all)
+  d.holdout = 0  # N train-file records after the first train_limit, never trained on (0 = none)
+  d.eval_split = "dev"  # dev | holdout (tuning: evaluate on the held-out train records, not dev)
+  d.public_corpus = (
+      "imdb"  # preset (imdb | squad | anli_r2 | paws), hub id, or '' for none
+  )
+  d.public_path = ""  # local public corpus file (overrides the hub)
+  d.public_split = ""  # hub split ('' = the preset's)
+  d.public_text_fields = ()  # text column(s) of the public corpus ('' = the preset's)
+  d.n_pub = 1000  # public texts used for layer selection
+  # the embedded offline task (task='synthetic')
+  d.synthetic = ml_collections.ConfigDict()
+  d.synthetic.n_train = 4000  # private training records
+  d.synthetic.n_dev = 500  # dev records
+  d.synthetic.label_noise = 0.05  # flipped labels
+  return d
+
+
+def _privacy_config() -> ml_collections.ConfigDict:
+  """`privacy`: the (epsilon, delta) target, budget split, clips, seed."""
+  p = ml_collections.ConfigDict()
+  p.epsilon = 8.0  # target epsilon of the whole run
+  p.delta = 0.0  # 0 = 1 / n**1.1
+  p.rho = 0.9  # shared stream's share of the budget (RAPTOR)
+  p.clip_shared = 1.0  # C_s (and C of one-stream methods)
+  p.clip_expert = 1.0  # C_e
+  p.secret_seed = (
+      -1
+  )  # seed of Poisson samples and noise; -1 = secret OS entropy (>= 0 only for reproducible experiments)
+  return p
+
+
+def _raptor_config() -> ml_collections.ConfigDict:
+  """`raptor`: RAPTOR's layer choice, expert stream and ablations."""
+  r = ml_collections.ConfigDict()
+  r.layer = "entropy"  # expert layer l*: entropy | first | last | a block index
+  r.owner_weighting = (
+      "count"  # Switch owner vote: count | prob (top-k models use gate weights)
+  )
+  r.expert_denominator = (
+      "B/E"  # public expert denominator D_e: B/E | B (ablation)
+  )
+  r.residual = "shared"  # residual weight logits: shared (expert stream off) | full | none
+  r.residual_gamma = 1.0  # w_i ** gamma, gamma in (0, 1]
+  r.alternate = (
+      True  # False: both streams from one sample (sigma_eff accounting)
+  )
+  r.joint_clip = False  # True: one clip C_s over a record's shared + expert grads; each phase releases its part
+  r.shared_full_weights = (
+      False  # shared stream trains q,k,v,o kernels instead of LoRA
+  )
+  r.expert_full_weights = False  # expert stream trains expert kernels instead of LoRA (residual: full | none)
+  return r
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Paper defaults (Sec. 8, App. C) for Switch-base-8 on SST-2."""
   c = ml_collections.ConfigDict()
   c.method = "raptor"  # raptor | monolithic | monolithic_lora | nonprivate_lora | nonprivate_full | baseline_a | baseline_b | baseline_c
   c.seed = 0  # seeds the adapters, the head and the synthetic task (public randomness)
 
-  c.model = ml_collections.ConfigDict()
-  c.model.name = "google/switch-base-8"  # HF hub id or local directory; 'random' = c.model.random
-  c.model.tokenizer = ""  # tokenizer id/path; '' = same as model.name
-  c.model.lora_rank = 8  # LoRA rank r of every adapter
-  c.model.lora_alpha = 16.0  # LoRA alpha (scale alpha / r)
-  c.model.dtype = "float32"  # activation dtype ('bfloat16' on GPUs); DP sums and noise stay float32
-  c.model.pooling = (
-      ""  # '' = model default ('mean' for encoders, 'last' for decoders)
-  )
-  c.model.random = _random_model_config()  # architecture of the 'random' model
-  c.data = ml_collections.ConfigDict()
-  c.data.task = "sst2"  # sst2 | mnli | qnli | qqp | synthetic
-  c.data.train_path = (
-      ""  # local train file (tsv/csv/parquet/jsonl); '' = the hub dataset
-  )
-  c.data.dev_path = ""  # local dev file; '' = the hub dataset
-  c.data.text_fields = ()  # override the text column(s)
-  c.data.label_field = ""  # override the label column
-  c.data.max_length = 128  # tokens per record, right padding
-  c.data.train_limit = 0  # use only the first N train records (0 = all)
-  c.data.dev_limit = 0  # use only the first N dev records (0 = all)
-  c.data.holdout = 0  # N train-file records after the first train_limit, never trained on (0 = none)
-  c.data.eval_split = "dev"  # dev | holdout (tuning: evaluate on the held-out train records, not dev)
-  c.data.public_corpus = (
-      "imdb"  # preset (imdb | squad | anli_r2 | paws), hub id, or '' for none
-  )
-  c.data.public_path = ""  # local public corpus file (overrides the hub)
-  c.data.public_split = ""  # hub split ('' = the preset's)
-  c.data.public_text_fields = ()  # text column(s) of the public corpus ('' = the preset's)
-  c.data.n_pub = 1000  # public texts used for layer selection
-  c.data.synthetic = (
-      ml_collections.ConfigDict()
-  )  # the embedded offline task (task='synthetic')
-  c.data.synthetic.n_train = 4000  # private training records
-  c.data.synthetic.n_dev = 500  # dev records
-  c.data.synthetic.label_noise = 0.05  # flipped labels
+  c.model = _model_config()
+  c.data = _data_config()
 
   c.batch_size = 1000  # expected batch size B (public); sample rate q = B / n
   c.microbatch_size = 32  # records per device per vmap(grad) call (memory only; no effect on privacy)
@@ -79,36 +127,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.epochs = 20  # one epoch = ceil(1/q) cycles (SPEC 1.8)
   c.learning_rate = 5e-4  # Adam learning rate of every stream
 
-  c.privacy = ml_collections.ConfigDict()
-  c.privacy.epsilon = 8.0  # target epsilon of the whole run
-  c.privacy.delta = 0.0  # 0 = 1 / n**1.1
-  c.privacy.rho = 0.9  # shared stream's share of the budget (RAPTOR)
-  c.privacy.clip_shared = 1.0  # C_s (and C of one-stream methods)
-  c.privacy.clip_expert = 1.0  # C_e
-  c.privacy.secret_seed = (
-      -1
-  )  # seed of Poisson samples and noise; -1 = secret OS entropy (>= 0 only for reproducible experiments)
+  c.privacy = _privacy_config()
 
-  c.raptor = ml_collections.ConfigDict()
-  c.raptor.layer = (
-      "entropy"  # expert layer l*: entropy | first | last | a block index
-  )
-  c.raptor.owner_weighting = (
-      "count"  # Switch owner vote: count | prob (top-k models use gate weights)
-  )
-  c.raptor.expert_denominator = (
-      "B/E"  # public expert denominator D_e: B/E | B (ablation)
-  )
-  c.raptor.residual = "shared"  # residual weight logits: shared (expert stream off) | full | none
-  c.raptor.residual_gamma = 1.0  # w_i ** gamma, gamma in (0, 1]
-  c.raptor.alternate = (
-      True  # False: both streams from one sample (sigma_eff accounting)
-  )
-  c.raptor.joint_clip = False  # True: one clip C_s over a record's shared + expert grads; each phase releases its part
-  c.raptor.shared_full_weights = (
-      False  # shared stream trains q,k,v,o kernels instead of LoRA
-  )
-  c.raptor.expert_full_weights = False  # expert stream trains expert kernels instead of LoRA (residual: full | none)
+  c.raptor = _raptor_config()
 
   c.eval_every_epochs = 1  # dev evaluation period (and at the end)
   c.eval_batch_size = 64  # records per evaluation batch

@@ -229,53 +229,9 @@ def load_run_data(
   check_eval_split(dc)
   check_data_fields(config)
   if task.name == "synthetic":
-    # A pretrained model reads the task through its own tokenizer.
-    model_tokenizer = (
-        None
-        if config.model.name == "random"
-        else data.load_tokenizer(config.model.tokenizer or config.model.name)
-    )
-    syn = data.synthetic_task(
-        config.seed,
-        n_train=dc.synthetic.n_train,
-        n_dev=dc.synthetic.n_dev,
-        n_pub=dc.n_pub,
-        max_length=dc.max_length,
-        label_noise=dc.synthetic.label_noise,
-        tokenizer=model_tokenizer,
-    )
-    public = data.tokenize(
-        syn.tokenizer, syn.public_texts, max_length=dc.max_length
-    )
-    return RunData(
-        task,
-        _shard_of(syn.train, *host),
-        syn.dev,
-        public if dc.public_corpus else None,
-        syn.tokenizer,
-        syn.token_groups,
-    )
-  texts = None
-  if dc.public_corpus or dc.public_path:
-    texts = data.load_public_corpus(
-        dc.public_corpus or None,
-        path=dc.public_path or None,
-        split=dc.public_split or None,
-        text_fields=tuple(dc.public_text_fields) or None,
-        n_pub=dc.n_pub,
-    )
-  dropped = None
-  if texts is not None:
-    texts, dropped = public_disjoint_from_train(texts, task.name, dc)
-  if config.model.tokenizer == PUBLIC_WORDS:
-    if texts is None:
-      raise ValueError(
-          f"model.tokenizer={PUBLIC_WORDS!r} builds its vocabulary from the public "
-          "corpus; set --config.data.public_corpus or --config.data.public_path"
-      )
-    tokenizer = data.public_word_tokenizer(texts)
-  else:
-    tokenizer = data.load_tokenizer(config.model.tokenizer or config.model.name)
+    return _synthetic_run_data(config, task, host)
+  texts, dropped = _public_texts(dc, task.name)
+  tokenizer = _run_tokenizer(config, texts)
   kwargs = dict(
       tokenizer=tokenizer,
       max_length=dc.max_length,
@@ -313,6 +269,78 @@ def load_run_data(
       else data.tokenize(tokenizer, texts, max_length=dc.max_length)
   )
   return RunData(task, train, dev, public, tokenizer, None, dropped)
+
+
+def _synthetic_run_data(
+    config: ml_collections.ConfigDict,
+    task: data.TaskSpec,
+    host: tuple[int, int],
+) -> RunData:
+  """`load_run_data` for the generated task: its records and public corpus."""
+  dc = config.data
+  # A pretrained model reads the task through its own tokenizer.
+  model_tokenizer = (
+      None
+      if config.model.name == "random"
+      else data.load_tokenizer(config.model.tokenizer or config.model.name)
+  )
+  syn = data.synthetic_task(
+      config.seed,
+      n_train=dc.synthetic.n_train,
+      n_dev=dc.synthetic.n_dev,
+      n_pub=dc.n_pub,
+      max_length=dc.max_length,
+      label_noise=dc.synthetic.label_noise,
+      tokenizer=model_tokenizer,
+  )
+  public = data.tokenize(
+      syn.tokenizer, syn.public_texts, max_length=dc.max_length
+  )
+  return RunData(
+      task,
+      _shard_of(syn.train, *host),
+      syn.dev,
+      public if dc.public_corpus else None,
+      syn.tokenizer,
+      syn.token_groups,
+  )
+
+
+def _public_texts(
+    dc: ml_collections.ConfigDict, task: str
+) -> tuple[list[str] | None, int | None]:
+  """The public corpus (None if none is set) and how many texts were dropped.
+
+  Texts overlapping the private train split are dropped
+  (`public_disjoint_from_train`); the count is None when nothing was checked.
+  """
+  texts = None
+  if dc.public_corpus or dc.public_path:
+    texts = data.load_public_corpus(
+        dc.public_corpus or None,
+        path=dc.public_path or None,
+        split=dc.public_split or None,
+        text_fields=tuple(dc.public_text_fields) or None,
+        n_pub=dc.n_pub,
+    )
+  dropped = None
+  if texts is not None:
+    texts, dropped = public_disjoint_from_train(texts, task, dc)
+  return texts, dropped
+
+
+def _run_tokenizer(
+    config: ml_collections.ConfigDict, texts: list[str] | None
+) -> Any:
+  """The model's tokenizer, or a word tokenizer over the public `texts`."""
+  if config.model.tokenizer == PUBLIC_WORDS:
+    if texts is None:
+      raise ValueError(
+          f"model.tokenizer={PUBLIC_WORDS!r} builds its vocabulary from the public "
+          "corpus; set --config.data.public_corpus or --config.data.public_path"
+      )
+    return data.public_word_tokenizer(texts)
+  return data.load_tokenizer(config.model.tokenizer or config.model.name)
 
 
 def public_disjoint_from_train(
