@@ -1,9 +1,9 @@
 """Empirical privacy audit: a one-run canary audit per stream, membership
 inference, and the white-box audit of the transforms.
 
-  PYTHONPATH=. python launch/audit.py --config=configs/switch_sst2.py:tiny \
+  python launch/audit.py --config=configs/switch_sst2.py:tiny \
     --workdir=/tmp/audit_raptor
-  PYTHONPATH=. python launch/audit.py --config=configs/switch_sst2.py:tiny \
+  python launch/audit.py --config=configs/switch_sst2.py:tiny \
     --workdir=/tmp/audit_mono --config.method=monolithic_lora \
     --config.privacy.epsilon=1
 
@@ -16,7 +16,7 @@ data. The bounds are lower bounds, not estimates of the true epsilon.
 
 White-box audit of the DP transforms themselves (no config, about a minute):
 
-  PYTHONPATH=. python launch/audit.py --mechanism --workdir=/tmp/audit_mech
+  python launch/audit.py --mechanism --workdir=/tmp/audit_mech
 """
 
 import json
