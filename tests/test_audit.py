@@ -12,9 +12,10 @@ from raptor_jax import audit, data
 from raptor_jax.train import audit as train_audit
 from raptor_jax.train import canaries as canaries_lib
 from raptor_jax.train import methods, setup
+from raptor_jax.train import run as run_lib
 from raptor_jax.train.run import build_run
 
-from helpers import micro_config
+from helpers import load_config_module, micro_config
 
 SIGMA = (
     1.0  # near 1: the audit must reach at least half of the analytic epsilon
@@ -212,3 +213,20 @@ def test_build_run_inserts_the_canaries_as_private_records():
   )
   with pytest.raises(ValueError, match="length"):
     canaries_lib.with_train_records(audited.data, short)
+
+
+def test_membership_nonmembers_config_passes_validation(tmp_path):
+  """The :small preset holds records out: the non-member config evaluates on
+  them and drops the dev fields validation would refuse as ignored."""
+  files = {}
+  for name in ("train", "dev"):
+    files[f"data.{name}_path"] = str(tmp_path / f"{name}.tsv")
+    (tmp_path / f"{name}.tsv").write_text("sentence\tlabel\n")
+  config = load_config_module("glue").get_config("preset=small")
+  config.update_from_flattened_dict({"model.name": "random", **files})
+  assert config.data.holdout > 0 and config.data.eval_split == "dev"
+  run_lib.validate(config)
+  held = train_audit.holdout_config(config)
+  run_lib.validate(held)
+  assert held.data.eval_split == "holdout" and not held.data.dev_path
+  assert config.data.dev_path  # the run's own config is untouched

@@ -146,15 +146,25 @@ def final_trainable(workdir: Path, run: Run) -> dict:
   return jax.tree.map(jnp.asarray, state["trainable"])
 
 
+def holdout_config(config: ml_collections.ConfigDict):
+  """`config` evaluating on its held-out train records instead of dev.
+
+  The dev fields are dropped: the holdout replaces dev, and validation refuses
+  a set field that has no effect (`setup.check_data_fields`).
+  """
+  held = ml_collections.ConfigDict(config.to_dict())
+  held.data.eval_split = "holdout"
+  held.data.dev_path, held.data.dev_limit = "", 0
+  return held
+
+
 def nonmembers(run: Run) -> tuple[data.TextClassificationData, str]:
   """Held-out records of the training distribution: data.holdout, else dev."""
   config = run.config
   if config.data.holdout:
     if config.data.eval_split == "holdout":
       return run.data.dev, "holdout"
-    held = ml_collections.ConfigDict(config.to_dict())
-    held.data.eval_split = "holdout"
-    return setup.load_run_data(held).dev, "holdout"
+    return setup.load_run_data(holdout_config(config)).dev, "holdout"
   if config.data.task != "synthetic":
     log.warning(
         "membership inference against the dev split: set "
