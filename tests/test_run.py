@@ -185,8 +185,9 @@ def test_the_trainer_validates_before_loading_or_writing(tmp_path, no_loading):
   assert not (tmp_path / "w").exists()
 
 
-def test_build_run_assembles_the_plan_model_and_partition():
-  run = run_lib.build_run(micro_config())
+def test_build_run_assembles_the_plan_model_and_partition(tmp_path):
+  config = micro_config()
+  run = run_lib.build_run(config)
   with pytest.raises(dataclasses.FrozenInstanceError):
     run.n = 0  # pytype: disable=attribute-error
   assert run.n == len(run.data.train) == 300
@@ -197,6 +198,10 @@ def test_build_run_assembles_the_plan_model_and_partition():
       p for part in run.trainable.values() for p in part
   }
   assert "owners" not in repr(run)  # the private owner map is never printed
+  # A prebuilt run is only taken for its own config (the audit's shortcut).
+  with pytest.raises(ValueError, match="^run: must be build_run"):
+    train_and_evaluate(micro_config(), str(tmp_path / "w"), run=run)
+  assert not (tmp_path / "w" / "checkpoints").exists()
 
 
 def test_an_unversioned_checkpoint_is_refused_with_one_clear_line(tmp_path):

@@ -187,10 +187,12 @@ def _stream_epsilon(plan, phase_name: str, report: dict) -> float | None:
   )
 
 
-def audit_streams(run: Run, final: dict, report: dict, confidence: float):
+def audit_streams(
+    run: Run, final: dict, report: dict, confidence: float, loss_fn=None
+):
   """{stream: one-run audit of the canaries} of the trained `run`."""
   canaries = run.canaries
-  loss_fn = make_loss_fn(run.model)
+  loss_fn = loss_fn or make_loss_fn(run.model)
   initial = jax.tree.map(jnp.asarray, run.trainable)
   frozen = jax.tree.map(jnp.asarray, run.frozen)
 
@@ -221,9 +223,9 @@ def audit_streams(run: Run, final: dict, report: dict, confidence: float):
   return out
 
 
-def membership_inference(run: Run, final: dict) -> dict[str, Any]:
+def membership_inference(run: Run, final: dict, loss_fn=None) -> dict[str, Any]:
   """Loss-threshold attack: the real training records against non-members."""
-  loss_fn = make_loss_fn(run.model)
+  loss_fn = loss_fn or make_loss_fn(run.model)
   frozen = jax.tree.map(jnp.asarray, run.frozen)
   num_real = len(run.data.train) - int(run.canaries.included.sum())
   members = canaries_lib.take(run.data.train, slice(num_real))
@@ -272,10 +274,11 @@ def run(
   workdir.mkdir(parents=True, exist_ok=True)
   log.warning(WARNING)
   train_dir = workdir / "train"
-  results = train_and_evaluate(audit_config, str(train_dir))
+  audit_run = build_run(audit_config)  # the run with its canaries
+  results = train_and_evaluate(audit_config, str(train_dir), run=audit_run)
   report = json.loads((train_dir / "privacy_report.json").read_text())
-  audit_run = build_run(audit_config)  # the same run: model, canaries
   final = final_trainable(train_dir, audit_run)
+  loss_fn = make_loss_fn(audit_run.model)  # one compile for every score
   canaries = audit_run.canaries
   out: dict[str, Any] = dict(
       private_experiment=True,
@@ -294,8 +297,8 @@ def run(
           expert_layer=audit_run.expert_layer,
           kind=canaries_lib.KIND,
       ),
-      **audit_streams(audit_run, final, report, confidence),
-      membership_inference=membership_inference(audit_run, final),
+      **audit_streams(audit_run, final, report, confidence, loss_fn),
+      membership_inference=membership_inference(audit_run, final, loss_fn),
   )
   (workdir / "audit.json").write_text(json.dumps(out, indent=2, sort_keys=True))
   return out

@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from raptor_jax import accounting, data, ownership, roles, sampling
+from raptor_jax import _validate, accounting, data, ownership, roles, sampling
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.train import methods, metrics, parallel, secrecy, step
 from raptor_jax.train.checkpoint import Checkpointer
@@ -559,7 +559,7 @@ class _Session:
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str
+    config: ml_collections.ConfigDict, workdir: str, *, run: Run | None = None
 ) -> dict[str, Any]:
   """Trains per `config` in `workdir` (resuming if it holds a checkpoint).
 
@@ -568,6 +568,12 @@ def train_and_evaluate(
   In a multi-host run only process 0 writes these files and shows the
   progress bar (checkpoints are written jointly, by orbax); every process
   returns the same results.
+
+  Args:
+    config: the run's config.
+    workdir: where the run writes (and resumes from).
+    run: optionally, the single-process `build_run(config)` already built
+      by the caller (the audit reads its canaries); saves building it twice.
 
   Returns:
     The results dict (also written to results.json).
@@ -578,7 +584,15 @@ def train_and_evaluate(
   workdir = Path(workdir).expanduser().resolve()
   workdir.mkdir(parents=True, exist_ok=True)
   # This host tokenises and keeps only its records (i % P == p); n counts all.
-  run = build_run(config, host=parallel.host_shard())
+  if run is None:
+    run = build_run(config, host=parallel.host_shard())
+  elif run.config is not config or jax.process_count() > 1:
+    _validate.fail(
+        "run",
+        "build_run(config) of this config, in a single-process job",
+        f"a run of {run.config.method!r} in {jax.process_count()} processes",
+        "pass run=None to build it here",
+    )
   _write_json(
       workdir / "layer_selection.json",
       dict(
