@@ -1,6 +1,9 @@
 """Privacy audits: white-box audit of the transforms, planted bugs, one run."""
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +18,7 @@ from raptor_jax.train import methods, setup
 from raptor_jax.train import run as run_lib
 from raptor_jax.train.run import build_run
 
-from helpers import load_config_module, micro_config
+from helpers import ROOT, load_config_module, micro_config
 
 SIGMA = (
     1.0  # near 1: the audit must reach at least half of the analytic epsilon
@@ -153,6 +156,64 @@ def test_one_run_audit_pipeline_writes_audit_json(tmp_path):
   assert mia["members"] == 300 and mia["non_members"] == 64
   assert mia["non_members_from"] == "dev"
   assert set(mia["tpr_at_fpr"]) == {"0.001", "0.01"}
+
+
+MICRO_FLAGS = [  # micro_config as command-line overrides of the tiny preset
+    "--config.data.synthetic.n_train=300",
+    "--config.data.synthetic.n_dev=64",
+    "--config.data.n_pub=128",
+    "--config.model.random.d_model=32",
+    "--config.model.random.d_ff=32",
+    "--config.model.random.num_heads=2",
+    "--config.model.random.d_kv=8",
+    "--config.model.random.num_layers=2",
+    "--config.batch_size=50",
+    "--config.microbatch_size=32",
+    "--config.eval_batch_size=64",
+    "--config.progress_bar=False",
+]
+
+
+@pytest.mark.slow
+def test_audit_command_writes_one_stream_for_one_stream_methods(tmp_path):
+  """The README's command, for monolithic_lora at epsilon 1: one 'all' stream."""
+  proc = subprocess.run(
+      [
+          sys.executable,
+          "launch/audit.py",
+          "--config=configs/switch_sst2.py:tiny",
+          f"--workdir={tmp_path}",
+          "--num_canaries=40",
+          "--config.method=monolithic_lora",
+          "--config.privacy.epsilon=1",
+          *MICRO_FLAGS,
+      ],
+      cwd=ROOT,
+      env=dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  written = json.loads((tmp_path / "audit.json").read_text())
+  assert written["method"] == "monolithic_lora"
+  assert 0.9 < written["epsilon_claimed"] <= 1.0
+  assert "shared" not in written and "expert" not in written
+  entry = written["all"]
+  assert entry["num_canaries"] == 40 and entry["confidence"] == 0.95
+  assert entry["epsilon_stream"] == written["epsilon_claimed"]
+  assert 0.0 <= entry["epsilon_lower_bound"] <= written["epsilon_claimed"]
+  assert "lower bound" in proc.stdout
+  # Bad input: one line that says how to fix it.
+  bad = subprocess.run(
+      [sys.executable, "launch/audit.py", f"--workdir={tmp_path / 'b'}"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert bad.returncode != 0
+  assert bad.stderr.strip().splitlines()[-1].startswith("error: set --config")
 
 
 def test_audited_streams_and_expert_reset():
