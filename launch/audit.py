@@ -21,12 +21,12 @@ White-box audit of the DP transforms themselves (no config, about a minute):
 
 import json
 import logging
-import os
 import pathlib
-import sys
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
+
+from raptor_jax import _validate
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training configuration file.", lock_config=True
@@ -118,7 +118,7 @@ def main(argv):
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax/jax chatter
   logging.getLogger("raptor_jax").setLevel(logging.INFO)
   workdir = pathlib.Path(_WORKDIR.value)
-  try:
+  with _validate.errors_exit_in_one_line():
     if _MECHANISM.value:
       mechanism_audit(workdir)
       return
@@ -137,10 +137,6 @@ def main(argv):
         confidence=_CONFIDENCE.value,
     )
     print(audit.summary(result))
-  except (ValueError, FileNotFoundError, OSError) as e:
-    if os.environ.get("RAPTOR_TRACEBACK"):
-      raise
-    sys.exit(f"error: {e}  (RAPTOR_TRACEBACK=1 shows the traceback)")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,10 @@ the noise keys, counts or wall time (see raptor_jax/release.py).
 """
 
 import logging
-import os
-import sys
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 
-from raptor_jax import release
+from raptor_jax import _validate, release
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Workdir of a finished run (launch/main.py --workdir)."
@@ -28,12 +26,8 @@ def main(argv):
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax/jax chatter
   logging.getLogger("raptor_jax").setLevel(logging.INFO)
-  try:
+  with _validate.errors_exit_in_one_line():
     out = release.export(_WORKDIR.value, _OUT.value)
-  except (ValueError, FileNotFoundError, OSError) as e:
-    if os.environ.get("RAPTOR_TRACEBACK"):
-      raise
-    sys.exit(f"error: {e}  (RAPTOR_TRACEBACK=1 shows the traceback)")
   print(f"exported to {out}")
 
 

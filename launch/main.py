@@ -4,12 +4,11 @@ python launch/main.py --config=configs/switch_sst2.py:tiny --workdir=/tmp/raptor
 """
 
 import logging
-import os
-import sys
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
+from raptor_jax import _validate
 from raptor_jax.train import parallel, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -47,7 +46,7 @@ def main(argv):
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax/jax chatter
   logging.getLogger("raptor_jax").setLevel(logging.INFO)
-  try:
+  with _validate.errors_exit_in_one_line():
     parallel.initialize_distributed(
         _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
     )
@@ -56,10 +55,6 @@ def main(argv):
       from raptor_jax import diagnostics  # pylint: disable=g-import-not-at-top
 
       diagnostics.write_for_run(_CONFIG.value, _WORKDIR.value)
-  except (ValueError, FileNotFoundError, OSError) as e:
-    if os.environ.get("RAPTOR_TRACEBACK"):
-      raise
-    sys.exit(f"error: {e}  (RAPTOR_TRACEBACK=1 shows the traceback)")
 
 
 if __name__ == "__main__":

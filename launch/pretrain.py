@@ -7,12 +7,11 @@ Rerunning with the same --workdir resumes; the model is written to
 """
 
 import logging
-import os
-import sys
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
+from raptor_jax import _validate
 from raptor_jax.pretrain import pretrain
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -32,12 +31,8 @@ def main(argv):
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   logging.getLogger("raptor_jax").setLevel(logging.INFO)
-  try:
+  with _validate.errors_exit_in_one_line():
     report = pretrain(_CONFIG.value, _WORKDIR.value)
-  except (ValueError, FileNotFoundError, OSError) as e:
-    if os.environ.get("RAPTOR_TRACEBACK"):
-      raise
-    sys.exit(f"error: {e}  (RAPTOR_TRACEBACK=1 shows the traceback)")
   held, routing = report["heldout"], report["routing"]
   print(
       f"steps {report['steps']}/{report['planned_steps']}, tokens {report['tokens_seen']:,}, "

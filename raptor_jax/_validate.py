@@ -29,10 +29,13 @@ importable with its core dependencies alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+import contextlib
 import math
 import numbers
 import operator
+import os
+import sys
 from typing import Any, NoReturn
 
 
@@ -41,6 +44,26 @@ class Shown(str):
 
   def __repr__(self) -> str:
     return str(self)
+
+
+TRACEBACK_VARIABLE = "RAPTOR_TRACEBACK"
+
+
+@contextlib.contextmanager
+def errors_exit_in_one_line() -> Iterator[None]:
+  """For command-line entry points: bad input exits with ONE line.
+
+  A ``ValueError`` (every validator's), ``FileNotFoundError`` or ``OSError``
+  inside the block exits with ``error: <message>`` and status 1 instead of a
+  traceback; ``RAPTOR_TRACEBACK=1`` re-raises it for debugging. Anything else
+  (a bug) keeps its traceback.
+  """
+  try:
+    yield
+  except (ValueError, FileNotFoundError, OSError) as e:
+    if os.environ.get(TRACEBACK_VARIABLE):
+      raise
+    sys.exit(f"error: {e}  ({TRACEBACK_VARIABLE}=1 shows the traceback)")
 
 
 # The fix of a number that must be known before tracing (a clip, a noise

@@ -197,3 +197,25 @@ def test_transforms_and_ledger_speak_the_uniform_line():
   _error(transforms.owner_dp_aggregate, 1.0, 1.0, 0, 4.0, 0)
   _error(transforms.dp_aggregate, 1.0, 1.0, 4.0, "seed")
   _error(ledger.PrivacyLedger().record, "", sample_rate=0.1, noise_multiplier=1)
+
+
+def test_entry_points_exit_with_one_line_unless_asked_for_the_traceback(
+    monkeypatch,
+):
+  def bad():
+    with _validate.errors_exit_in_one_line():
+      _validate.positive("privacy.epsilon", -1.0, "set --config.x")
+
+  monkeypatch.delenv(_validate.TRACEBACK_VARIABLE, raising=False)
+  with pytest.raises(SystemExit) as info:
+    bad()
+  message = str(info.value.code)
+  assert message.startswith("error: privacy.epsilon: must be") and (
+      "\n" not in message and "RAPTOR_TRACEBACK=1" in message
+  )
+  monkeypatch.setenv(_validate.TRACEBACK_VARIABLE, "1")
+  with pytest.raises(ValueError, match="privacy.epsilon"):
+    bad()
+  with pytest.raises(KeyError):  # a bug keeps its traceback
+    with _validate.errors_exit_in_one_line():
+      raise KeyError("x")
