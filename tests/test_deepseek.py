@@ -443,6 +443,7 @@ def _set_nonzero_b(params, key):
   return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["greedy_qlora_dense1_s2_norm", "mha_dense1_s2"]
 )
@@ -493,6 +494,7 @@ def test_lora_adapters_start_neutral_and_all_train(references, loaded, name):
       assert np.any(np.asarray(g) != 0), path
 
 
+@pytest.mark.slow
 def test_vmapped_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
     references,
 ):
