@@ -801,7 +801,8 @@ def from_pretrained(
     (module, params): `module.apply({'params': params}, input_ids,
     attention_mask)` returns BackboneOutput(hidden_states, router_logits).
   """
-  _check_options(options, sum((f.extra_options for f in FAMILIES.values()), ()))
+  every_extra = (o for f in FAMILIES.values() for o in f.extra_options)
+  _check_options(options, tuple(dict.fromkeys(every_extra)))  # before I/O
   model_dir = resolve_model_dir(path_or_hub_id)
   hf = read_config(model_dir)
   model_type = hf.get("model_type")
