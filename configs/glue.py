@@ -8,7 +8,10 @@ The argument is comma-separated key=value pairs (big_vision style):
           ANLI R2 premises and hypotheses.
   model   switch (default; google/switch-base-8, the paper's setting) |
           olmoe (allenai/OLMoE-1B-7B-0924, Tab. 2: E=64, top-8, bf16
-          activations; the classifier reads the last non-padding token)
+          activations; the classifier reads the last non-padding token) |
+          deepseek (deepseek-ai/deepseek-vl2-tiny's language model: 64 routed
+          experts, top-6, 2 shared experts, a dense first block; its shared
+          experts train in the shared stream)
   preset  empty (default; paper scale) | tiny (embedded offline task, a small
           random model; CPU, minutes) | cpu (the tiny model size on the real
           task's files) | small (a small pretrained model from
@@ -29,7 +32,8 @@ Embedded offline default (a small random OLMoE, 8 experts, top-2):
   python launch/main.py --config=configs/glue.py:task=mnli,model=olmoe,preset=tiny \
     --workdir=/tmp/raptor_olmoe_tiny
 
-`configs/{switch,olmoe}_{sst2,qnli,qqp,mnli}.py:<preset>` name the same configs.
+`configs/{switch,olmoe,deepseek}_{sst2,qnli,qqp,mnli}.py:<preset>` name the
+same configs.
 Any field can be overridden, e.g. --config.privacy.epsilon=1 --config.method=baseline_a.
 """
 

@@ -2,8 +2,8 @@
 
 Submodules (import them directly, e.g. ``from raptor_jax import transforms``):
 
-* ``models``: Flax ports of Switch Transformer and OLMoE, LoRA, heads, and
-  ``from_pretrained`` for Hugging Face checkpoints.
+* ``models``: Flax ports of Switch Transformer, OLMoE and DeepSeek-MoE, LoRA,
+  heads, and ``from_pretrained`` for Hugging Face checkpoints.
 * ``transforms``: the optax DP aggregation transforms.
 * ``accounting``: privacy accounting and noise calibration.
 * ``ownership``: owner maps, routing statistics, public layer selection.

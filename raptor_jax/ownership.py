@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raptor_jax import _validate
+from raptor_jax.models import moe
 
 WEIGHTINGS = ("count", "prob")
 
@@ -35,6 +36,7 @@ def owners(
     top_k: int = 1,
     weighting: str = "count",
     normalize: bool = False,
+    groups: tuple[int, int] | None = None,
 ) -> jax.Array:
   """Owner expert of every record (Eq. 5).
 
@@ -46,6 +48,9 @@ def owners(
       'prob' (each token gives its top-k gate weights).
     normalize: renormalise the top-k weights to sum to one (OLMoE's
       `norm_topk_prob`); only matters for 'prob'.
+    groups: (n_group, topk_group) of group-limited routing (DeepSeek-V2's
+      `group_limited_greedy`), so that the votes go to the experts the model
+      really routes to; None for plain top-k.
 
   Returns:
     int32 [N] owners; ties go to the lowest expert index (a record without
@@ -58,17 +63,14 @@ def owners(
       _validate.config_fix("raptor.owner_weighting"),
   )
   num_experts = router_logits.shape[-1]
-  probs = jax.nn.softmax(jnp.asarray(router_logits, jnp.float32), axis=-1)
-  gates, experts = jax.lax.top_k(
-      probs, top_k
-  )  # stable: ties to the lower index
+  # The model's own routing (stable top-k: ties to the lower index).
+  routing = moe.route_topk(jnp.asarray(router_logits), top_k, normalize, groups)
+  gates = routing.weights
   if weighting == "count":
     gates = jnp.ones_like(gates)
-  elif normalize:
-    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
   gates = gates * jnp.asarray(attention_mask, jnp.float32)[..., None]
   votes = jnp.einsum(
-      "nsk,nske->ne", gates, jax.nn.one_hot(experts, num_experts)
+      "nsk,nske->ne", gates, jax.nn.one_hot(routing.experts, num_experts)
   )
   return jnp.argmax(votes, axis=-1).astype(jnp.int32)
 
@@ -108,6 +110,7 @@ def owners_per_layer(
     top_k: int = 1,
     weighting: str = "count",
     normalize: bool = False,
+    groups: tuple[int, int] | None = None,
 ) -> np.ndarray:
   """Owners of every record at every sparse layer of a frozen model.
 
@@ -117,7 +120,7 @@ def owners_per_layer(
       one padded), so it compiles once.
     input_ids, attention_mask: [N, S] records.
     batch_size: records per call.
-    top_k, weighting, normalize: see `owners`.
+    top_k, weighting, normalize, groups: see `owners`.
 
   Returns:
     int32 [num_sparse_layers, N].
@@ -139,7 +142,9 @@ def owners_per_layer(
     chunks.append(
         np.stack(
             [
-                np.asarray(owners(l, mask, top_k, weighting, normalize))[:real]
+                np.asarray(
+                    owners(l, mask, top_k, weighting, normalize, groups)
+                )[:real]
                 for l in logits
             ]
         )
@@ -233,8 +238,21 @@ def owner_weighting(weighting: str, backbone_config) -> str:
   return weighting if backbone_config.top_k == 1 else "prob"
 
 
-def _normalize(backbone_config) -> bool:
-  return bool(getattr(backbone_config, "norm_topk_prob", False))
+def owner_rule(backbone_config, weighting: str) -> dict:
+  """The `owners` arguments that read a model's routed gates as it uses them.
+
+  Top-k models vote with their top-k gate weights, renormalised iff the
+  model renormalises (`norm_topk_prob`) and group-limited iff it routes so
+  (`routing_groups`, DeepSeek-V2); top-1 models (Switch) by `weighting`.
+  Shared experts (DeepSeek-MoE) take every token and have no router logit:
+  they never vote.
+  """
+  return dict(
+      top_k=backbone_config.top_k,
+      weighting=owner_weighting(weighting, backbone_config),
+      normalize=bool(getattr(backbone_config, "norm_topk_prob", False)),
+      groups=getattr(backbone_config, "routing_groups", None),
+  )
 
 
 def select_expert_layer(
@@ -265,9 +283,7 @@ def select_expert_layer(
         ids,
         mask,
         batch_size=config.eval_batch_size,
-        top_k=bc.top_k,
-        weighting=owner_weighting(config.raptor.owner_weighting, bc),
-        normalize=_normalize(bc),
+        **owner_rule(bc, config.raptor.owner_weighting),
     )
     table = layer_table(public_owners, bc.sparse_layers, bc.num_experts)
   return select_layer(how, bc.sparse_layers, table), table
@@ -288,9 +304,7 @@ def private_owner_map(
       records.input_ids,
       records.attention_mask,
       batch_size=config.eval_batch_size,
-      top_k=bc.top_k,
-      weighting=owner_weighting(config.raptor.owner_weighting, bc),
-      normalize=_normalize(bc),
+      **owner_rule(bc, config.raptor.owner_weighting),
   )
   return result[0]
 

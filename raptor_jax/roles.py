@@ -4,17 +4,23 @@ Parameters are addressed by their flat path in the classifier's tree, e.g.
 `backbone/block_3/mlp/experts/wi/lora_a` or `head/kernel`. Every leaf has
 exactly one role:
 
-  attention_adapter  LoRA factors of q, k, v, o (any block)
-  attention_kernel   the q, k, v, o base weights
-  head               the classification head
-  expert_adapter     LoRA factors of the experts of a sparse block
-  expert_kernel      the experts' base weights
-  router             the (always frozen) routers
-  base               everything else: embeddings, norms, dense FFNs, ...
+  attention_adapter      LoRA factors of the attention projections (q, k, v, o;
+                         MLA's q_a, q_b, kv_a, kv_b) of any block
+  attention_kernel       their base weights
+  head                   the classification head
+  shared_expert_adapter  LoRA factors of the always-active shared experts
+                         (DeepSeek-MoE) of a sparse block
+  shared_expert_kernel   the shared experts' base weights
+  expert_adapter         LoRA factors of the routed experts of a sparse block
+  expert_kernel          the routed experts' base weights
+  router                 the (always frozen) routers
+  base                   everything else: embeddings, norms, dense FFNs, ...
 
 A method trains a set of roles, optionally restricted to some blocks. RAPTOR's
-shared stream is {attention_adapter, head}; its expert stream is the
-expert_adapter role at the selected block l* (owner slices). The role sets of
+shared stream is {attention_adapter, shared_expert_adapter, head}: shared
+experts see every token, so they are shared parameters, not experts (paper
+Sec. 3.3); its expert stream is the expert_adapter role at the selected block
+l* (owner slices of the routed experts). The role sets of
 the streams and the path conventions (`expert_prefix`, `is_adapter`) are
 defined here once; `train.methods`, `diagnostics` and `models.hf` use them.
 """
@@ -31,6 +37,8 @@ ROLES = (
     "attention_adapter",
     "attention_kernel",
     "head",
+    "shared_expert_adapter",
+    "shared_expert_kernel",
     "expert_adapter",
     "expert_kernel",
     "router",
@@ -38,31 +46,40 @@ ROLES = (
 )
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 _BLOCK = re.compile(r"(?:^|/)block_(\d+)/")
+_ATTENTION_PROJECTION = re.compile(r"/attention/(?:[qkvo]|q_a|q_b|kv_a|kv_b)/")
 
 # Stream membership: the roles each stream (or method) trains.
-SHARED_ROLES = ("attention_adapter", "head")  # RAPTOR's shared stream (LoRA)
-SHARED_FULL_ROLES = (
-    "attention_kernel",
+SHARED_ROLES = (  # RAPTOR's shared stream (LoRA)
+    "attention_adapter",
+    "shared_expert_adapter",
     "head",
-)  # ... with full attention weights
+)
+SHARED_FULL_ROLES = (  # ... with full attention and shared-expert weights
+    "attention_kernel",
+    "shared_expert_kernel",
+    "head",
+)
 EXPERT_ROLES = ("expert_adapter",)  # RAPTOR's expert stream at l* (LoRA)
 EXPERT_FULL_ROLES = ("expert_kernel",)  # ... with full expert weights
-LORA_ROLES = (
+LORA_ROLES = (  # every adapter + head
     "attention_adapter",
+    "shared_expert_adapter",
     "head",
     "expert_adapter",
-)  # every adapter + head
-ALL_ROLES = (
+)
+ALL_ROLES = (  # every weight
     "attention_kernel",
+    "shared_expert_kernel",
     "head",
     "expert_kernel",
     "router",
     "base",
-)  # every weight
+)
 
 # The paper's top-level roles (App. G diagnostics) as unions of `ROLES`.
 DIAGNOSTIC_ROLES = {
     "shared": ("attention_adapter", "attention_kernel", "base"),
+    "shared_expert": ("shared_expert_adapter", "shared_expert_kernel"),
     "router": ("router",),
     "head": ("head",),
     "experts": ("expert_adapter", "expert_kernel"),
@@ -89,7 +106,11 @@ def is_adapter(path: str) -> bool:
 
 
 def diagnostic_role(path: str) -> str:
-  """The App. G role (shared | router | head | experts) of a flat parameter path."""
+  """The App. G role (shared | shared_expert | router | head | experts) of a path.
+
+  Shared experts (DeepSeek-MoE) train in the shared stream but are reported
+  apart, so M_role shows what they move.
+  """
   return _DIAGNOSTIC_OF[role_of(path)]
 
 
@@ -99,9 +120,13 @@ def role_of(path: str) -> str:
     return "head"
   if "/mlp/router/" in path:
     return "router"
+  if "/mlp/shared_experts/" in path:
+    return (
+        "shared_expert_adapter" if is_adapter(path) else "shared_expert_kernel"
+    )
   if "/mlp/experts/" in path:
     return "expert_adapter" if is_adapter(path) else "expert_kernel"
-  if re.search(r"/attention/[qkvo]/", path):
+  if _ATTENTION_PROJECTION.search(path):
     return "attention_adapter" if is_adapter(path) else "attention_kernel"
   return "base"
 
@@ -136,6 +161,11 @@ def select(
       for p in flatten(params)
       if role_of(p) in roles and (blocks is None or block_of(p) in blocks)
   )
+
+
+def has_shared_experts(params: Mapping[str, Any]) -> bool:
+  """Whether the model has always-active shared experts (shared stream)."""
+  return any(role_of(p) == "shared_expert_kernel" for p in flatten(params))
 
 
 def count_by_role(params: Mapping[str, Any]) -> dict[str, int]:

@@ -156,6 +156,43 @@ def test_bench_dispatch_olmoe_toy():
   ) and "all/ideal" in bench.flops_table(rows)
 
 
+@pytest.mark.slow
+def test_bench_dispatch_deepseek_toy():
+  """Routed top-k in the grouped dispatch plus the shared experts as one dense
+  MLP: work ~ tokens x (k + shared), never tokens x E; every dispatch agrees."""
+  bench = _load("bench_dispatch")
+  d_model, d_ff, seq, e, b, k, shared = 16, 32, 8, 8, 2, 2, 2
+  rows = bench.run(
+      family="deepseek",
+      num_experts=(e,),
+      batch_sizes=(b,),
+      top_k=k,
+      seq_len=seq,
+      d_model=d_model,
+      d_ff=d_ff,
+      shared_experts=shared,
+      repeats=1,
+  )
+  tokens = b * seq
+  block, blocks = bench.grouped_blocks(tokens * k, e)
+  # Independent count: (k routed + shared) SwiGLU MLPs per token + the router.
+  assert rows[0]["ideal_gflop"] * 1e9 == (
+      tokens * (k + shared) * 3 * 2 * d_model * d_ff + 2 * tokens * d_model * e
+  )
+  for i, r in enumerate(rows):
+    shared_flops = (i + 1) * tokens * shared * 6 * d_model * d_ff
+    assert (
+        r["grouped_gflop"] * 1e9
+        >= (i + 1) * blocks * block * 6 * d_model * d_ff + shared_flops
+    )
+    assert r["grouped_gflop"] < 1.5 * r["ideal_gflop"] < r["all_gflop"]
+    assert r["all_gflop"] < r["dense_gflop"]
+    assert r["max_abs_diff"] < 1e-5
+  assert (
+      rows[0]["all_gflop"] * 1e9 >= tokens * (e + shared) * 6 * d_model * d_ff
+  )
+
+
 def test_bench_dispatch_switch_is_top1():
   bench = _load("bench_dispatch")
   with pytest.raises(ValueError, match="top-1"):

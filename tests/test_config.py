@@ -1,4 +1,4 @@
-"""configs/glue.py and its aliases configs/{switch,olmoe}_{task}.py."""
+"""configs/glue.py and its aliases configs/{switch,olmoe,deepseek}_{task}.py."""
 
 import re
 
@@ -12,7 +12,7 @@ _TASKS = ("sst2", "qnli", "qqp", "mnli")
 _PRESETS = ("", "tiny", "cpu", "small")
 
 
-@pytest.mark.parametrize("model", ["switch", "olmoe"])
+@pytest.mark.parametrize("model", ["switch", "olmoe", "deepseek"])
 @pytest.mark.parametrize("task", _TASKS)
 def test_alias_is_glue_with_the_same_parameters(task, model):
   glue = load_config_module("glue")
@@ -61,6 +61,17 @@ def test_glue_fields():
   assert (
       tiny.batch_size == 250 and tiny.epochs == 6 and tiny.data.max_length == 32
   )
+  deepseek = glue.get_config("task=sst2,model=deepseek")
+  assert deepseek.model.name == "deepseek-ai/deepseek-vl2-tiny"
+  assert deepseek.model.dtype == "bfloat16"
+  tiny = glue.get_config("task=sst2,model=deepseek,preset=tiny")
+  assert (
+      tiny.model.dtype == "float32" and tiny.model.random.family == "deepseek"
+  )
+  assert (
+      tiny.model.random.num_shared_experts,
+      tiny.model.random.first_k_dense,
+  ) == (2, 1)
   cpu = glue.get_config("task=qqp,preset=cpu")
   assert (cpu.data.task, cpu.data.public_corpus, cpu.model.tokenizer) == (
       "qqp",
@@ -92,7 +103,10 @@ def test_glue_fields():
             "task=cola",
             "task: must be one of 'sst2', 'mnli', 'qnli', 'qqp', got 'cola'",
         ),
-        ("model=gpt", "model: must be one of 'switch', 'olmoe', got 'gpt'"),
+        (
+            "model=gpt",
+            "model: must be one of 'switch', 'olmoe', 'deepseek', got 'gpt'",
+        ),
         (
             "preset=huge",
             "preset: must be one of '', 'tiny', 'cpu', 'small', got 'huge'",

@@ -93,6 +93,13 @@ def test_diagnostic_roles():
   assert role("backbone/block_1/mlp/router/kernel") == "router"
   assert role("backbone/block_1/mlp/experts/wi/lora_b") == "experts"
   assert role("backbone/block_1/mlp/experts/wo/kernel") == "experts"
+  assert (
+      role("backbone/block_1/mlp/shared_experts/up/lora_a") == "shared_expert"
+  )
+  assert (
+      role("backbone/block_1/mlp/shared_experts/down/kernel") == "shared_expert"
+  )
+  assert role("backbone/block_0/attention/kv_b/lora_b") == "shared"  # MLA
   assert role("head/kernel") == "head"
 
 

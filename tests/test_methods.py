@@ -115,7 +115,8 @@ def test_raptor_alternates_two_independent_streams():
       sampling.EXPERT_STREAM,
   )
   (shared,), (expert,) = shared_phase.parts, expert_phase.parts
-  assert shared.roles == ("attention_adapter", "head") and shared.blocks is None
+  assert shared.roles == ("attention_adapter", "shared_expert_adapter", "head")
+  assert shared.blocks is None
   assert not shared.owner and shared.denominator == 50 and not shared.residual
   assert expert.roles == ("expert_adapter",) and expert.blocks == (LAYER,)
   assert expert.owner and expert.denominator == 50 / E and expert.residual
@@ -234,7 +235,7 @@ def test_baseline_a_is_raptors_scope_with_one_clip_sigma_and_denominator():
   (phase,) = plan.phases
   shared, expert = phase.parts
   assert phase.joint_clip
-  assert shared.roles == ("attention_adapter", "head")
+  assert shared.roles == ("attention_adapter", "shared_expert_adapter", "head")
   assert expert.roles == ("expert_adapter",) and expert.blocks == (LAYER,)
   assert (
       not expert.owner and not expert.residual
@@ -276,6 +277,7 @@ def test_monolithic_variants():
   (part,) = full.phases[0].parts
   assert set(part.roles) == set(roles.ROLES) - {
       "attention_adapter",
+      "shared_expert_adapter",
       "expert_adapter",
   }
   assert part.blocks is None and not part.owner and part.denominator == 50.0
@@ -290,9 +292,39 @@ def test_monolithic_variants():
   assert lora.model_options["expert_lora_layers"] == SPARSE
   assert lora.phases[0].parts[0].roles == (
       "attention_adapter",
+      "shared_expert_adapter",
       "head",
       "expert_adapter",
   )
+
+
+@pytest.mark.parametrize(
+    "method,overrides,expected",
+    [
+        ("raptor", {}, True),
+        ("raptor", {"raptor.shared_full_weights": True}, False),
+        ("baseline_c", {}, True),
+        ("monolithic_lora", {}, True),
+        ("nonprivate_lora", {}, True),
+        ("monolithic", {}, False),
+    ],
+)
+def test_shared_expert_adapters_follow_the_shared_streams_lora(
+    method, overrides, expected
+):
+  """Shared experts (DeepSeek-MoE) get adapters exactly when attention does."""
+  config = micro_config(method=method, **overrides)
+  plan = methods.build_plan(
+      config,
+      n=N,
+      num_experts=E,
+      sparse_layers=SPARSE,
+      expert_layer=LAYER,
+      shared_experts=True,
+  )
+  assert plan.model_options["shared_expert_lora"] is expected
+  assert plan.model_options["attention_lora"] is expected
+  assert "shared_expert_lora" not in _plan(method, **overrides).model_options
 
 
 @pytest.mark.parametrize(

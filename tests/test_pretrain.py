@@ -462,3 +462,75 @@ def test_launch_pretrain_tiny(tmp_path):
       "held-out LM loss" in proc.stdout
       and (tmp_path / "model" / "tokenizer.json").exists()
   )
+
+
+def test_deepseek_balance_loss_matches_deepseeks_sequence_wise_formula():
+  """DeepSeek-V2's MoEGate (seq_aux) per layer, transcribed in torch, summed over layers."""
+  keys = jax.random.split(jax.random.PRNGKey(3), 2)
+  logits = [jax.random.normal(k, (3, 8, 6)) for k in keys]
+  full = jnp.ones((3, 8), jnp.int32)
+  expected = 0.0
+  for layer in logits:
+    scores = torch.tensor(np.asarray(layer)).softmax(dim=-1)
+    idx = torch.topk(scores, k=2, dim=-1).indices.view(3, -1)
+    ce = torch.zeros(3, 6).scatter_add_(1, idx, torch.ones(3, 8 * 2))
+    ce = ce.div_(8 * 2 / 6)
+    expected += float((ce * scores.mean(dim=1)).sum(dim=1).mean())
+  np.testing.assert_allclose(
+      objectives.deepseek_balance_loss(logits, full, 2), expected, rtol=1e-5
+  )
+  # Uniform routing gives 1 per layer (every token on two experts, E / k
+  # pairs); all tokens on the same two experts give E / k = 3.
+  pairs = jnp.stack(
+      [
+          jnp.zeros(6).at[2 * (t % 3)].set(1e-3).at[2 * (t % 3) + 1].set(1e-3)
+          for t in range(6)
+      ]
+  )
+  uniform = [jnp.broadcast_to(pairs, (3, 6, 6))] * 2
+  assert objectives.deepseek_balance_loss(
+      uniform, jnp.ones((3, 6)), 2
+  ) == pytest.approx(2.0, abs=1e-3)
+  collapsed = jnp.zeros((3, 8, 6)).at[..., :2].set(10.0)
+  assert objectives.deepseek_balance_loss(
+      [collapsed], full, 2
+  ) == pytest.approx(3.0, rel=1e-3)
+  # Padding takes no part.
+  padded = [jnp.concatenate([l, collapsed], axis=1) for l in logits]
+  pad_mask = jnp.concatenate([full, jnp.zeros_like(full)], axis=1)
+  np.testing.assert_allclose(
+      objectives.deepseek_balance_loss(padded, pad_mask, 2), expected, rtol=1e-5
+  )
+
+
+@pytest.mark.slow
+def test_deepseek_pretraining_exports_a_causal_lm(tmp_path):
+  """DeepSeek-MoE pretraining (MLA, dense block 0, shared experts) exports a
+  directory that transformers' DeepseekV2ForCausalLM and
+  `models.from_pretrained` read alike."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  from transformers import DeepseekV2ForCausalLM  # pylint: disable=g-import-not-at-top
+
+  config = tiny_config(steps=4, family="deepseek")
+  config.checkpoint_every, config.warmup_steps = 100, 1
+  report = pretrain(config, tmp_path)
+  assert report["finished"] and report["aux_loss_coef"] == 0.001
+  # Block 0 is dense: only block 1 routes.
+  assert [row["layer"] for row in report["routing"]["layers"]] == [1]
+  module, params = models.from_pretrained(tmp_path / "model")
+  assert module.config.n_shared_experts == 2 and module.config.use_mla
+  ids = np.array([[2, 40, 41, 42, 3, 0]])
+  mask = (ids != 0).astype(np.int64)
+  hidden = module.apply({"params": params}, ids, mask).hidden_states
+  head = load_file(str(tmp_path / "model" / "model.safetensors"))[
+      "lm_head.weight"
+  ]
+  ours = np.asarray(hidden) @ head.T
+  hf = DeepseekV2ForCausalLM.from_pretrained(
+      tmp_path / "model", attn_implementation="eager"
+  ).eval()
+  with torch.no_grad():
+    theirs = hf(
+        input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)
+    ).logits.numpy()
+  np.testing.assert_allclose(ours[:, :5], theirs[:, :5], atol=1e-4, rtol=1e-4)

@@ -527,9 +527,18 @@ def test_families_share_one_set_of_fine_tuning_options():
           "dtype",
       )
   )
-  for config in (models.SwitchConfig(), models.OlmoeConfig()):
+  for config in (
+      models.SwitchConfig(),
+      models.OlmoeConfig(),
+      models.DeepseekConfig(),
+  ):
     assert isinstance(config, common.FineTuningOptions)
-  assert set(hf.FAMILIES) == {"switch_transformers", "olmoe"}
+  assert set(hf.FAMILIES) == {
+      "switch_transformers",
+      "olmoe",
+      "deepseek_v2",
+      "deepseek_vl_v2",
+  }
   # The old import path keeps working.
   assert switch.BackboneOutput is models.BackboneOutput is common.BackboneOutput
   assert switch.OwnerOverride is models.OwnerOverride is common.OwnerOverride

@@ -2,10 +2,12 @@ r"""Benchmarks the expert dispatch of one sparse layer: grouped vs all-experts.
 
 One sparse layer on B records of S tokens, either a `SwitchSparseMLP`
 (`--family=switch`: frozen top-1 router, Hugging Face capacity, E experts
-d_model -> d_ff -> d_model, ReLU) or an `OlmoeSparseMLP` (`--family=olmoe`:
+d_model -> d_ff -> d_model, ReLU), an `OlmoeSparseMLP` (`--family=olmoe`:
 frozen top-k router, no capacity, E SwiGLU experts gate/up/down; one row per
-(token, slot), so tokens x k rows), with the two dispatches of the config's
-`dispatch` field:
+(token, slot), so tokens x k rows) or a `DeepseekSparseMLP`
+(`--family=deepseek`: the same routed experts plus `--shared_experts` always-
+active shared experts, run as one dense SwiGLU MLP of width shared x d_ff on
+every token), with the two dispatches of the config's `dispatch` field:
 
 * grouped: `moe.grouped_linear`, rows sorted by expert into fixed-size blocks
   and a `lax.scan` over the blocks (work ~ rows = tokens x k);
@@ -13,7 +15,7 @@ frozen top-k router, no capacity, E SwiGLU experts gate/up/down; one row per
   (work ~ rows x E = tokens x k x E).
 
 For top-k > 1 the dense dispatch repeats each token's work k times, so the
-OLMoE family also runs "all": every expert on every TOKEN, outputs mixed by the
+top-k families also run "all": every expert on every TOKEN, outputs mixed by the
 top-k gate weights (work ~ tokens x E), what the authors' reference code does
 (SPEC section 4) and the fair all-experts baseline (for top-1, dense is that).
 
@@ -24,13 +26,15 @@ what per-record DP gradients need):
 
 1. FLOPs. "ideal" = tokens x k x (m * 2 d_model d_ff) + the router's
    2 tokens d_model E (doubled for forward+backward), m = 2 expert matmuls
-   (Switch) or 3 (SwiGLU). XLA's cost analysis counts a loop body once, so
+   (Switch) or 3 (SwiGLU); DeepSeek adds the shared experts' tokens x
+   (3 * 2 d_model shared d_ff). XLA's cost analysis counts a loop body once, so
    for the grouped dispatch it shows XLA's raw number and the loop-corrected
    one (each scan body's XLA count times the scan's static trip count,
    `profiling.loop_corrected_flops`).
 2. Wall time, medians of interleaved rounds (1-expert, grouped, dense, ...).
    "1-expert" is one expert MLP on every row (tokens x k) plus the router
-   matmul: the ideal top-k compute as plain matmuls. It is a compute floor,
+   matmul (and the shared experts on every token): the ideal top-k compute
+   as plain matmuls. It is a compute floor,
    not a memory one: with few rows per expert any dispatch must also stream
    the weights of every expert in use (E x m d_model d_ff floats at most),
    which one expert does not.
@@ -48,6 +52,11 @@ the olmoe defaults), and at a smaller width:
   python -m launch.bench.bench_dispatch --family=olmoe --d_model=1024 --d_ff=512 \
       --num_experts=8,64 --batch_sizes=1,8
 
+DeepSeek-VL2-Tiny's sparse layer (d_model 1280, experts of width 896, E=64,
+top-6, 2 shared experts; the deepseek defaults):
+
+  python -m launch.bench.bench_dispatch --family=deepseek
+
 The wall time of an all-experts variant (dense, all) is skipped (its FLOPs
 still shown) for a pass where XLA counts more than --max_dense_gflop for it:
 at E=64 it does E (or E/k) times the ideal work and holds a [tokens, E, d_ff]
@@ -64,10 +73,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from launch.bench import profiling
-from raptor_jax.models import moe, olmoe, switch
+from raptor_jax.models import deepseek, moe, olmoe, switch
 
-# Per family: the defaults of the size flags (switch-base-8/-64; OLMoE-1B-7B),
-# the matrices of one expert MLP in order, and the all-experts variants run.
+# Per family: the defaults of the size flags (switch-base-8/-64; OLMoE-1B-7B;
+# DeepSeek-VL2-Tiny), the matrices of one expert MLP in order, and the
+# all-experts variants run.
 FAMILIES = {
     'switch': dict(
         num_experts=(8, 64),
@@ -87,6 +97,15 @@ FAMILIES = {
         matrices=('gate', 'up', 'down'),
         references=('dense', 'all'),
     ),
+    'deepseek': dict(
+        num_experts=(64,),
+        batch_sizes=(1,),
+        d_model=1280,
+        d_ff=896,
+        top_k=6,
+        matrices=('gate', 'up', 'down'),
+        references=('dense', 'all'),
+    ),
 }
 
 
@@ -97,7 +116,8 @@ def define_flags() -> None:
       'family',
       'switch',
       list(FAMILIES),
-      'Sparse layer: switch (top-1, ReLU experts) or olmoe (top-k, SwiGLU).',
+      'Sparse layer: switch (top-1, ReLU experts), olmoe (top-k, SwiGLU) or'
+      ' deepseek (top-k SwiGLU + shared experts).',
   )
   flags.DEFINE_list(
       'num_experts', None, 'Values of E (default: 8,64 switch; 64 olmoe).'
@@ -108,8 +128,9 @@ def define_flags() -> None:
       'Records per call (B); tokens = B x seq_len (default: 1,8 switch; 1 olmoe).',
   )
   flags.DEFINE_integer(
-      'top_k', None, 'Experts per token (olmoe only; default 8).'
+      'top_k', None, 'Routed experts per token (olmoe: 8, deepseek: 6).'
   )
+  flags.DEFINE_integer('shared_experts', 2, 'Shared experts (deepseek only).')
   flags.DEFINE_integer('seq_len', 128, 'Tokens per record (S).')
   flags.DEFINE_integer(
       'd_model', None, 'Model width (default: 768 switch; 2048 olmoe).'
@@ -139,10 +160,12 @@ def ideal_flops(
     num_experts: int,
     top_k: int = 1,
     expert_matmuls: int = 2,
+    shared_experts: int = 0,
 ) -> float:
-  """Forward FLOPs of top-k routing done perfectly: k expert MLPs per token."""
+  """Forward FLOPs of top-k routing done perfectly: k expert MLPs per token,
+  plus the shared experts' one MLP of width shared_experts x d_ff per token."""
   return (
-      tokens * top_k * expert_matmuls * (2 * d_model * d_ff)
+      tokens * (top_k + shared_experts) * expert_matmuls * (2 * d_model * d_ff)
       + 2 * tokens * d_model * num_experts
   )
 
@@ -161,8 +184,9 @@ def layer_config(
     d_ff: int,
     top_k: int = 1,
     expert_capacity: int = 64,
+    shared_experts: int = 2,
 ):
-  """The config of one sparse layer of `family` (a SwitchConfig or OlmoeConfig)."""
+  """The config of one sparse layer of `family` (Switch, OLMoE or DeepSeek)."""
   if family == 'switch':
     if top_k != 1:
       raise ValueError(
@@ -181,13 +205,31 @@ def layer_config(
         num_experts=num_experts,
         num_experts_per_tok=top_k,
     )
+  if family == 'deepseek':
+    return deepseek.DeepseekConfig(
+        hidden_size=d_model,
+        moe_intermediate_size=d_ff,
+        n_routed_experts=num_experts,
+        num_experts_per_tok=top_k,
+        n_shared_experts=shared_experts,
+        num_hidden_layers=1,
+        first_k_dense_replace=0,
+    )
   raise ValueError(f'unknown family {family!r}; use one of {sorted(FAMILIES)}')
 
 
 def _sparse_layer(config):
   if isinstance(config, olmoe.OlmoeConfig):
     return olmoe.OlmoeSparseMLP(config)
+  if isinstance(config, deepseek.DeepseekConfig):
+    return deepseek.DeepseekSparseMLP(config)
   return switch.SwitchSparseMLP(config)
+
+
+def _shared_experts(config) -> int:
+  if isinstance(config, deepseek.DeepseekConfig):
+    return config.n_shared_experts
+  return 0
 
 
 def _expert_weights(params, matrices: tuple[str, ...]) -> tuple[jax.Array, ...]:
@@ -196,6 +238,28 @@ def _expert_weights(params, matrices: tuple[str, ...]) -> tuple[jax.Array, ...]:
   return (p['router']['kernel'],) + tuple(
       p['experts'][m]['kernel'] for m in matrices
   )
+
+
+def _shared_weights(params) -> tuple[jax.Array, ...]:
+  """The shared experts' (gate, up, down) kernels; () without shared experts."""
+  shared = params['params'].get('shared_experts')
+  if shared is None:
+    return ()
+  return tuple(shared[m]['kernel'] for m in ('gate', 'up', 'down'))
+
+
+def _route(config, logits: jax.Array) -> moe.Routing:
+  """The layer's own top-k routing (OLMoE: renormalised iff norm_topk_prob;
+  DeepSeek: group-limited iff configured, scaled by routed_scaling_factor)."""
+  if isinstance(config, deepseek.DeepseekConfig):
+    return moe.route_topk(
+        logits,
+        config.top_k,
+        False,
+        config.routing_groups,
+        config.routed_scaling_factor,
+    )
+  return moe.route_topk(logits, config.top_k, config.norm_topk_prob)
 
 
 def _expert_mlp(rows: jax.Array, kernels: tuple[jax.Array, ...]) -> jax.Array:
@@ -221,15 +285,17 @@ def _layer_fns(config):
 
 
 def _one_expert_fns(config):
-  """The ideal top-k compute as plain matmuls: router + one expert MLP per row."""
+  """The ideal top-k compute as plain matmuls: router + one expert MLP per row
+  (+ the shared experts' MLP per token)."""
   k = config.top_k
 
   def forward(weights, x):
-    w_router, *kernels = weights
+    (w_router, *kernels), shared = weights
     tokens = x.reshape(-1, x.shape[-1])
     logits = tokens @ w_router
     out = _expert_mlp(jnp.repeat(tokens, k, axis=0), kernels)
-    return out.reshape(x.shape[:-1] + (k, x.shape[-1])).sum(-2), logits
+    out = out.reshape(x.shape[:-1] + (k, x.shape[-1])).sum(-2)
+    return (out + _expert_mlp(x, shared) if shared else out), logits
 
   def forward_backward(weights, x, cotangent):
     def scalar(x):
@@ -241,14 +307,13 @@ def _one_expert_fns(config):
   return forward, forward_backward
 
 
-def _all_experts_fns(config: olmoe.OlmoeConfig):
-  """Every SwiGLU expert on every token, mixed by the top-k gates (tokens x E work)."""
+def _all_experts_fns(config):
+  """Every SwiGLU expert on every token, mixed by the top-k gates (tokens x E
+  work), plus the shared experts' MLP."""
 
   def forward(weights, x):
-    w_router, w_gate, w_up, w_down = weights
-    routing = moe.route_topk(
-        x.astype(jnp.float32) @ w_router, config.top_k, config.norm_topk_prob
-    )
+    (w_router, w_gate, w_up, w_down), shared = weights
+    routing = _route(config, x.astype(jnp.float32) @ w_router)
     gates = jnp.einsum(
         'bske,bsk->bse',
         jax.nn.one_hot(routing.experts, config.num_experts),
@@ -257,9 +322,10 @@ def _all_experts_fns(config: olmoe.OlmoeConfig):
     h = jax.nn.silu(jnp.einsum('bsd,edf->bsef', x, w_gate)) * jnp.einsum(
         'bsd,edf->bsef', x, w_up
     )
-    return jnp.einsum(
+    out = jnp.einsum(
         'bsef,efd->bsd', h * gates[..., None].astype(h.dtype), w_down
     )
+    return out + _expert_mlp(x, shared) if shared else out
 
   def forward_backward(weights, x, cotangent):
     return jax.grad(lambda x: jnp.vdot(forward(weights, x), cotangent))(x)
@@ -277,6 +343,7 @@ def run(
     d_model=None,
     d_ff=None,
     expert_capacity=64,
+    shared_experts=2,
     repeats=5,
     max_dense_gflop=250.0,
     seed=0,
@@ -286,7 +353,7 @@ def run(
   Sizes left None take `FAMILIES[family]`'s defaults. Row keys: E, B, k, pass,
   block, blocks, ideal_gflop, grouped_xla_gflop, grouped_gflop (loop-corrected),
   and per all-experts variant v in `FAMILIES[family]['references']` (dense;
-  all for olmoe) v_gflop, v_ms (NaN when skipped), v_over_grouped; also
+  all for the top-k families) v_gflop, v_ms (NaN when skipped), v_over_grouped; also
   one_expert_ms, grouped_ms, grouped_over_one_expert and max_abs_diff (the
   largest |grouped - v| of the forward outputs over the variants that ran).
   """
@@ -307,6 +374,7 @@ def run(
         d_ff=d_ff,
         top_k=top_k,
         expert_capacity=expert_capacity,
+        shared_experts=shared_experts,
     )
     for b in batch_sizes:
       k_param, k_x, k_ct = jax.random.split(
@@ -316,6 +384,7 @@ def run(
       cotangent = jax.random.normal(k_ct, x.shape, jnp.float32)
       params = jax.jit(_sparse_layer(config).init)(k_param, x)
       w_router, *kernels = _expert_weights(params, spec['matrices'])
+      shared = _shared_weights(params)
       fns = {
           'grouped': _layer_fns(config),
           'dense': _layer_fns(dataclasses.replace(config, dispatch='dense')),
@@ -324,15 +393,24 @@ def run(
       weights = {
           'grouped': params,
           'dense': params,
-          'one_expert': (w_router,) + tuple(w[0] for w in kernels),
+          'one_expert': (
+              (w_router,) + tuple(w[0] for w in kernels),
+              shared,
+          ),
       }
       if 'all' in references:
         fns['all'] = _all_experts_fns(config)
-        weights['all'] = (w_router, *kernels)
+        weights['all'] = ((w_router, *kernels), shared)
       tokens = b * seq_len
       block, blocks = grouped_blocks(tokens * top_k, e)
       ideal = ideal_flops(
-          tokens, d_model, d_ff, e, top_k, len(spec['matrices'])
+          tokens,
+          d_model,
+          d_ff,
+          e,
+          top_k,
+          len(spec['matrices']),
+          _shared_experts(config),
       )
       results = {}
       out = {}
@@ -476,11 +554,14 @@ def main(argv: list[str]) -> None:
   num_experts = [int(v) for v in pick('num_experts')]
   batch_sizes = [int(v) for v in pick('batch_sizes')]
   top_k, d_model, d_ff = pick('top_k'), pick('d_model'), pick('d_ff')
-  routing = (
-      f'top-1, capacity={FLAGS.expert_capacity}, ReLU experts'
-      if FLAGS.family == 'switch'
-      else f'top-{top_k}, no capacity, SwiGLU experts'
-  )
+  routing = {
+      'switch': f'top-1, capacity={FLAGS.expert_capacity}, ReLU experts',
+      'olmoe': f'top-{top_k}, no capacity, SwiGLU experts',
+      'deepseek': (
+          f'top-{top_k}, no capacity, SwiGLU experts +'
+          f' {FLAGS.shared_experts} shared experts'
+      ),
+  }[FLAGS.family]
   print(
       f'one {FLAGS.family} sparse layer: d_model={d_model} d_ff={d_ff} S={FLAGS.seq_len} '
       f'{routing}; {jax.devices()[0].platform}, jax {jax.__version__}; '
@@ -497,6 +578,7 @@ def main(argv: list[str]) -> None:
       d_model=d_model,
       d_ff=d_ff,
       expert_capacity=FLAGS.expert_capacity,
+      shared_experts=FLAGS.shared_experts,
       repeats=FLAGS.repeats,
       max_dense_gflop=FLAGS.max_dense_gflop,
   )

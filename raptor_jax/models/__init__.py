@@ -2,12 +2,14 @@
 
 module, params = models.from_pretrained("google/switch-base-8")
 # or "allenai/OLMoE-1B-7B-0924" (OlmoeDecoder; every block is sparse)
+# or a DeepSeek-V2 directory (DeepseekDecoder; routed + shared experts)
 out = module.apply({"params": params}, input_ids, attention_mask)
 out.hidden_states   # [B, S, D]
 out.router_logits   # one float32 [B, S, E] per sparse layer
 """
 
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
+from raptor_jax.models.deepseek import DeepseekConfig, DeepseekDecoder
 from raptor_jax.models.heads import SequenceClassifier, last_token, masked_mean
 from raptor_jax.models.hf import from_pretrained, init_missing, merge_params, with_options
 from raptor_jax.models.lora import ExpertLinear, LoRADense
@@ -16,6 +18,8 @@ from raptor_jax.models.switch import SwitchConfig, SwitchEncoder
 
 __all__ = [
     "BackboneOutput",
+    "DeepseekConfig",
+    "DeepseekDecoder",
     "ExpertLinear",
     "FineTuningOptions",
     "LoRADense",

@@ -3,9 +3,9 @@
 The inverse of `hf.from_pretrained`: writes `config.json` (through the
 transformers config class, so transformers reads it as its own) and
 `model.safetensors` in the layout `save_pretrained` uses, so that both
-`transformers` (`SwitchTransformersEncoderModel`, `OlmoeForCausalLM`) and
-`models.from_pretrained` load the directory. Adapters are not exported: merge
-or drop them first.
+`transformers` (`SwitchTransformersEncoderModel`, `OlmoeForCausalLM`,
+`DeepseekV2ForCausalLM`) and `models.from_pretrained` load the directory.
+Adapters are not exported: merge or drop them first.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 import flax
 import numpy as np
 
-from raptor_jax.models import olmoe, switch
+from raptor_jax.models import deepseek, hf, olmoe, switch
 
 _T = lambda w: np.ascontiguousarray(
     np.asarray(w, np.float32).T
@@ -100,6 +100,46 @@ _OLMOE_EXPERT = (
     "model.layers.{0}.mlp.experts.{e}.{1}_proj.weight",
 )
 
+_DEEPSEEK_RULES: list[tuple[str, str, Callable]] = [
+    (r"embed_tokens/embedding", "model.embed_tokens.weight", _ID),
+    *[
+        (
+            rf"block_(\d+)/attention/{flax_name}/kernel",
+            f"model.layers.{{0}}.self_attn.{hf_name}.weight",
+            _T,
+        )
+        for hf_name, flax_name in hf.DEEPSEEK_ATTENTION.items()
+    ],
+    (
+        r"block_(\d+)/attention/(q_a|kv_a)_norm/scale",
+        "model.layers.{0}.self_attn.{1}_layernorm.weight",
+        _ID,
+    ),
+    (
+        r"block_(\d+)/attention_norm/scale",
+        "model.layers.{0}.input_layernorm.weight",
+        _ID,
+    ),
+    (
+        r"block_(\d+)/mlp_norm/scale",
+        "model.layers.{0}.post_attention_layernorm.weight",
+        _ID,
+    ),
+    (r"block_(\d+)/mlp/router/kernel", "model.layers.{0}.mlp.gate.weight", _T),
+    (
+        r"block_(\d+)/mlp/shared_experts/(gate|up|down)/kernel",
+        "model.layers.{0}.mlp.shared_experts.{1}_proj.weight",
+        _T,
+    ),
+    (
+        r"block_(\d+)/mlp/(gate|up|down)/kernel",
+        "model.layers.{0}.mlp.{1}_proj.weight",
+        _T,
+    ),
+    (r"final_layer_norm/scale", "model.norm.weight", _ID),
+]
+_DEEPSEEK_EXPERT = _OLMOE_EXPERT
+
 
 def _hf_tensors(
     params: Mapping[str, Any], rules, expert_rule
@@ -178,6 +218,45 @@ def olmoe_hf_config(config: olmoe.OlmoeConfig, **extra):
   )
 
 
+def deepseek_hf_config(config: deepseek.DeepseekConfig, **extra):
+  """A `transformers.DeepseekV2Config` of the decoder (MLA: transformers has no MHA)."""
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  if not config.use_mla:
+    raise ValueError(
+        "module: must be an MLA DeepseekDecoder (kv_lora_rank > 0), got plain"
+        " multi-head attention; transformers' DeepseekV2 has no such variant,"
+        " so export it with DeepSeek's own code instead"
+    )
+  return transformers.DeepseekV2Config(
+      vocab_size=config.vocab_size,
+      hidden_size=config.hidden_size,
+      intermediate_size=config.intermediate_size,
+      moe_intermediate_size=config.moe_intermediate_size,
+      num_hidden_layers=config.num_hidden_layers,
+      num_attention_heads=config.num_attention_heads,
+      num_key_value_heads=config.num_key_value_heads,
+      q_lora_rank=config.q_lora_rank,
+      kv_lora_rank=config.kv_lora_rank,
+      qk_nope_head_dim=config.qk_nope_head_dim,
+      qk_rope_head_dim=config.qk_rope_head_dim,
+      v_head_dim=config.v_head_dim,
+      n_routed_experts=config.n_routed_experts,
+      n_shared_experts=config.n_shared_experts,
+      num_experts_per_tok=config.num_experts_per_tok,
+      first_k_dense_replace=config.first_k_dense_replace,
+      topk_method=config.topk_method,
+      n_group=config.n_group,
+      topk_group=config.topk_group,
+      routed_scaling_factor=config.routed_scaling_factor,
+      rms_norm_eps=config.rms_norm_eps,
+      hidden_act=config.hidden_act,
+      rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+      tie_word_embeddings=False,
+      **{"architectures": ["DeepseekV2ForCausalLM"], **extra},
+  )
+
+
 def save_pretrained(
     module,
     params: Mapping[str, Any],
@@ -190,10 +269,11 @@ def save_pretrained(
   """Writes a backbone (and optionally its LM head and tokenizer) in HF format.
 
   Args:
-    module: a `SwitchEncoder` or `OlmoeDecoder` (its config is written).
+    module: a `SwitchEncoder`, `OlmoeDecoder` or (MLA) `DeepseekDecoder`
+      (its config is written).
     params: the backbone's parameters, without adapters.
     directory: created if needed; existing files are overwritten.
-    lm_head: OLMoE only: the output projection, Flax layout [D, V]
+    lm_head: decoders only: the output projection, Flax layout [D, V]
       (`lm_head.weight`). Switch's masked-LM head is tied to the embedding.
     tokenizer: saved into the same directory when given.
     hf_config_extra: extra fields of the transformers config (token ids,
@@ -214,15 +294,19 @@ def save_pretrained(
       )
     hf_config = switch_hf_config(module.config, **extra)
     tensors = _hf_tensors(params, _SWITCH_RULES, _SWITCH_EXPERT)
-  elif isinstance(module, olmoe.OlmoeDecoder):
-    hf_config = olmoe_hf_config(module.config, **extra)
-    tensors = _hf_tensors(params, _OLMOE_RULES, _OLMOE_EXPERT)
+  elif isinstance(module, (olmoe.OlmoeDecoder, deepseek.DeepseekDecoder)):
+    if isinstance(module, olmoe.OlmoeDecoder):
+      hf_config = olmoe_hf_config(module.config, **extra)
+      tensors = _hf_tensors(params, _OLMOE_RULES, _OLMOE_EXPERT)
+    else:
+      hf_config = deepseek_hf_config(module.config, **extra)
+      tensors = _hf_tensors(params, _DEEPSEEK_RULES, _DEEPSEEK_EXPERT)
     if lm_head is not None:
       tensors["lm_head.weight"] = _T(lm_head)
   else:
     raise ValueError(
-        f"cannot export {type(module).__name__}; export a SwitchEncoder or "
-        "an OlmoeDecoder"
+        f"cannot export {type(module).__name__}; export a SwitchEncoder, an "
+        "OlmoeDecoder or a DeepseekDecoder"
     )
   hf_config.save_pretrained(directory)
   tmp = directory / "model.safetensors.tmp"

@@ -1,14 +1,16 @@
 """Hugging Face checkpoints -> Flax modules and parameters, without torch.
 
 Reads `config.json` and `*.safetensors` from a local directory or a Hub
-snapshot, maps the tensor names onto the Flax parameter tree (Switch decoder
-and OLMoE lm_head weights are ignored) and returns `(module, params)`.
+snapshot, maps the tensor names onto the Flax parameter tree (Switch decoder,
+decoder lm_head and DeepSeek-VL2 vision weights are ignored) and returns
+`(module, params)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raptor_jax import roles
-from raptor_jax.models import common, heads, olmoe, switch
+from raptor_jax.models import common, deepseek, heads, olmoe, switch
 
 Params = Mapping[str, Any]
 
@@ -436,6 +438,203 @@ def olmoe_params_from_hf(
 
 
 # ---------------------------------------------------------------------------
+# DeepSeek-MoE (DeepSeek-V2 layout).
+
+_DEEPSEEK_ARCH_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "use_mla",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "first_k_dense_replace",
+    "topk_method",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "rms_norm_eps",
+    "hidden_act",
+)
+_MLA_KEYS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
+
+
+def deepseek_config_from_hf(
+    hf: Mapping[str, Any], **options
+) -> deepseek.DeepseekConfig:
+  """DeepseekConfig from an HF config.json dict (DeepSeek-V2 keys), plus options.
+
+  `use_mla: false` (DeepSeek's own config key, e.g. DeepSeek-VL2-Tiny's
+  language model) selects plain multi-head attention; the MLA fields are
+  then ignored.
+  """
+  unsupported = {
+      "attention_bias": hf.get("attention_bias", False),
+      "mlp_bias": hf.get("mlp_bias", False),
+      "scoring_func": hf.get("scoring_func", "softmax") != "softmax",
+      "moe_layer_freq": hf.get("moe_layer_freq", 1) != 1,
+  }
+  bad = sorted(k for k, v in unsupported.items() if v)
+  if bad:
+    raise ValueError(
+        f"config.json: DeepSeek checkpoints with {bad} set are not supported;"
+        " the port has bias-free projections, softmax routing and every block"
+        " after first_k_dense_replace sparse"
+    )
+  arch = {k: hf[k] for k in _DEEPSEEK_ARCH_KEYS if hf.get(k) is not None}
+  if not arch.get("use_mla", True):
+    for key in _MLA_KEYS:
+      arch.pop(key, None)
+  arch.setdefault(
+      "num_key_value_heads",
+      arch.get(
+          "num_attention_heads", deepseek.DeepseekConfig.num_attention_heads
+      ),
+  )
+  if hf.get("norm_topk_prob") and hf.get("num_experts_per_tok", 1) > 1:
+    logging.getLogger("raptor_jax").warning(
+        "norm_topk_prob=true is ignored, as transformers' DeepseekV2 ignores"
+        " it; DeepSeek's original code renormalises the top-k weights, so a"
+        " model trained with that code mixes its experts differently here"
+    )
+  return deepseek.DeepseekConfig(**arch, rope_theta=_rope_theta(hf), **options)
+
+
+def deepseek_vl2_config_from_hf(
+    hf: Mapping[str, Any], **options
+) -> deepseek.DeepseekConfig:
+  """The DeepseekConfig of a DeepSeek-VL2 checkpoint's language model."""
+  return deepseek_config_from_hf(hf["language_config"], **options)
+
+
+# HF attention projection name -> Flax module name (MLA and the MHA variant).
+DEEPSEEK_ATTENTION = {
+    "q_proj": "q",
+    "k_proj": "k",
+    "v_proj": "v",
+    "o_proj": "o",
+    "q_a_proj": "q_a",
+    "q_b_proj": "q_b",
+    "kv_a_proj_with_mqa": "kv_a",
+    "kv_b_proj": "kv_b",
+}
+
+
+def _deepseek_rules() -> list:
+  """(regex, convert) of every non-routed-expert DeepSeek-V2 tensor."""
+  layer = r"layers\.(\d+)\."
+  attention = "|".join(DEEPSEEK_ATTENTION)
+  block = lambda m: f"block_{m[1]}"
+  linear = lambda path: lambda m, w: [(path(m), _torch_linear(w))]
+  scale = lambda path: lambda m, w: [(path(m), w)]
+  return [
+      (r"embed_tokens\.weight", scale(lambda m: "embed_tokens/embedding")),
+      (
+          layer + rf"self_attn\.({attention})\.weight",
+          linear(
+              lambda m: f"{block(m)}/attention/{DEEPSEEK_ATTENTION[m[2]]}/kernel"
+          ),
+      ),
+      (
+          layer + r"self_attn\.(q_a|kv_a)_layernorm\.weight",
+          scale(lambda m: f"{block(m)}/attention/{m[2]}_norm/scale"),
+      ),
+      (
+          layer + r"input_layernorm\.weight",
+          scale(lambda m: f"{block(m)}/attention_norm/scale"),
+      ),
+      (
+          layer + r"post_attention_layernorm\.weight",
+          scale(lambda m: f"{block(m)}/mlp_norm/scale"),
+      ),
+      (
+          layer + r"mlp\.(gate|up|down)_proj\.weight",
+          linear(lambda m: f"{block(m)}/mlp/{m[2]}/kernel"),
+      ),
+      (
+          layer + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight",
+          linear(lambda m: f"{block(m)}/mlp/shared_experts/{m[2]}/kernel"),
+      ),
+      (
+          layer + r"mlp\.gate\.weight",
+          linear(lambda m: f"{block(m)}/mlp/router/kernel"),
+      ),
+      (
+          layer + r"mlp\.experts\.gate_up_proj",
+          lambda m, w: list(
+              zip(
+                  (
+                      f"{block(m)}/mlp/experts/gate/kernel",
+                      f"{block(m)}/mlp/experts/up/kernel",
+                  ),
+                  _split_gate_up(w),
+              )
+          ),
+      ),
+      (
+          layer + r"mlp\.experts\.down_proj",
+          lambda m, w: [
+              (
+                  f"{block(m)}/mlp/experts/down/kernel",
+                  np.ascontiguousarray(w.transpose(0, 2, 1)),
+              )
+          ],
+      ),
+      (r"norm\.weight", scale(lambda m: "final_layer_norm/scale")),
+  ]
+
+
+def deepseek_params_from_hf(
+    tensors: Mapping[str, np.ndarray], config: deepseek.DeepseekConfig
+) -> dict:
+  """Maps HF DeepSeek-V2 decoder tensor names onto the Flax parameter tree.
+
+  Accepts the per-expert layout of `save_pretrained` and the Hub
+  (`mlp.experts.{j}.{gate,up,down}_proj.weight`) and transformers v5's fused
+  in-memory layout (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`);
+  names with or without the `model.` prefix. `lm_head` must already be
+  filtered out. Shared experts map to `block_i/mlp/shared_experts/...`,
+  dense blocks' MLPs to `block_i/mlp/{gate,up,down}`.
+  """
+  expert_rule = re.compile(
+      r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight"
+  )
+  named = (
+      (name.removeprefix("model."), w)
+      for name, w in tensors.items()
+      if not name.endswith("rotary_emb.inv_freq")
+  )
+  flat = _map_tensors(
+      named, _deepseek_rules(), expert_rule, config.num_experts, "DeepSeek"
+  )
+  return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+def deepseek_vl2_params_from_hf(
+    tensors: Mapping[str, np.ndarray], config: deepseek.DeepseekConfig
+) -> dict:
+  """The language model's parameters of a DeepSeek-VL2 checkpoint."""
+  return deepseek_params_from_hf(
+      {n.removeprefix("language."): w for n, w in tensors.items()}, config
+  )
+
+
+# ---------------------------------------------------------------------------
 # Entry point.
 
 FINE_TUNING_OPTIONS = common.FINE_TUNING_OPTIONS
@@ -453,6 +652,8 @@ class Family:
       [Mapping[str, np.ndarray], Any], dict
   ]  # (tensors, config)
   ignored_prefix: str  # checkpoint tensors the backbone does not use
+  prefix: str = ""  # where the backbone's tensors sit ('' = everywhere)
+  extra_options: tuple[str, ...] = ()  # family-only fine-tuning options
 
 
 # A new family adds its entry here, next to its name table above.
@@ -469,6 +670,23 @@ FAMILIES = {
         olmoe_params_from_hf,
         ignored_prefix="lm_head.",
     ),
+    "deepseek_v2": Family(
+        deepseek.DeepseekDecoder,
+        deepseek_config_from_hf,
+        deepseek_params_from_hf,
+        ignored_prefix="lm_head.",
+        extra_options=("shared_expert_lora",),
+    ),
+    # DeepSeek-VL2 holds its DeepSeekMoE language model under `language.`;
+    # the vision tower and projector are not loaded (text-only fine-tuning).
+    "deepseek_vl_v2": Family(
+        deepseek.DeepseekDecoder,
+        deepseek_vl2_config_from_hf,
+        deepseek_vl2_params_from_hf,
+        ignored_prefix="language.lm_head.",
+        prefix="language.",
+        extra_options=("shared_expert_lora",),
+    ),
 }
 
 
@@ -480,8 +698,9 @@ def backbone_from_sizes(
   One mapping for every model built from sizes rather than a checkpoint (the
   `:tiny` random model, pretraining): `sizes` has d_model, d_kv, d_ff,
   num_layers, num_heads, num_experts, and per family expert_capacity and
-  sparse_step ('switch') or num_kv_heads, top_k and norm_topk_prob ('olmoe').
-  `options` go to the family's config (e.g. `dispatch='grouped_train'`).
+  sparse_step ('switch'), num_kv_heads, top_k and norm_topk_prob ('olmoe')
+  or top_k, num_shared_experts, first_k_dense and kv_lora_rank ('deepseek',
+  see `deepseek.sized_config`). `options` go to the family's config (e.g. `dispatch='grouped_train'`).
   """
   if family == "switch":
     return switch.SwitchEncoder(
@@ -513,15 +732,37 @@ def backbone_from_sizes(
             **options,
         )
     )
-  raise ValueError(f"unknown model family {family!r}; use 'switch' or 'olmoe'")
+  if family == "deepseek":
+    return deepseek.DeepseekDecoder(
+        deepseek.sized_config(
+            vocab_size=vocab_size,
+            d_model=sizes.d_model,
+            d_ff=sizes.d_ff,
+            num_layers=sizes.num_layers,
+            num_heads=sizes.num_heads,
+            d_kv=sizes.d_kv,
+            num_experts=sizes.num_experts,
+            top_k=sizes.top_k,
+            num_shared_experts=sizes.num_shared_experts,
+            first_k_dense=sizes.first_k_dense,
+            kv_lora_rank=sizes.kv_lora_rank,
+            **options,
+        )
+    )
+  raise ValueError(
+      f"family: must be one of 'switch', 'olmoe', 'deepseek', got {family!r}"
+  )
 
 
-def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
-  unknown = sorted(set(options) - set(FINE_TUNING_OPTIONS))
+def _check_options(
+    options: Mapping[str, Any], extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+  known = FINE_TUNING_OPTIONS + extra
+  unknown = sorted(set(options) - set(known))
   if unknown:
     raise ValueError(
         f"unknown from_pretrained option(s) {unknown}; the options are "
-        f"{list(FINE_TUNING_OPTIONS)} (architecture comes from config.json)"
+        f"{list(known)} (architecture comes from config.json)"
     )
   options = dict(options)
   if "expert_lora_layers" in options:
@@ -543,20 +784,25 @@ def from_pretrained(
     path_or_hub_id: a directory written by `save_pretrained` (config.json +
       *.safetensors) or a Hub id such as "google/switch-base-8" or
       "allenai/OLMoE-1B-7B-0924"; `model_type` in config.json selects the
-      backbone (SwitchEncoder or OlmoeDecoder).
+      backbone (SwitchEncoder, OlmoeDecoder or DeepseekDecoder; for
+      "deepseek_vl_v2", e.g. "deepseek-ai/deepseek-vl2-tiny", the
+      DeepseekDecoder of its language model).
     seed: PRNG seed for parameters the checkpoint lacks (LoRA adapters).
     num_labels: if set, return a `SequenceClassifier` with a linear head of
       this many labels instead of the bare backbone (see `with_head`).
     pooling: the classifier's pooling ('' = the family's default).
     **options: fine-tuning options of the model config, any of
       `FINE_TUNING_OPTIONS` (e.g. lora_rank=8, attention_lora=True,
-      expert_lora_layers=(5,), dtype='bfloat16'); anything else is an error.
+      expert_lora_layers=(5,), dtype='bfloat16') or of the family's
+      `extra_options` (DeepSeek-MoE: shared_expert_lora); anything else is an
+      error.
 
   Returns:
     (module, params): `module.apply({'params': params}, input_ids,
     attention_mask)` returns BackboneOutput(hidden_states, router_logits).
   """
-  options = _check_options(options)
+  every_extra = (o for f in FAMILIES.values() for o in f.extra_options)
+  _check_options(options, tuple(dict.fromkeys(every_extra)))  # before I/O
   model_dir = resolve_model_dir(path_or_hub_id)
   hf = read_config(model_dir)
   model_type = hf.get("model_type")
@@ -566,10 +812,13 @@ def from_pretrained(
         f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
         f"supported: {', '.join(map(repr, FAMILIES))}"
     )
+  options = _check_options(options, family.extra_options)
   config = family.config_from_hf(hf, **options)
   module = family.backbone(config)
   tensors = load_tensors(
-      model_dir, keep=lambda n: not n.startswith(family.ignored_prefix)
+      model_dir,
+      keep=lambda n: n.startswith(family.prefix)
+      and not n.startswith(family.ignored_prefix),
   )
   params = family.params_from_hf(tensors, config)
   params = init_missing(

@@ -87,18 +87,45 @@ def route_top1(router_logits: jax.Array, expert_capacity: int) -> Routing:
   return Routing(experts[..., None], weights[..., None], probs)
 
 
-def route_topk(router_logits: jax.Array, k: int, normalize: bool) -> Routing:
-  """Top-k routing without capacity (OLMoE / Mixtral style).
+def limit_to_groups(
+    probs: jax.Array, num_groups: int, top_groups: int
+) -> jax.Array:
+  """DeepSeek-V2's group-limited candidates: experts outside the best groups get 0.
+
+  The E experts form `num_groups` consecutive groups; a token keeps the
+  `top_groups` groups whose largest probability is highest and may only be
+  routed to their experts (Hugging Face's `group_limited_greedy`), which
+  bounds the devices a token's experts live on.
+  """
+  *lead, num_experts = probs.shape
+  grouped = probs.reshape(*lead, num_groups, num_experts // num_groups)
+  _, best = jax.lax.top_k(jnp.max(grouped, axis=-1), top_groups)
+  keep = jnp.sum(jax.nn.one_hot(best, num_groups, dtype=probs.dtype), axis=-2)
+  return (grouped * keep[..., None]).reshape(probs.shape)
+
+
+def route_topk(
+    router_logits: jax.Array,
+    k: int,
+    normalize: bool,
+    groups: tuple[int, int] | None = None,
+    scale: float = 1.0,
+) -> Routing:
+  """Top-k routing without capacity (OLMoE, Mixtral and DeepSeek-V2 style).
 
   Softmax in float32 over all experts, then the k largest probabilities;
   renormalised to sum to one when `normalize` (OLMoE's `norm_topk_prob`).
-  Ties go to the lower expert index (`lax.top_k` is stable).
+  `groups` = (n_group, topk_group) first restricts the candidates to the best
+  groups (`limit_to_groups`); `scale` multiplies the weights (DeepSeek's
+  `routed_scaling_factor`). Ties go to the lower expert index (`lax.top_k` is
+  stable).
   """
   probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-  weights, experts = jax.lax.top_k(probs, k)
+  candidates = probs if groups is None else limit_to_groups(probs, *groups)
+  weights, experts = jax.lax.top_k(candidates, k)
   if normalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return Routing(experts.astype(jnp.int32), weights, probs)
+  return Routing(experts.astype(jnp.int32), weights * scale, probs)
 
 
 # ---------------------------------------------------------------------------

@@ -175,34 +175,40 @@ class OlmoeAttention(nn.Module):
     return proj("o", cfg.hidden_size)(out)
 
 
-class OlmoeExperts(nn.Module):
-  """E stacked SwiGLU experts  down(act(gate(x)) * up(x)), applied to routed rows."""
+class GatedExperts(nn.Module):
+  """E stacked gated experts  down(act(gate(x)) * up(x)), applied to routed rows.
 
-  config: OlmoeConfig
+  Shared by the top-k families (OLMoE, DeepSeek-MoE): parameters
+  `{gate, up, down}/{kernel, lora_a, lora_b}` with a leading expert axis.
+  """
+
+  num_experts: int
+  features: int  # each expert's intermediate width
   rank: int = 0
+  alpha: float = 16.0
+  dispatch: str = "grouped"
+  dtype: Any = jnp.float32
+  act: str = "silu"
 
   @nn.compact
   def __call__(self, rows, experts, owner=None, owner_params=None):
-    cfg = self.config
     owner_params = owner_params or {}
 
     def linear(name, features, x):
       layer = ExpertLinear(
-          cfg.num_experts,
+          self.num_experts,
           features,
           rank=self.rank,
-          alpha=cfg.lora_alpha,
-          dispatch=cfg.dispatch,
-          dtype=jnp.dtype(cfg.dtype),
+          alpha=self.alpha,
+          dispatch=self.dispatch,
+          dtype=self.dtype,
           name=name,
       )
       return layer(x, experts, owner, owner_params.get(name))
 
-    gate = linear("gate", cfg.intermediate_size, rows)
-    up = linear("up", cfg.intermediate_size, rows)
-    return linear(
-        "down", cfg.hidden_size, moe.ACTIVATIONS[cfg.hidden_act](gate) * up
-    )
+    gate = linear("gate", self.features, rows)
+    up = linear("up", self.features, rows)
+    return linear("down", rows.shape[-1], moe.ACTIVATIONS[self.act](gate) * up)
 
 
 class OlmoeSparseMLP(nn.Module):
@@ -226,9 +232,17 @@ class OlmoeSparseMLP(nn.Module):
     routing = moe.route_topk(router_logits, cfg.top_k, cfg.norm_topk_prob)
     # One row per (token, slot): work scales with tokens x k, not tokens x E.
     rows = jnp.repeat(x.reshape(batch * seq, d_model), cfg.top_k, axis=0)
-    out = OlmoeExperts(cfg, rank=self.rank, name="experts")(
-        rows, routing.experts.reshape(-1), owner, owner_params
+    experts = GatedExperts(
+        cfg.num_experts,
+        cfg.intermediate_size,
+        rank=self.rank,
+        alpha=cfg.lora_alpha,
+        dispatch=cfg.dispatch,
+        dtype=jnp.dtype(cfg.dtype),
+        act=cfg.hidden_act,
+        name="experts",
     )
+    out = experts(rows, routing.experts.reshape(-1), owner, owner_params)
     out = out.reshape(batch, seq, cfg.top_k, d_model)
     out = jnp.sum(out * routing.weights[..., None].astype(out.dtype), axis=2)
     return out, router_logits

@@ -18,9 +18,14 @@ def _model(c: ml_collections.ConfigDict) -> None:
   c.model.num_experts = 8  # experts per sparse block
   c.model.sparse_step = 2  # switch: block i is sparse iff i % step == 1
   c.model.expert_capacity = 64  # switch: per-sequence capacity of each expert
-  c.model.top_k = 2  # olmoe: experts per token
+  c.model.top_k = 2  # olmoe, deepseek: routed experts per token
   c.model.num_kv_heads = 4  # olmoe: key/value heads
   c.model.norm_topk_prob = False  # olmoe: renormalise the top-k weights
+  c.model.num_shared_experts = 2  # deepseek: shared experts per sparse block
+  c.model.first_k_dense = 1  # deepseek: leading dense blocks
+  c.model.kv_lora_rank = (
+      64  # deepseek: MLA latent rank (heads: d_kv + d_kv/2 rotary)
+  )
   c.model.embedding_init = "spectral"  # spectral (PPMI + SVD of the corpus) | normal (HF's random init)
 
 
@@ -103,7 +108,9 @@ def _eval(c: ml_collections.ConfigDict) -> None:
 def base_config(family: str = "switch") -> ml_collections.ConfigDict:
   """A small MoE on WikiText-2 train + IMDb unsup, sized for 2 CPU cores."""
   c = ml_collections.ConfigDict()
-  c.family = family  # switch (encoder, masked LM) | olmoe (decoder, causal LM)
+  c.family = (
+      family  # switch (encoder, masked LM) | olmoe | deepseek (causal LM)
+  )
   c.seed = 0  # initialisation, data order and masking (the run is deterministic given it)
 
   _model(c)
@@ -128,6 +135,7 @@ def tiny_preset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       expert_capacity=32,
       top_k=2,
       num_kv_heads=2,
+      kv_lora_rank=16,
   )
   c.tokenizer.vocab_size = 400
   c.corpus.sources = "synthetic"

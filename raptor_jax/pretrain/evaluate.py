@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raptor_jax import ownership
+from raptor_jax.models import moe
 
 
 def _normalized_entropy(shares: np.ndarray) -> float:
@@ -31,9 +32,7 @@ def routing_report(
     mask: np.ndarray,
     *,
     layers,
-    top_k: int,
-    weighting: str,
-    normalize: bool,
+    rule: dict,
     min_share: float,
 ) -> dict[str, Any]:
   """Per-layer token load, owner shares and the collapse check.
@@ -42,21 +41,19 @@ def routing_report(
     router_logits: one [N, S, E] array per sparse layer (all records).
     mask: [N, S] attention mask of the records.
     layers: block index of each sparse layer.
-    top_k, weighting, normalize: the model's routing and the owner rule.
+    rule: the model's routing and owner rule (`ownership.owner_rule`).
     min_share: the smallest owner share an expert of the selected layer
       may have.
   """
   num_experts = router_logits[0].shape[-1]
   rows, owners = [], []
   for layer, logits in zip(layers, router_logits):
-    _, chosen = jax.lax.top_k(
-        jax.nn.softmax(jnp.asarray(logits, jnp.float32)), top_k
-    )
+    chosen = moe.route_topk(
+        jnp.asarray(logits), rule["top_k"], False, rule["groups"]
+    ).experts
     chosen = np.asarray(chosen)[np.asarray(mask) > 0].reshape(-1)
     load = np.bincount(chosen, minlength=num_experts) / max(chosen.size, 1)
-    owner = np.asarray(
-        ownership.owners(logits, mask, top_k, weighting, normalize)
-    )
+    owner = np.asarray(ownership.owners(logits, mask, **rule))
     owners.append(owner)
     shares = np.bincount(owner, minlength=num_experts) / len(owner)
     rows.append(
@@ -128,9 +125,7 @@ def evaluate(
       [np.concatenate(l) for l in logits],
       record_mask,
       layers=cfg.sparse_layers,
-      top_k=cfg.top_k,
-      weighting="count" if cfg.top_k == 1 else "prob",
-      normalize=bool(getattr(cfg, "norm_topk_prob", False)),
+      rule=ownership.owner_rule(cfg, "count"),
       min_share=min_share,
   )
   scalars = {

@@ -4,12 +4,15 @@
   reads the final states scaled by d_model^-1/2, as T5/Switch do with tied
   embeddings, so the exported checkpoint is the encoder alone.
 * OLMoE (decoder): causal LM with an untied `lm_head` (OLMoE's layout).
+* DeepSeek-MoE (decoder): causal LM with an untied `lm_head`; MLA, a dense
+  first block, routed and shared experts (DeepSeek-V2's layout).
 
 Every parameter trains, routers included: the expert kernels use the grouped
 dispatch that is differentiable in the kernels (`dispatch='grouped_train'`),
 so training costs tokens x k expert work, not tokens x E. Each family adds its
 own router auxiliary losses (Switch: load balancing and z-loss per sparse
-layer, averaged over layers; OLMoE: load balancing over all layers' tokens),
+layer, averaged over layers; OLMoE: load balancing over all layers' tokens;
+DeepSeek: the sequence-wise expert-level balance loss, summed over layers),
 and optionally an owner-balance term (`objectives.owner_balance_loss`) that
 balances RAPTOR's record owners, not only tokens.
 """
@@ -28,9 +31,11 @@ from raptor_jax import models
 from raptor_jax.models import hf
 from raptor_jax.pretrain import objectives
 
-# Hugging Face's default coefficients of each family's router losses.
-HF_AUX_LOSS_COEF = {"switch": 0.001, "olmoe": 0.01}
-HF_Z_LOSS_COEF = {"switch": 0.001, "olmoe": 0.0}
+# Default coefficients of each family's router losses: Hugging Face's configs'
+# (DeepSeek: DeepSeek-V2's `aux_loss_alpha`; transformers trains no DeepSeek
+# router).
+HF_AUX_LOSS_COEF = {"switch": 0.001, "olmoe": 0.01, "deepseek": 0.001}
+HF_Z_LOSS_COEF = {"switch": 0.001, "olmoe": 0.0, "deepseek": 0.0}
 
 
 class SpecialIds(NamedTuple):
@@ -83,7 +88,7 @@ def init_params(module: nn.Module, key: jax.Array) -> dict[str, Any]:
   """{'backbone': ..., ['lm_head': {'kernel': [D, V]}]}, initialised as HF does.
 
   Norm scales start at 1; every matrix is normal with the family's std
-  (Switch: `_switch_std`; OLMoE: initializer_range 0.02).
+  (Switch: `_switch_std`; OLMoE and DeepSeek: initializer_range 0.02).
   """
   key_shapes, key_init = jax.random.split(key)
   shapes = jax.eval_shape(
@@ -139,12 +144,14 @@ def router_losses(
         z_loss=mean(objectives.router_z_loss),
         **owner,
     )
-  return dict(
-      aux_loss=objectives.topk_load_balancing_loss(
-          router_logits, mask, module.config.top_k
-      ),
-      **owner,
-  )
+  cfg = module.config
+  if isinstance(module, models.DeepseekDecoder):
+    aux = objectives.deepseek_balance_loss(
+        router_logits, mask, cfg.top_k, cfg.routing_groups
+    )
+  else:
+    aux = objectives.topk_load_balancing_loss(router_logits, mask, cfg.top_k)
+  return dict(aux_loss=aux, **owner)
 
 
 def loss_fn(

@@ -11,6 +11,8 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from raptor_jax.models import moe
+
 
 class MaskedBatch(NamedTuple):
   """A masked-LM batch: what the model reads and what it must predict."""
@@ -183,3 +185,37 @@ def owner_balance_loss(router_logits: jax.Array, mask: jax.Array) -> jax.Array:
   )  # ties: lowest index
   record_probs = (probs * m).sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
   return num_experts * jnp.sum(owned.mean(axis=0) * record_probs.mean(axis=0))
+
+
+def deepseek_balance_loss(
+    router_logits: Sequence[jax.Array],
+    mask: jax.Array,
+    top_k: int,
+    groups: tuple[int, int] | None = None,
+) -> jax.Array:
+  """DeepSeek-V2's expert-level balance loss, sequence-wise, summed over layers.
+
+  Per layer and sequence, sum_e f_e P_e with f_e = E / (k T) x (top-k slots
+  given to expert e) and P_e the mean router probability of e, over the T
+  real tokens of the sequence (DeepSeek's `seq_aux`); the mean over
+  sequences, and every sparse layer adds its own term, as DeepSeek's gates
+  do. Slots are the experts the model really routes to (group-limited if it
+  is). Uniform routing gives 1 per layer; shared experts take no part.
+
+  Args:
+    router_logits: one [B, S, E] array per sparse layer.
+    mask: [B, S] {0, 1}.
+    top_k: routed experts per token.
+    groups: (n_group, topk_group) of group-limited routing, or None.
+  """
+  m = mask.astype(jnp.float32)[..., None]  # [B, S, 1]
+  tokens = jnp.maximum(m.sum(axis=1), 1.0)  # [B, 1]
+  total = 0.0
+  for logits in router_logits:
+    num_experts = logits.shape[-1]
+    routing = moe.route_topk(logits, top_k, False, groups)
+    one_hot = jax.nn.one_hot(routing.experts, num_experts).sum(axis=-2)
+    f = (one_hot * m).sum(axis=1) * num_experts / (top_k * tokens)
+    p = (routing.probs * m).sum(axis=1) / tokens
+    total = total + jnp.mean(jnp.sum(f * p, axis=-1))
+  return total

@@ -90,7 +90,9 @@ def coefficients(config: ml_collections.ConfigDict) -> tuple[float, float]:
 def validate(config: ml_collections.ConfigDict) -> None:
   """One clear error for a config that cannot run, before any data is read."""
   fix = _validate.config_fix
-  _validate.one_of("family", config.family, ("switch", "olmoe"), fix("family"))
+  _validate.one_of(
+      "family", config.family, tuple(model.HF_AUX_LOSS_COEF), fix("family")
+  )
   for name in ("steps", "batch_size", "seq_len", "learning_rate"):
     _validate.check(config[name] > 0, name, "> 0", config[name], fix(name))
   _validate.check(

@@ -10,7 +10,7 @@ from raptor_jax import _validate, data
 def _random_model_config() -> ml_collections.ConfigDict:
   """`model.random`: the randomly initialised stand-in of a pretrained model."""
   r = ml_collections.ConfigDict()
-  r.family = "switch"  # switch | olmoe
+  r.family = "switch"  # switch | olmoe | deepseek
   r.d_model = 64  # hidden size
   r.num_layers = 4  # blocks
   r.num_heads = 4  # attention heads
@@ -22,6 +22,11 @@ def _random_model_config() -> ml_collections.ConfigDict:
   r.top_k = 2  # experts per token (olmoe)
   r.num_kv_heads = 2  # key/value heads (olmoe)
   r.norm_topk_prob = False  # renormalise the top-k weights (olmoe)
+  r.num_shared_experts = 2  # always-active shared experts (deepseek)
+  r.first_k_dense = 1  # leading dense blocks (deepseek)
+  r.kv_lora_rank = (
+      32  # MLA latent rank (deepseek); 0 = plain multi-head attention
+  )
   r.topic_scale = (
       2.0  # embedding boost shared by same-topic words (routing matters)
   )
@@ -236,6 +241,33 @@ def olmoe_family(
   return config
 
 
+def deepseek_family(
+    config: ml_collections.ConfigDict,
+) -> ml_collections.ConfigDict:
+  """DeepSeek-VL2-Tiny's language model instead of Switch-base-8.
+
+  DeepSeekMoE: 64 routed experts (top-6) and 2 always-active shared experts
+  per sparse block, the first block dense, 11 sparse blocks. The random
+  stand-in has 8 routed experts (top-2), 2 shared experts, MLA attention and
+  a dense first block.
+  """
+  config.model.name = "deepseek-ai/deepseek-vl2-tiny"
+  config.model.dtype = "bfloat16"  # activations; DP sums and noise stay float32
+  config.microbatch_size = 8
+  config.model.random.update(
+      family="deepseek", num_experts=8, top_k=2, num_layers=3
+  )
+  return config
+
+
+# Model family -> its changes to the (Switch) base config.
+FAMILIES = {
+    "switch": lambda c: c,
+    "olmoe": olmoe_family,
+    "deepseek": deepseek_family,
+}
+
+
 def with_preset(
     config: ml_collections.ConfigDict, arg: str, family: str = "switch"
 ) -> ml_collections.ConfigDict:
@@ -246,7 +278,7 @@ def with_preset(
     arg: '' (paper scale), 'tiny' (embedded offline task), 'cpu' (tiny
       random model on the real task's files) or 'small' (a small pretrained
       model from launch/pretrain.py on the real task's files).
-    family: 'switch' or 'olmoe'.
+    family: 'switch', 'olmoe' or 'deepseek'.
   """
   presets = {
       "": lambda c: c,
@@ -255,11 +287,9 @@ def with_preset(
       "small": small_preset,
   }
   _validate.one_of("preset", arg, presets, _ARG_FIX)
-  _validate.one_of("model", family, ("switch", "olmoe"), _ARG_FIX)
-  if family == "olmoe":
-    config = olmoe_family(config)
-  config = presets[arg](config)
-  if arg and family == "olmoe":
+  _validate.one_of("model", family, FAMILIES, _ARG_FIX)
+  config = presets[arg](FAMILIES[family](config))
+  if arg and family != "switch":
     config.model.dtype = "float32"
   return config
 
@@ -271,7 +301,8 @@ def glue_config(
 
   Args:
     task: 'sst2', 'qnli', 'qqp' or 'mnli'.
-    model: 'switch' (google/switch-base-8) or 'olmoe' (OLMoE-1B-7B).
+    model: 'switch' (google/switch-base-8), 'olmoe' (OLMoE-1B-7B) or
+      'deepseek' (DeepSeek-VL2-Tiny's language model).
     preset: see `with_preset`.
   """
   _validate.one_of("task", task, data.TASK_CORPUS, _ARG_FIX)

@@ -6,9 +6,10 @@ update of its parts. A part is a set of parameters with a clip norm, a noise
 multiplier and a public denominator; an `owner` part holds the experts of
 layer l*, where every record trains its owner's slice only.
 
-  raptor           shared phase {attention adapters + head}, then expert
-                   phase {owner slices of l*'s expert adapters} on an
-                   independent sample (Alg. 1); sigmas split by rho
+  raptor           shared phase {attention adapters + shared-expert adapters +
+                   head}, then expert phase {owner slices of l*'s routed
+                   expert adapters} on an independent sample (Alg. 1);
+                   sigmas split by rho
   baseline_a       RAPTOR's parameters (shared + every expert of l*, no owner
                    masking, no residual weight), one clip C (privacy.clip_shared)
                    over both, one sigma, denominator B for both (Tab. 6)
@@ -18,8 +19,9 @@ layer l*, where every record trains its owner's slice only.
   monolithic       every weight, routers included, one clip, one sigma,
                    denominator B (DP-Adam of Tholoniat et al.: the record's
                    gradient [g_sh, g_rt, g_head, g_exp] of Sec. 4.1)
-  monolithic_lora  adapters of attention and of every expert of every sparse
-                   layer + head, one clip, one sigma, denominator B
+  monolithic_lora  adapters of attention and of every expert (shared and
+                   routed) of every sparse layer + head, one clip, one sigma,
+                   denominator B
   nonprivate_lora  as monolithic_lora without clipping or noise
   nonprivate_full  as monolithic without clipping or noise
 
@@ -45,7 +47,9 @@ With `alternate=False` as well, `joint_clip=True` is the older two-change
 variant (one sample, one clip C_s over both streams, one sigma from DP-SGD
 calibration): sweep variant `raptor_full_clip_one_sample`.
 
-Only RAPTOR's expert stream (raptor, its ablations, baseline_c) trains owner
+Shared experts (DeepSeek-MoE) see every token, so they belong to the shared
+stream wherever it trains (SPEC 1.5); only routed experts have owners. Only
+RAPTOR's expert stream (raptor, its ablations, baseline_c) trains owner
 slices. Routers never train except in the full-weight monolithic baselines,
 which treat the model as one dense block like the paper's DP-Adam baseline.
 Every method samples every phase as Poisson, for the same number of cycles.
@@ -403,35 +407,39 @@ def _phases(
   )
 
 
-def _model_options(config, phases, sparse_layers, expert_layer) -> dict:
+def _model_options(
+    config, phases, sparse_layers, expert_layer, shared_experts
+) -> dict:
   """Adapters the methods' parts train, and the expert dispatch they need.
 
   A non-owner part that trains expert kernels needs the dense dispatch (the
-  grouped one treats expert kernels as frozen constants).
+  grouped one treats expert kernels as frozen constants). Shared-expert
+  adapters exist exactly when attention adapters do: both are the shared
+  stream's LoRA (a model without shared experts takes no such option).
   """
   method, mc, rc = config.method, config.model, config.raptor
   parts = [part for phase in phases for part in phase.parts]
   dense = any("expert_kernel" in p.roles and not p.owner for p in parts)
   options = dict(dispatch="dense" if dense else "grouped")
   if method in ("monolithic", "nonprivate_full"):
-    return dict(
-        options, lora_rank=0, attention_lora=False, expert_lora_layers=()
-    )
-  if method in ("monolithic_lora", "nonprivate_lora"):
-    return dict(
-        options,
+    options.update(lora_rank=0, attention_lora=False, expert_lora_layers=())
+  elif method in ("monolithic_lora", "nonprivate_lora"):
+    options.update(
         lora_rank=mc.lora_rank,
         lora_alpha=mc.lora_alpha,
         attention_lora=True,
         expert_lora_layers=tuple(sparse_layers),
     )
-  return dict(
-      options,
-      lora_rank=mc.lora_rank,
-      lora_alpha=mc.lora_alpha,
-      attention_lora=not rc.shared_full_weights,
-      expert_lora_layers=() if rc.expert_full_weights else (expert_layer,),
-  )
+  else:
+    options.update(
+        lora_rank=mc.lora_rank,
+        lora_alpha=mc.lora_alpha,
+        attention_lora=not rc.shared_full_weights,
+        expert_lora_layers=() if rc.expert_full_weights else (expert_layer,),
+    )
+  if shared_experts:
+    options["shared_expert_lora"] = options["attention_lora"]
+  return options
 
 
 def build_plan(
@@ -441,6 +449,7 @@ def build_plan(
     num_experts: int,
     sparse_layers: tuple[int, ...],
     expert_layer: int,
+    shared_experts: bool = False,
 ) -> Plan:
   """Turns a config into phases with calibrated noise.
 
@@ -453,6 +462,8 @@ def build_plan(
     num_experts: E.
     sparse_layers: block indices of the sparse layers.
     expert_layer: the selected layer l*.
+    shared_experts: the model has always-active shared experts (their
+      adapters then join the shared stream's LoRA).
 
   Returns:
     The Plan.
@@ -482,7 +493,9 @@ def build_plan(
       delta,
       config.privacy.epsilon if private else None,
       expert_layer,
-      _model_options(config, phases, sparse_layers, expert_layer),
+      _model_options(
+          config, phases, sparse_layers, expert_layer, shared_experts
+      ),
   )
 
 

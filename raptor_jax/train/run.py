@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from raptor_jax import _validate, data, models, ownership, sampling
+from raptor_jax import _validate, data, models, ownership, roles, sampling
 from raptor_jax.models import hf
 from raptor_jax.train import canaries as canaries_lib
 from raptor_jax.train import methods, parallel, setup
@@ -140,6 +140,7 @@ def build_run(
       num_experts=bc.num_experts,
       sparse_layers=bc.sparse_layers,
       expert_layer=expert_layer,
+      shared_experts=roles.has_shared_experts(backbone_params),
   )
   records = run_data.train if owner_records == "train" else run_data.dev
   needs_owners = any(part.owner for part in plan.parts)

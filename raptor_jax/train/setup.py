@@ -121,11 +121,11 @@ def _check_random_model_unset(config: ml_collections.ConfigDict) -> None:
   """`model.random.*` describes the random model only: a pretrained one
   brings its own architecture, so a changed field there has no effect.
 
-  Unset means either family's default (`olmoe_family` sets its own).
+  Unset means any family's default (`olmoe_family` etc. set their own).
   """
   defaults = [
-      config_lib.base_config().model.random,
-      config_lib.olmoe_family(config_lib.base_config()).model.random,
+      family(config_lib.base_config()).model.random
+      for family in config_lib.FAMILIES.values()
   ]
   given = config.model.random
   changed = [[k for k in d if given[k] != d[k]] for d in defaults]
@@ -386,13 +386,12 @@ def random_backbone(
   random router sends a topic's records to the same expert, as a pretrained
   router does for semantically related text: routing then matters.
   """
-  if rc.family not in ("switch", "olmoe"):
-    _validate.fail(
-        "model.random.family",
-        "one of 'switch', 'olmoe'",
-        rc.family,
-        _validate.config_fix("model.random.family"),
-    )
+  _validate.one_of(
+      "model.random.family",
+      rc.family,
+      config_lib.FAMILIES,
+      _validate.config_fix("model.random.family"),
+  )
   module = hf.backbone_from_sizes(rc.family, rc, vocab_size)
   key_init, key_topics = jax.random.split(jax.random.PRNGKey(seed))
   params = jax.jit(module.init)(key_init, *hf.example_inputs())["params"]

@@ -1,0 +1,547 @@
+"""DeepSeek-MoE decoder (DeepSeek-V2, DeepSeek-VL2's language model) as flax.linen modules.
+
+A faithful port of `transformers.DeepseekV2Model` (transformers 5.x, eager
+attention, eval mode), plus the plain multi-head attention variant that
+DeepSeek's own code selects with `use_mla: false` (DeepSeek-VL2-Tiny):
+
+* Llama-style RMS norm (float32 statistics). The two latent norms of MLA use
+  eps 1e-6 whatever `rms_norm_eps` says, as Hugging Face builds them.
+* Multi-head latent attention (MLA): queries from `q` (or the low-rank
+  `q_a` -> norm -> `q_b` when `q_lora_rank` is set); keys and values from a
+  compressed latent `kv_a` -> norm -> `kv_b`; each head's query/key splits
+  into a `qk_nope_head_dim` part without position and a `qk_rope_head_dim`
+  part with RoPE, whose key is one vector shared by all heads; values have
+  `v_head_dim`; scores scaled by (nope + rope)^-1/2. RoPE rotates adjacent
+  pairs (x[2i], x[2i+1]), Hugging Face's complex form.
+* `use_mla=False`: `transformers.LlamaAttention` (q, k, v, o; grouped key /
+  value heads; rotate-half RoPE over head_dim = hidden / heads), the class
+  DeepSeek's code maps `mha_eager` to.
+* The first `first_k_dense_replace` blocks have a dense SwiGLU MLP; every
+  later block is sparse: a float32 softmax router over the routed experts,
+  top-k (`greedy`, or `group_limited_greedy`: only the `topk_group` best of
+  `n_group` expert groups compete), weights times `routed_scaling_factor`,
+  routed SwiGLU experts in the grouped dispatch (tokens x k work), plus
+  `n_shared_experts` always-active shared experts run as ONE dense SwiGLU MLP
+  of width n_shared_experts x moe_intermediate_size (tokens x 1 work).
+* `norm_topk_prob` is ignored, as transformers 5.x's DeepseekV2 ignores it
+  (DeepSeek's original code renormalises the top-k weights when it is set).
+
+Routing is per token, so a record never affects another. RAPTOR's roles:
+shared experts see every token, so they join the shared stream (role
+`shared_expert_*`, see `roles.py`); only the routed experts' gates decide
+ownership and layer selection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from raptor_jax import _validate
+from raptor_jax.models import moe
+from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
+from raptor_jax.models.lora import LoRADense
+from raptor_jax.models.olmoe import GatedExperts, RMSNorm, apply_rotary, rotary_tables
+
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+# HF builds q_a_layernorm / kv_a_layernorm with the default eps.
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekConfig(FineTuningOptions):
+  """Architecture (HF config.json; defaults: DeepSeek-V2-Lite) plus fine-tuning options.
+
+  Besides the shared `FineTuningOptions`, `shared_expert_lora` puts adapters
+  on the shared experts of every sparse block: they are the shared stream's
+  LoRA (with the attention adapters), since shared experts see every token.
+  """
+
+  vocab_size: int = 102400
+  hidden_size: int = 2048
+  intermediate_size: int = 10944  # dense blocks' MLP width
+  moe_intermediate_size: int = 1408  # routed expert width; shared: x n_shared
+  num_hidden_layers: int = 27
+  num_attention_heads: int = 16
+  num_key_value_heads: int = 16  # MHA variant only (MLA expands keys per head)
+  use_mla: bool = True  # False: plain multi-head attention (DeepSeek-VL2-Tiny)
+  q_lora_rank: int | None = None  # None: queries from one projection `q`
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  n_routed_experts: int = 64
+  n_shared_experts: int = 2
+  num_experts_per_tok: int = 6
+  first_k_dense_replace: int = 1  # blocks 0..k-1 are dense
+  topk_method: str = "greedy"
+  n_group: int | None = None  # group_limited_greedy: expert groups
+  topk_group: int | None = None  # group_limited_greedy: groups a token may use
+  routed_scaling_factor: float = 1.0
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  hidden_act: str = "silu"
+  shared_expert_lora: bool = dataclasses.field(default=False, kw_only=True)
+
+  def __post_init__(self):
+    _validate.one_of("hidden_act", self.hidden_act, sorted(moe.ACTIVATIONS))
+    _validate.one_of(
+        "topk_method",
+        self.topk_method,
+        TOPK_METHODS,
+        "noaux_tc / sigmoid scoring (DeepSeek-V3, VL2) are not ported",
+    )
+    _validate.check(
+        1 <= self.num_experts_per_tok <= self.n_routed_experts,
+        "num_experts_per_tok",
+        f"in [1, n_routed_experts={self.n_routed_experts}]",
+        self.num_experts_per_tok,
+    )
+    _validate.check(
+        self.n_shared_experts >= 1,
+        "n_shared_experts",
+        ">= 1 (DeepSeek-MoE has shared experts)",
+        self.n_shared_experts,
+    )
+    _validate.check(
+        0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+        "first_k_dense_replace",
+        f"in [0, num_hidden_layers={self.num_hidden_layers}]",
+        self.first_k_dense_replace,
+    )
+    if self.use_mla:
+      self._check_mla()
+    else:
+      self._check_mha()
+    if self.topk_method == "group_limited_greedy":
+      self._check_groups()
+    super().__post_init__()
+
+  def _check_mla(self):
+    _validate.check(
+        self.num_key_value_heads == self.num_attention_heads,
+        "num_key_value_heads",
+        f"num_attention_heads={self.num_attention_heads} (MLA expands keys"
+        " and values to every head)",
+        self.num_key_value_heads,
+    )
+    _validate.check(
+        self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
+        "qk_rope_head_dim",
+        "positive and even",
+        self.qk_rope_head_dim,
+    )
+    _validate.check(
+        self.kv_lora_rank > 0 and self.v_head_dim > 0,
+        "(kv_lora_rank, v_head_dim)",
+        "both positive for MLA",
+        (self.kv_lora_rank, self.v_head_dim),
+    )
+
+  def _check_mha(self):
+    _validate.check(
+        self.hidden_size % self.num_attention_heads == 0
+        and self.head_dim % 2 == 0,
+        "num_attention_heads",
+        f"a divisor of hidden_size={self.hidden_size} with an even head size",
+        self.num_attention_heads,
+    )
+    _validate.check(
+        self.num_attention_heads % self.num_key_value_heads == 0,
+        "num_key_value_heads",
+        f"a divisor of num_attention_heads={self.num_attention_heads}",
+        self.num_key_value_heads,
+    )
+
+  def _check_groups(self):
+    groups, top = self.n_group or 0, self.topk_group or 0
+    _validate.check(
+        groups >= 1
+        and self.n_routed_experts % groups == 0
+        and 1 <= top <= groups
+        and top * (self.n_routed_experts // groups) >= self.num_experts_per_tok,
+        "(n_group, topk_group)",
+        f"n_group dividing n_routed_experts={self.n_routed_experts} and"
+        " topk_group in [1, n_group] whose groups hold >= num_experts_per_tok"
+        " experts (group_limited_greedy)",
+        (self.n_group, self.topk_group),
+    )
+
+  @property
+  def num_experts(self) -> int:
+    """Routed experts per sparse block (E); shared experts are not counted."""
+    return self.n_routed_experts
+
+  @property
+  def top_k(self) -> int:
+    """Routed experts per token."""
+    return self.num_experts_per_tok
+
+  @property
+  def head_dim(self) -> int:
+    """Per-head width of the plain multi-head attention variant."""
+    return self.hidden_size // self.num_attention_heads
+
+  @property
+  def routing_groups(self) -> tuple[int, int] | None:
+    """(n_group, topk_group) of group-limited routing; None for greedy."""
+    if self.topk_method == "group_limited_greedy":
+      return self.n_group, self.topk_group
+    return None
+
+  @property
+  def sparse_layers(self) -> tuple[int, ...]:
+    """Indices of the sparse (MoE) blocks: every block after the dense ones."""
+    return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
+
+
+def sized_config(
+    *,
+    vocab_size: int,
+    d_model: int,
+    d_ff: int,
+    num_layers: int,
+    num_heads: int,
+    d_kv: int,
+    num_experts: int,
+    top_k: int,
+    num_shared_experts: int,
+    first_k_dense: int,
+    kv_lora_rank: int,
+    **options,
+) -> DeepseekConfig:
+  """A small DeepSeek-MoE from generic sizes (random and pretraining models).
+
+  Routed experts have width d_ff, the dense blocks 2 d_ff. MLA heads split
+  d_kv into a position-free part of d_kv and a rotary part of d_kv / 2
+  (DeepSeek-V2's 128 / 64), values of d_kv, latent rank `kv_lora_rank`;
+  `kv_lora_rank=0` gives plain multi-head attention (as DeepSeek-VL2-Tiny).
+  """
+  mla = dict(
+      qk_nope_head_dim=d_kv,
+      qk_rope_head_dim=d_kv // 2,
+      v_head_dim=d_kv,
+      kv_lora_rank=kv_lora_rank,
+      q_lora_rank=None,
+  )
+  return DeepseekConfig(
+      vocab_size=vocab_size,
+      hidden_size=d_model,
+      intermediate_size=2 * d_ff,
+      moe_intermediate_size=d_ff,
+      num_hidden_layers=num_layers,
+      num_attention_heads=num_heads,
+      num_key_value_heads=num_heads,
+      n_routed_experts=num_experts,
+      n_shared_experts=num_shared_experts,
+      num_experts_per_tok=top_k,
+      first_k_dense_replace=first_k_dense,
+      use_mla=kv_lora_rank > 0,
+      **(mla if kv_lora_rank > 0 else {}),
+      **options,
+  )
+
+
+def interleaved_rotary_tables(
+    seq_len: int, dim: int, theta: float
+) -> tuple[jax.Array, jax.Array]:
+  """float32 cos and sin [S, dim / 2] of default RoPE, one angle per pair of features."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_interleaved_rotary(
+    x_BxSxHxD: jax.Array, cos_SxR: jax.Array, sin_SxR: jax.Array
+) -> jax.Array:
+  """Rotates each pair (x[2i], x[2i+1]) by its angle, in float32 (HF's complex RoPE)."""
+  pairs = x_BxSxHxD.astype(jnp.float32).reshape(*x_BxSxHxD.shape[:-1], -1, 2)
+  x1, x2 = pairs[..., 0], pairs[..., 1]
+  cos, sin = cos_SxR[:, None, :], sin_SxR[:, None, :]
+  rotated = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+  return rotated.reshape(x_BxSxHxD.shape).astype(x_BxSxHxD.dtype)
+
+
+def attend(
+    scores_BxHxQxK: jax.Array,
+    allowed_BxQxK: jax.Array,
+    v_BxKxHxD: jax.Array,
+    dtype: Any,
+) -> jax.Array:
+  """Masked float32 softmax over keys, then the values: [B, Q, H * D]."""
+  scores = jnp.where(
+      allowed_BxQxK[:, None],
+      scores_BxHxQxK.astype(jnp.float32),
+      jnp.finfo(jnp.float32).min,
+  )
+  weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  out = jnp.einsum("bhqk,bkhd->bqhd", weights, v_BxKxHxD)
+  return out.reshape(*out.shape[:2], -1)
+
+
+class MultiHeadLatentAttention(nn.Module):
+  """DeepSeek-V2's MLA (HF `DeepseekV2Attention`), causal, optional LoRA on every projection."""
+
+  config: DeepseekConfig
+
+  @nn.compact
+  def __call__(self, x, allowed):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    rank = cfg.lora_rank if cfg.attention_lora else 0
+    heads, nope, rope, v_dim = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+    )
+    batch, seq = x.shape[:2]
+
+    def proj(name, features, inputs):
+      return LoRADense(
+          features, rank=rank, alpha=cfg.lora_alpha, dtype=dtype, name=name
+      )(inputs)
+
+    def norm(name, inputs):
+      return RMSNorm(LATENT_NORM_EPS, dtype=dtype, name=name)(inputs)
+
+    if cfg.q_lora_rank is None:
+      q = proj("q", heads * (nope + rope), x)
+    else:
+      q = proj(
+          "q_b",
+          heads * (nope + rope),
+          norm("q_a_norm", proj("q_a", cfg.q_lora_rank, x)),
+      )
+    q = q.reshape(batch, seq, heads, nope + rope)
+    latent, k_rot = jnp.split(
+        proj("kv_a", cfg.kv_lora_rank + rope, x), [cfg.kv_lora_rank], axis=-1
+    )
+    kv = proj("kv_b", heads * (nope + v_dim), norm("kv_a_norm", latent))
+    kv = kv.reshape(batch, seq, heads, nope + v_dim)
+    cos, sin = interleaved_rotary_tables(seq, rope, cfg.rope_theta)
+    q_rot = apply_interleaved_rotary(q[..., nope:], cos, sin)
+    k_rot = apply_interleaved_rotary(k_rot[:, :, None, :], cos, sin)[:, :, 0]
+    # [q_nope, q_rot] . [k_nope, k_rot]: the position part's key is shared by all heads.
+    scores = jnp.einsum(
+        "bqhd,bkhd->bhqk", q[..., :nope], kv[..., :nope]
+    ) + jnp.einsum("bqhd,bkd->bhqk", q_rot, k_rot)
+    out = attend(
+        scores.astype(jnp.float32) * (nope + rope) ** -0.5,
+        allowed,
+        kv[..., nope:],
+        dtype,
+    )
+    return proj("o", cfg.hidden_size, out)
+
+
+class MultiHeadAttention(nn.Module):
+  """Plain causal attention with grouped key/value heads (`transformers.LlamaAttention`)."""
+
+  config: DeepseekConfig
+
+  @nn.compact
+  def __call__(self, x, allowed):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    rank = cfg.lora_rank if cfg.attention_lora else 0
+    heads, kv_heads, head_dim = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    )
+    batch, seq = x.shape[:2]
+
+    def proj(name, features, inputs):
+      return LoRADense(
+          features, rank=rank, alpha=cfg.lora_alpha, dtype=dtype, name=name
+      )(inputs)
+
+    cos, sin = rotary_tables(seq, head_dim, cfg.rope_theta, dtype)
+    q = apply_rotary(
+        proj("q", heads * head_dim, x).reshape(batch, seq, heads, head_dim),
+        cos,
+        sin,
+    )
+    k = apply_rotary(
+        proj("k", kv_heads * head_dim, x).reshape(
+            batch, seq, kv_heads, head_dim
+        ),
+        cos,
+        sin,
+    )
+    v = proj("v", kv_heads * head_dim, x).reshape(
+        batch, seq, kv_heads, head_dim
+    )
+    # Query head h reads key/value head h // (heads / kv_heads) (HF repeat_kv).
+    k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
+    scores = (
+        jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * head_dim**-0.5
+    )
+    return proj("o", cfg.hidden_size, attend(scores, allowed, v, dtype))
+
+
+class GatedMLP(nn.Module):
+  """Dense SwiGLU MLP  down(act(gate(x)) * up(x)): the dense blocks and the shared experts."""
+
+  features: int
+  rank: int = 0
+  alpha: float = 16.0
+  dtype: Any = jnp.float32
+  act: str = "silu"
+
+  @nn.compact
+  def __call__(self, x):
+    def proj(name, features, inputs):
+      return LoRADense(
+          features,
+          rank=self.rank,
+          alpha=self.alpha,
+          dtype=self.dtype,
+          name=name,
+      )(inputs)
+
+    hidden = moe.ACTIVATIONS[self.act](proj("gate", self.features, x)) * proj(
+        "up", self.features, x
+    )
+    return proj("down", x.shape[-1], hidden)
+
+
+class DeepseekSparseMLP(nn.Module):
+  """Frozen float32 router + routed experts (grouped dispatch) + shared experts (dense)."""
+
+  config: DeepseekConfig
+  rank: int = 0  # adapters of the routed experts
+
+  @nn.compact
+  def __call__(self, x, owner=None, owner_params=None):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    batch, seq, d_model = x.shape
+    router = nn.Dense(
+        cfg.num_experts,
+        use_bias=False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        name="router",
+    )
+    router_logits = router(x.astype(jnp.float32))
+    routing = moe.route_topk(
+        router_logits,
+        cfg.top_k,
+        False,
+        cfg.routing_groups,
+        cfg.routed_scaling_factor,
+    )
+    # One row per (token, slot): routed work scales with tokens x k, not tokens x E.
+    rows = jnp.repeat(x.reshape(batch * seq, d_model), cfg.top_k, axis=0)
+    experts = GatedExperts(
+        cfg.num_experts,
+        cfg.moe_intermediate_size,
+        rank=self.rank,
+        alpha=cfg.lora_alpha,
+        dispatch=cfg.dispatch,
+        dtype=dtype,
+        act=cfg.hidden_act,
+        name="experts",
+    )
+    out = experts(rows, routing.experts.reshape(-1), owner, owner_params)
+    out = out.reshape(batch, seq, cfg.top_k, d_model)
+    out = jnp.sum(out * routing.weights[..., None].astype(out.dtype), axis=2)
+    shared = GatedMLP(
+        cfg.moe_intermediate_size * cfg.n_shared_experts,
+        rank=cfg.lora_rank if cfg.shared_expert_lora else 0,
+        alpha=cfg.lora_alpha,
+        dtype=dtype,
+        act=cfg.hidden_act,
+        name="shared_experts",
+    )
+    return out + shared(x), router_logits
+
+
+class DeepseekBlock(nn.Module):
+  """Pre-norm attention sub-layer, then a pre-norm dense or sparse MLP sub-layer."""
+
+  config: DeepseekConfig
+  index: int
+
+  @nn.compact
+  def __call__(self, x, allowed, owner_override=None):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype=dtype, name=name)
+    attention = MultiHeadLatentAttention if cfg.use_mla else MultiHeadAttention
+    x = x + attention(cfg, name="attention")(norm("attention_norm")(x), allowed)
+    h = norm("mlp_norm")(x)
+    if self.index not in cfg.sparse_layers:
+      mlp = GatedMLP(
+          cfg.intermediate_size, dtype=dtype, act=cfg.hidden_act, name="mlp"
+      )
+      return x + mlp(h), None
+    rank = cfg.lora_rank if self.index in cfg.expert_lora_layers else 0
+    owner, owner_params = None, None
+    if owner_override is not None and owner_override.layer == self.index:
+      owner, owner_params = owner_override.owner, owner_override.params
+    out, router_logits = DeepseekSparseMLP(cfg, rank=rank, name="mlp")(
+        h, owner, owner_params
+    )
+    return x + out, router_logits
+
+
+class DeepseekDecoder(nn.Module):
+  """The DeepSeek-MoE decoder stack (token embedding to final norm, no lm_head)."""
+
+  config: DeepseekConfig
+
+  @nn.compact
+  def __call__(
+      self,
+      input_ids: jax.Array,
+      attention_mask: jax.Array | None = None,
+      owner_override: OwnerOverride | None = None,
+  ) -> BackboneOutput:
+    """Decodes a batch (right padding).
+
+    Args:
+      input_ids: int [B, S].
+      attention_mask: {0, 1} [B, S] (1 = token, padding on the right); None
+        means all tokens.
+      owner_override: optional `OwnerOverride` of a sparse block whose params
+        are {'gate': ..., 'up': ..., 'down': ...} (routed experts only); only
+        for a single record (B = 1), e.g. inside `jax.vmap` over records.
+
+    Returns:
+      BackboneOutput(hidden_states [B, S, D] after the final norm,
+      router_logits: one float32 [B, S, E] per sparse block, in block order).
+    """
+    cfg = self.config
+    if (
+        owner_override is not None
+        and owner_override.layer not in cfg.sparse_layers
+    ):
+      raise ValueError(
+          f"owner layer {owner_override.layer} is not a sparse block of this "
+          f"model; sparse blocks: {list(cfg.sparse_layers)}"
+      )
+    dtype = jnp.dtype(cfg.dtype)
+    seq = input_ids.shape[1]
+    if attention_mask is None:
+      attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    allowed = causal[None] & (attention_mask[:, None, :] > 0)  # [B, S_q, S_k]
+    x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")(
+        input_ids
+    ).astype(dtype)
+    router_logits = []
+    for i in range(cfg.num_hidden_layers):
+      x, logits = DeepseekBlock(cfg, i, name=f"block_{i}")(
+          x, allowed, owner_override
+      )
+      if logits is not None:
+        router_logits.append(logits)
+    x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
+    return BackboneOutput(x, tuple(router_logits))

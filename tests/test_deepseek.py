@@ -1,0 +1,587 @@
+"""DeepSeek-MoE decoder: parity with Hugging Face, per-record semantics, LoRA, owners.
+
+The reference for MLA is `transformers.DeepseekV2Model` (eager attention).
+transformers has no plain multi-head attention variant of DeepSeek-V2, so the
+reference for `use_mla: false` (DeepSeek-VL2-Tiny's language model) is the
+same HF model with every attention replaced by `transformers.LlamaAttention`
+and its rotary embedding by `LlamaRotaryEmbedding`, exactly what DeepSeek's
+own code does for `mha_eager`. Parity is checked on every position of padded
+batches (right padding: padding queries still see the real tokens before
+them, so their states are well defined).
+"""
+
+import functools
+import json
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import transformers
+from transformers.models.llama import modeling_llama
+
+from raptor_jax import models, ownership
+from raptor_jax.models import hf as hf_lib
+
+VOCAB, SEQ, LAYERS = 60, 11, 3
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    pad_token_id=0,
+    eos_token_id=None,
+    bos_token_id=None,
+    initializer_range=0.2,
+)
+# The grid of the issue: greedy / group-limited routing, q_lora_rank None / set,
+# first_k_dense_replace 0 / 1, n_shared_experts 1 / 2, norm_topk_prob on / off.
+CONFIGS = {
+    "greedy_q_dense1_s1": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        q_lora_rank=None,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        norm_topk_prob=False,
+    ),
+    "group_qlora_dense0_s2_norm": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        q_lora_rank=12,
+        first_k_dense_replace=0,
+        n_shared_experts=2,
+        norm_topk_prob=True,
+        topk_method="group_limited_greedy",
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    ),
+    "greedy_qlora_dense1_s2_norm": dict(
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        q_lora_rank=12,
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+        norm_topk_prob=True,
+    ),
+    "group_q_dense0_s1": dict(
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        q_lora_rank=None,
+        first_k_dense_replace=0,
+        n_shared_experts=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+    ),
+}
+MHA_CONFIGS = {
+    "mha_dense1_s2": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+        num_key_value_heads=4,
+    ),
+    "mha_gqa_dense0_s1": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        first_k_dense_replace=0,
+        n_shared_experts=1,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+    ),
+}
+
+_jit = functools.partial(
+    jax.jit, compiler_options={"xla_backend_optimization_level": 0}
+)
+
+
+def _save_mla(path, seed, **kwargs):
+  torch.manual_seed(seed)
+  model = transformers.DeepseekV2ForCausalLM(
+      transformers.DeepseekV2Config(**BASE, **kwargs)
+  )
+  model.save_pretrained(path)
+  return transformers.DeepseekV2Model.from_pretrained(
+      path, attn_implementation="eager"
+  ).eval()
+
+
+def _save_mha(path, seed, num_key_value_heads, **kwargs):
+  """A DeepSeek-MoE with LlamaAttention (DeepSeek's `use_mla: false`), saved as DeepSeek's
+  code would: q/k/v/o_proj tensors and `use_mla: false` in config.json."""
+  torch.manual_seed(seed)
+  config = transformers.DeepseekV2Config(**BASE, q_lora_rank=None, **kwargs)
+  config._attn_implementation = "eager"
+  model = transformers.DeepseekV2Model(config)
+  llama = transformers.LlamaConfig(
+      hidden_size=config.hidden_size,
+      num_attention_heads=config.num_attention_heads,
+      num_key_value_heads=num_key_value_heads,
+      rope_parameters=config.rope_parameters,
+      max_position_embeddings=config.max_position_embeddings,
+  )
+  llama._attn_implementation = "eager"
+  for i, layer in enumerate(model.layers):
+    layer.self_attn = modeling_llama.LlamaAttention(llama, i)
+  model.rotary_emb = modeling_llama.LlamaRotaryEmbedding(llama)
+  model.eval()
+  path.mkdir(parents=True)
+  state = {k: v.contiguous() for k, v in model.state_dict().items()}
+  safetensors.torch.save_file(state, str(path / "model.safetensors"))
+  hf_config = dict(
+      config.to_dict(),
+      use_mla=False,
+      num_key_value_heads=num_key_value_heads,
+      kv_lora_rank=None,
+      qk_nope_head_dim=0,
+      qk_rope_head_dim=0,
+      v_head_dim=0,
+  )
+  (path / "config.json").write_text(json.dumps(hf_config))
+  return model
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+  """name -> (checkpoint dir, the HF reference model in eval mode)."""
+  root = tmp_path_factory.mktemp("deepseek")
+  refs = {
+      name: (root / name, _save_mla(root / name, i, **kw))
+      for i, (name, kw) in enumerate(CONFIGS.items())
+  }
+  refs.update(
+      {
+          name: (root / name, _save_mha(root / name, 10 + i, **kw))
+          for i, (name, kw) in enumerate(MHA_CONFIGS.items())
+      }
+  )
+  return refs
+
+
+@pytest.fixture(scope="module")
+def loaded(references):
+  """name -> (module, params, jitted apply), loaded once so tests share compilations."""
+  cache = {}
+
+  def load(name, **options):
+    key = (name, tuple(sorted(options.items())))
+    if key not in cache:
+      module, params = models.from_pretrained(references[name][0], **options)
+      cache[key] = module, params, _jit(module.apply)
+    return cache[key]
+
+  return load
+
+
+def _batch(seed=0, batch=4):
+  rng = np.random.RandomState(seed)
+  ids = rng.randint(1, VOCAB, (batch, SEQ))
+  mask = np.ones((batch, SEQ), np.int64)
+  mask[1, 7:] = 0
+  mask[2, 3:] = 0
+  ids[mask == 0] = 0
+  return ids, mask
+
+
+def _hf_outputs(model, ids, mask):
+  with torch.no_grad():
+    out = model(
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.tensor(mask),
+        output_router_logits=True,
+    )
+  num_experts = model.config.n_routed_experts
+  return out.last_hidden_state.numpy(), [
+      r.numpy().reshape(ids.shape + (num_experts,)) for r in out.router_logits
+  ]
+
+
+def _rel_err(a, b):
+  return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS) + list(MHA_CONFIGS))
+def test_parity_with_hugging_face(references, loaded, name):
+  ids, mask = _batch()
+  module, params, apply = loaded(name)
+  want_h, want_logits = _hf_outputs(references[name][1], ids, mask)
+  out = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
+  cfg = module.config
+  assert len(out.router_logits) == len(want_logits) == len(cfg.sparse_layers)
+  assert cfg.sparse_layers == tuple(range(cfg.first_k_dense_replace, LAYERS))
+  errors = [_rel_err(out.hidden_states, want_h)]
+  for got, want in zip(out.router_logits, want_logits):
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    errors.append(_rel_err(got, want))
+  print(f"{name}: hidden {errors[0]:.2e}, router logits {max(errors[1:]):.2e}")
+  assert max(errors) < 1e-4
+
+
+def test_config_from_checkpoint(loaded):
+  cfg = loaded("group_qlora_dense0_s2_norm")[0].config
+  assert (
+      cfg.num_experts,
+      cfg.top_k,
+      cfg.routing_groups,
+      cfg.routed_scaling_factor,
+  ) == (8, 2, (2, 1), 2.5)
+  assert (
+      cfg.q_lora_rank,
+      cfg.n_shared_experts,
+      cfg.rope_theta,
+      cfg.use_mla,
+  ) == (12, 2, 500.0, True)
+  assert loaded("greedy_q_dense1_s1")[0].config.routing_groups is None
+  mha = loaded("mha_gqa_dense0_s1")[0].config
+  assert (mha.use_mla, mha.num_key_value_heads, mha.head_dim) == (False, 2, 8)
+  # DeepSeek-VL2-Tiny's language config values (MHA, 64 routed + 2 shared, top-6).
+  tiny = dict(
+      model_type="deepseek_v2",
+      hidden_size=1280,
+      intermediate_size=6848,
+      moe_intermediate_size=896,
+      num_hidden_layers=12,
+      num_attention_heads=10,
+      num_key_value_heads=10,
+      use_mla=False,
+      q_lora_rank=None,
+      kv_lora_rank=None,
+      qk_nope_head_dim=0,
+      qk_rope_head_dim=0,
+      v_head_dim=0,
+      n_routed_experts=64,
+      n_shared_experts=2,
+      num_experts_per_tok=6,
+      first_k_dense_replace=1,
+      topk_method="greedy",
+      n_group=1,
+      topk_group=1,
+      vocab_size=129280,
+  )
+  cfg = hf_lib.deepseek_config_from_hf(tiny)
+  assert (cfg.use_mla, cfg.head_dim, cfg.sparse_layers) == (
+      False,
+      128,
+      tuple(range(1, 12)),
+  )
+
+
+def test_unsupported_configs_fail_clearly():
+  with pytest.raises(ValueError, match="noaux_tc"):
+    models.DeepseekConfig(topk_method="noaux_tc")
+  with pytest.raises(ValueError, match="scoring_func"):
+    hf_lib.deepseek_config_from_hf({"scoring_func": "sigmoid"})
+  with pytest.raises(ValueError, match=r"\(n_group, topk_group\): must be"):
+    models.DeepseekConfig(
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=1,
+    )
+  with pytest.raises(ValueError, match="num_key_value_heads"):
+    models.DeepseekConfig(num_key_value_heads=4)
+  with pytest.raises(ValueError, match="are not sparse blocks"):
+    models.DeepseekConfig(
+        num_hidden_layers=3, first_k_dense_replace=1, expert_lora_layers=(0,)
+    )
+
+
+def test_group_limited_routing_and_scaling_matter(references):
+  """The group limit and routed_scaling_factor change HF's outputs on this config,
+  and norm_topk_prob does not (transformers' DeepseekV2 ignores it, so does the port).
+  """
+  ids, mask = _batch()
+  model = references["group_qlora_dense0_s2_norm"][1]
+  want, _ = _hf_outputs(model, ids, mask)
+  for layer in model.layers:
+    layer.mlp.gate.topk_method = "greedy"
+  greedy, _ = _hf_outputs(model, ids, mask)
+  for layer in model.layers:
+    layer.mlp.gate.topk_method = "group_limited_greedy"
+    layer.mlp.gate.routed_scaling_factor = 1.0
+  unscaled, _ = _hf_outputs(model, ids, mask)
+  for layer in model.layers:
+    layer.mlp.gate.routed_scaling_factor = 2.5
+  assert _rel_err(greedy, want) > 1e-3 and _rel_err(unscaled, want) > 1e-3
+  assert not hasattr(model.layers[0].mlp.gate, "norm_topk_prob")
+
+
+def test_fused_and_base_model_layouts_load_the_same_params(
+    references, loaded, tmp_path
+):
+  path = references["greedy_qlora_dense1_s2_norm"][0]
+  want = loaded("greedy_qlora_dense1_s2_norm")[1]
+  hf_model = transformers.DeepseekV2ForCausalLM.from_pretrained(path)
+  fused = tmp_path / "fused"
+  fused.mkdir()
+  (fused / "config.json").write_text((path / "config.json").read_text())
+  state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+  assert "model.layers.1.mlp.experts.gate_up_proj" in state
+  safetensors.torch.save_file(state, str(fused / "model.safetensors"))
+  hf_model.model.save_pretrained(tmp_path / "base")
+  for layout in (fused, tmp_path / "base"):
+    _, got = models.from_pretrained(layout)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+  flat = flax.traverse_util.flatten_dict(want, sep="/")
+  assert flat["block_0/mlp/gate/kernel"].shape == (32, 48)  # the dense block
+  assert flat["block_1/mlp/shared_experts/gate/kernel"].shape == (
+      32,
+      32,
+  )  # 2 x 16
+  assert flat["block_1/mlp/experts/gate/kernel"].shape == (16, 32, 16)
+  assert not any("lm_head" in p for p in flat)
+
+
+@pytest.mark.parametrize(
+    "name", ["group_qlora_dense0_s2_norm", "mha_dense1_s2"]
+)
+def test_batch_of_one_equals_its_row(loaded, name):
+  ids, mask = _batch()
+  _, params, apply = loaded(name)
+  full = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
+  for row in range(ids.shape[0]):
+    one = apply(
+        {"params": params},
+        jnp.asarray(ids[row : row + 1]),
+        jnp.asarray(mask[row : row + 1]),
+    )
+    np.testing.assert_allclose(
+        one.hidden_states[0], full.hidden_states[row], rtol=1e-5, atol=1e-5
+    )
+    for a, b in zip(one.router_logits, full.router_logits):
+      np.testing.assert_allclose(a[0], b[row], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_dispatch_equals_dense(loaded):
+  ids, mask = _batch()
+  _, params, grouped = loaded("group_q_dense0_s1")
+  _, _, dense = loaded("group_q_dense0_s1", dispatch="dense")
+  a = grouped(
+      {"params": params}, jnp.asarray(ids), jnp.asarray(mask)
+  ).hidden_states
+  b = dense(
+      {"params": params}, jnp.asarray(ids), jnp.asarray(mask)
+  ).hidden_states
+  assert _rel_err(a, np.asarray(b)) < 1e-5
+
+
+def test_owners_follow_the_routed_gates_hf_uses(references, loaded):
+  """Owners (Eq. 5) from the port's router logits = the gate-weighted plurality of the top-k
+  experts and weights that HF's router returns (group limit included); shared experts,
+  which every token uses, never vote."""
+  ids, mask = _batch(seed=3, batch=6)
+  mask[4, 2:] = 0
+  name = "group_qlora_dense0_s2_norm"
+  module, params, apply = loaded(name)
+  model = references[name][1]
+  routed = []
+  hooks = [
+      layer.mlp.gate.register_forward_hook(lambda m, i, o: routed.append(o))
+      for layer in model.layers
+  ]
+  _hf_outputs(model, ids, mask)
+  for hook in hooks:
+    hook.remove()
+  cfg = module.config
+  logits = apply(
+      {"params": params}, jnp.asarray(ids), jnp.asarray(mask)
+  ).router_logits
+  for layer_logits, (_, weights, experts) in zip(logits, routed):
+    votes = np.zeros((len(ids), cfg.num_experts))
+    rows = np.repeat(np.arange(len(ids)), SEQ)
+    for slot in range(cfg.top_k):
+      np.add.at(
+          votes,
+          (rows, experts[:, slot].numpy()),
+          weights[:, slot].numpy() * mask.reshape(-1),
+      )
+    got = ownership.owners(
+        layer_logits, mask, cfg.top_k, "prob", groups=cfg.routing_groups
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(votes, axis=1))
+
+
+def _lora_model(path):
+  return models.from_pretrained(
+      path,
+      lora_rank=2,
+      lora_alpha=4.0,
+      attention_lora=True,
+      shared_expert_lora=True,
+      expert_lora_layers=(1,),
+  )
+
+
+def _probe(hidden):
+  """A loss with a non-trivial gradient (sum of squares is constant after RMS norm)."""
+  weights = jax.random.normal(jax.random.PRNGKey(7), hidden.shape[-2:])
+  return jnp.sum(jnp.tanh(hidden) * weights)
+
+
+def _set_nonzero_b(params, key):
+  flat = flax.traverse_util.flatten_dict(params, sep="/")
+  for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
+    flat[path] = 0.3 * jax.random.normal(
+        jax.random.fold_in(key, i), flat[path].shape
+    )
+  return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["greedy_qlora_dense1_s2_norm", "mha_dense1_s2"]
+)
+def test_lora_adapters_start_neutral_and_all_train(references, loaded, name):
+  """Adapters on every attention projection, the shared experts of every sparse block and the
+  routed experts of block 1: zero B leaves the outputs unchanged, and every factor gets a
+  gradient once B is non-zero."""
+  ids, mask = _batch()
+  module, params = _lora_model(references[name][0])
+  _, base_params, base = loaded(name)
+  flat = flax.traverse_util.flatten_dict(params, sep="/")
+  projections = (
+      ("q_a", "q_b", "kv_a", "kv_b", "o") if module.config.use_mla else "qkvo"
+  )
+  sparse = module.config.sparse_layers
+  assert {p.rsplit("/", 1)[0] for p in flat if "lora" in p} == (
+      {f"block_{i}/attention/{m}" for i in range(LAYERS) for m in projections}
+      | {
+          f"block_{i}/mlp/shared_experts/{m}"
+          for i in sparse
+          for m in ("gate", "up", "down")
+      }
+      | {f"block_1/mlp/experts/{m}" for m in ("gate", "up", "down")}
+  )
+  apply = _jit(module.apply)
+  np.testing.assert_allclose(
+      apply(
+          {"params": params}, jnp.asarray(ids), jnp.asarray(mask)
+      ).hidden_states,
+      base(
+          {"params": base_params}, jnp.asarray(ids), jnp.asarray(mask)
+      ).hidden_states,
+      rtol=1e-6,
+      atol=1e-6,
+  )
+  probe_grad = _jit(
+      jax.grad(
+          lambda p: _probe(
+              module.apply(
+                  {"params": p}, jnp.asarray(ids[:1]), jnp.asarray(mask[:1])
+              ).hidden_states
+          )
+      )
+  )
+  grads = probe_grad(_set_nonzero_b(params, jax.random.PRNGKey(1)))
+  for path, g in flax.traverse_util.flatten_dict(grads, sep="/").items():
+    if "lora" in path:
+      assert np.any(np.asarray(g) != 0), path
+
+
+@pytest.mark.slow
+def test_vmapped_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
+    references,
+):
+  """As for OLMoE: under vmap over (record, owner) pairs, the owner-override gradient equals
+  the record's full gradient restricted to that routed expert's slice (value unchanged).
+  """
+  ids, mask = _batch()
+  module, params = _lora_model(references["group_qlora_dense0_s2_norm"][0])
+  params = _set_nonzero_b(params, jax.random.PRNGKey(3))
+  num_experts = module.config.num_experts
+  experts = params["block_1"]["mlp"]["experts"]
+  lora = {
+      m: {k: experts[m][k] for k in ("lora_a", "lora_b")}
+      for m in ("gate", "up", "down")
+  }
+
+  def full_value_and_grad(x, m):
+    return jax.value_and_grad(
+        lambda p: _probe(
+            module.apply({"params": p}, x[None], m[None]).hidden_states
+        )
+    )(params)
+
+  def owner_value_and_grad(owner, x, m):
+    def loss(s):
+      override = models.OwnerOverride(1, owner, s)
+      return _probe(
+          module.apply(
+              {"params": params}, x[None], m[None], owner_override=override
+          ).hidden_states
+      )
+
+    return jax.value_and_grad(loss)(jax.tree.map(lambda p: p[owner], lora))
+
+  rows = np.repeat(np.arange(len(ids)), num_experts)
+  owners = np.tile(np.arange(num_experts, dtype=np.int32), len(ids))
+  values, grads = _jit(jax.vmap(owner_value_and_grad))(
+      jnp.asarray(owners), jnp.asarray(ids[rows]), jnp.asarray(mask[rows])
+  )
+  full_fn = _jit(full_value_and_grad)
+  for row in range(len(ids)):
+    value, full = full_fn(jnp.asarray(ids[row]), jnp.asarray(mask[row]))
+    full = full["block_1"]["mlp"]["experts"]
+    touched = 0
+    for owner in range(num_experts):
+      i = row * num_experts + owner
+      np.testing.assert_allclose(values[i], value, rtol=1e-5)
+      for m in ("gate", "up", "down"):
+        for k in ("lora_a", "lora_b"):
+          want = np.asarray(full[m][k][owner])
+          assert np.max(np.abs(grads[m][k][i] - want)) <= 1e-4 * max(
+              np.max(np.abs(want)), 1e-12
+          )
+      touched += bool(np.any(np.asarray(grads["gate"]["lora_b"][i]) != 0))
+    assert touched >= 2
+
+
+def test_deepseek_vl2_checkpoint_loads_its_language_model(
+    references, loaded, tmp_path
+):
+  """A DeepSeek-VL2 directory (model_type deepseek_vl_v2, language model under `language.`,
+  vision tower and projector beside it) loads the language model's decoder."""
+  path = references["mha_dense1_s2"][0]
+  tensors = safetensors.torch.load_file(str(path / "model.safetensors"))
+  vl2 = {f"language.model.{name}": w for name, w in tensors.items()}
+  vl2.update(
+      {
+          "language.lm_head.weight": torch.zeros(VOCAB, 32),
+          "vision.blocks.0.attn.qkv.weight": torch.zeros(6, 2),
+          "projector.layers.weight": torch.zeros(32, 2),
+          "image_newline": torch.zeros(32),
+      }
+  )
+  (tmp_path / "vl2").mkdir()
+  safetensors.torch.save_file(vl2, str(tmp_path / "vl2" / "model.safetensors"))
+  language = json.loads((path / "config.json").read_text())
+  (tmp_path / "vl2" / "config.json").write_text(
+      json.dumps(
+          dict(
+              model_type="deepseek_vl_v2",
+              language_config=language,
+              vision_config={"layers": 1},
+          )
+      )
+  )
+  module, params = models.from_pretrained(tmp_path / "vl2")
+  assert module.config == loaded("mha_dense1_s2")[0].config
+  jax.tree.map(
+      np.testing.assert_array_equal, params, loaded("mha_dense1_s2")[1]
+  )
