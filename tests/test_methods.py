@@ -295,6 +295,16 @@ def test_monolithic_variants():
   )
 
 
+def test_model_dispatch_comes_from_the_config_unless_expert_kernels_train():
+  assert _plan("raptor").model_options["dispatch"] == "auto"
+  forced = {"model.dispatch": "ragged"}
+  assert _plan("raptor", **forced).model_options["dispatch"] == "ragged"
+  assert (
+      _plan("monolithic_lora", **forced).model_options["dispatch"] == "ragged"
+  )
+  assert _plan("monolithic", **forced).model_options["dispatch"] == "dense"
+
+
 @pytest.mark.parametrize(
     "how,expected", [("first", 1), ("last", 3), ("1", 1), ("3", 3)]
 )

@@ -407,12 +407,13 @@ def _model_options(config, phases, sparse_layers, expert_layer) -> dict:
   """Adapters the methods' parts train, and the expert dispatch they need.
 
   A non-owner part that trains expert kernels needs the dense dispatch (the
-  grouped one treats expert kernels as frozen constants).
+  grouped and ragged ones treat expert kernels as frozen constants); every
+  other run uses `model.dispatch` ('auto': grouped on CPU, ragged on GPU/TPU).
   """
   method, mc, rc = config.method, config.model, config.raptor
   parts = [part for phase in phases for part in phase.parts]
   dense = any("expert_kernel" in p.roles and not p.owner for p in parts)
-  options = dict(dispatch="dense" if dense else "grouped")
+  options = dict(dispatch="dense" if dense else mc.get("dispatch", "auto"))
   if method in ("monolithic", "nonprivate_full"):
     return dict(
         options, lora_rank=0, attention_lora=False, expert_lora_layers=()
