@@ -16,6 +16,8 @@ import pytest
 from raptor_jax import models
 from raptor_jax.models import lora as lora_lib
 from raptor_jax.models import moe
+from raptor_jax.models import olmoe
+from raptor_jax.models import switch
 
 # Tiny shapes: skip XLA's LLVM optimisation (it dominates the compile time).
 _jit = functools.partial(
@@ -38,6 +40,13 @@ def _inputs(num_experts, rows, records=2, seed=0):
 
 
 KEY = jax.random.PRNGKey(0)
+
+
+def _close_to_scale(got, want, tol=1e-4):
+  """max |got - want| <= tol * max |want| (float32 noise scales with the array)."""
+  want = np.asarray(want)
+  err = float(np.max(np.abs(np.asarray(got) - want)))
+  assert err <= tol * max(float(np.max(np.abs(want))), 1e-12), err
 
 
 def _close(got, want):
@@ -101,6 +110,70 @@ def test_ragged_trainable_equals_grouped_trainable(num_experts, rows):
   want = per_record(loss(moe.dense_linear))(x, experts, w)
   assert got[1].shape == (3, num_experts, 5, 7)
   jax.tree.map(_close, got, want)
+
+
+# Tiny sparse layers; Switch's capacity (2 of 10 tokens per expert) drops.
+LAYERS = {
+    "switch": lambda **o: switch.SwitchSparseMLP(
+        switch.SwitchConfig(d_model=8, d_ff=12, num_experts=4, **o),
+        rank=o["lora_rank"],
+    ),
+    "olmoe": lambda **o: olmoe.OlmoeSparseMLP(
+        olmoe.OlmoeConfig(
+            hidden_size=8,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=6,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            **o,
+        ),
+        rank=o["lora_rank"],
+    ),
+}
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+@pytest.mark.parametrize("family", list(LAYERS))
+def test_sparse_layer_ragged_equals_grouped_per_record(family, trainable):
+  """A whole Switch / OLMoE sparse layer (router, capacity, experts) under
+  per-record vmap: values, router logits and the gradients of the input and
+  of every parameter (LoRA factors, or trainable kernels) agree."""
+  rng = np.random.RandomState(3)
+  x = jnp.asarray(rng.normal(size=(3, 1, 10, 8)), jnp.float32)  # 3 records
+  options = dict(lora_rank=0) if trainable else dict(lora_rank=2)
+  if family == "switch":
+    options["expert_capacity"] = 2
+  got = {}
+  for kind in ("grouped", "ragged"):
+    dispatch = kind + "_train" if trainable else kind
+    layer = LAYERS[family](dispatch=dispatch, **options)
+    if kind == "grouped":
+      shapes = jax.eval_shape(layer.init, KEY, x[0])
+      params = jax.tree.map(
+          lambda s: jnp.asarray(0.3 * rng.normal(size=s.shape), s.dtype),
+          shapes,
+      )
+    loss = lambda p, x: (lambda out: (jnp.sum(jnp.tanh(out[0])), out))(
+        layer.apply(p, x)
+    )
+    got[kind] = _jit(
+        jax.vmap(
+            jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
+            in_axes=(None, 0),
+        )
+    )(params, x)
+  (_, (_, logits)), grads = got["ragged"]
+  if family == "switch":
+    routing = moe.route_top1(logits, 2)
+    assert np.any(np.asarray(routing.experts) == 4)  # capacity drops
+  experts = grads[0]["params"]["experts"]
+  leaf = "wi" if family == "switch" else "gate"
+  name = "kernel" if trainable else "lora_a"
+  assert experts[leaf][name].shape[:2] == (3, layer.config.num_experts)
+  assert np.any(np.asarray(experts[leaf][name]))
+  jax.tree.map(_close_to_scale, got["ragged"], got["grouped"])
 
 
 def test_owner_linear_with_the_ragged_frozen_dispatch():
