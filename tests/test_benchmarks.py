@@ -86,10 +86,13 @@ def test_bench_dispatch_toy():
         "grouped_xla_gflop",
         "grouped_gflop",
         "dense_gflop",
+        "ragged_gflop",
         "one_expert_ms",
         "grouped_ms",
         "dense_ms",
+        "ragged_ms",
         "dense_over_grouped",
+        "ragged_over_grouped",
     ):
       assert _positive(r[key]), (key, r[key])
     # The loop-corrected count covers every padded block of both expert matmuls
@@ -99,7 +102,8 @@ def test_bench_dispatch_toy():
         >= (i + 1) * blocks * block * 4 * d_model * d_ff
     )
     assert r["grouped_xla_gflop"] < r["grouped_gflop"] < r["dense_gflop"]
-    assert r["max_abs_diff"] < 1e-5  # same routing and capacity, same outputs
+    # Same routing and capacity: grouped = ragged = dense.
+    assert r["max_abs_diff"] < 1e-5
   text = bench.time_table(rows) + bench.flops_table(rows)
   assert "fwd+bwd" in text
 
@@ -137,8 +141,10 @@ def test_bench_dispatch_olmoe_toy():
         "grouped_ms",
         "dense_ms",
         "all_ms",
+        "ragged_ms",
         "dense_over_grouped",
         "all_over_grouped",
+        "ragged_over_grouped",
     ):
       assert _positive(r[key]), (key, r[key])
     # Three expert matmuls (gate, up, down) over every padded block of the k x tokens rows.
@@ -149,7 +155,7 @@ def test_bench_dispatch_olmoe_toy():
     assert r["grouped_gflop"] < r["all_gflop"] < r["dense_gflop"]
     assert (
         r["max_abs_diff"] < 1e-5
-    )  # same router and top-k: grouped = dense = all
+    )  # same router and top-k: grouped = ragged = dense = all
   assert rows[0]["all_gflop"] * 1e9 >= tokens * e * 6 * d_model * d_ff
   assert "all/grouped" in bench.time_table(
       rows
