@@ -162,6 +162,47 @@ def test_bench_dispatch_olmoe_toy():
   ) and "all/ideal" in bench.flops_table(rows)
 
 
+@pytest.mark.slow
+def test_gpu_dispatch_quick_runs_on_cpu():
+  """Toy rows of the GPU script, in process and in a child process."""
+  bench = _load("gpu_dispatch")
+  variants = ("grouped", "ragged")
+  rows = bench.run(
+      families=("switch",), quick=True, repeats=1, variants=variants
+  )
+  assert [(r["mode"], r["dispatch"]) for r in rows] == [
+      (m, bench.DISPATCH[m, v]) for m in bench.MODES for v in variants
+  ]
+  for r in rows:
+    assert "error" not in r, r
+    assert _positive(r["ms"]) and _positive(r["xla_mib"]), r
+    assert r["peak_mib"] is None  # the CPU reports no device peak
+  text = bench.table(rows)
+  assert "ragged_train" in text and "vs grouped" in text
+  (child,) = bench.run(
+      families=("olmoe",),
+      modes=("train",),
+      variants=("ragged",),
+      quick=True,
+      repeats=1,
+      isolate=True,
+  )
+  assert _positive(child["ms"]) and child["dispatch"] == "ragged_train", child
+
+
+def test_gpu_dispatch_table_shows_ratios_and_rows_that_did_not_run():
+  bench = _load("gpu_dispatch")
+  row = dict(family="olmoe", mode="train", xla_mib=2.0, peak_mib=None)
+  rows = [
+      dict(row, variant="grouped", dispatch="grouped_train", ms=4.0),
+      dict(row, variant="ragged", dispatch="ragged_train", ms=1.0),
+      dict(row, variant="dense", dispatch="dense", error="RESOURCE_EXHAUSTED"),
+  ]
+  lines = bench.table(rows).splitlines()
+  assert lines[3].split()[3:5] == ["1.00", "0.25"]
+  assert "did not run: RESOURCE_EXHAUSTED" in lines[4]
+
+
 def test_bench_dispatch_switch_is_top1():
   bench = _load("bench_dispatch")
   with pytest.raises(ValueError, match="top-1"):
@@ -301,7 +342,7 @@ def test_bench_parallel_prints_the_readme_command():
 
 def test_scripts_define_flags_only_when_run():
   """Importing the scripts into one process (as these tests do) must not clash."""
-  for name in ("bench_dispatch", "benchmark", "bench_parallel"):
+  for name in ("bench_dispatch", "benchmark", "bench_parallel", "gpu_dispatch"):
     module = _load(name)
     assert callable(module.define_flags) and callable(module.main)
     assert "repeats" not in flags.FLAGS
