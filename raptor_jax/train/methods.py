@@ -65,6 +65,10 @@ import dp_accounting
 
 from raptor_jax import _validate, accounting, roles, sampling
 
+# Expert dispatches of a fine-tuning run (`moe.DISPATCHES` without the
+# pretraining '*_train' ones); runs that train expert kernels use 'dense'.
+FINE_TUNING_DISPATCHES = ("auto", "grouped", "ragged", "dense")
+
 METHODS = (
     "raptor",
     "baseline_a",
@@ -195,6 +199,12 @@ def check_config(config) -> None:
   """Checks the method's fields of `config` (no data or model needed)."""
   rc, fix = config.raptor, _validate.config_fix
   _validate.one_of("method", config.method, METHODS, fix("method"))
+  _validate.one_of(
+      "model.dispatch",
+      config.model.get("dispatch", "auto"),
+      FINE_TUNING_DISPATCHES,
+      fix("model.dispatch") + " ('auto': grouped on CPU, ragged on GPU/TPU)",
+  )
   _validate.one_of(
       "raptor.expert_denominator",
       rc.expert_denominator,
