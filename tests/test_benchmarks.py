@@ -170,8 +170,14 @@ def test_gpu_dispatch_quick_runs_on_cpu():
   rows = bench.run(
       families=("switch",), quick=True, repeats=1, variants=variants
   )
-  assert [(r["mode"], r["dispatch"]) for r in rows] == [
-      (m, bench.DISPATCH[m, v]) for m in bench.MODES for v in variants
+  assert [(r["mode"], r["variant"], r["lowering"]) for r in rows] == [
+      (m, v, "xla") for m in bench.MODES for v in variants
+  ]
+  assert [r["dispatch"] for r in rows] == [
+      "grouped",
+      "ragged (xla)",
+      "grouped_train",
+      "ragged_train (xla)",
   ]
   for r in rows:
     assert "error" not in r, r
@@ -187,7 +193,10 @@ def test_gpu_dispatch_quick_runs_on_cpu():
       repeats=1,
       isolate=True,
   )
-  assert _positive(child["ms"]) and child["dispatch"] == "ragged_train", child
+  assert _positive(child["ms"]), child
+  assert child["dispatch"] == "ragged_train (xla)", child
+  with pytest.raises(ValueError, match="cudnn"):
+    bench.run(lowerings=("cudnn",), quick=True)
 
 
 def test_gpu_dispatch_table_shows_ratios_and_rows_that_did_not_run():
@@ -195,11 +204,11 @@ def test_gpu_dispatch_table_shows_ratios_and_rows_that_did_not_run():
   row = dict(family="olmoe", mode="train", xla_mib=2.0, peak_mib=None)
   rows = [
       dict(row, variant="grouped", dispatch="grouped_train", ms=4.0),
-      dict(row, variant="ragged", dispatch="ragged_train", ms=1.0),
+      dict(row, variant="ragged", dispatch="ragged_train (xla)", ms=1.0),
       dict(row, variant="dense", dispatch="dense", error="RESOURCE_EXHAUSTED"),
   ]
   lines = bench.table(rows).splitlines()
-  assert lines[3].split()[3:5] == ["1.00", "0.25"]
+  assert lines[3].split()[4:6] == ["1.00", "0.25"]  # ms, vs grouped
   assert "did not run: RESOURCE_EXHAUSTED" in lines[4]
 
 

@@ -19,7 +19,10 @@ in two modes:
 
 and three dispatches: grouped (sorted blocks and a `lax.scan`: the CPU
 path), ragged (`jax.lax.ragged_dot` grouped GEMMs: what `dispatch='auto'`
-picks on GPU/TPU) and dense (every expert on every row) where it fits.
+picks on GPU/TPU) and dense (every expert on every row) where it fits. On a
+GPU the ragged rows run once per ragged_dot lowering (`LOWERINGS`: XLA's
+default, XLA's cuDNN fusion, JAX's Pallas Triton kernel), since which of them
+is a true grouped GEMM depends on the jaxlib and cuDNN versions.
 
 Columns: the median step time over --repeats calls and its ratio to grouped;
 XLA's buffer sizes of the compiled step (arguments + outputs + temporaries,
@@ -29,12 +32,14 @@ high-water mark, so where the device reports it each row runs in its own
 child process (--isolate=auto); on CPU there is no device peak ('-').
 
   python -m launch.bench.gpu_dispatch               # on the GPU machine
-  python -m launch.bench.gpu_dispatch --ragged_triton   # + Pallas Triton kernel
+  python -m launch.bench.gpu_dispatch --ragged_lowerings=xla   # one lowering
   python -m launch.bench.gpu_dispatch --quick       # toy sizes, any backend
 """
 
+import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -74,6 +79,12 @@ DISPATCH = {
     ('train', 'dense'): 'dense',
 }
 LORA_RANK = 8
+# How ragged_dot is lowered on a GPU: XLA's default, XLA with its cuDNN
+# grouped-GEMM fusion (an XLA flag, so in a child process), or JAX's Pallas
+# Triton kernel (a jax config option). XLA's default may expand the ragged
+# product to a dense one (every expert on every row).
+LOWERINGS = ('xla', 'cudnn', 'triton')
+CUDNN_RAGGED_DOT_FLAG = '--xla_gpu_experimental_use_ragged_dot_fusion=true'
 
 
 def define_flags() -> None:
@@ -84,11 +95,11 @@ def define_flags() -> None:
   flags.DEFINE_list('variants', list(VARIANTS), 'Dispatches to run.')
   flags.DEFINE_integer('seq_len', None, 'Tokens per record (128; quick 8).')
   flags.DEFINE_integer('repeats', 10, 'Timed calls per row (median).')
-  flags.DEFINE_bool(
-      'ragged_triton',
-      False,
-      'GPU: lower ragged_dot with the Pallas Triton kernel '
-      '(jax_ragged_dot_use_gpu_pallas_triton_lowering).',
+  flags.DEFINE_list(
+      'ragged_lowerings',
+      None,
+      'Lowerings of ragged_dot to time, from '
+      f'{list(LOWERINGS)} (default: all on GPU, xla elsewhere).',
   )
   flags.DEFINE_enum(
       'isolate',
@@ -166,20 +177,24 @@ def measure(
     mode: str,
     variant: str,
     *,
+    lowering: str = 'xla',
     quick: bool = False,
     seq_len: int | None = None,
     repeats: int = 10,
 ) -> dict:
   """One row: median step ms, XLA buffer MiB and device peak MiB (or None).
 
-  A step that does not compile or run (e.g. out of memory) gives a row with
+  `lowering` is the ragged_dot lowering of a ragged row ('xla', or 'triton'
+  for JAX's Pallas Triton kernel; 'cudnn' is set by `_measure_in_child`). A
+  step that does not compile or run (e.g. out of memory) gives a row with
   `error` (its first line) instead of numbers.
   """
-  row = dict(family=family, mode=mode, variant=variant)
-  row['dispatch'] = DISPATCH[mode, variant]
+  row = dict(family=family, mode=mode, variant=variant, lowering=lowering)
+  row['dispatch'] = _label(mode, variant, lowering)
   seq_len = seq_len or (8 if quick else 128)
   try:
-    compiled, args = _step(family, mode, variant, quick, seq_len)
+    with _triton_lowering(lowering == 'triton'):
+      compiled, args = _step(family, mode, variant, quick, seq_len)
     jax.block_until_ready(compiled(*args))
     times = []
     for _ in range(repeats):
@@ -199,22 +214,47 @@ def measure(
   )
 
 
-def _measure_in_child(spec: dict, ragged_triton: bool) -> dict:
-  """`measure(**spec)` in a fresh process, so the device peak is this row's."""
+@contextlib.contextmanager
+def _triton_lowering(enabled: bool):
+  """JAX's Pallas Triton lowering of ragged_dot (GPU) while compiling."""
+  name = 'jax_ragged_dot_use_gpu_pallas_triton_lowering'
+  before = getattr(jax.config, name)
+  jax.config.update(name, enabled)
+  try:
+    yield
+  finally:
+    jax.config.update(name, before)
+
+
+def _label(mode: str, variant: str, lowering: str) -> str:
+  dispatch = DISPATCH[mode, variant]
+  return dispatch if variant != 'ragged' else f'{dispatch} ({lowering})'
+
+
+def _measure_in_child(spec: dict) -> dict:
+  """`measure(**spec)` in a fresh process, so the device peak is this row's.
+
+  The 'cudnn' lowering sets XLA's cuDNN ragged-dot fusion flag, which XLA
+  reads once per process.
+  """
   command = [sys.executable, '-m', 'launch.bench.gpu_dispatch']
   command += ['--child', json.dumps(spec)]
-  if ragged_triton:
-    command.append('--ragged_triton')
-  done = subprocess.run(command, capture_output=True, text=True, check=False)
+  env = dict(os.environ)
+  if spec['lowering'] == 'cudnn':
+    env['XLA_FLAGS'] = (
+        env.get('XLA_FLAGS', '') + ' ' + CUDNN_RAGGED_DOT_FLAG
+    ).strip()
+  done = subprocess.run(
+      command, capture_output=True, text=True, check=False, env=env
+  )
   for line in done.stdout.splitlines():
     if line.startswith('ROW '):
       return json.loads(line[4:])
   tail = (done.stderr.strip().splitlines() or ['no output'])[-1]
+  keys = ('family', 'mode', 'variant', 'lowering')
   return dict(
-      family=spec['family'],
-      mode=spec['mode'],
-      variant=spec['variant'],
-      dispatch=DISPATCH[spec['mode'], spec['variant']],
+      {k: spec[k] for k in keys},
+      dispatch=_label(spec['mode'], spec['variant'], spec['lowering']),
       error=tail[:120],
   )
 
@@ -259,35 +299,35 @@ def run(
     families=tuple(SHAPES),
     modes=MODES,
     variants=VARIANTS,
+    lowerings=('xla',),
     quick=False,
     seq_len=None,
     repeats=10,
     isolate=False,
-    ragged_triton=False,
 ) -> list[dict]:
-  """Every (family, mode, variant) row, in that order.
+  """Every (family, mode, variant) row, ragged once per lowering, in order.
 
-  With `isolate` each row runs in a child process (`--child`), which lowers
-  ragged_dot with the Pallas Triton kernel when `ragged_triton`.
+  With `isolate` each row runs in a child process (`--child`); the 'cudnn'
+  lowering needs one.
   """
+  if 'cudnn' in lowerings and not isolate:
+    raise ValueError("the 'cudnn' lowering needs isolate=True (an XLA flag)")
   rows = []
   for family in families:
     for mode in modes:
       for variant in variants:
-        spec = dict(
-            family=family,
-            mode=mode,
-            variant=variant,
-            quick=quick,
-            seq_len=seq_len,
-            repeats=repeats,
-        )
-        rows.append(
-            _measure_in_child(spec, ragged_triton)
-            if isolate
-            else measure(**spec)
-        )
-        print('.', end='', flush=True, file=sys.stderr)
+        for lowering in lowerings if variant == 'ragged' else ('xla',):
+          spec = dict(
+              family=family,
+              mode=mode,
+              variant=variant,
+              lowering=lowering,
+              quick=quick,
+              seq_len=seq_len,
+              repeats=repeats,
+          )
+          rows.append(_measure_in_child(spec) if isolate else measure(**spec))
+          print('.', end='', flush=True, file=sys.stderr)
   print(file=sys.stderr)
   return rows
 
@@ -295,43 +335,44 @@ def run(
 def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  if FLAGS.ragged_triton:
-    jax.config.update('jax_ragged_dot_use_gpu_pallas_triton_lowering', True)
   if FLAGS.child:
     print('ROW ' + json.dumps(measure(**json.loads(FLAGS.child))), flush=True)
     return
+  device = jax.devices()[0]
+  lowerings = FLAGS.ragged_lowerings or (
+      list(LOWERINGS) if device.platform == 'gpu' else ['xla']
+  )
   bad = sorted(
       set(FLAGS.families) - set(SHAPES)
       | set(FLAGS.modes) - set(MODES)
       | set(FLAGS.variants) - set(VARIANTS)
+      | set(lowerings) - set(LOWERINGS)
   )
   if bad:
     raise app.UsageError(
         f'unknown {bad}; families {list(SHAPES)}, modes {list(MODES)}, '
-        f'variants {list(VARIANTS)}'
+        f'variants {list(VARIANTS)}, ragged lowerings {list(LOWERINGS)}'
     )
   isolate = FLAGS.isolate == 'yes' or (
       FLAGS.isolate == 'auto' and _peak_bytes() is not None
   )
-  device = jax.devices()[0]
   sizes = 'quick toy sizes' if FLAGS.quick else 'full-size layers'
-  lowering = 'Pallas Triton' if FLAGS.ragged_triton else 'default'
   processes = 'one process per row' if isolate else 'one process'
   print(
       f'{device.platform} ({device.device_kind}), jax {jax.__version__}; '
       f'bfloat16; median of {FLAGS.repeats} steps; LoRA rank {LORA_RANK}; '
-      f'{sizes}; ragged_dot lowering: {lowering}; {processes}',
+      f'{sizes}; {processes}',
       flush=True,
   )
   rows = run(
       families=FLAGS.families,
       modes=FLAGS.modes,
       variants=FLAGS.variants,
+      lowerings=lowerings,
       quick=FLAGS.quick,
       seq_len=FLAGS.seq_len,
       repeats=FLAGS.repeats,
       isolate=isolate,
-      ragged_triton=FLAGS.ragged_triton,
   )
   print(table(rows))
 
