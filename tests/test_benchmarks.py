@@ -86,10 +86,13 @@ def test_bench_dispatch_toy():
         "grouped_xla_gflop",
         "grouped_gflop",
         "dense_gflop",
+        "ragged_gflop",
         "one_expert_ms",
         "grouped_ms",
         "dense_ms",
+        "ragged_ms",
         "dense_over_grouped",
+        "ragged_over_grouped",
     ):
       assert _positive(r[key]), (key, r[key])
     # The loop-corrected count covers every padded block of both expert matmuls
@@ -99,7 +102,8 @@ def test_bench_dispatch_toy():
         >= (i + 1) * blocks * block * 4 * d_model * d_ff
     )
     assert r["grouped_xla_gflop"] < r["grouped_gflop"] < r["dense_gflop"]
-    assert r["max_abs_diff"] < 1e-5  # same routing and capacity, same outputs
+    # Same routing and capacity: grouped = ragged = dense.
+    assert r["max_abs_diff"] < 1e-5
   text = bench.time_table(rows) + bench.flops_table(rows)
   assert "fwd+bwd" in text
 
@@ -137,8 +141,10 @@ def test_bench_dispatch_olmoe_toy():
         "grouped_ms",
         "dense_ms",
         "all_ms",
+        "ragged_ms",
         "dense_over_grouped",
         "all_over_grouped",
+        "ragged_over_grouped",
     ):
       assert _positive(r[key]), (key, r[key])
     # Three expert matmuls (gate, up, down) over every padded block of the k x tokens rows.
@@ -149,7 +155,7 @@ def test_bench_dispatch_olmoe_toy():
     assert r["grouped_gflop"] < r["all_gflop"] < r["dense_gflop"]
     assert (
         r["max_abs_diff"] < 1e-5
-    )  # same router and top-k: grouped = dense = all
+    )  # same router and top-k: grouped = ragged = dense = all
   assert rows[0]["all_gflop"] * 1e9 >= tokens * e * 6 * d_model * d_ff
   assert "all/grouped" in bench.time_table(
       rows
@@ -191,6 +197,56 @@ def test_bench_dispatch_deepseek_toy():
   assert (
       rows[0]["all_gflop"] * 1e9 >= tokens * (e + shared) * 6 * d_model * d_ff
   )
+
+
+@pytest.mark.slow
+def test_gpu_dispatch_quick_runs_on_cpu():
+  """Toy rows of the GPU script, in process and in a child process."""
+  bench = _load("gpu_dispatch")
+  variants = ("grouped", "ragged")
+  rows = bench.run(
+      families=("switch",), quick=True, repeats=1, variants=variants
+  )
+  assert [(r["mode"], r["variant"], r["lowering"]) for r in rows] == [
+      (m, v, "xla") for m in bench.MODES for v in variants
+  ]
+  assert [r["dispatch"] for r in rows] == [
+      "grouped",
+      "ragged (xla)",
+      "grouped_train",
+      "ragged_train (xla)",
+  ]
+  for r in rows:
+    assert "error" not in r, r
+    assert _positive(r["ms"]) and _positive(r["xla_mib"]), r
+    assert r["peak_mib"] is None  # the CPU reports no device peak
+  text = bench.table(rows)
+  assert "ragged_train" in text and "vs grouped" in text
+  (child,) = bench.run(
+      families=("olmoe",),
+      modes=("train",),
+      variants=("ragged",),
+      quick=True,
+      repeats=1,
+      isolate=True,
+  )
+  assert _positive(child["ms"]), child
+  assert child["dispatch"] == "ragged_train (xla)", child
+  with pytest.raises(ValueError, match="cudnn"):
+    bench.run(lowerings=("cudnn",), quick=True)
+
+
+def test_gpu_dispatch_table_shows_ratios_and_rows_that_did_not_run():
+  bench = _load("gpu_dispatch")
+  row = dict(family="olmoe", mode="train", xla_mib=2.0, peak_mib=None)
+  rows = [
+      dict(row, variant="grouped", dispatch="grouped_train", ms=4.0),
+      dict(row, variant="ragged", dispatch="ragged_train (xla)", ms=1.0),
+      dict(row, variant="dense", dispatch="dense", error="RESOURCE_EXHAUSTED"),
+  ]
+  lines = bench.table(rows).splitlines()
+  assert lines[3].split()[4:6] == ["1.00", "0.25"]  # ms, vs grouped
+  assert "did not run: RESOURCE_EXHAUSTED" in lines[4]
 
 
 def test_bench_dispatch_switch_is_top1():
@@ -332,7 +388,7 @@ def test_bench_parallel_prints_the_readme_command():
 
 def test_scripts_define_flags_only_when_run():
   """Importing the scripts into one process (as these tests do) must not clash."""
-  for name in ("bench_dispatch", "benchmark", "bench_parallel"):
+  for name in ("bench_dispatch", "benchmark", "bench_parallel", "gpu_dispatch"):
     module = _load(name)
     assert callable(module.define_flags) and callable(module.main)
     assert "repeats" not in flags.FLAGS

@@ -298,6 +298,24 @@ def test_monolithic_variants():
   )
 
 
+def test_model_dispatch_comes_from_the_config_unless_expert_kernels_train():
+  assert _plan("raptor").model_options["dispatch"] == "auto"
+  forced = {"model.dispatch": "ragged"}
+  assert _plan("raptor", **forced).model_options["dispatch"] == "ragged"
+  assert (
+      _plan("monolithic_lora", **forced).model_options["dispatch"] == "ragged"
+  )
+  assert _plan("monolithic", **forced).model_options["dispatch"] == "dense"
+  with pytest.raises(
+      ValueError,
+      match=(
+          r"^model.dispatch: must be one of 'auto', 'grouped', 'ragged', "
+          r"'dense', got 'ragged_train'; set --config.model.dispatch"
+      ),
+  ):
+    methods.check_config(micro_config(**{"model.dispatch": "ragged_train"}))
+
+
 @pytest.mark.parametrize(
     "method,overrides,expected",
     [

@@ -96,11 +96,13 @@ def loaded(checkpoints):
   """name -> (module, params, jitted apply), loaded once so tests share compilations."""
   cache = {}
 
-  def load(name):
-    if name not in cache:
-      module, params = models.from_pretrained(checkpoints[name])
-      cache[name] = module, params, _jit(module.apply)
-    return cache[name]
+  def load(name, dispatch="auto"):
+    if (name, dispatch) not in cache:
+      module, params = models.from_pretrained(
+          checkpoints[name], dispatch=dispatch
+      )
+      cache[name, dispatch] = module, params, _jit(module.apply)
+    return cache[name, dispatch]
 
   return load
 
@@ -144,10 +146,16 @@ def _assert_close(a, b, tol=1e-4):
   )
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_parity_with_hugging_face(checkpoints, loaded, name):
+# Every config with the default dispatch; two (E=8 top-2, E=16 top-4) also
+# with dispatch='ragged' (grouped GEMMs).
+@pytest.mark.parametrize(
+    "name,dispatch",
+    [(name, "auto") for name in CONFIGS]
+    + [(name, "ragged") for name in ["e8k2_norm_clip", "e16k4_mqa"]],
+)
+def test_parity_with_hugging_face(checkpoints, loaded, name, dispatch):
   ids, mask = _batch()
-  _, params, apply = loaded(name)
+  _, params, apply = loaded(name, dispatch)
   want_h, want_logits = _hf_outputs(checkpoints[name], ids, mask)
   out = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
   assert len(out.router_logits) == len(want_logits) == LAYERS

@@ -107,10 +107,16 @@ def _assert_close(a, b, tol=1e-4):
   )
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_parity_with_hugging_face(checkpoints, name):
+# Every config with the default dispatch; the two that drop tokens also with
+# dispatch='ragged' (grouped GEMMs).
+@pytest.mark.parametrize(
+    "name,dispatch",
+    [(name, "auto") for name in CONFIGS]
+    + [(name, "ragged") for name in ["e4_step1_drop", "e8_step2_drop"]],
+)
+def test_parity_with_hugging_face(checkpoints, name, dispatch):
   ids, mask = _batch()
-  module, params = models.from_pretrained(checkpoints[name])
+  module, params = models.from_pretrained(checkpoints[name], dispatch=dispatch)
   want_h, want_logits = _hf_outputs(checkpoints[name], ids, mask)
   out = module.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
   assert (

@@ -1,4 +1,4 @@
-r"""Benchmarks the expert dispatch of one sparse layer: grouped vs all-experts.
+r"""Benchmarks the expert dispatch of one sparse layer: grouped, ragged, all-experts.
 
 One sparse layer on B records of S tokens, either a `SwitchSparseMLP`
 (`--family=switch`: frozen top-1 router, Hugging Face capacity, E experts
@@ -7,10 +7,13 @@ frozen top-k router, no capacity, E SwiGLU experts gate/up/down; one row per
 (token, slot), so tokens x k rows) or a `DeepseekSparseMLP`
 (`--family=deepseek`: the same routed experts plus `--shared_experts` always-
 active shared experts, run as one dense SwiGLU MLP of width shared x d_ff on
-every token), with the two dispatches of the config's `dispatch` field:
+every token), with the dispatches of the config's `dispatch` field:
 
 * grouped: `moe.grouped_linear`, rows sorted by expert into fixed-size blocks
   and a `lax.scan` over the blocks (work ~ rows = tokens x k);
+* ragged: `moe.ragged_linear`, rows sorted by expert and one
+  `jax.lax.ragged_dot` grouped GEMM per matrix (work ~ rows on GPU/TPU; XLA
+  CPU lowers it to a masked product over every expert, ~ rows x E);
 * dense: `moe.dense_linear`, every expert on every row, then select
   (work ~ rows x E = tokens x k x E).
 
@@ -57,10 +60,11 @@ top-6, 2 shared experts; the deepseek defaults):
 
   python -m launch.bench.bench_dispatch --family=deepseek
 
-The wall time of an all-experts variant (dense, all) is skipped (its FLOPs
-still shown) for a pass where XLA counts more than --max_dense_gflop for it:
-at E=64 it does E (or E/k) times the ideal work and holds a [tokens, E, d_ff]
-buffer.
+The wall time of a variant other than grouped (ragged, dense, all) is skipped
+(its FLOPs still shown) for a pass where XLA counts more than
+--max_dense_gflop for it: at E=64 an all-experts variant (and ragged on CPU)
+does E (or E/k) times the ideal work and holds a [tokens, E, d_ff] buffer.
+`launch/bench/gpu_dispatch.py` times grouped vs ragged on an accelerator.
 """
 
 import dataclasses
@@ -86,7 +90,7 @@ FAMILIES = {
         d_ff=3072,
         top_k=1,
         matrices=('wi', 'wo'),
-        references=('dense',),
+        references=('ragged', 'dense'),
     ),
     'olmoe': dict(
         num_experts=(64,),
@@ -95,7 +99,7 @@ FAMILIES = {
         d_ff=1024,
         top_k=8,
         matrices=('gate', 'up', 'down'),
-        references=('dense', 'all'),
+        references=('ragged', 'dense', 'all'),
     ),
     'deepseek': dict(
         num_experts=(64,),
@@ -352,8 +356,9 @@ def run(
 
   Sizes left None take `FAMILIES[family]`'s defaults. Row keys: E, B, k, pass,
   block, blocks, ideal_gflop, grouped_xla_gflop, grouped_gflop (loop-corrected),
-  and per all-experts variant v in `FAMILIES[family]['references']` (dense;
-  all for the top-k families) v_gflop, v_ms (NaN when skipped), v_over_grouped; also
+  and per other variant v in `FAMILIES[family]['references']` (ragged for
+  switch and olmoe, dense; all for the top-k families) v_gflop, v_ms (NaN
+  when skipped), v_over_grouped; also
   one_expert_ms, grouped_ms, grouped_over_one_expert and max_abs_diff (the
   largest |grouped - v| of the forward outputs over the variants that ran).
   """
@@ -386,12 +391,13 @@ def run(
       w_router, *kernels = _expert_weights(params, spec['matrices'])
       shared = _shared_weights(params)
       fns = {
-          'grouped': _layer_fns(config),
-          'dense': _layer_fns(dataclasses.replace(config, dispatch='dense')),
-          'one_expert': _one_expert_fns(config),
+          v: _layer_fns(dataclasses.replace(config, dispatch=v))
+          for v in ('grouped', 'ragged', 'dense')
       }
+      fns['one_expert'] = _one_expert_fns(config)
       weights = {
           'grouped': params,
+          'ragged': params,
           'dense': params,
           'one_expert': (
               (w_router,) + tuple(w[0] for w in kernels),
@@ -475,7 +481,7 @@ def _fmt(value: float, spec: str) -> str:
 
 
 def _references(rows: list[dict]) -> tuple[str, ...]:
-  return tuple(v for v in ('dense', 'all') if f'{v}_gflop' in rows[0])
+  return tuple(v for v in ('ragged', 'dense', 'all') if f'{v}_gflop' in rows[0])
 
 
 def flops_table(rows: list[dict]) -> str:

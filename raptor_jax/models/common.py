@@ -15,6 +15,9 @@ from typing import Mapping, NamedTuple
 
 import jax
 
+from raptor_jax import _validate
+from raptor_jax.models import moe
+
 
 class BackboneOutput(NamedTuple):
   """Output of a backbone: final hidden states and per-sparse-layer logits."""
@@ -53,7 +56,7 @@ class FineTuningOptions:
   attention_lora: bool = False  # adapters on q, k, v, o of every block.
   expert_lora_layers: tuple[int, ...] = ()  # blocks whose experts get adapters.
   dispatch: str = (
-      "grouped"  # expert dispatch: 'grouped', 'dense' or 'grouped_train' (pretraining).
+      "auto"  # expert dispatch, one of moe.DISPATCHES ('auto': by backend).
   )
   dtype: str = (
       "float32"  # activation dtype; routers and norm statistics use float32.
@@ -64,6 +67,12 @@ class FineTuningOptions:
     raise NotImplementedError("a family config defines its sparse blocks")
 
   def __post_init__(self):
+    _validate.one_of(
+        "dispatch",
+        self.dispatch,
+        moe.DISPATCHES,
+        moe.DISPATCH_FIX,
+    )
     bad = [l for l in self.expert_lora_layers if l not in self.sparse_layers]
     if bad:
       raise ValueError(

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from raptor_jax import _validate
 from raptor_jax.models import moe
 
 Dtype = Any
@@ -68,16 +69,18 @@ class ExpertLinear(nn.Module):
     rank: LoRA rank (0 = no adapter).
     alpha: LoRA alpha; the update is scaled by alpha / rank.
     dispatch: 'grouped' (sorted blocks, work ~ rows; base kernel frozen),
-      'dense' (every expert on every row; differentiable in the kernel, used
-      when full expert weights train) or 'grouped_train' (sorted blocks,
-      differentiable in the kernel; pretraining, without adapters).
+      'ragged' (the same with grouped GEMMs, `jax.lax.ragged_dot`), 'auto'
+      (grouped on CPU, ragged on GPU/TPU), 'dense' (every expert on every
+      row; differentiable in the kernel, used when full expert weights
+      train) or 'grouped_train' / 'ragged_train' / 'auto_train'
+      (differentiable in the kernel; pretraining, without adapters).
   """
 
   num_experts: int
   features: int
   rank: int = 0
   alpha: float = 16.0
-  dispatch: str = "grouped"
+  dispatch: str = "auto"
   dtype: Dtype = jnp.float32
   kernel_init: Any = nn.initializers.lecun_normal(batch_axis=(0,))
 
@@ -164,7 +167,7 @@ def _stacked_output(
     kernel: [E, d_in, d_out] stacked kernels.
     factors: `(lora_a, lora_b, alpha / rank)` of the stacked adapters, or
       `None` without adapters.
-    dispatch: 'grouped', 'grouped_train' or 'dense' (see `ExpertLinear`).
+    dispatch: one of `moe.DISPATCHES` (see `ExpertLinear`).
     owner: the record's owner expert, when `owner_kernel` is given.
     owner_kernel: [d_in, d_out] owner kernel slice that trains alone, or
       `None`; it replaces the owner's stacked kernel and overrides `dispatch`.
@@ -176,28 +179,37 @@ def _stacked_output(
   if factors is not None:
     a, b, scale = factors
     lora = (a, scale * b)
+  _validate.one_of("dispatch", dispatch, moe.DISPATCHES, moe.DISPATCH_FIX)
+  dispatch = moe.resolve_dispatch(dispatch)
+  frozen = {"grouped": moe.grouped_linear, "ragged": moe.ragged_linear}
+  trainable = {
+      "grouped_train": moe.grouped_linear_trainable,
+      "ragged_train": moe.ragged_linear_trainable,
+  }
   if owner_kernel is not None:
-    y = moe.owner_linear(x, experts, kernel, owner, owner_kernel)
+    y = moe.owner_linear(
+        x,
+        experts,
+        kernel,
+        owner,
+        owner_kernel,
+        frozen.get(dispatch.removesuffix("_train"), moe.grouped_linear),
+    )
     if lora is not None:
       y = y + moe.expert_lora(x, experts, a, b, scale)
-  elif dispatch == "grouped":
-    # Adapters ride in the base weights' blocks: no factor E in the forward.
-    y = moe.grouped_linear(x, experts, kernel, lora)
-  elif dispatch == "grouped_train":
+  elif dispatch in frozen:
+    # Adapters ride in the base weights' products: no factor E in the forward.
+    y = frozen[dispatch](x, experts, kernel, lora)
+  elif dispatch in trainable:
     if lora is not None:
       raise ValueError(
-          "dispatch='grouped_train' trains the base kernels; it takes no adapters"
+          f"dispatch={dispatch!r} trains the base kernels; it takes no adapters"
       )
-    y = moe.grouped_linear_trainable(x, experts, kernel)
-  elif dispatch == "dense":
+    y = trainable[dispatch](x, experts, kernel)
+  else:
     y = moe.dense_linear(x, experts, kernel)
     if lora is not None:
       y = y + moe.expert_lora(x, experts, a, b, scale)
-  else:
-    raise ValueError(
-        f"unknown dispatch {dispatch!r}; use 'grouped', 'dense' or "
-        "'grouped_train' (pretraining: differentiable kernels, no adapters)"
-    )
   return y
 
 

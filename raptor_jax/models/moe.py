@@ -22,6 +22,14 @@ LoRA pair rides in the same blocks and is differentiable, its gradient (every
 expert's factors) computed only where asked for. RAPTOR's owner slices use
 `owner_lora_delta` / `owner_linear`, whose cost does not grow with E;
 `dense_linear` and `expert_lora` are the every-expert references.
+
+`ragged_linear` (and `ragged_linear_trainable`) compute the same functions
+with native grouped GEMMs (`jax.lax.ragged_dot`): one sort of the rows by
+expert, then one kernel per matrix, with the realised group sizes passed as
+data. That is the shape GPU and TPU kernels want; on CPU the scan wins, so
+`dispatch='auto'` picks per backend (`resolve_dispatch`). Routing, and so
+capacity drops, is decided before either dispatch: a dropped row has expert
+E in both and gets no expert output.
 """
 
 from __future__ import annotations
@@ -288,18 +296,21 @@ def _grouped_linear_bwd(residuals, dy):
   return (dx, None, None) + _stacked_lora_grads(x, experts, *lora, dy)
 
 
-def _stacked_lora_grads(x, experts, a, b, dy):
+def _stacked_lora_grads(
+    x, experts, a, b, dy, forward=_grouped_forward, backward=_grouped_backward
+):
   """Gradients of sum(dy * x @ a[e] @ b[e]) for EVERY expert's factors.
 
   The rank-r factors of each row, u = x @ a[e] and g = dy @ b[e]^T, come
-  from the grouped dispatch; the outer products are then summed into every
-  expert's slice with a one-hot over E (rows x E x r x (d_in + d_out)), the
-  size of the result. Only computed where the stacked factors are
-  differentiated (e.g. monolithic LoRA); XLA drops it everywhere else.
+  from the dispatch (`forward` / `backward`: the grouped one unless given);
+  the outer products are then summed into every expert's slice with a
+  one-hot over E (rows x E x r x (d_in + d_out)), the size of the result.
+  Only computed where the stacked factors are differentiated (e.g.
+  monolithic LoRA); XLA drops it everywhere else.
   """
   one_hot = jax.nn.one_hot(experts, a.shape[0], dtype=dy.dtype)  # dropped -> 0
-  u = _grouped_forward(x, experts, a).astype(dy.dtype)
-  g = _grouped_backward(dy, experts, b).astype(dy.dtype)
+  u = forward(x, experts, a).astype(dy.dtype)
+  g = backward(dy, experts, b).astype(dy.dtype)
   da = jnp.einsum("td,te,tr->edr", x.astype(dy.dtype), one_hot, g)
   db = jnp.einsum("tr,te,tf->erf", u, one_hot, dy)
   return da.astype(a.dtype), db.astype(b.dtype)
@@ -387,6 +398,238 @@ def grouped_linear_trainable(
     [T, d_out]; zero rows where dropped.
   """
   return _grouped_linear_trainable(x, experts, w)
+
+
+# ---------------------------------------------------------------------------
+# Ragged dispatch: native grouped GEMMs (`jax.lax.ragged_dot`).
+
+# Every `dispatch` an expert layer accepts. 'auto' and 'auto_train' resolve
+# per backend (`resolve_dispatch`); '*_train' makes the stacked kernels
+# trainable (pretraining) and takes no adapters.
+DISPATCHES = (
+    "auto",
+    "grouped",
+    "ragged",
+    "dense",
+    "auto_train",
+    "grouped_train",
+    "ragged_train",
+)
+DISPATCH_FIX = (
+    "pass dispatch= to from_pretrained / with_options (or set"
+    " --config.model.dispatch); 'auto' picks by backend"
+)
+
+
+def resolve_dispatch(dispatch: str, backend: str | None = None) -> str:
+  """The dispatch to run: 'auto' picks by backend, any other value is kept.
+
+  On CPU the sorted-block `lax.scan` (`grouped_linear`) wins: XLA CPU has no
+  grouped-GEMM kernel and lowers `ragged_dot` to a masked product over every
+  expert. On GPU and TPU a sequential scan over small blocks leaves the
+  device idle, and `ragged_dot` lowers to the backend's grouped GEMM, so
+  'auto' resolves to 'ragged' there ('auto_train' likewise to the '_train'
+  variants). Both dispatches compute the same function.
+
+  Args:
+    dispatch: one of `DISPATCHES`.
+    backend: 'cpu', 'gpu', 'tpu'...; default `jax.default_backend()`.
+
+  Returns:
+    `dispatch` with 'auto' replaced by 'grouped' or 'ragged'.
+  """
+  if not dispatch.startswith("auto"):
+    return dispatch
+  backend = backend or jax.default_backend()
+  kind = "grouped" if backend == "cpu" else "ragged"
+  return kind + dispatch[len("auto") :]
+
+
+def _ragged_plan(experts: jax.Array, num_groups: int):
+  """(order, sizes): a stable sort of the rows by group, and rows per group.
+
+  Rows of the "dropped" group (== num_groups) sort last, outside every group.
+  Group sizes are data (an int32 array), not shapes: one compilation serves
+  every routing.
+  """
+  order = jnp.argsort(experts, stable=True)
+  sizes = jnp.zeros((num_groups + 1,), jnp.int32).at[experts].add(1)
+  return order, sizes[:num_groups]
+
+
+def _ragged_dims(lhs_contract, rhs_contract, rhs_group):
+  return jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((lhs_contract,), (rhs_contract,)), ((), ())),
+      lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=rhs_group,
+  )
+
+
+_RAGGED_ROWS = _ragged_dims(1, 1, [0])  # rows[t] @ w[g_t]
+_RAGGED_ROWS_T = _ragged_dims(1, 2, [0])  # rows[t] @ w[g_t]^T
+_RAGGED_OUTER = _ragged_dims(0, 0, [])  # [G, i, o]: sum_{g_t = g} x[t]^T y[t]
+
+
+def _ragged_linear_flat(
+    x: jax.Array,
+    experts: jax.Array,
+    w: jax.Array,
+    *lora: jax.Array,
+    transpose: bool,
+) -> jax.Array:
+  """`_grouped_linear_flat` with one `ragged_dot` per matrix instead of a scan.
+
+  Rows are sorted by expert (no padding: the group sizes are the realised
+  counts, consumed as data by the kernel, never by Python), multiplied by
+  their expert's matrix in one grouped GEMM, and put back in row order.
+  Dropped rows sort last, outside every group, and are zeroed explicitly.
+  """
+  num_experts = w.shape[0]
+  order, sizes = _ragged_plan(experts, num_experts)
+  dims = _RAGGED_ROWS_T if transpose else _RAGGED_ROWS
+
+  def matmul(rows, matrix):
+    return jax.lax.ragged_dot_general(
+        rows, matrix, sizes, dims, preferred_element_type=jnp.float32
+    )
+
+  rows = x[order]
+  out = matmul(rows, w)
+  if lora:
+    first, second = tuple(reversed(lora)) if transpose else lora
+    out = out + matmul(matmul(rows, first).astype(x.dtype), second)
+  out = jnp.zeros(out.shape, x.dtype).at[order].set(out.astype(x.dtype))
+  return jnp.where((experts < num_experts)[:, None], out, 0)
+
+
+_ragged_forward = _rowwise(
+    functools.partial(_ragged_linear_flat, transpose=False)
+)
+_ragged_backward = _rowwise(
+    functools.partial(_ragged_linear_flat, transpose=True)
+)
+
+
+def _group_outer_flat(x, groups, y, num_groups):
+  """out[g] = sum_{t: groups[t] = g} x[t]^T y[t] in float32, one ragged GEMM."""
+  order, sizes = _ragged_plan(groups, num_groups)
+  y = jnp.where((groups < num_groups)[:, None], y, 0)
+  return jax.lax.ragged_dot_general(
+      x[order],
+      y[order],
+      sizes,
+      _RAGGED_OUTER,
+      preferred_element_type=jnp.float32,
+  )
+
+
+def _group_outer(num_groups: int):
+  """`_group_outer_flat` over `num_groups` groups, batched by group folding.
+
+  Under `vmap` (per-record gradients) record i's rows of group g form group
+  i * num_groups + g of one flat ragged GEMM, so the per-record results
+  [n, G, i, o] cost one pass over the rows; nested vmaps fold again.
+  """
+  fn = custom_vmap(functools.partial(_group_outer_flat, num_groups=num_groups))
+
+  @fn.def_vmap
+  def _rule(axis_size, in_batched, x, groups, y):
+    x, groups, y = (
+        v if batched else jnp.broadcast_to(v, (axis_size,) + v.shape)
+        for v, batched in zip((x, groups, y), in_batched)
+    )
+    record = jnp.arange(axis_size, dtype=groups.dtype)[:, None]
+    folded = jnp.where(
+        groups < num_groups,
+        record * num_groups + groups,
+        axis_size * num_groups,
+    )
+    out = _group_outer(axis_size * num_groups)(
+        x.reshape(-1, x.shape[-1]),
+        folded.reshape(-1),
+        y.reshape(-1, y.shape[-1]),
+    )
+    return out.reshape((axis_size, num_groups) + out.shape[1:]), True
+
+  return fn
+
+
+@jax.custom_vjp
+def _ragged_linear(x, experts, w, *lora):
+  return _ragged_forward(x, experts, w, *lora)
+
+
+def _ragged_linear_fwd(x, experts, w, *lora):
+  return _ragged_forward(x, experts, w, *lora), (
+      x if lora else None,
+      experts,
+      w,
+      lora,
+  )
+
+
+def _ragged_linear_bwd(residuals, dy):
+  x, experts, w, lora = residuals
+  dx = _ragged_backward(dy, experts, w, *lora)
+  if not lora:
+    return dx, None, None
+  grads = _stacked_lora_grads(
+      x, experts, *lora, dy, _ragged_forward, _ragged_backward
+  )
+  return (dx, None, None) + grads
+
+
+_ragged_linear.defvjp(_ragged_linear_fwd, _ragged_linear_bwd)
+
+
+def ragged_linear(
+    x: jax.Array,
+    experts: jax.Array,
+    w: jax.Array,
+    lora: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
+  """`grouped_linear` computed with grouped GEMMs (`jax.lax.ragged_dot`).
+
+  The same function, arguments and gradients as `grouped_linear` (frozen
+  `w`, differentiable LoRA pair, dropped rows zero); the rows are sorted by
+  expert once per product and each matrix is one `ragged_dot`, the shape
+  GPU and TPU grouped-GEMM kernels want. Under `vmap` the records share one
+  dispatch, exactly as in `grouped_linear`.
+  """
+  return _ragged_linear(x, experts, jax.lax.stop_gradient(w), *(lora or ()))
+
+
+@jax.custom_vjp
+def _ragged_linear_trainable(x, experts, w):
+  return _ragged_forward(x, experts, w)
+
+
+def _ragged_linear_trainable_fwd(x, experts, w):
+  return _ragged_forward(x, experts, w), (x, experts, w)
+
+
+def _ragged_linear_trainable_bwd(residuals, dy):
+  x, experts, w = residuals
+  dw = _group_outer(w.shape[0])(x, experts, dy)
+  return _ragged_backward(dy, experts, w), None, dw.astype(w.dtype)
+
+
+_ragged_linear_trainable.defvjp(
+    _ragged_linear_trainable_fwd, _ragged_linear_trainable_bwd
+)
+
+
+def ragged_linear_trainable(
+    x: jax.Array, experts: jax.Array, w: jax.Array
+) -> jax.Array:
+  """`ragged_linear` differentiable in the stacked weights (pretraining).
+
+  dw[e] = sum_{t: e_t = e} x[t]^T dy[t] is one ragged GEMM over the sorted
+  rows (rows x d_in x d_out work). Unlike `grouped_linear_trainable` it also
+  serves per-record gradients: under `vmap` each record's rows form their
+  own groups (`_group_outer`), giving [n, E, d_in, d_out] in one pass.
+  """
+  return _ragged_linear_trainable(x, experts, w)
 
 
 def dense_linear(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:
@@ -482,6 +725,7 @@ def owner_linear(
     w: jax.Array,
     owner: jax.Array,
     owner_w: jax.Array,
+    frozen_linear=grouped_linear,
 ) -> jax.Array:
   """`grouped_linear` whose owner expert uses a trainable full-weight slice.
 
@@ -489,9 +733,10 @@ def owner_linear(
   to `owner` are multiplied by `owner_w` (this record's copy of w[owner],
   differentiable); all other rows use the frozen grouped dispatch. The owner
   product runs on every row of the record (one extra expert's work), so memory
-  and compute stay independent of E.
+  and compute stay independent of E. `frozen_linear` is the frozen dispatch
+  (`grouped_linear` or `ragged_linear`).
   """
-  frozen = grouped_linear(x, experts, w)
+  frozen = frozen_linear(x, experts, w)
   own = jnp.einsum("td,df->tf", x, owner_w)
   return jnp.where(
       (experts == owner)[:, None], own.astype(frozen.dtype), frozen

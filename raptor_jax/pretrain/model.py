@@ -7,9 +7,10 @@
 * DeepSeek-MoE (decoder): causal LM with an untied `lm_head`; MLA, a dense
   first block, routed and shared experts (DeepSeek-V2's layout).
 
-Every parameter trains, routers included: the expert kernels use the grouped
-dispatch that is differentiable in the kernels (`dispatch='grouped_train'`),
-so training costs tokens x k expert work, not tokens x E. Each family adds its
+Every parameter trains, routers included: the expert kernels use a grouped
+dispatch that is differentiable in the kernels (`dispatch='auto_train'`:
+sorted blocks on CPU, ragged GEMMs on GPU/TPU), so training costs tokens x k
+expert work, not tokens x E. Each family adds its
 own router auxiliary losses (Switch: load balancing and z-loss per sparse
 layer, averaged over layers; OLMoE: load balancing over all layers' tokens;
 DeepSeek: the sequence-wise expert-level balance loss, summed over layers),
@@ -53,9 +54,7 @@ def backbone(
     family: str, mc: ml_collections.ConfigDict, vocab_size: int
 ) -> nn.Module:
   """The backbone module of a pretraining config (trainable expert kernels)."""
-  return hf.backbone_from_sizes(
-      family, mc, vocab_size, dispatch="grouped_train"
-  )
+  return hf.backbone_from_sizes(family, mc, vocab_size, dispatch="auto_train")
 
 
 def _switch_std(path: str, cfg: models.SwitchConfig) -> float:

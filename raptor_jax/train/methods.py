@@ -69,6 +69,10 @@ import dp_accounting
 
 from raptor_jax import _validate, accounting, roles, sampling
 
+# Expert dispatches of a fine-tuning run (`moe.DISPATCHES` without the
+# pretraining '*_train' ones); runs that train expert kernels use 'dense'.
+FINE_TUNING_DISPATCHES = ("auto", "grouped", "ragged", "dense")
+
 METHODS = (
     "raptor",
     "baseline_a",
@@ -199,6 +203,12 @@ def check_config(config) -> None:
   """Checks the method's fields of `config` (no data or model needed)."""
   rc, fix = config.raptor, _validate.config_fix
   _validate.one_of("method", config.method, METHODS, fix("method"))
+  _validate.one_of(
+      "model.dispatch",
+      config.model.get("dispatch", "auto"),
+      FINE_TUNING_DISPATCHES,
+      fix("model.dispatch") + " ('auto': grouped on CPU, ragged on GPU/TPU)",
+  )
   _validate.one_of(
       "raptor.expert_denominator",
       rc.expert_denominator,
@@ -413,14 +423,16 @@ def _model_options(
   """Adapters the methods' parts train, and the expert dispatch they need.
 
   A non-owner part that trains expert kernels needs the dense dispatch (the
-  grouped one treats expert kernels as frozen constants). Shared-expert
-  adapters exist exactly when attention adapters do: both are the shared
-  stream's LoRA (a model without shared experts takes no such option).
+  grouped and ragged ones treat expert kernels as frozen constants); every
+  other run uses `model.dispatch` ('auto': grouped on CPU, ragged on GPU/TPU).
+  Shared-expert adapters exist exactly when attention adapters do: both are
+  the shared stream's LoRA (a model without shared experts takes no such
+  option).
   """
   method, mc, rc = config.method, config.model, config.raptor
   parts = [part for phase in phases for part in phase.parts]
   dense = any("expert_kernel" in p.roles and not p.owner for p in parts)
-  options = dict(dispatch="dense" if dense else "grouped")
+  options = dict(dispatch="dense" if dense else mc.get("dispatch", "auto"))
   if method in ("monolithic", "nonprivate_full"):
     options.update(lora_rank=0, attention_lora=False, expert_lora_layers=())
   elif method in ("monolithic_lora", "nonprivate_lora"):

@@ -1,0 +1,382 @@
+r"""Step time and memory of one sparse layer per expert dispatch, on an accelerator.
+
+Run it once on a GPU or TPU; it prints one table. Each row is a training step
+(forward and backward, compiled) of one bfloat16 sparse layer:
+
+* switch: switch-base-8's layer (d_model 768, d_ff 3072, E=8, top-1 with
+  Hugging Face's per-record expert capacity 64, ReLU experts), 32 records of
+  128 tokens;
+* olmoe: OLMoE-1B-7B's layer (d_model 2048, d_ff 1024, E=64, top-8, no
+  capacity, SwiGLU experts), 8 records of 128 tokens;
+
+in two modes:
+
+* lora: the fine-tuning step. Frozen expert kernels plus rank-8 LoRA on every
+  expert; per-record gradients (`vmap(grad)`, as DP clipping needs) of the
+  adapters and of the input;
+* train: the pretraining step. Trainable expert kernels; the batch gradient
+  of every parameter and of the input;
+
+and three dispatches: grouped (sorted blocks and a `lax.scan`: the CPU
+path), ragged (`jax.lax.ragged_dot` grouped GEMMs: what `dispatch='auto'`
+picks on GPU/TPU) and dense (every expert on every row) where it fits. On a
+GPU the ragged rows run once per ragged_dot lowering (`LOWERINGS`: XLA's
+default, XLA's cuDNN fusion, JAX's Pallas Triton kernel), since which of them
+is a true grouped GEMM depends on the jaxlib and cuDNN versions.
+
+Columns: the median step time over --repeats calls and its ratio to grouped;
+XLA's buffer sizes of the compiled step (arguments + outputs + temporaries,
+`memory_analysis`); and the device's peak memory in use
+(`device.memory_stats()['peak_bytes_in_use']`). The peak is a process-wide
+high-water mark, so where the device reports it each row runs in its own
+child process (--isolate=auto); on CPU there is no device peak ('-').
+
+  python -m launch.bench.gpu_dispatch               # on the GPU machine
+  python -m launch.bench.gpu_dispatch --ragged_lowerings=xla   # one lowering
+  python -m launch.bench.gpu_dispatch --quick       # toy sizes, any backend
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from launch.bench import bench_dispatch
+from launch.bench import profiling
+from raptor_jax.models import olmoe
+from raptor_jax.models import switch
+
+# Per family: full-size layer and batch, and the --quick toy.
+SHAPES = {
+    'switch': dict(
+        full=dict(num_experts=8, d_model=768, d_ff=3072, top_k=1, records=32),
+        quick=dict(num_experts=4, d_model=16, d_ff=32, top_k=1, records=2),
+    ),
+    'olmoe': dict(
+        full=dict(num_experts=64, d_model=2048, d_ff=1024, top_k=8, records=8),
+        quick=dict(num_experts=8, d_model=16, d_ff=24, top_k=2, records=2),
+    ),
+}
+MODES = ('lora', 'train')
+VARIANTS = ('grouped', 'ragged', 'dense')
+# The `dispatch` of each (mode, variant): frozen kernels for LoRA, trainable
+# kernels otherwise ('dense' is differentiable in both).
+DISPATCH = {
+    ('lora', 'grouped'): 'grouped',
+    ('lora', 'ragged'): 'ragged',
+    ('lora', 'dense'): 'dense',
+    ('train', 'grouped'): 'grouped_train',
+    ('train', 'ragged'): 'ragged_train',
+    ('train', 'dense'): 'dense',
+}
+LORA_RANK = 8
+# How ragged_dot is lowered on a GPU: XLA's default, XLA with its cuDNN
+# grouped-GEMM fusion (an XLA flag, so in a child process), or JAX's Pallas
+# Triton kernel (a jax config option). XLA's default may expand the ragged
+# product to a dense one (every expert on every row).
+LOWERINGS = ('xla', 'cudnn', 'triton')
+CUDNN_RAGGED_DOT_FLAG = '--xla_gpu_experimental_use_ragged_dot_fusion=true'
+
+
+def define_flags() -> None:
+  """Defines the flags; only when run as a script (tests import several)."""
+  flags.DEFINE_bool('quick', False, 'Toy sizes (seconds on a CPU).')
+  flags.DEFINE_list('families', list(SHAPES), 'Sparse layers to run.')
+  flags.DEFINE_list('modes', list(MODES), 'lora (fine-tuning), train.')
+  flags.DEFINE_list('variants', list(VARIANTS), 'Dispatches to run.')
+  flags.DEFINE_integer('seq_len', None, 'Tokens per record (128; quick 8).')
+  flags.DEFINE_integer('repeats', 10, 'Timed calls per row (median).')
+  flags.DEFINE_list(
+      'ragged_lowerings',
+      None,
+      'Lowerings of ragged_dot to time, from '
+      f'{list(LOWERINGS)} (default: all on GPU, xla elsewhere).',
+  )
+  flags.DEFINE_enum(
+      'isolate',
+      'auto',
+      ['auto', 'yes', 'no'],
+      'One child process per row (auto: where the device reports its peak).',
+  )
+  flags.DEFINE_string('child', '', 'Internal: run one row, print its JSON.')
+
+
+def _step(family: str, mode: str, variant: str, quick: bool, seq_len: int):
+  """(compiled step, its arguments) of one row, in bfloat16."""
+  shape = SHAPES[family]['quick' if quick else 'full']
+  config = bench_dispatch.layer_config(
+      family,
+      num_experts=shape['num_experts'],
+      d_model=shape['d_model'],
+      d_ff=shape['d_ff'],
+      top_k=shape['top_k'],
+      expert_capacity=64,
+  )
+  config = dataclasses.replace(
+      config, dispatch=DISPATCH[mode, variant], dtype='bfloat16'
+  )
+  rank = LORA_RANK if mode == 'lora' else 0
+  module = (
+      olmoe.OlmoeSparseMLP(config, rank=rank)
+      if family == 'olmoe'
+      else switch.SwitchSparseMLP(config, rank=rank)
+  )
+  # Host-side random data: no eager device computation besides the step.
+  rng = np.random.default_rng(0)
+  normal = lambda shape, std=1.0: jnp.asarray(
+      std * rng.standard_normal(shape), jnp.bfloat16
+  )
+  x_shape = (shape['records'], seq_len, shape['d_model'])
+  x, cotangent = normal(x_shape), normal(x_shape)
+  shapes = jax.eval_shape(module.init, jax.random.PRNGKey(0), x[:1])
+  # Kernels at fan-in scale; LoRA B non-zero, as after a few steps.
+  params = jax.tree.map(
+      lambda s: normal(s.shape, s.shape[-2] ** -0.5), shapes['params']
+  )
+
+  def loss(p, x, ct):
+    return jnp.vdot(module.apply({'params': p}, x)[0], ct).astype(jnp.float32)
+
+  if mode == 'lora':
+    adapters = {
+        m: {k: v for k, v in leaves.items() if k.startswith('lora')}
+        for m, leaves in params['experts'].items()
+    }
+
+    def record_loss(adapters, x, ct):
+      experts = {m: {**params['experts'][m], **adapters[m]} for m in adapters}
+      p = {**params, 'experts': experts}
+      return loss(p, x[None], ct[None])
+
+    step = jax.vmap(jax.grad(record_loss, argnums=(0, 1)), in_axes=(None, 0, 0))
+    args = (adapters, x, cotangent)
+  else:
+    step = jax.grad(loss, argnums=(0, 1))
+    args = (params, x, cotangent)
+  # Toy sizes: skip XLA's LLVM optimisation, which dominates their compile.
+  options = {'xla_backend_optimization_level': 0} if quick else None
+  return jax.jit(step, compiler_options=options).lower(*args).compile(), args
+
+
+def _peak_bytes() -> int | None:
+  stats = jax.devices()[0].memory_stats()
+  return None if not stats else stats.get('peak_bytes_in_use')
+
+
+def measure(
+    family: str,
+    mode: str,
+    variant: str,
+    *,
+    lowering: str = 'xla',
+    quick: bool = False,
+    seq_len: int | None = None,
+    repeats: int = 10,
+) -> dict:
+  """One row: median step ms, XLA buffer MiB and device peak MiB (or None).
+
+  `lowering` is the ragged_dot lowering of a ragged row ('xla', or 'triton'
+  for JAX's Pallas Triton kernel; 'cudnn' is set by `_measure_in_child`). A
+  step that does not compile or run (e.g. out of memory) gives a row with
+  `error` (its first line) instead of numbers.
+  """
+  row = dict(family=family, mode=mode, variant=variant, lowering=lowering)
+  row['dispatch'] = _label(mode, variant, lowering)
+  seq_len = seq_len or (8 if quick else 128)
+  try:
+    with _triton_lowering(lowering == 'triton'):
+      compiled, args = _step(family, mode, variant, quick, seq_len)
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      times.append(time.perf_counter() - start)
+  except Exception as e:  # pylint: disable=broad-except
+    return dict(row, error=str(e).strip().splitlines()[0][:120])
+  stats = profiling.memory_stats(compiled) or {}
+  xla = stats.get('argument', 0) + stats.get('output', 0) + stats.get('temp', 0)
+  peak = _peak_bytes()
+  return dict(
+      row,
+      ms=profiling.median(times) * 1e3,
+      xla_mib=xla / 2**20,
+      peak_mib=None if peak is None else peak / 2**20,
+  )
+
+
+@contextlib.contextmanager
+def _triton_lowering(enabled: bool):
+  """JAX's Pallas Triton lowering of ragged_dot (GPU) while compiling."""
+  name = 'jax_ragged_dot_use_gpu_pallas_triton_lowering'
+  before = getattr(jax.config, name)
+  jax.config.update(name, enabled)
+  try:
+    yield
+  finally:
+    jax.config.update(name, before)
+
+
+def _label(mode: str, variant: str, lowering: str) -> str:
+  dispatch = DISPATCH[mode, variant]
+  return dispatch if variant != 'ragged' else f'{dispatch} ({lowering})'
+
+
+def _measure_in_child(spec: dict) -> dict:
+  """`measure(**spec)` in a fresh process, so the device peak is this row's.
+
+  The 'cudnn' lowering sets XLA's cuDNN ragged-dot fusion flag, which XLA
+  reads once per process.
+  """
+  command = [sys.executable, '-m', 'launch.bench.gpu_dispatch']
+  command += ['--child', json.dumps(spec)]
+  env = dict(os.environ)
+  if spec['lowering'] == 'cudnn':
+    env['XLA_FLAGS'] = (
+        env.get('XLA_FLAGS', '') + ' ' + CUDNN_RAGGED_DOT_FLAG
+    ).strip()
+  done = subprocess.run(
+      command, capture_output=True, text=True, check=False, env=env
+  )
+  for line in done.stdout.splitlines():
+    if line.startswith('ROW '):
+      return json.loads(line[4:])
+  tail = (done.stderr.strip().splitlines() or ['no output'])[-1]
+  keys = ('family', 'mode', 'variant', 'lowering')
+  return dict(
+      {k: spec[k] for k in keys},
+      dispatch=_label(spec['mode'], spec['variant'], spec['lowering']),
+      error=tail[:120],
+  )
+
+
+def table(rows: list[dict]) -> str:
+  """The printed table; ratios are to the grouped row of the same layer and mode."""
+  grouped = {
+      (r['family'], r['mode']): r['ms']
+      for r in rows
+      if r['variant'] == 'grouped' and 'ms' in r
+  }
+  header = [
+      'layer',
+      'mode',
+      'dispatch',
+      'step ms',
+      'vs grouped',
+      'XLA MiB',
+      'device peak MiB',
+  ]
+  body = []
+  for r in rows:
+    cells = [r['family'], r['mode'], r['dispatch']]
+    if 'error' in r:
+      body.append(cells + ['did not run: ' + r['error'], '', '', ''])
+      continue
+    base = grouped.get((r['family'], r['mode']))
+    body.append(
+        cells
+        + [
+            f"{r['ms']:.2f}",
+            '-' if base is None else f"{r['ms'] / base:.2f}",
+            f"{r['xla_mib']:.1f}",
+            '-' if r['peak_mib'] is None else f"{r['peak_mib']:.1f}",
+        ]
+    )
+  return profiling.format_table(header, body)
+
+
+def run(
+    *,
+    families=tuple(SHAPES),
+    modes=MODES,
+    variants=VARIANTS,
+    lowerings=('xla',),
+    quick=False,
+    seq_len=None,
+    repeats=10,
+    isolate=False,
+) -> list[dict]:
+  """Every (family, mode, variant) row, ragged once per lowering, in order.
+
+  With `isolate` each row runs in a child process (`--child`); the 'cudnn'
+  lowering needs one.
+  """
+  if 'cudnn' in lowerings and not isolate:
+    raise ValueError("the 'cudnn' lowering needs isolate=True (an XLA flag)")
+  rows = []
+  for family in families:
+    for mode in modes:
+      for variant in variants:
+        for lowering in lowerings if variant == 'ragged' else ('xla',):
+          spec = dict(
+              family=family,
+              mode=mode,
+              variant=variant,
+              lowering=lowering,
+              quick=quick,
+              seq_len=seq_len,
+              repeats=repeats,
+          )
+          rows.append(_measure_in_child(spec) if isolate else measure(**spec))
+          print('.', end='', flush=True, file=sys.stderr)
+  print(file=sys.stderr)
+  return rows
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  if FLAGS.child:
+    print('ROW ' + json.dumps(measure(**json.loads(FLAGS.child))), flush=True)
+    return
+  device = jax.devices()[0]
+  lowerings = FLAGS.ragged_lowerings or (
+      list(LOWERINGS) if device.platform == 'gpu' else ['xla']
+  )
+  bad = sorted(
+      set(FLAGS.families) - set(SHAPES)
+      | set(FLAGS.modes) - set(MODES)
+      | set(FLAGS.variants) - set(VARIANTS)
+      | set(lowerings) - set(LOWERINGS)
+  )
+  if bad:
+    raise app.UsageError(
+        f'unknown {bad}; families {list(SHAPES)}, modes {list(MODES)}, '
+        f'variants {list(VARIANTS)}, ragged lowerings {list(LOWERINGS)}'
+    )
+  isolate = FLAGS.isolate == 'yes' or (
+      FLAGS.isolate == 'auto' and _peak_bytes() is not None
+  )
+  sizes = 'quick toy sizes' if FLAGS.quick else 'full-size layers'
+  processes = 'one process per row' if isolate else 'one process'
+  print(
+      f'{device.platform} ({device.device_kind}), jax {jax.__version__}; '
+      f'bfloat16; median of {FLAGS.repeats} steps; LoRA rank {LORA_RANK}; '
+      f'{sizes}; {processes}',
+      flush=True,
+  )
+  rows = run(
+      families=FLAGS.families,
+      modes=FLAGS.modes,
+      variants=FLAGS.variants,
+      lowerings=lowerings,
+      quick=FLAGS.quick,
+      seq_len=FLAGS.seq_len,
+      repeats=FLAGS.repeats,
+      isolate=isolate,
+  )
+  print(table(rows))
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

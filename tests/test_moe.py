@@ -1,0 +1,268 @@
+"""Expert dispatch: the ragged grouped-GEMM path against the sorted-block path.
+
+`moe.ragged_linear` / `moe.ragged_linear_trainable` must compute the same
+functions and gradients as `moe.grouped_linear` / `grouped_linear_trainable`
+(dropped rows included, per record under vmap); the every-expert autodiff
+reference (`dense_linear` + `expert_lora`) pins both independently.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from raptor_jax import models
+from raptor_jax.models import lora as lora_lib
+from raptor_jax.models import moe
+from raptor_jax.models import olmoe
+from raptor_jax.models import switch
+
+# Tiny shapes: skip XLA's LLVM optimisation (it dominates the compile time).
+_jit = functools.partial(
+    jax.jit, compiler_options={"xla_backend_optimization_level": 0}
+)
+
+
+def _inputs(num_experts, rows, records=2, seed=0):
+  rng = np.random.RandomState(seed + rows + num_experts)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  x = normal(records, rows, 5)
+  w = normal(num_experts, 5, 7)
+  a = normal(num_experts, 5, 3)
+  b = normal(num_experts, 3, 7)
+  # E = dropped (a capacity overflow): about one row in E + 1.
+  experts = jnp.asarray(
+      rng.randint(0, num_experts + 1, (records, rows)), jnp.int32
+  )
+  return x, experts, w, a, b
+
+
+KEY = jax.random.PRNGKey(0)
+
+
+def _close_to_scale(got, want, tol=1e-4):
+  """max |got - want| <= tol * max |want| (float32 noise scales with the array)."""
+  want = np.asarray(want)
+  err = float(np.max(np.abs(np.asarray(got) - want)))
+  assert err <= tol * max(float(np.max(np.abs(want))), 1e-12), err
+
+
+def _close(got, want):
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_experts,rows", [(3, 1), (8, 300)])
+def test_ragged_lora_layer_equals_grouped_per_record(num_experts, rows):
+  """Values and per-record gradients (input, every expert's LoRA factors)."""
+  x, experts, w, a, b = _inputs(num_experts, rows)
+
+  def loss(linear):
+    return lambda x, e, a, b: jnp.sum(jnp.sin(linear(x, e, w, (a, b))))
+
+  per_record = lambda f: _jit(
+      jax.vmap(
+          jax.value_and_grad(f, argnums=(0, 2, 3)), in_axes=(0, 0, None, None)
+      )
+  )
+  got_value, got = per_record(loss(moe.ragged_linear))(x, experts, a, b)
+  value, want = per_record(loss(moe.grouped_linear))(x, experts, a, b)
+  _close(got_value, value)
+  assert got[1].shape == (2, num_experts, 5, 3)  # per record, every expert
+  jax.tree.map(_close, got, want)
+  # Independent reference: autodiff of every expert on every row.
+  ref = lambda x, e, a, b: jnp.sum(
+      jnp.sin(moe.dense_linear(x, e, w) + moe.expert_lora(x, e, a, b, 1.0))
+  )
+  _, ref_grads = per_record(ref)(x, experts, a, b)
+  jax.tree.map(_close, got, ref_grads)
+  # Dropped rows get no output and no input gradient; base weights are frozen.
+  y = _jit(jax.vmap(lambda x, e: moe.ragged_linear(x, e, w, (a, b))))(
+      x, experts
+  )
+  dropped = np.asarray(experts) == num_experts
+  assert not np.any(np.asarray(y)[dropped])
+  assert not np.any(np.asarray(got[0])[dropped])
+  dw = _jit(
+      jax.grad(lambda w: jnp.sum(moe.ragged_linear(x[0], experts[0], w)))
+  )(w)
+  assert not np.any(np.asarray(dw))
+
+
+@pytest.mark.parametrize("num_experts,rows", [(3, 1), (8, 300)])
+def test_ragged_trainable_equals_grouped_trainable(num_experts, rows):
+  """Pretraining (batch gradient) and per-record kernel gradients under vmap."""
+  x, experts, w, _, _ = _inputs(num_experts, rows, records=3, seed=1)
+  loss = lambda linear: lambda x, e, w: jnp.sum(jnp.sin(linear(x, e, w)))
+  grad = lambda f: _jit(jax.value_and_grad(f, argnums=(0, 2)))
+  flat_x, flat_e = x.reshape(-1, 5), experts.reshape(-1)
+  got_value, got = grad(loss(moe.ragged_linear_trainable))(flat_x, flat_e, w)
+  value, want = grad(loss(moe.grouped_linear_trainable))(flat_x, flat_e, w)
+  _, ref = grad(loss(moe.dense_linear))(flat_x, flat_e, w)
+  _close(got_value, value)
+  jax.tree.map(_close, got, want)
+  jax.tree.map(_close, got, ref)
+  per_record = lambda f: _jit(
+      jax.vmap(jax.grad(f, argnums=(0, 2)), in_axes=(0, 0, None))
+  )
+  got = per_record(loss(moe.ragged_linear_trainable))(x, experts, w)
+  want = per_record(loss(moe.dense_linear))(x, experts, w)
+  assert got[1].shape == (3, num_experts, 5, 7)
+  jax.tree.map(_close, got, want)
+
+
+# Tiny sparse layers; Switch's capacity (2 of 10 tokens per expert) drops.
+LAYERS = {
+    "switch": lambda **o: switch.SwitchSparseMLP(
+        switch.SwitchConfig(d_model=8, d_ff=12, num_experts=4, **o),
+        rank=o["lora_rank"],
+    ),
+    "olmoe": lambda **o: olmoe.OlmoeSparseMLP(
+        olmoe.OlmoeConfig(
+            hidden_size=8,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=6,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            **o,
+        ),
+        rank=o["lora_rank"],
+    ),
+}
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+@pytest.mark.parametrize("family", list(LAYERS))
+def test_sparse_layer_ragged_equals_grouped_per_record(family, trainable):
+  """A whole Switch / OLMoE sparse layer (router, capacity, experts) under
+  per-record vmap: values, router logits and the gradients of the input and
+  of every parameter (LoRA factors, or trainable kernels) agree."""
+  rng = np.random.RandomState(3)
+  x = jnp.asarray(rng.normal(size=(3, 1, 10, 8)), jnp.float32)  # 3 records
+  options = dict(lora_rank=0) if trainable else dict(lora_rank=2)
+  if family == "switch":
+    options["expert_capacity"] = 2
+  got = {}
+  for kind in ("grouped", "ragged"):
+    dispatch = kind + "_train" if trainable else kind
+    layer = LAYERS[family](dispatch=dispatch, **options)
+    if kind == "grouped":
+      shapes = jax.eval_shape(layer.init, KEY, x[0])
+      params = jax.tree.map(
+          lambda s: jnp.asarray(0.3 * rng.normal(size=s.shape), s.dtype),
+          shapes,
+      )
+    loss = lambda p, x: (lambda out: (jnp.sum(jnp.tanh(out[0])), out))(
+        layer.apply(p, x)
+    )
+    got[kind] = _jit(
+        jax.vmap(
+            jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
+            in_axes=(None, 0),
+        )
+    )(params, x)
+  (_, (_, logits)), grads = got["ragged"]
+  if family == "switch":
+    routing = moe.route_top1(logits, 2)
+    assert np.any(np.asarray(routing.experts) == 4)  # capacity drops
+  experts = grads[0]["params"]["experts"]
+  leaf = "wi" if family == "switch" else "gate"
+  name = "kernel" if trainable else "lora_a"
+  assert experts[leaf][name].shape[:2] == (3, layer.config.num_experts)
+  assert np.any(np.asarray(experts[leaf][name]))
+  jax.tree.map(_close_to_scale, got["ragged"], got["grouped"])
+
+
+def test_owner_linear_with_the_ragged_frozen_dispatch():
+  x, experts, w, _, _ = _inputs(4, 40, seed=2)
+  owner_w = w[1] + 0.5
+
+  def value_and_grad(frozen_linear):
+    return _jit(
+        jax.vmap(
+            jax.value_and_grad(
+                lambda x, e, ow: jnp.sum(
+                    jnp.sin(moe.owner_linear(x, e, w, 1, ow, frozen_linear))
+                ),
+                argnums=(0, 2),
+            ),
+            in_axes=(0, 0, None),
+        )
+    )(x, experts, owner_w)
+
+  jax.tree.map(
+      _close,
+      value_and_grad(moe.ragged_linear),
+      value_and_grad(moe.grouped_linear),
+  )
+
+
+def test_auto_resolves_by_backend():
+  assert jax.default_backend() == "cpu"
+  assert moe.resolve_dispatch("auto") == "grouped"
+  assert moe.resolve_dispatch("auto_train") == "grouped_train"
+  for backend in ("gpu", "tpu"):
+    assert moe.resolve_dispatch("auto", backend) == "ragged"
+    assert moe.resolve_dispatch("auto_train", backend) == "ragged_train"
+  for forced in ("grouped", "ragged", "dense", "ragged_train"):
+    assert moe.resolve_dispatch(forced, "gpu") == forced
+  assert models.SwitchConfig().dispatch == "auto"
+
+
+@pytest.mark.parametrize(
+    "dispatch,present,absent",
+    [
+        ("auto", "scan", "ragged_dot"),
+        ("grouped", "scan", "ragged_dot"),
+        ("ragged", "ragged_dot", "scan"),
+    ],
+)
+def test_expert_layer_runs_the_dispatch_it_resolves_to(
+    dispatch, present, absent
+):
+  """On CPU 'auto' traces the scan path; 'ragged' traces only ragged GEMMs."""
+  layer = lora_lib.ExpertLinear(4, 7, rank=2, dispatch=dispatch)
+  x, experts = jnp.ones((6, 5)), jnp.arange(6, dtype=jnp.int32) % 5
+  params = jax.eval_shape(layer.init, jax.random.PRNGKey(0), x, experts)
+  grad = jax.grad(lambda p: jnp.sum(layer.apply(p, x, experts)))
+  text = str(jax.make_jaxpr(grad)(params))
+  assert present in text and absent not in text
+
+
+def test_bad_dispatch_gives_one_clear_error():
+  want = (
+      r"^dispatch: must be one of 'auto', 'grouped', 'ragged', 'dense', "
+      r"'auto_train', 'grouped_train', 'ragged_train', got 'scan'; pass "
+      r"dispatch= .*--config\.model\.dispatch"
+  )
+  with pytest.raises(ValueError, match=want):
+    models.SwitchConfig(dispatch="scan")
+  with pytest.raises(ValueError, match=want):
+    models.OlmoeConfig(dispatch="scan")
+  layer = lora_lib.ExpertLinear(4, 7, dispatch="scan")
+  with pytest.raises(ValueError, match=want):
+    jax.eval_shape(layer.init, KEY, jnp.ones((3, 5)), jnp.zeros(3, jnp.int32))
+  layer = lora_lib.ExpertLinear(4, 7, rank=2, dispatch="ragged_train")
+  with pytest.raises(
+      ValueError, match="'ragged_train' trains the base kernels"
+  ):
+    jax.eval_shape(layer.init, KEY, jnp.ones((3, 5)), jnp.zeros(3, jnp.int32))
+
+
+def test_ragged_kernel_gradient_flows_through_an_expert_layer():
+  """'ragged_train' trains the stacked kernel; 'ragged' keeps it frozen."""
+  x, experts, w, _, _ = _inputs(4, 6, records=1)
+  x, experts = x[0], experts[0]
+  grads = {}
+  for dispatch in ("ragged", "ragged_train", "dense"):
+    layer = lora_lib.ExpertLinear(4, 7, dispatch=dispatch)
+    loss = lambda w: jnp.sum(
+        jnp.sin(layer.apply({"params": {"kernel": w}}, x, experts))
+    )
+    grads[dispatch] = _jit(jax.grad(loss))(w)
+  assert not np.any(np.asarray(grads["ragged"]))
+  _close(grads["ragged_train"], grads["dense"])
+  assert np.any(np.asarray(grads["dense"]))
