@@ -760,6 +760,7 @@ def run(
     tolerance=1e-3,
     fp32_tolerance=1e-2,
     threads=2,
+    verbose=False,
 ):
   """Saves the model, loads it into both sides, one `compare` row per m."""
   import torch  # pylint: disable=import-outside-toplevel
@@ -768,20 +769,25 @@ def run(
   with tempfile.TemporaryDirectory() as tmp:
     path = save_switch(os.path.join(tmp, 'switch'), sizes)
     module, params = raptor_model(path, sizes)
-    return [
-        compare(
-            path,
-            sizes,
-            module,
-            params,
-            m,
-            modes=modes,
-            repeats=repeats,
-            tolerance=tolerance,
-            fp32_tolerance=fp32_tolerance,
-        )
-        for m in microbatch_sizes
-    ]
+    rows = []
+    for m in microbatch_sizes:
+      rows.append(
+          compare(
+              path,
+              sizes,
+              module,
+              params,
+              m,
+              modes=modes,
+              repeats=repeats,
+              tolerance=tolerance,
+              fp32_tolerance=fp32_tolerance,
+          )
+      )
+      if verbose:  # a long run shows each row as it finishes
+        print(f'm={m}:', {c: round(t) for c, t in rows[-1]['ms'].items()})
+        print(f'm={m} checks:', rows[-1]['errors'], flush=True)
+    return rows
 
 
 def main(argv) -> None:
@@ -814,6 +820,7 @@ def main(argv) -> None:
       tolerance=FLAGS.tolerance,
       fp32_tolerance=FLAGS.fp32_tolerance,
       threads=FLAGS.threads,
+      verbose=True,
   )
   print(tables(rows))
 
