@@ -1,8 +1,8 @@
 """Smoke tests: the benchmark scripts and profiling helpers run at toy sizes.
 
 Not timed tests (the numbers are machine- and load-dependent); they only keep
-`launch/bench/bench_dispatch.py`, `benchmark.py` and `bench_parallel.py`
-from rotting, and check what the tables are made of (FLOP counts, memory
+`launch/bench/bench_dispatch.py`, `benchmark.py`, `bench_parallel.py` and
+`vs_opacus.py` from rotting, and check what the tables are made of (FLOP counts, memory
 analysis) where it is exact.
 """
 
@@ -16,6 +16,7 @@ import sys
 from absl import flags
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from launch.bench import profiling
@@ -388,7 +389,52 @@ def test_bench_parallel_prints_the_readme_command():
 
 def test_scripts_define_flags_only_when_run():
   """Importing the scripts into one process (as these tests do) must not clash."""
-  for name in ("bench_dispatch", "benchmark", "bench_parallel", "gpu_dispatch"):
+  for name in (
+      "bench_dispatch",
+      "benchmark",
+      "bench_parallel",
+      "gpu_dispatch",
+      "vs_opacus",
+  ):
     module = _load(name)
     assert callable(module.define_flags) and callable(module.main)
     assert "repeats" not in flags.FLAGS
+
+
+@pytest.mark.slow
+def test_vs_opacus_quick_both_sides_compute_the_same_updates():
+  """Tiny Switch saved by transformers: raptor_jax and torch/Opacus agree."""
+  bench = _load("vs_opacus")
+  (row,) = bench.run(bench.QUICK, [3], modes=("hooks",), repeats=0)
+  assert not row["failed"], row["failed"]
+  # Non-private gradients, Opacus's clipped mean (noise off) and the owner
+  # sums rebuilt from Opacus's per-sample gradients, each against raptor_jax.
+  # float64 torch is the reference; the float32 Opacus step is checked too.
+  assert set(row["errors"]) == {
+      "torch float32 vs float64",
+      "non-private vs torch64",
+      "non-private vs torch",
+      "DP vs opacus64",
+      "expert vs opacus64",
+      "DP vs opacus hooks",
+  }
+  assert all(err < 5e-5 for err in row["errors"].values()), row["errors"]
+  assert row["ms"] == {}  # repeats=0: checks only; `--quick` also times
+
+
+def test_vs_opacus_check_rejects_a_different_update():
+  bench = _load("vs_opacus")
+  ours = {"a": np.array([1.0, 0.0]), "b": np.array([2.0])}
+  assert bench.relative_error(ours, ours) == 0.0
+  errors = {}
+  with pytest.raises(AssertionError, match="differ"):
+    bench._check(
+        "x",
+        ours,
+        {"a": np.array([1.0, 0.1]), "b": np.array([2.0])},
+        1e-3,
+        errors,
+    )
+  assert errors["x"] == pytest.approx(0.1 / np.sqrt(5.0 + 0.01))
+  with pytest.raises(ValueError, match="different leaves"):
+    bench.relative_error(ours, {"a": ours["a"]})

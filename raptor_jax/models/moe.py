@@ -194,6 +194,26 @@ def _dispatch_plan(experts: jax.Array, num_experts: int, block: int):
   return dest, block_expert, num_blocks
 
 
+def _to_blocks(
+    rows: jax.Array, dest: jax.Array, num_blocks: int, block: int
+) -> jax.Array:
+  """[num_blocks, block, d]: row t at flat position dest[t], zeros elsewhere.
+
+  Built as a gather of the rows, driven by an int32 scatter of row indices
+  (slot -> source row, `T` = empty): on CPU this is much cheaper than
+  zero-filling the padded buffer and scattering d-wide rows into it. Dropped
+  rows (dest out of range) land nowhere, as before.
+  """
+  num_rows, width = rows.shape
+  source = (
+      jnp.full((num_blocks * block,), num_rows, jnp.int32)
+      .at[dest]
+      .set(jnp.arange(num_rows, dtype=jnp.int32), mode="drop")
+  )
+  buf = jnp.take(rows, source, axis=0, mode="fill", fill_value=0)
+  return buf.reshape(num_blocks, block, width)
+
+
 def _grouped_linear_flat(
     x: jax.Array,
     experts: jax.Array,
@@ -213,12 +233,7 @@ def _grouped_linear_flat(
   d_out = w.shape[1] if transpose else w.shape[2]
   block = block_size(num_rows, num_experts)
   dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
-  buf = (
-      jnp.zeros((num_blocks * block, d_in), x.dtype)
-      .at[dest]
-      .set(x, mode="drop")
-  )
-  buf = buf.reshape(num_blocks, block, d_in)
+  buf = _to_blocks(x, dest, num_blocks, block)
   contract = (((1,), (1,)), ((), ())) if transpose else (((1,), (0,)), ((), ()))
   low_rank = tuple(reversed(lora)) if transpose else lora
 
@@ -359,16 +374,11 @@ def _grouped_linear_trainable_bwd(residuals, dy):
   block = block_size(x.shape[0], num_experts)
   dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
 
-  def blocks(rows):
-    buf = jnp.zeros((num_blocks * block, rows.shape[-1]), rows.dtype)
-    return (
-        buf.at[dest]
-        .set(rows, mode="drop")
-        .reshape(num_blocks, block, rows.shape[-1])
-    )
-
   per_block = jnp.einsum(
-      "nbi,nbo->nio", blocks(x), blocks(dy), preferred_element_type=jnp.float32
+      "nbi,nbo->nio",
+      _to_blocks(x, dest, num_blocks, block),
+      _to_blocks(dy, dest, num_blocks, block),
+      preferred_element_type=jnp.float32,
   )
   dw = jax.ops.segment_sum(per_block, block_expert, num_segments=num_experts)
   return _grouped_backward(dy, experts, w), None, dw.astype(w.dtype)

@@ -184,10 +184,18 @@ class PhaseFunctions:
           )
           for p, v in params_flat.items()
       }
-    logits, _ = self.model.apply(
-        {"params": roles.unflatten(params_flat)},
-        batch["input_ids"],
-        batch["attention_mask"],
+
+    # Record by record, exactly as the gradient's forward runs (vmap over
+    # B = 1): the blocks below l* are then the same computation in both, and
+    # XLA computes them once (CSE) instead of twice.
+    def record_logits(ids, mask):
+      logits, _ = self.model.apply(
+          {"params": roles.unflatten(params_flat)}, ids[None], mask[None]
+      )
+      return logits[0]
+
+    logits = jax.vmap(record_logits)(
+        batch["input_ids"], batch["attention_mask"]
     )
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     p_true = jnp.take_along_axis(probs, batch["labels"][:, None], axis=-1)[:, 0]
