@@ -14,6 +14,7 @@ import dataclasses
 from typing import Mapping, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from raptor_jax import _validate
 from raptor_jax.models import moe
@@ -40,6 +41,31 @@ class OwnerOverride(NamedTuple):
   layer: int
   owner: jax.Array
   params: Mapping[str, Mapping[str, jax.Array]]
+
+
+def check_owner_layer(
+    owner_override: OwnerOverride | None, sparse_layers
+) -> None:
+  """Refuses an owner override of a block that is not sparse (one line)."""
+  if owner_override is not None and owner_override.layer not in sparse_layers:
+    raise ValueError(
+        f"owner layer {owner_override.layer} is not a sparse block of this "
+        f"model; sparse blocks: {list(sparse_layers)}"
+    )
+
+
+def causal_mask(
+    input_ids: jax.Array, attention_mask: jax.Array | None
+) -> jax.Array:
+  """bool [B, S_q, S_k]: key k is visible to query q (k <= q, k a token).
+
+  `attention_mask` is {0, 1} [B, S] (1 = token); None means all tokens.
+  """
+  if attention_mask is None:
+    attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+  seq = input_ids.shape[1]
+  causal = jnp.tril(jnp.ones((seq, seq), bool))
+  return causal[None] & (attention_mask[:, None, :] > 0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from raptor_jax import _validate
-from raptor_jax.models import moe
+from raptor_jax.models import common, moe
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import LoRADense
 from raptor_jax.models.olmoe import GatedExperts, RMSNorm, apply_rotary, rotary_tables
@@ -519,20 +519,9 @@ class DeepseekDecoder(nn.Module):
       router_logits: one float32 [B, S, E] per sparse block, in block order).
     """
     cfg = self.config
-    if (
-        owner_override is not None
-        and owner_override.layer not in cfg.sparse_layers
-    ):
-      raise ValueError(
-          f"owner layer {owner_override.layer} is not a sparse block of this "
-          f"model; sparse blocks: {list(cfg.sparse_layers)}"
-      )
+    common.check_owner_layer(owner_override, cfg.sparse_layers)
     dtype = jnp.dtype(cfg.dtype)
-    seq = input_ids.shape[1]
-    if attention_mask is None:
-      attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-    causal = jnp.tril(jnp.ones((seq, seq), bool))
-    allowed = causal[None] & (attention_mask[:, None, :] > 0)  # [B, S_q, S_k]
+    allowed = common.causal_mask(input_ids, attention_mask)  # [B, S_q, S_k]
     x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")(
         input_ids
     ).astype(dtype)

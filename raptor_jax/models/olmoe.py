@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from raptor_jax.models import moe
+from raptor_jax.models import common, moe
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 
@@ -299,20 +299,10 @@ class OlmoeDecoder(nn.Module):
       router_logits: one float32 [B, S, E] per block).
     """
     cfg = self.config
-    if (
-        owner_override is not None
-        and owner_override.layer not in cfg.sparse_layers
-    ):
-      raise ValueError(
-          f"owner layer {owner_override.layer} is not a block of this model; "
-          f"blocks: 0..{cfg.num_hidden_layers - 1}"
-      )
+    common.check_owner_layer(owner_override, cfg.sparse_layers)
     dtype = jnp.dtype(cfg.dtype)
     seq = input_ids.shape[1]
-    if attention_mask is None:
-      attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-    causal = jnp.tril(jnp.ones((seq, seq), bool))
-    allowed = causal[None] & (attention_mask[:, None, :] > 0)  # [B, S_q, S_k]
+    allowed = common.causal_mask(input_ids, attention_mask)  # [B, S_q, S_k]
     cos, sin = rotary_tables(seq, cfg.head_dim, cfg.rope_theta, dtype)
     x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")(
         input_ids

@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from raptor_jax.models import moe
+from raptor_jax.models import common, moe
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 
@@ -281,14 +281,7 @@ class SwitchEncoder(nn.Module):
       BackboneOutput(hidden_states [B, S, D], router_logits per sparse block).
     """
     cfg = self.config
-    if (
-        owner_override is not None
-        and owner_override.layer not in cfg.sparse_layers
-    ):
-      raise ValueError(
-          f"owner layer {owner_override.layer} is not a sparse block; "
-          f"sparse blocks: {list(cfg.sparse_layers)}"
-      )
+    common.check_owner_layer(owner_override, cfg.sparse_layers)
     dtype = jnp.dtype(cfg.dtype)
     if attention_mask is None:
       attention_mask = jnp.ones(input_ids.shape, jnp.int32)
