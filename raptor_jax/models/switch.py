@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from raptor_jax.models import common, moe
+from raptor_jax.models import attention, common, moe
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 
@@ -149,10 +149,11 @@ class SwitchAttention(nn.Module):
       position_bias = jnp.transpose(bias_table(buckets), (2, 0, 1))[
           None
       ]  # [1, H, S, S]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-    scores = scores + position_bias.astype(jnp.float32) + mask_bias
-    weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, inner)
+    heads = lambda t: jnp.swapaxes(t, 1, 2)  # [B, S, H, D] <-> [B, H, S, D]
+    out = heads(
+        attention.attend(heads(q), heads(k), heads(v), position_bias, mask_bias)
+    )
+    out = out.reshape(batch, seq, inner)
     return proj("o", cfg.d_model)(out), position_bias
 
 
