@@ -87,3 +87,21 @@ def _attend_bwd(residuals, d_out):
 
 
 attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def attend_tokens(
+    q: jax.Array, k: jax.Array, v: jax.Array, *biases: jax.Array
+) -> jax.Array:
+  """`attend` for token-major heads [B, S, H, D], as projections give them.
+
+  Returns [B, Q, H * Dv]: the heads concatenated, ready for the output
+  projection.
+  """
+  heads = lambda t: jnp.swapaxes(t, 1, 2)
+  out = heads(attend(heads(q), heads(k), heads(v), *biases))
+  return out.reshape(*out.shape[:2], -1)
+
+
+def mask_bias(allowed: jax.Array) -> jax.Array:
+  """float32 [B, 1, Q, K] bias from a bool [B, Q, K] mask: 0 or the float32 minimum."""
+  return jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)[:, None]

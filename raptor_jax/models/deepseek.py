@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from raptor_jax import _validate
-from raptor_jax.models import common, moe
+from raptor_jax.models import attention, common, moe
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import LoRADense
 from raptor_jax.models.olmoe import GatedExperts, RMSNorm, apply_rotary, rotary_tables
@@ -266,23 +266,6 @@ def apply_interleaved_rotary(
   return rotated.reshape(x_BxSxHxD.shape).astype(x_BxSxHxD.dtype)
 
 
-def attend(
-    scores_BxHxQxK: jax.Array,
-    allowed_BxQxK: jax.Array,
-    v_BxKxHxD: jax.Array,
-    dtype: Any,
-) -> jax.Array:
-  """Masked float32 softmax over keys, then the values: [B, Q, H * D]."""
-  scores = jnp.where(
-      allowed_BxQxK[:, None],
-      scores_BxHxQxK.astype(jnp.float32),
-      jnp.finfo(jnp.float32).min,
-  )
-  weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-  out = jnp.einsum("bhqk,bkhd->bqhd", weights, v_BxKxHxD)
-  return out.reshape(*out.shape[:2], -1)
-
-
 class MultiHeadLatentAttention(nn.Module):
   """DeepSeek-V2's MLA (HF `DeepseekV2Attention`), causal, optional LoRA on every projection."""
 
@@ -327,14 +310,16 @@ class MultiHeadLatentAttention(nn.Module):
     q_rot = apply_interleaved_rotary(q[..., nope:], cos, sin)
     k_rot = apply_interleaved_rotary(k_rot[:, :, None, :], cos, sin)[:, :, 0]
     # [q_nope, q_rot] . [k_nope, k_rot]: the position part's key is shared by all heads.
-    scores = jnp.einsum(
-        "bqhd,bkhd->bhqk", q[..., :nope], kv[..., :nope]
-    ) + jnp.einsum("bqhd,bkd->bhqk", q_rot, k_rot)
-    out = attend(
-        scores.astype(jnp.float32) * (nope + rope) ** -0.5,
-        allowed,
+    q = jnp.concatenate([q[..., :nope], q_rot], axis=-1)
+    k = jnp.concatenate(
+        [kv[..., :nope], jnp.broadcast_to(k_rot[:, :, None], q_rot.shape)],
+        axis=-1,
+    )
+    out = attention.attend_tokens(
+        q * (nope + rope) ** -0.5,
+        k,
         kv[..., nope:],
-        dtype,
+        attention.mask_bias(allowed),
     )
     return proj("o", cfg.hidden_size, out)
 
@@ -379,10 +364,10 @@ class MultiHeadAttention(nn.Module):
     )
     # Query head h reads key/value head h // (heads / kv_heads) (HF repeat_kv).
     k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
-    scores = (
-        jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * head_dim**-0.5
+    out = attention.attend_tokens(
+        q * head_dim**-0.5, k, v, attention.mask_bias(allowed)
     )
-    return proj("o", cfg.hidden_size, attend(scores, allowed, v, dtype))
+    return proj("o", cfg.hidden_size, out)
 
 
 class GatedMLP(nn.Module):

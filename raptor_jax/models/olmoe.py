@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from raptor_jax.models import common, moe
+from raptor_jax.models import attention, common, moe
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 
@@ -160,17 +160,9 @@ class OlmoeAttention(nn.Module):
     k = apply_rotary(k.reshape(batch, seq, kv_heads, head_dim), cos, sin)
     v = v.reshape(batch, seq, kv_heads, head_dim)
     # Query head h reads key/value head h // (heads / kv_heads) (HF repeat_kv).
-    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
-    scores = (
-        jnp.einsum("bqgrd,bkgd->bgrqk", q, k).astype(jnp.float32)
-        * head_dim**-0.5
-    )
-    scores = jnp.where(
-        allowed_BxSxS[:, None, None], scores, jnp.finfo(jnp.float32).min
-    )
-    weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bgrqk,bkgd->bqgrd", weights, v).reshape(
-        batch, seq, heads * head_dim
+    k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
+    out = attention.attend_tokens(
+        q * head_dim**-0.5, k, v, attention.mask_bias(allowed_BxSxS)
     )
     return proj("o", cfg.hidden_size)(out)
 

@@ -149,11 +149,7 @@ class SwitchAttention(nn.Module):
       position_bias = jnp.transpose(bias_table(buckets), (2, 0, 1))[
           None
       ]  # [1, H, S, S]
-    heads = lambda t: jnp.swapaxes(t, 1, 2)  # [B, S, H, D] <-> [B, H, S, D]
-    out = heads(
-        attention.attend(heads(q), heads(k), heads(v), position_bias, mask_bias)
-    )
-    out = out.reshape(batch, seq, inner)
+    out = attention.attend_tokens(q, k, v, position_bias, mask_bias)
     return proj("o", cfg.d_model)(out), position_bias
 
 
