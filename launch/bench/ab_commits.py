@@ -1,0 +1,155 @@
+r"""What a change bought: raptor_jax's steps at two commits, timed side by side.
+
+Each commit is checked out into a temporary git worktree and served by one
+worker process (this file, run with that worktree first on `sys.path`): the
+worker builds the `vs_opacus` model (the same random HF Switch, saved once
+and shared by both) and compiles the chosen steps with its commit's code,
+then times one step per request. The parent alternates requests between the
+two workers, round after round, so both commits see the same machine state,
+and prints each step's medians and the paired ratio head / base.
+
+  python -m launch.bench.ab_commits --base=HEAD~1 --head=HEAD \
+      --microbatch_size=32 --steps=raptor,raptor_dp --repeats=5
+
+Steps: raptor (non-private), raptor_dp (shared DP), raptor_expert (the
+expert stream). Both commits must have `launch/bench/vs_opacus.py`.
+Run under `taskset -c 0-1` for the 2-core setting of the issue-16 table;
+workers take turns, so they never compete for the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+STEPS = ('raptor', 'raptor_dp', 'raptor_expert')
+
+
+def _worker(model_path: str, m: int, steps: list[str]) -> None:
+  """Serves timings of this commit's steps: one line in, one line out."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
+
+  sizes = vs_opacus.Sizes()
+  module, params = vs_opacus.raptor_model(model_path, sizes)
+  batch, owners = vs_opacus.records(sizes, m, seed=m)
+  calls = {}
+  for step in steps:
+    if step == 'raptor':
+      calls[step] = vs_opacus.raptor_nonprivate(module, params, batch)[0]
+    else:
+      stream = 'shared' if step == 'raptor_dp' else 'expert'
+      calls[step] = vs_opacus.raptor_dp(
+          module, params, batch, owners, sizes, stream
+      )[0]
+  for call in calls.values():  # compile and warm up
+    jax.block_until_ready(call())
+  print('ready', flush=True)
+  for line in sys.stdin:
+    step = line.strip()
+    start = time.perf_counter()
+    jax.block_until_ready(calls[step]())
+    print(time.perf_counter() - start, flush=True)
+
+
+def _start(checkout: str, model_path: str, m: int, steps: list[str]):
+  env = dict(os.environ, PYTHONPATH=checkout)
+  proc = subprocess.Popen(
+      [
+          sys.executable,
+          os.path.abspath(__file__),
+          '--worker',
+          model_path,
+          str(m),
+          ','.join(steps),
+      ],
+      cwd=checkout,
+      env=env,
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+  )
+  for line in proc.stdout:  # anything a library prints before 'ready'
+    if line.strip() == 'ready':
+      return proc
+  raise RuntimeError(f'worker at {checkout} failed to start (see stderr)')
+
+
+def _time(proc, step: str) -> float:
+  proc.stdin.write(step + '\n')
+  proc.stdin.flush()
+  return float(proc.stdout.readline())
+
+
+def compare(base: str, head: str, m: int, steps: list[str], repeats: int):
+  """{step: (base times, head times)} from alternating rounds."""
+  repo = subprocess.check_output(
+      ['git', 'rev-parse', '--show-toplevel'], text=True
+  ).strip()
+  with tempfile.TemporaryDirectory() as tmp:
+    sys.path.insert(0, repo)
+    from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
+
+    model_path = vs_opacus.save_switch(
+        os.path.join(tmp, 'switch'), vs_opacus.Sizes()
+    )
+    procs, trees = {}, []
+    try:
+      for name, rev in (('base', base), ('head', head)):
+        tree = os.path.join(tmp, name)
+        subprocess.check_call(
+            ['git', '-C', repo, 'worktree', 'add', '--detach', '-q', tree, rev]
+        )
+        trees.append(tree)
+        procs[name] = _start(tree, model_path, m, steps)
+      times = {s: ([], []) for s in steps}
+      for _ in range(repeats):
+        for step in steps:
+          for i, name in enumerate(('base', 'head')):
+            times[step][i].append(_time(procs[name], step))
+      return times
+    finally:
+      for proc in procs.values():
+        proc.stdin.close()
+        proc.wait()
+      for tree in trees:
+        subprocess.call(
+            ['git', '-C', repo, 'worktree', 'remove', '--force', tree]
+        )
+
+
+def main() -> None:
+  from absl import flags  # pylint: disable=import-outside-toplevel
+
+  flags.DEFINE_string('base', 'HEAD~1', 'The commit before the change.')
+  flags.DEFINE_string('head', 'HEAD', 'The commit with the change.')
+  flags.DEFINE_integer('microbatch_size', 32, 'Records per step.')
+  flags.DEFINE_list('steps', ['raptor', 'raptor_dp'], f'Any of {STEPS}.')
+  flags.DEFINE_integer('repeats', 5, 'Alternating rounds.')
+  flags.FLAGS(sys.argv)
+  f = flags.FLAGS
+  bad = [s for s in f.steps if s not in STEPS]
+  if bad:
+    sys.exit(f'error: unknown --steps {bad}; choose from {list(STEPS)}')
+  from launch.bench import profiling  # pylint: disable=import-outside-toplevel
+
+  times = compare(f.base, f.head, f.microbatch_size, f.steps, f.repeats)
+  print(json.dumps({'base': f.base, 'head': f.head, 'm': f.microbatch_size}))
+  for step, (base, head) in times.items():
+    print(
+        f'{step:14s} base {profiling.median(base) * 1e3:7.0f} ms  head '
+        f'{profiling.median(head) * 1e3:7.0f} ms  head/base '
+        f'{profiling.paired_ratio(head, base):.2f}'
+    )
+
+
+if __name__ == '__main__':
+  if len(sys.argv) > 1 and sys.argv[1] == '--worker':
+    sys.path.insert(0, os.getcwd())
+    _worker(sys.argv[2], int(sys.argv[3]), sys.argv[4].split(','))
+  else:
+    main()
