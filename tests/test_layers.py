@@ -66,6 +66,28 @@ def test_attend_per_record_gradients_under_vmap_match_a_loop():
       np.testing.assert_allclose(a[i], b, rtol=1e-5, atol=1e-6)
 
 
+def test_attend_under_vmap_of_the_mask_alone_matches_a_loop():
+  q, k, v, position, padding = _attention_inputs()
+  masks = jnp.stack([padding, jnp.zeros_like(padding)])  # [2, B, 1, 1, S]
+  loss = lambda q, mask: jnp.sum(
+      jnp.sin(attention.attend(q, k, v, position, mask))
+  )
+  values = jax.vmap(lambda mask: attention.attend(q, k, v, position, mask))(
+      masks
+  )
+  grads = jax.vmap(jax.grad(loss), in_axes=(None, 0))(q, masks)
+  for i in range(2):
+    np.testing.assert_allclose(
+        values[i],
+        _reference_attention(q, k, v, position, masks[i]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        grads[i], jax.grad(loss)(q, masks[i]), rtol=1e-5, atol=1e-6
+    )
+
+
 def test_attend_keeps_bfloat16_values_and_float32_softmax():
   q, k, v, position, padding = _attention_inputs()
   out = attention.attend(
