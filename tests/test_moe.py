@@ -266,3 +266,31 @@ def test_ragged_kernel_gradient_flows_through_an_expert_layer():
   assert not np.any(np.asarray(grads["ragged"]))
   _close(grads["ragged_train"], grads["dense"])
   assert np.any(np.asarray(grads["dense"]))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_combine_matches_a_loop_and_its_gradient_under_vmap(k):
+  rng = np.random.RandomState(k)
+  records, batch, seq, d = 2, 1, 4, 5
+  out = jnp.asarray(rng.normal(size=(records, batch * seq * k, d)), jnp.float32)
+  w = jnp.asarray(rng.uniform(size=(records, batch, seq, k)), jnp.float32)
+
+  def loop(out, w):
+    rows = np.asarray(out).reshape(batch, seq, k, d)
+    res = np.zeros((batch, seq, d), np.float32)
+    for b in range(batch):
+      for s in range(seq):
+        for j in range(k):
+          res[b, s] += float(w[b, s, j]) * rows[b, s, j]
+    return res
+
+  got = jax.vmap(moe.combine)(out, w)
+  for r in range(records):
+    np.testing.assert_allclose(got[r], loop(out[r], w[r]), rtol=1e-6)
+  # Gradients against the einsum of the [B, S, k, D] layout it replaces.
+  ref = lambda o, w: jnp.einsum("bskd,bsk->bsd", o.reshape(batch, seq, k, d), w)
+  loss = lambda f: lambda o, w: jnp.sum(jnp.sin(f(o, w)))
+  grads = jax.vmap(jax.grad(loss(moe.combine), argnums=(0, 1)))(out, w)
+  want = jax.vmap(jax.grad(loss(ref), argnums=(0, 1)))(out, w)
+  for g, h in zip(grads, want):
+    np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-6)

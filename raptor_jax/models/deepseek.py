@@ -435,8 +435,7 @@ class DeepseekSparseMLP(nn.Module):
         name="experts",
     )
     out = experts(rows, routing.experts.reshape(-1), owner, owner_params)
-    out = out.reshape(batch, seq, cfg.top_k, d_model)
-    out = jnp.sum(out * routing.weights[..., None].astype(out.dtype), axis=2)
+    out = moe.combine(out, routing.weights)
     shared = GatedMLP(
         cfg.moe_intermediate_size * cfg.n_shared_experts,
         rank=cfg.lora_rank if cfg.shared_expert_lora else 0,

@@ -99,10 +99,12 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-    x32 = x.astype(jnp.float32)
+    # On flat rows: see `moe.combine` (a size-1 batch axis under vmap slowed
+    # the fused reductions of the backward on CPU).
+    x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])
     variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
     normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
-    return scale.astype(self.dtype) * normed
+    return (scale.astype(self.dtype) * normed).reshape(x.shape)
 
 
 def rotary_tables(
@@ -235,8 +237,7 @@ class OlmoeSparseMLP(nn.Module):
         name="experts",
     )
     out = experts(rows, routing.experts.reshape(-1), owner, owner_params)
-    out = out.reshape(batch, seq, cfg.top_k, d_model)
-    out = jnp.sum(out * routing.weights[..., None].astype(out.dtype), axis=2)
+    out = moe.combine(out, routing.weights)
     return out, router_logits
 
 

@@ -86,11 +86,12 @@ class T5RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-    x32 = x.astype(jnp.float32)
+    # On flat rows: see `moe.combine` (a size-1 batch axis under vmap slowed
+    # the fused reductions of the backward on CPU).
+    x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])
     variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    return (scale * (x32 * jax.lax.rsqrt(variance + self.eps))).astype(
-        self.dtype
-    )
+    y = scale * (x32 * jax.lax.rsqrt(variance + self.eps))
+    return y.reshape(x.shape).astype(self.dtype)
 
 
 def relative_position_bucket(
@@ -218,8 +219,7 @@ class SwitchSparseMLP(nn.Module):
     out = SwitchExperts(cfg, rank=self.rank, name="experts")(
         rows, routing.experts.reshape(-1), owner, owner_params
     )
-    out = out.reshape(batch, seq, d_model)
-    return out * routing.weights.astype(out.dtype), router_logits
+    return moe.combine(out, routing.weights), router_logits
 
 
 class SwitchBlock(nn.Module):
