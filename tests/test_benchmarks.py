@@ -438,3 +438,50 @@ def test_vs_opacus_check_rejects_a_different_update():
   assert errors["x"] == pytest.approx(0.1 / np.sqrt(5.0 + 0.01))
   with pytest.raises(ValueError, match="different leaves"):
     bench.relative_error(ours, {"a": ours["a"]})
+
+
+def _ab_commits(*flags_):
+  env = dict(os.environ, PYTHONPATH=str(_ROOT), TRANSFORMERS_VERBOSITY="error")
+  return subprocess.run(
+      [sys.executable, "-m", "launch.bench.ab_commits", *flags_],
+      cwd=_ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+
+
+def test_ab_commits_rejects_an_unknown_step_in_one_line():
+  out = _ab_commits("--steps=raptor,bogus")
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines() == [
+      "error: unknown --steps ['bogus']; choose from "
+      "['raptor', 'raptor_dp', 'raptor_expert']"
+  ]
+
+
+@pytest.mark.slow
+def test_ab_commits_quick_times_a_commit_against_itself():
+  """Two workers (temporary worktrees of HEAD) serve every step in turns."""
+  if not (_ROOT / ".git").exists():
+    pytest.skip("not a git checkout")
+  out = _ab_commits(
+      "--quick",
+      "--base=HEAD",
+      "--head=HEAD",
+      "--microbatch_size=3",
+      "--steps=raptor,raptor_dp,raptor_expert",
+      "--repeats=2",
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = out.stdout.strip().splitlines()
+  rows = {line.split()[0]: line.split() for line in lines[1:]}
+  assert set(rows) == {"raptor", "raptor_dp", "raptor_expert"}, out.stdout
+  for row in rows.values():  # '<step> base T ms head T ms head/base R'
+    assert float(row[2]) > 0 and float(row[5]) > 0
+    assert 0.0 < float(row[-1]) < 100.0
+  worktrees = subprocess.check_output(
+      ["git", "worktree", "list"], cwd=_ROOT, text=True
+  )
+  assert "/base" not in worktrees and "/head" not in worktrees

@@ -29,12 +29,18 @@ import time
 STEPS = ('raptor', 'raptor_dp', 'raptor_expert')
 
 
-def _worker(model_path: str, m: int, steps: list[str]) -> None:
+def _sizes(quick: bool):
+  from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
+
+  return vs_opacus.QUICK if quick else vs_opacus.Sizes()
+
+
+def _worker(model_path: str, m: int, steps: list[str], quick: bool) -> None:
   """Serves timings of this commit's steps: one line in, one line out."""
   import jax  # pylint: disable=import-outside-toplevel
   from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
 
-  sizes = vs_opacus.Sizes()
+  sizes = _sizes(quick)
   module, params = vs_opacus.raptor_model(model_path, sizes)
   batch, owners = vs_opacus.records(sizes, m, seed=m)
   calls = {}
@@ -56,7 +62,7 @@ def _worker(model_path: str, m: int, steps: list[str]) -> None:
     print(time.perf_counter() - start, flush=True)
 
 
-def _start(checkout: str, model_path: str, m: int, steps: list[str]):
+def _start(checkout: str, model_path: str, m: int, steps: list[str], quick):
   env = dict(os.environ, PYTHONPATH=checkout)
   proc = subprocess.Popen(
       [
@@ -66,6 +72,7 @@ def _start(checkout: str, model_path: str, m: int, steps: list[str]):
           model_path,
           str(m),
           ','.join(steps),
+          str(int(quick)),
       ],
       cwd=checkout,
       env=env,
@@ -85,7 +92,14 @@ def _time(proc, step: str) -> float:
   return float(proc.stdout.readline())
 
 
-def compare(base: str, head: str, m: int, steps: list[str], repeats: int):
+def compare(
+    base: str,
+    head: str,
+    m: int,
+    steps: list[str],
+    repeats: int,
+    quick: bool = False,
+):
   """{step: (base times, head times)} from alternating rounds."""
   repo = subprocess.check_output(
       ['git', 'rev-parse', '--show-toplevel'], text=True
@@ -95,7 +109,7 @@ def compare(base: str, head: str, m: int, steps: list[str], repeats: int):
     from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
 
     model_path = vs_opacus.save_switch(
-        os.path.join(tmp, 'switch'), vs_opacus.Sizes()
+        os.path.join(tmp, 'switch'), _sizes(quick)
     )
     procs, trees = {}, []
     try:
@@ -105,7 +119,7 @@ def compare(base: str, head: str, m: int, steps: list[str], repeats: int):
             ['git', '-C', repo, 'worktree', 'add', '--detach', '-q', tree, rev]
         )
         trees.append(tree)
-        procs[name] = _start(tree, model_path, m, steps)
+        procs[name] = _start(tree, model_path, m, steps, quick)
       times = {s: ([], []) for s in steps}
       for _ in range(repeats):
         for step in steps:
@@ -130,6 +144,9 @@ def main() -> None:
   flags.DEFINE_integer('microbatch_size', 32, 'Records per step.')
   flags.DEFINE_list('steps', ['raptor', 'raptor_dp'], f'Any of {STEPS}.')
   flags.DEFINE_integer('repeats', 5, 'Alternating rounds.')
+  flags.DEFINE_bool(
+      'quick', False, 'Tiny sizes (vs_opacus.QUICK): a smoke test.'
+  )
   flags.FLAGS(sys.argv)
   f = flags.FLAGS
   bad = [s for s in f.steps if s not in STEPS]
@@ -137,7 +154,9 @@ def main() -> None:
     sys.exit(f'error: unknown --steps {bad}; choose from {list(STEPS)}')
   from launch.bench import profiling  # pylint: disable=import-outside-toplevel
 
-  times = compare(f.base, f.head, f.microbatch_size, f.steps, f.repeats)
+  times = compare(
+      f.base, f.head, f.microbatch_size, f.steps, f.repeats, quick=f.quick
+  )
   print(json.dumps({'base': f.base, 'head': f.head, 'm': f.microbatch_size}))
   for step, (base, head) in times.items():
     print(
@@ -150,6 +169,11 @@ def main() -> None:
 if __name__ == '__main__':
   if len(sys.argv) > 1 and sys.argv[1] == '--worker':
     sys.path.insert(0, os.getcwd())
-    _worker(sys.argv[2], int(sys.argv[3]), sys.argv[4].split(','))
+    _worker(
+        sys.argv[2],
+        int(sys.argv[3]),
+        sys.argv[4].split(','),
+        sys.argv[5] == '1',
+    )
   else:
     main()
