@@ -142,3 +142,24 @@ def test_lora_dense_is_the_split_form_in_float32_and_bfloat16():
         x, params["kernel"], params["lora_a"], params["lora_b"], 2.0
     )
     assert _rel(out.astype(jnp.float32), expected) < tol, dtype
+
+
+def test_low_rank_linear_forward_is_the_split_form_bit_for_bit():
+  """No merged kernel in the forward, with or without a gradient taken.
+
+  A forward through kernel + scale a b rounds the effective weights once for
+  every record: a shared perturbation that moved the mean gradient of the
+  issue-16 benchmark 25x further from float64 PyTorch (see the docstring).
+  """
+  keys = jax.random.split(jax.random.key(5), 4)
+  x = jax.random.normal(keys[0], (64, 32))
+  kernel = jax.random.normal(keys[1], (32, 48)) / 6
+  a = jax.random.normal(keys[2], (32, 4)) / 6
+  b = jax.random.normal(keys[3], (4, 48)) / 6
+  want = jax.jit(_split_form, static_argnums=4)(x, kernel, a, b, 2.0)
+  got = jax.jit(lora.low_rank_linear, static_argnums=4)(x, kernel, a, b, 2.0)
+  np.testing.assert_array_equal(got, want)
+  primal, _ = jax.jit(
+      lambda *args: jax.vjp(lambda *p: lora.low_rank_linear(*p, 2.0), *args)
+  )(x, kernel, a, b)
+  np.testing.assert_array_equal(primal, want)
