@@ -1,7 +1,7 @@
 r"""What a change bought: raptor_jax's steps at two commits, timed side by side.
 
 Each commit is checked out into a temporary git worktree and served by one
-worker process (this file, run with that worktree first on `sys.path`): the
+worker process (this file, run with that worktree on `PYTHONPATH`): the
 worker builds the `vs_opacus` model (the same random HF Switch, saved once
 and shared by both) and compiles the chosen steps with its commit's code,
 then times one step per request. The parent alternates requests between the
@@ -38,8 +38,14 @@ def _sizes(quick: bool):
 def _worker(model_path: str, m: int, steps: list[str], quick: bool) -> None:
   """Serves timings of this commit's steps: one line in, one line out."""
   import jax  # pylint: disable=import-outside-toplevel
+  import raptor_jax  # pylint: disable=import-outside-toplevel
   from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
 
+  for module in (raptor_jax, vs_opacus):  # this commit's code, not main's
+    if not os.path.abspath(module.__file__).startswith(os.getcwd() + os.sep):
+      raise RuntimeError(
+          f'worker imported {module.__file__}, not {os.getcwd()}'
+      )
   sizes = _sizes(quick)
   module, params = vs_opacus.raptor_model(model_path, sizes)
   batch, owners = vs_opacus.records(sizes, m, seed=m)
@@ -105,7 +111,6 @@ def compare(
       ['git', 'rev-parse', '--show-toplevel'], text=True
   ).strip()
   with tempfile.TemporaryDirectory() as tmp:
-    sys.path.insert(0, repo)
     from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
 
     model_path = vs_opacus.save_switch(
@@ -168,7 +173,6 @@ def main() -> None:
 
 if __name__ == '__main__':
   if len(sys.argv) > 1 and sys.argv[1] == '--worker':
-    sys.path.insert(0, os.getcwd())
     _worker(
         sys.argv[2],
         int(sys.argv[3]),
