@@ -68,7 +68,9 @@ def _worker(model_path: str, m: int, steps: list[str], quick: bool) -> None:
     print(time.perf_counter() - start, flush=True)
 
 
-def _start(checkout: str, model_path: str, m: int, steps: list[str], quick):
+def _start(
+    checkout: str, model_path: str, m: int, steps: list[str], quick: bool
+):
   env = dict(os.environ, PYTHONPATH=checkout)
   proc = subprocess.Popen(
       [

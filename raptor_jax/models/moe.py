@@ -98,7 +98,7 @@ def route_top1(router_logits: jax.Array, expert_capacity: int) -> Routing:
 def combine(out: jax.Array, weights: jax.Array) -> jax.Array:
   """Each token's gate-weighted sum of its k expert outputs, on token rows.
 
-  sum_k weights[..., s, k] * out[s * k + k', :], computed on flat token
+  For token t: sum_j weights[t, j] * out[t * k + j], computed on flat token
   rows [T, k, D] (T = every leading axis times S), never on the model's
   [B, S, ...] layout: under the trainer's `vmap` over records of a batch of
   one, that layout carries a size-1 axis, and XLA:CPU's fused reductions
@@ -116,7 +116,7 @@ def combine(out: jax.Array, weights: jax.Array) -> jax.Array:
   d = out.shape[-1]
   rows = out.reshape(-1, k, d)
   w = weights.reshape(-1, k).astype(out.dtype)
-  if k == 1:
+  if k == 1:  # no size-1 slot axis either (the same slow reductions)
     mixed = rows[:, 0] * w
   else:
     mixed = jnp.sum(rows * w[..., None], axis=1)
