@@ -8,7 +8,7 @@ import logging
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
-from raptor_jax import _validate
+from raptor_jax import _validate, host_memory  # pylint: disable=g-multiple-import
 from raptor_jax.train import parallel, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -39,11 +39,20 @@ _DIAGNOSTICS = flags.DEFINE_bool(
     "After training, write the App. G "
     "diagnostics of the dev split to <workdir>/diagnostics.json.",
 )
+_KEEP_HOST_MEMORY = flags.DEFINE_bool(
+    "keep_host_memory",
+    True,
+    "Let glibc keep freed host memory for the next step instead of mapping "
+    "XLA:CPU's per-step buffer afresh (see raptor_jax/host_memory.py); "
+    "--nokeep_host_memory returns it to the system between steps.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   del argv
+  if _KEEP_HOST_MEMORY.value:
+    host_memory.keep_freed_memory()  # before the first JAX computation
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax/jax chatter
   logging.getLogger("raptor_jax").setLevel(logging.INFO)
   with _validate.errors_exit_in_one_line():

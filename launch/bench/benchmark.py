@@ -54,7 +54,7 @@ import numpy as np
 import optax
 
 from launch.bench import profiling
-from raptor_jax import models, roles
+from raptor_jax import host_memory, models, roles
 from raptor_jax.train import methods, parallel
 from raptor_jax.train import step as step_lib
 
@@ -512,6 +512,7 @@ def buffer_table(buffers: list[profiling.Buffer]) -> str:
 
 def main(argv: list[str]) -> None:
   del argv
+  host_memory.keep_freed_memory()  # as launch/main.py, before any computation
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if FLAGS.family == 'olmoe':
     config = olmoe_config(

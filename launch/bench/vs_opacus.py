@@ -51,6 +51,12 @@ other work shares the cores), `--omp=default` leaves torch's own threading.
 XLA's CPU client uses every core of the machine; run it under `taskset -c
 0-1` (or on a 2-core machine) for 2 threads on both sides.
 
+Host memory: `--keep_host_memory` (the default, as in launch/main.py) calls
+`raptor_jax.host_memory.keep_freed_memory` first, so that glibc reuses the
+freed pages of XLA:CPU's per-step buffer (the whole process: torch too;
+torch's own steps fault no pages either way). `--nokeep_host_memory` shows
+the cost of mapping it afresh each step.
+
   python -m launch.bench.vs_opacus                      # the full table
   python -m launch.bench.vs_opacus --omp=default        # torch's own threading
   python -m launch.bench.vs_opacus --quick              # tiny sizes, a few s
@@ -70,7 +76,7 @@ import numpy as np
 
 from launch.bench import benchmark
 from launch.bench import profiling
-from raptor_jax import models, roles
+from raptor_jax import host_memory, models, roles
 from raptor_jax.train import parallel
 
 MODES = ('hooks', 'functorch', 'ew', 'ghost')
@@ -85,6 +91,11 @@ def define_flags() -> None:
   flags.DEFINE_integer('threads', 2, 'torch.set_num_threads.')
   flags.DEFINE_enum(
       'omp', 'passive', ['passive', 'default'], 'OMP_WAIT_POLICY of torch.'
+  )
+  flags.DEFINE_bool(
+      'keep_host_memory',
+      True,
+      'raptor_jax.host_memory.keep_freed_memory() first (as launch/main.py).',
   )
   flags.DEFINE_float(
       'tolerance', 1e-3, 'Largest relative error against torch in float64.'
@@ -796,6 +807,7 @@ def run(
 def main(argv) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  kept = FLAGS.keep_host_memory and host_memory.keep_freed_memory()
   if FLAGS.omp == 'passive':
     os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'  # before torch's OpenMP starts
   import torch  # pylint: disable=import-outside-toplevel
@@ -812,7 +824,8 @@ def main(argv) -> None:
       f'{FLAGS.threads} threads, OMP_WAIT_POLICY='
       f"{os.environ.get('OMP_WAIT_POLICY', '(default)')}; jax {jax.__version__} "
       f'{jax.devices()[0].platform}, {os.cpu_count()} cores visible; clip '
-      f'{L2_CLIP}, sigma {benchmark.NOISE_MULTIPLIER}',
+      f'{L2_CLIP}, sigma {benchmark.NOISE_MULTIPLIER}; host memory '
+      f"{'kept for reuse' if kept else 'returned each step'}",
       flush=True,
   )
   rows = run(
