@@ -7,6 +7,7 @@ analysis) where it is exact.
 """
 
 import importlib
+import json
 import math
 import os
 import pathlib
@@ -461,6 +462,14 @@ def test_ab_commits_rejects_an_unknown_step_in_one_line():
   ]
 
 
+def test_ab_commits_rejects_back_to_back_below_one_in_one_line():
+  out = _ab_commits("--back_to_back=0")
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines() == [
+      "error: --back_to_back must be >= 1, got 0"
+  ]
+
+
 @pytest.mark.slow
 def test_ab_commits_quick_times_a_commit_against_itself():
   """Two workers (temporary worktrees of HEAD) serve every step in turns."""
@@ -477,9 +486,11 @@ def test_ab_commits_quick_times_a_commit_against_itself():
       "--microbatch_size=3",
       "--steps=raptor,raptor_dp,raptor_expert",
       "--repeats=2",
+      "--back_to_back=2",
   )
   assert out.returncode == 0, out.stderr[-2000:]
   lines = out.stdout.strip().splitlines()
+  assert json.loads(lines[0])["back_to_back"] == 2
   rows = {line.split()[0]: line.split() for line in lines[1:]}
   assert set(rows) == {"raptor", "raptor_dp", "raptor_expert"}, out.stdout
   for row in rows.values():  # '<step> base T ms head T ms head/base R'

@@ -4,9 +4,11 @@ Each commit is checked out into a temporary git worktree and served by one
 worker process (this file, run with that worktree on `PYTHONPATH`): the
 worker builds the `vs_opacus` model (the same random HF Switch, saved once
 and shared by both) and compiles the chosen steps with its commit's code,
-then times one step per request. The parent alternates requests between the
-two workers, round after round, so both commits see the same machine state,
-and prints each step's medians and the paired ratio head / base.
+then times one step per request (or the mean of `--back_to_back` consecutive
+calls: a training loop's steady state). The parent alternates requests
+between the two workers, round after round, so both commits see the same
+machine state, and prints each step's medians and the paired ratio head /
+base.
 
   python -m launch.bench.ab_commits --base=HEAD~1 --head=HEAD \
       --microbatch_size=32 --steps=raptor,raptor_dp --repeats=5
@@ -72,10 +74,11 @@ def _worker(model_path: str, m: int, steps: list[str], quick: bool) -> None:
     jax.block_until_ready(call())
   print('ready', flush=True)
   for line in sys.stdin:
-    step = line.strip()
+    step, calls_per_sample = line.split()
     start = time.perf_counter()
-    jax.block_until_ready(calls[step]())
-    print(time.perf_counter() - start, flush=True)
+    for _ in range(int(calls_per_sample)):
+      jax.block_until_ready(calls[step]())
+    print((time.perf_counter() - start) / int(calls_per_sample), flush=True)
 
 
 def _start(
@@ -104,8 +107,8 @@ def _start(
   raise RuntimeError(f'worker at {checkout} failed to start (see stderr)')
 
 
-def _time(proc, step: str) -> float:
-  proc.stdin.write(step + '\n')
+def _time(proc, step: str, back_to_back: int) -> float:
+  proc.stdin.write(f'{step} {back_to_back}\n')
   proc.stdin.flush()
   return float(proc.stdout.readline())
 
@@ -117,8 +120,15 @@ def compare(
     steps: list[str],
     repeats: int,
     quick: bool = False,
+    back_to_back: int = 1,
 ):
-  """{step: (base times, head times)} from alternating rounds."""
+  """{step: (base times, head times)} from alternating rounds.
+
+  A sample is the mean of `back_to_back` consecutive calls of the step in one
+  worker (with 1, the step alone after the other worker's turn; with more,
+  a training loop's steady state, where one step's buffers are released
+  while the next runs).
+  """
   repo = subprocess.check_output(
       ['git', 'rev-parse', '--show-toplevel'], text=True
   ).strip()
@@ -141,7 +151,7 @@ def compare(
       for _ in range(repeats):
         for step in steps:
           for i, name in enumerate(('base', 'head')):
-            times[step][i].append(_time(procs[name], step))
+            times[step][i].append(_time(procs[name], step, back_to_back))
       return times
     finally:
       for proc in procs.values():
@@ -161,6 +171,12 @@ def main() -> None:
   flags.DEFINE_integer('microbatch_size', 32, 'Records per step.')
   flags.DEFINE_list('steps', ['raptor', 'raptor_dp'], f'Any of {STEPS}.')
   flags.DEFINE_integer('repeats', 5, 'Alternating rounds.')
+  flags.DEFINE_integer(
+      'back_to_back',
+      1,
+      'Consecutive calls per sample (their mean): >1 times a training '
+      "loop's steady state rather than a step after an idle pause.",
+  )
   flags.DEFINE_bool(
       'quick', False, 'Tiny sizes (vs_opacus.QUICK): a smoke test.'
   )
@@ -171,10 +187,27 @@ def main() -> None:
     sys.exit(f'error: unknown --steps {bad}; choose from {list(STEPS)}')
   from launch.bench import profiling  # pylint: disable=import-outside-toplevel
 
+  if f.back_to_back < 1:
+    sys.exit(f'error: --back_to_back must be >= 1, got {f.back_to_back}')
   times = compare(
-      f.base, f.head, f.microbatch_size, f.steps, f.repeats, quick=f.quick
+      f.base,
+      f.head,
+      f.microbatch_size,
+      f.steps,
+      f.repeats,
+      quick=f.quick,
+      back_to_back=f.back_to_back,
   )
-  print(json.dumps({'base': f.base, 'head': f.head, 'm': f.microbatch_size}))
+  print(
+      json.dumps(
+          {
+              'base': f.base,
+              'head': f.head,
+              'm': f.microbatch_size,
+              'back_to_back': f.back_to_back,
+          }
+      )
+  )
   for step, (base, head) in times.items():
     print(
         f'{step:14s} base {profiling.median(base) * 1e3:7.0f} ms  head '
