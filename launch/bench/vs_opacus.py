@@ -51,11 +51,14 @@ other work shares the cores), `--omp=default` leaves torch's own threading.
 XLA's CPU client uses every core of the machine; run it under `taskset -c
 0-1` (or on a 2-core machine) for 2 threads on both sides.
 
-Host memory: `--keep_host_memory` (the default, as in launch/main.py) calls
-`raptor_jax.host_memory.keep_freed_memory` first, so that glibc reuses the
-freed pages of XLA:CPU's per-step buffer (the whole process: torch too;
-torch's own steps fault no pages either way). `--nokeep_host_memory` shows
-the cost of mapping it afresh each step.
+Host memory: glibc's defaults unless `--keep_host_memory`, which calls
+`raptor_jax.host_memory.keep_freed_memory` first (as launch/main.py does):
+one heap for the whole process, so that XLA:CPU's per-step buffer is reused
+instead of mapped afresh. Off by default here because torch then shares that
+heap: its tensors land in the holes between raptor_jax's buffers, and at
+microbatch 128 a later raptor_jax step found no hole large enough and grew
+the heap again (235k page faults in one round, +0.9 GB), which a process
+running raptor_jax alone does not do (results/vs_opacus/README.md).
 
   python -m launch.bench.vs_opacus                      # the full table
   python -m launch.bench.vs_opacus --omp=default        # torch's own threading
@@ -94,8 +97,9 @@ def define_flags() -> None:
   )
   flags.DEFINE_bool(
       'keep_host_memory',
-      True,
-      'raptor_jax.host_memory.keep_freed_memory() first (as launch/main.py).',
+      False,
+      'raptor_jax.host_memory.keep_freed_memory() first (as launch/main.py); '
+      'off by default: torch would share, and fragment, that one heap.',
   )
   flags.DEFINE_float(
       'tolerance', 1e-3, 'Largest relative error against torch in float64.'
