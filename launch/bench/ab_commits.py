@@ -74,11 +74,12 @@ def _worker(model_path: str, m: int, steps: list[str], quick: bool) -> None:
     jax.block_until_ready(call())
   print('ready', flush=True)
   for line in sys.stdin:
-    step, calls_per_sample = line.split()
+    step, count = line.split()
+    count = int(count)
     start = time.perf_counter()
-    for _ in range(int(calls_per_sample)):
+    for _ in range(count):
       jax.block_until_ready(calls[step]())
-    print((time.perf_counter() - start) / int(calls_per_sample), flush=True)
+    print((time.perf_counter() - start) / count, flush=True)
 
 
 def _start(
