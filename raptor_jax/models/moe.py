@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from raptor_jax.models import low_rank
+
 ACTIVATIONS = {
     "relu": jax.nn.relu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -752,7 +754,9 @@ def owner_lora_delta(
   Returns:
     [T, d_out], zero in value.
   """
-  delta = scale * ((jax.lax.stop_gradient(x) @ owner_a) @ owner_b)
+  delta = low_rank.low_rank_update(
+      jax.lax.stop_gradient(x), owner_a, owner_b, scale
+  )
   delta = jnp.where((experts == owner)[:, None], delta, 0.0).astype(x.dtype)
   return delta - jax.lax.stop_gradient(delta)
 
