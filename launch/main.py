@@ -3,12 +3,20 @@
 python launch/main.py --config=configs/switch_sst2.py:tiny --workdir=/tmp/raptor_tiny
 """
 
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import sys
+
+from raptor_jax import host_memory
+
+# First of all, before any library starts a thread (raptor_jax/host_memory.py).
+host_memory.keep_unless_disabled(sys.argv)
+
 import logging
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
-from raptor_jax import _validate, host_memory  # pylint: disable=g-multiple-import
+from raptor_jax import _validate, host_devices  # pylint: disable=g-multiple-import
 from raptor_jax.train import parallel, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -39,20 +47,28 @@ _DIAGNOSTICS = flags.DEFINE_bool(
     "After training, write the App. G "
     "diagnostics of the dev split to <workdir>/diagnostics.json.",
 )
-_KEEP_HOST_MEMORY = flags.DEFINE_bool(
+flags.DEFINE_bool(
     "keep_host_memory",
     True,
     "Let glibc keep freed host memory for the next step instead of mapping "
-    "XLA:CPU's per-step buffer afresh (see raptor_jax/host_memory.py); "
+    "XLA:CPU's per-step buffer afresh (see raptor_jax/host_memory.py; read "
+    "from the command line before anything is imported); "
     "--nokeep_host_memory returns it to the system between steps.",
+)
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices",
+    0,
+    "On CPU, split the host into this many XLA devices and the microbatches "
+    "across them (0: one per core; 1: one device). See "
+    "raptor_jax/host_devices.py; no effect on GPUs or TPUs.",
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   del argv
-  if _KEEP_HOST_MEMORY.value:
-    host_memory.keep_freed_memory()  # before the first JAX computation
+  with _validate.errors_exit_in_one_line():
+    host_devices.one_device_per_core(_CPU_DEVICES.value)
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax/jax chatter
   logging.getLogger("raptor_jax").setLevel(logging.INFO)
   with _validate.errors_exit_in_one_line():

@@ -63,3 +63,80 @@ def test_keep_freed_memory_stops_per_step_page_faults():
 def test_keep_freed_memory_is_a_no_op_off_glibc(monkeypatch):
   monkeypatch.setattr(platform, 'libc_ver', lambda: ('musl', '1.2'))
   assert host_memory.keep_freed_memory() is False
+
+
+# A step on two CPU devices (so it runs on XLA's device threads), with a 64 MB
+# intermediate per device; prints the page faults of each repeated call.
+_DEVICE_THREADS_SCRIPT = textwrap.dedent("""
+    import json, resource, sys
+    import launch.main  # its first lines: keep_unless_disabled(sys.argv)
+    import pyarrow  # starts threads (also imported by launch.main's imports)
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    jax.config.update('jax_num_cpu_devices', 2)
+    mesh = jax.make_mesh((2,), ('d',))
+    x = jax.device_put(
+        jnp.ones((8192, 16)), NamedSharding(mesh, PartitionSpec('d')))
+    w = jnp.ones((16, 4096)); v = jnp.ones((4096, 4))
+    step = jax.jit(lambda x, w, v: jnp.tanh(x @ w) @ v)
+    faults = []
+    for _ in range(12):
+      before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+      step(x, w, v).block_until_ready()
+      faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(json.dumps(faults))
+""")
+
+
+@pytest.mark.skipif(
+    platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc',
+    reason='glibc only',
+)
+@pytest.mark.parametrize('argv', [[], ['--nokeep_host_memory']])
+def test_launch_main_keeps_memory_before_its_imports_start_threads(argv):
+  """launch/main.py's first lines, then threads (pyarrow) and a 2-device step.
+
+  Kept before pyarrow's threads exist, the steady state has no faults; with
+  the setting applied after them, XLA's device threads shared their arena
+  and mapped the buffer afresh every step (see host_memory's docstring).
+  """
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, '-c', _DEVICE_THREADS_SCRIPT, *argv],
+      capture_output=True,
+      text=True,
+      check=True,
+      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=root),
+      cwd=root,
+  )
+  faults = json.loads(out.stdout.strip().splitlines()[-1])
+  pages = 4096 * 4096 * 4 // os.sysconf('SC_PAGE_SIZE')  # one device's share
+  steady = sorted(faults[-6:])[3]
+  if argv:  # turned off: every step maps the buffers afresh
+    assert steady > pages // 2, faults
+  else:
+    assert steady < pages // 20, faults
+
+
+@pytest.mark.parametrize(
+    'argv, default, want',
+    [
+        ([], True, True),
+        ([], False, False),
+        (['--keep_host_memory'], False, True),
+        (['--keep_host_memory=true'], False, True),
+        (['--nokeep_host_memory'], True, False),
+        (['--keep_host_memory=false'], True, False),
+        (['--keep_host_memory=0', '--keep_host_memory'], False, True),
+        (['--keep_host_memory_other'], True, True),
+    ],
+)
+def test_flag_value_reads_absl_booleans_from_raw_argv(argv, default, want):
+  assert host_memory.flag_value(argv, 'keep_host_memory', default) is want
+
+
+def test_keep_unless_disabled_does_nothing_when_turned_off(monkeypatch):
+  calls = []
+  monkeypatch.setattr(host_memory, 'keep_freed_memory', lambda: calls.append(1))
+  assert host_memory.keep_unless_disabled(['--nokeep_host_memory']) is False
+  assert not calls

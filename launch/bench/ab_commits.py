@@ -41,7 +41,8 @@ def _worker(model_path: str, m: int, steps: list[str], quick: bool) -> None:
   """Serves timings of this commit's steps: one line in, one line out.
 
   Runs as launch/main.py would at this commit: with
-  `host_memory.keep_freed_memory()` where the commit has it.
+  `host_memory.keep_freed_memory()` and `host_devices.one_device_per_core()`
+  where the commit has them.
   """
   try:
     from raptor_jax import host_memory  # pylint: disable=import-outside-toplevel
@@ -49,6 +50,12 @@ def _worker(model_path: str, m: int, steps: list[str], quick: bool) -> None:
     pass
   else:
     host_memory.keep_freed_memory()
+  try:
+    from raptor_jax import host_devices  # pylint: disable=import-outside-toplevel
+  except ImportError:  # a commit from before it
+    pass
+  else:
+    host_devices.one_device_per_core()
   import jax  # pylint: disable=import-outside-toplevel
   import raptor_jax  # pylint: disable=import-outside-toplevel
   from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel

@@ -42,6 +42,14 @@ expert's intermediate size; d_kv and expert_capacity are unused).
 An empty --microbatch_sizes skips the shared stream.
 """
 
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import sys
+
+if __name__ == '__main__':  # first, before any library starts a thread
+  from raptor_jax import host_memory as _host_memory
+
+  _host_memory.keep_unless_disabled(sys.argv)
+
 import dataclasses
 import functools
 
@@ -54,7 +62,7 @@ import numpy as np
 import optax
 
 from launch.bench import profiling
-from raptor_jax import host_memory, models, roles
+from raptor_jax import models, roles
 from raptor_jax.train import methods, parallel
 from raptor_jax.train import step as step_lib
 
@@ -512,7 +520,6 @@ def buffer_table(buffers: list[profiling.Buffer]) -> str:
 
 def main(argv: list[str]) -> None:
   del argv
-  host_memory.keep_freed_memory()  # as launch/main.py, before any computation
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if FLAGS.family == 'olmoe':
     config = olmoe_config(

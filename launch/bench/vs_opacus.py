@@ -67,6 +67,14 @@ running raptor_jax alone does not do (results/vs_opacus/README.md).
 
 from __future__ import annotations
 
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import sys
+
+if __name__ == '__main__':  # first, before any library starts a thread
+  from raptor_jax import host_memory as _host_memory
+
+  _host_memory.keep_unless_disabled(sys.argv, default=False)
+
 import dataclasses
 import os
 import tempfile
@@ -79,7 +87,7 @@ import numpy as np
 
 from launch.bench import benchmark
 from launch.bench import profiling
-from raptor_jax import host_memory, models, roles
+from raptor_jax import host_devices, models, roles
 from raptor_jax.train import parallel
 
 MODES = ('hooks', 'functorch', 'ew', 'ghost')
@@ -96,11 +104,36 @@ def define_flags() -> None:
       'omp', 'passive', ['passive', 'default'], 'OMP_WAIT_POLICY of torch.'
   )
   flags.DEFINE_bool(
+      'isolate',
+      True,
+      'Time each side in its own worker processes (taking turns); '
+      '--noisolate times both sides in this one process.',
+  )
+  flags.DEFINE_list(
+      'torch_host_memory',
+      ['glibc', 'keep'],
+      'Isolated mode: one torch worker per host-memory setting (glibc: the '
+      'defaults; keep: keep_freed_memory, as raptor_jax runs); the table '
+      'takes the faster one per column.',
+  )
+  flags.DEFINE_bool(
       'keep_host_memory',
       False,
-      'raptor_jax.host_memory.keep_freed_memory() first (as launch/main.py); '
-      'off by default: torch would share, and fragment, that one heap.',
+      '--noisolate: raptor_jax.host_memory.keep_freed_memory() for the whole '
+      'process; off by default there, as torch would share, and fragment, that '
+      'one heap. (The isolated raptor_jax worker always keeps it, as '
+      'launch/main.py does.)',
   )
+  flags.DEFINE_integer(
+      'cpu_devices',
+      0,
+      'raptor_jax on CPU: XLA devices the host is split into (0: one per '
+      'core, as launch/main.py; 1: one device). See raptor_jax/host_devices.py.',
+  )
+  flags.DEFINE_enum(
+      'serve', '', ['', 'raptor', 'torch'], 'Internal: run as a timing worker.'
+  )
+  flags.DEFINE_string('model_path', '', "Internal: the worker's checkpoint.")
   flags.DEFINE_float(
       'tolerance', 1e-3, 'Largest relative error against torch in float64.'
   )
@@ -512,38 +545,36 @@ def owner_reference(model, dp_model, batch, owners, sizes: Sizes):
 
 
 def raptor_nonprivate(module, params, batch):
-  """(step, mean-loss gradients) of raptor_jax's non-private step."""
-  trainable, frozen = benchmark.split(params, benchmark.is_shared)
-  step, adam = benchmark.nonprivate_step(module)
-  step = jax.jit(step)  # compiled by the first (warm-up) call
-  args = (trainable, adam.init(trainable), frozen, batch)
+  """(step, mean-loss gradients) of the trainer's non-private step.
 
-  def mean_loss(trainable):
-    ids, mask, labels = batch
-    merged = benchmark.merge(frozen, trainable)
-    logits, _ = module.apply({'params': merged}, ids, mask)
-    return jnp.mean(benchmark._xent(logits, labels))  # pylint: disable=protected-access
-
-  grads = roles.flatten(jax.jit(jax.grad(mean_loss))(trainable))
-  return (lambda: step(*args)), grads
+  The PhaseStep of a non-private phase (the trainer's non-private LoRA
+  baseline): the gradient of the summed loss over the attention adapters
+  and the head, divided by the microbatch size, then Adam.
+  """
+  return raptor_dp(module, params, batch, None, None, 'nonprivate')
 
 
 def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
   """(step, update with noise off) of the trainer's PhaseStep for `stream`.
 
-  The step is `accumulate` (per-record clipped sums) then `update` (noise
-  once, public denominator, Adam), as the trainer runs one microbatch; the
-  update without noise is accumulate's sums over the denominator.
+  `stream` is 'shared' or 'expert' (the DP steps) or 'nonprivate'. The step
+  is `accumulate` (per-record clipped sums, or the summed gradient) then
+  `update` (noise once, public denominator, Adam), as the trainer runs one
+  microbatch, on a mesh of every device (one per core on CPU, see
+  `raptor_jax.host_devices`); the update without noise is accumulate's
+  sums over the denominator.
   """
   from raptor_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
 
   m = len(batch[2])
-  if stream == 'shared':
-    phase = benchmark.one_part_phase(
-        'shared', roles.SHARED_ROLES, denominator=float(m)
+  mesh = parallel.make_mesh(0)
+  if m % mesh.size:
+    raise ValueError(
+        f'microbatch {m} is not a multiple of the {mesh.size} devices; '
+        'choose --microbatch_sizes divisible by it (or --cpu_devices=1)'
     )
-    extra = {}
-  else:
+  extra = {}
+  if stream == 'expert':
     phase = benchmark.one_part_phase(
         'expert',
         roles.EXPERT_ROLES,
@@ -553,16 +584,29 @@ def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
         residual=True,
     )
     extra = dict(expert_layer=sizes.expert_layer, residual='shared')
+  else:
+    phase = benchmark.one_part_phase(
+        'shared', roles.SHARED_ROLES, denominator=float(m)
+    )
+  private = stream != 'nonprivate'
   phase = dataclasses.replace(
       phase,
-      parts=tuple(dataclasses.replace(p, l2_clip=L2_CLIP) for p in phase.parts),
+      private=private,
+      parts=tuple(
+          dataclasses.replace(
+              p,
+              l2_clip=L2_CLIP,
+              noise_multiplier=p.noise_multiplier if private else 0.0,
+          )
+          for p in phase.parts
+      ),
   )
   dp = step_lib.PhaseStep(
       module,
       phase,
       key=jax.random.key(0),
       learning_rate=benchmark.LEARNING_RATE,
-      mesh=parallel.make_mesh(1),
+      mesh=mesh,
       **extra,
   )
   state = dp.init(params)
@@ -571,7 +615,7 @@ def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
       'input_ids': ids,
       'attention_mask': mask,
       'labels': labels,
-      'owners': owners,
+      'owners': jnp.zeros_like(labels) if owners is None else owners,
   }
   sums = dp.accumulate(state, dp.zero_sums(state), host)
   (part,) = phase.parts
@@ -583,6 +627,144 @@ def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
     return dp.update(state, dp.accumulate(state, dp.zero_sums(state), host))
 
   return step, update
+
+
+# ---------------------------------------------------------------------------
+# Timing each side in its own process.
+
+RAPTOR_COLUMNS = ('raptor', 'raptor DP', 'raptor expert')
+
+
+def side_calls(side: str, path: str, sizes: Sizes, m: int, modes):
+  """({column: zero-argument step}, {column: error line}) of one side.
+
+  'raptor': the trainer's non-private, shared DP and expert steps; 'torch':
+  torch's non-private step and Opacus's shared and expert DP steps per mode
+  (a mode that fails is reported, not timed). Both build the same model and
+  records as `compare`.
+  """
+  module, params = raptor_model(path, sizes)
+  batch, owners = records(sizes, m, seed=m)
+  if side == 'raptor':
+    calls = {
+        'raptor': raptor_nonprivate(module, params, batch)[0],
+        'raptor DP': raptor_dp(module, params, batch, owners, sizes, 'shared')[
+            0
+        ],
+        'raptor expert': raptor_dp(
+            module, params, batch, owners, sizes, 'expert'
+        )[0],
+    }
+    return calls, {}
+  calls = {
+      'torch': torch_nonprivate(
+          torch_model(path, sizes, params, 'shared'), batch
+      )[0]
+  }
+  failed = {}
+  for mode in modes:
+    for stream in ('shared', 'expert'):
+      column = f'opacus {mode}' + (' expert' if stream == 'expert' else '')
+      try:
+        calls[column] = opacus_dp(
+            torch_model(path, sizes, params, stream),
+            batch,
+            mode,
+            benchmark.NOISE_MULTIPLIER,
+        )[0]
+      except Exception as e:  # pylint: disable=broad-except
+        failed[column] = f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'
+  return calls, failed
+
+
+def serve(side: str, path: str, sizes: Sizes, m: int, modes) -> None:
+  """Worker loop: builds and warms up `side_calls`, then times on request.
+
+  Prints one JSON line {'ready': [columns], 'failed': {...}}; then each
+  input line 'column' is answered with the seconds one call of that step
+  took (outputs waited for).
+  """
+  import json  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  calls, failed = side_calls(side, path, sizes, m, modes)
+  for call in calls.values():  # compile and warm up
+    jax.block_until_ready(call())
+    jax.block_until_ready(call())
+  print(json.dumps({'ready': sorted(calls), 'failed': failed}), flush=True)
+  for line in sys.stdin:
+    call = calls[line.strip()]
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    print(time.perf_counter() - start, flush=True)
+
+
+def tagged(column: str, tag: str) -> str:
+  """'opacus ew expert', 'keep' -> 'opacus+keep ew expert' (tag '' keeps it)."""
+  if not tag:
+    return column
+  first, _, rest = column.partition(' ')
+  return f'{first}+{tag}' + (f' {rest}' if rest else '')
+
+
+def worker_times(path: str, m: int, workers, *, repeats: int, flag_args):
+  """({column: [seconds per round]}, {column: error}) from worker processes.
+
+  `workers`: (side, host_memory) pairs, host_memory 'keep' or 'glibc'. Each
+  worker is this script with `--serve`, building its side from the saved
+  checkpoint at `path` (`flag_args`: the sizes, modes, threading flags).
+  Rounds call every column of every worker once, in turns, so no two steps
+  ever run at once and all see the same machine state. torch workers'
+  columns are tagged with a 'keep' setting (`tagged`); the raptor_jax
+  worker always keeps host memory, as launch/main.py does.
+  """
+  import json  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  procs, order, failed = [], [], {}
+  try:
+    for side, memory in workers:
+      keep = side == 'raptor' or memory == 'keep'
+      proc = subprocess.Popen(
+          [
+              sys.executable,
+              '-m',
+              'launch.bench.vs_opacus',
+              f'--serve={side}',
+              f'--model_path={path}',
+              f'--microbatch_sizes={m}',
+              '--keep_host_memory' if keep else '--nokeep_host_memory',
+              *flag_args,
+          ],
+          stdin=subprocess.PIPE,
+          stdout=subprocess.PIPE,
+          text=True,
+      )
+      procs.append(proc)
+      ready = None
+      for line in proc.stdout:  # anything a library prints before the JSON
+        if line.startswith('{"ready"'):
+          ready = json.loads(line)
+          break
+      if ready is None:
+        raise RuntimeError(f'the {side} timing worker failed (see stderr)')
+      tag = 'keep' if side == 'torch' and keep else ''
+      failed.update({tagged(c, tag): e for c, e in ready['failed'].items()})
+      order += [(proc, c, tagged(c, tag)) for c in ready['ready']]
+    times = {name: [] for _, _, name in order}
+    for _ in range(repeats):
+      for proc, column, name in order:
+        proc.stdin.write(column + '\n')
+        proc.stdin.flush()
+        times[name].append(float(proc.stdout.readline()))
+    return times, failed
+  finally:
+    for proc in procs:
+      if proc.stdin:
+        proc.stdin.close()
+      proc.wait()
 
 
 # ---------------------------------------------------------------------------
@@ -610,6 +792,8 @@ def compare(
     repeats,
     tolerance,
     fp32_tolerance=1e-2,
+    workers=(),
+    flag_args=(),
 ):
   """One row: checks both sides' updates, then interleaved timings.
 
@@ -617,6 +801,8 @@ def compare(
   gradient, Opacus hooks' clipped mean, the owner sums from its per-sample
   gradients) to `tolerance`, and against each float32 torch step to
   `fp32_tolerance` (torch's own float32 error is printed as the yardstick).
+  The steps are then timed here, or, given `workers` ((side, host memory)
+  pairs), in worker processes (`worker_times`, with `flag_args`).
 
   Returns {'m', 'errors': {pair: rel err}, 'ms': {column: median ms},
   'times': {column: [s per round]}, 'failed': {column: error line}}.
@@ -660,40 +846,56 @@ def compare(
         failed[column] = f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'
         calls.pop(column, None)
   times = {}  # repeats=0: the checks only (no step is compiled or timed)
-  if repeats:
+  if repeats and workers:
+    del calls  # timed in the workers; free this process's buffers first
+    times, failed = worker_times(
+        path, m, workers, repeats=repeats, flag_args=flag_args
+    )
+  elif repeats:
     times = profiling.interleaved_times(calls, repeats=repeats)
   ms = {c: profiling.median(t) * 1e3 for c, t in times.items()}
   return dict(m=m, errors=errors, ms=ms, times=times, failed=failed)
 
 
-def _best(row, suffix: str) -> str:
-  """The fastest Opacus column with this suffix ('' shared, ' expert')."""
+def _fastest(row, framework: str, expert: bool = False) -> str:
+  """The fastest column of `framework` ('torch', 'opacus'), any mode and tag.
+
+  Columns are '<framework>[+keep] [<mode>][ expert]' (see `tagged`).
+  """
   columns = [
       c
       for c in row['ms']
-      if c.startswith('opacus ')
-      and c.endswith(suffix)
-      and (suffix or not c.endswith(' expert'))
+      if c.split()[0].split('+')[0] == framework
+      and c.endswith(' expert') == expert
   ]
   return min(columns, key=row['ms'].get)
+
+
+def _label(column: str) -> str:
+  """'opacus+keep ew expert' -> 'ew, keep'; 'torch' -> ''."""
+  first, *rest = column.split()
+  words = [w for w in rest if w != 'expert'] + first.split('+')[1:]
+  return ', '.join(words)
 
 
 def summary(row) -> dict:
   """The table's columns and paired ratios of one row."""
   t, ms = row['times'], row['ms']
-  shared, expert = _best(row, ''), _best(row, ' expert')
+  torch = _fastest(row, 'torch')
+  shared, expert = _fastest(row, 'opacus'), _fastest(row, 'opacus', True)
   ratio = profiling.paired_ratio
   return {
       'm': row['m'],
-      'torch': ms['torch'],
+      'torch': ms[torch],
+      'torch mode': _label(torch),
       'opacus': ms[shared],
-      'opacus mode': shared.split()[1],
+      'opacus mode': _label(shared),
       'raptor': ms['raptor'],
       'raptor DP': ms['raptor DP'],
       'opacus expert': ms[expert],
-      'opacus expert mode': expert.split()[1],
+      'opacus expert mode': _label(expert),
       'raptor expert': ms['raptor expert'],
-      'raptor/torch': ratio(t['raptor'], t['torch']),
+      'raptor/torch': ratio(t['raptor'], t[torch]),
       'opacus/raptor DP': ratio(t[shared], t['raptor DP']),
       'opacus expert/raptor expert': ratio(t[expert], t['raptor expert']),
       'raptor DP/raptor': ratio(t['raptor DP'], t['raptor']),
@@ -706,7 +908,7 @@ def tables(rows) -> str:
   main = profiling.format_table(
       [
           'microbatch',
-          'torch non-private',
+          'torch non-private (setting)',
           'Opacus shared DP (mode)',
           'raptor_jax non-private',
           'raptor_jax shared DP',
@@ -716,7 +918,8 @@ def tables(rows) -> str:
       [
           [
               r['m'],
-              f"{r['torch']:.0f}",
+              f"{r['torch']:.0f}"
+              + (f" ({r['torch mode']})" * bool(r['torch mode'])),
               f"{r['opacus']:.0f} ({r['opacus mode']})",
               f"{r['raptor']:.0f}",
               f"{r['raptor DP']:.0f}",
@@ -736,12 +939,14 @@ def tables(rows) -> str:
       ['microbatch'] + names,
       [[r['m']] + [f'{r[n]:.2f}' for n in names] for r in s],
   )
-  columns = sorted({c for r in rows for c in r['ms'] if c.startswith('opacus')})
+  columns = sorted(
+      {c for r in rows for c in r['ms'] if not c.startswith('raptor')}
+  )
   modes = profiling.format_table(
-      ['microbatch'] + columns,
+      ['column'] + [f"m={r['m']}" for r in rows],
       [
-          [r['m']] + [f"{r['ms'].get(c, float('nan')):.0f}" for c in columns]
-          for r in rows
+          [c] + [f"{r['ms'].get(c, float('nan')):.0f}" for r in rows]
+          for c in columns
       ],
   )
   checks = profiling.format_table(
@@ -760,7 +965,8 @@ def tables(rows) -> str:
           main,
           '\nPaired ratios (median over rounds of a / b)',
           ratios,
-          '\nEvery Opacus grad_sample_mode (ms)',
+          '\nEvery torch-side step, by Opacus grad_sample_mode and host memory'
+          ' (+keep: keep_freed_memory) (median ms)',
           modes,
           '\nUpdate checks, noise off: ||a - b|| / ||b|| (64: torch in float64)',
           checks,
@@ -778,6 +984,8 @@ def run(
     tolerance=1e-3,
     fp32_tolerance=1e-2,
     threads=2,
+    workers=(),
+    flag_args=(),
     verbose=False,
 ):
   """Saves the model, loads it into both sides, one `compare` row per m."""
@@ -800,6 +1008,8 @@ def run(
               repeats=repeats,
               tolerance=tolerance,
               fp32_tolerance=fp32_tolerance,
+              workers=workers,
+              flag_args=flag_args,
           )
       )
       if verbose:  # a long run shows each row as it finishes
@@ -808,10 +1018,28 @@ def run(
     return rows
 
 
+def cpu_device_count(requested: int, microbatch_sizes) -> int:
+  """--cpu_devices, or for 0 the most devices, up to one per core, that
+  divide every microbatch size (each device takes an equal share)."""
+  if requested:
+    return requested
+  return max(
+      d
+      for d in range(1, host_devices.host_cores() + 1)
+      if all(m % d == 0 for m in microbatch_sizes)
+  )
+
+
 def main(argv) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  kept = FLAGS.keep_host_memory and host_memory.keep_freed_memory()
+  bad = sorted(set(FLAGS.torch_host_memory) - {'glibc', 'keep'})
+  if bad or not FLAGS.torch_host_memory:
+    raise app.UsageError(
+        f'--torch_host_memory takes glibc and/or keep, got {bad or "nothing"}'
+    )
+  worker = bool(FLAGS.serve)
+  kept = FLAGS.keep_host_memory  # set before the imports, see the top
   if FLAGS.omp == 'passive':
     os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'  # before torch's OpenMP starts
   import torch  # pylint: disable=import-outside-toplevel
@@ -820,16 +1048,46 @@ def main(argv) -> None:
   transformers.logging.set_verbosity_error()
   transformers.logging.disable_progress_bar()
   sizes = QUICK if FLAGS.quick else Sizes()
-  sizes_m = [3] if FLAGS.quick else [int(m) for m in FLAGS.microbatch_sizes]
+  devices = cpu_device_count(
+      FLAGS.cpu_devices,
+      [2] if FLAGS.quick else [int(m) for m in FLAGS.microbatch_sizes],
+  )
+  devices = host_devices.one_device_per_core(devices)
+  sizes_m = [int(m) for m in FLAGS.microbatch_sizes]
+  if FLAGS.quick and not worker:
+    sizes_m = [2 * devices]
+  if worker:
+    torch.set_num_threads(FLAGS.threads)
+    serve(FLAGS.serve, FLAGS.model_path, sizes, sizes_m[0], FLAGS.modes)
+    return
+  workers, flag_args = (), ()
+  if FLAGS.isolate:
+    workers = (('raptor', 'keep'),) + tuple(
+        ('torch', memory) for memory in FLAGS.torch_host_memory
+    )
+    flag_args = (
+        f'--modes={",".join(FLAGS.modes)}',
+        f'--threads={FLAGS.threads}',
+        f'--omp={FLAGS.omp}',
+        f'--cpu_devices={devices}',
+    ) + (('--quick',) if FLAGS.quick else ())
+    memory = (
+        'raptor_jax worker: host memory kept (as launch/main.py); torch '
+        f'workers: {", ".join(FLAGS.torch_host_memory)}'
+    )
+  else:
+    memory = (
+        f"one process; host memory {'kept' if kept else 'returned each step'}"
+    )
   print(
       f'Switch d_model={sizes.d_model} blocks={sizes.num_layers} (sparse every '
       f'2nd, l*={sizes.expert_layer}) E={sizes.num_experts} d_ff={sizes.d_ff} '
       f'seq={sizes.seq_len} LoRA r={sizes.lora_rank}; torch {torch.__version__} '
       f'{FLAGS.threads} threads, OMP_WAIT_POLICY='
       f"{os.environ.get('OMP_WAIT_POLICY', '(default)')}; jax {jax.__version__} "
-      f'{jax.devices()[0].platform}, {os.cpu_count()} cores visible; clip '
-      f'{L2_CLIP}, sigma {benchmark.NOISE_MULTIPLIER}; host memory '
-      f"{'kept for reuse' if kept else 'returned each step'}",
+      f'{jax.devices()[0].platform} x {devices} devices, '
+      f'{host_devices.host_cores()} cores; clip {L2_CLIP}, sigma '
+      f'{benchmark.NOISE_MULTIPLIER}; {memory}',
       flush=True,
   )
   rows = run(
@@ -840,6 +1098,8 @@ def main(argv) -> None:
       tolerance=FLAGS.tolerance,
       fp32_tolerance=FLAGS.fp32_tolerance,
       threads=FLAGS.threads,
+      workers=workers,
+      flag_args=flag_args,
       verbose=True,
   )
   print(tables(rows))

@@ -1,0 +1,93 @@
+"""host_devices.one_device_per_core: JAX's CPU backend split into devices."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from raptor_jax import host_devices
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, **env) -> str:
+  environ = {
+      k: v
+      for k, v in os.environ.items()
+      if k not in ('XLA_FLAGS', 'JAX_NUM_CPU_DEVICES')
+  }
+  out = subprocess.run(
+      [sys.executable, '-c', textwrap.dedent(script)],
+      capture_output=True,
+      text=True,
+      env=dict(environ, JAX_PLATFORMS='cpu', PYTHONPATH=_ROOT, **env),
+      cwd=_ROOT,
+  )
+  assert out.returncode == 0, out.stderr
+  return out.stdout.strip().splitlines()[-1]
+
+
+def test_splits_the_cpu_backend_into_the_requested_devices():
+  out = _run("""
+      from raptor_jax import host_devices
+      count = host_devices.one_device_per_core(3)
+      import jax
+      print(count, len(jax.devices()), jax.devices()[0].platform)
+  """)
+  assert out == '3 3 cpu'
+
+
+def test_defaults_to_one_device_per_core_of_the_affinity():
+  out = _run("""
+      import os
+      from raptor_jax import host_devices
+      count = host_devices.one_device_per_core()
+      import jax
+      print(count, len(jax.devices()), len(os.sched_getaffinity(0)))
+  """)
+  count, devices, cores = out.split()
+  assert count == devices == cores
+
+
+@pytest.mark.parametrize(
+    'env',
+    [
+        {'XLA_FLAGS': '--xla_force_host_platform_device_count=5'},
+        {'JAX_NUM_CPU_DEVICES': '5'},
+    ],
+)
+def test_keeps_a_count_the_user_chose(env):
+  out = _run(
+      """
+      from raptor_jax import host_devices
+      count = host_devices.one_device_per_core(2)
+      import jax
+      print(count, len(jax.devices()))
+      """,
+      **env,
+  )
+  assert out == '5 5'
+
+
+def test_too_late_after_a_computation_is_one_clear_error():
+  out = _run("""
+      import jax, jax.numpy as jnp
+      jnp.ones(2).block_until_ready()
+      from raptor_jax import host_devices
+      try:
+        host_devices.one_device_per_core(2)
+      except ValueError as e:
+        print(str(e))
+  """)
+  assert 'before the first JAX computation' in out
+
+
+def test_rejects_a_negative_count():
+  with pytest.raises(ValueError, match='>= 0'):
+    host_devices.one_device_per_core(-1)
+
+
+def test_host_cores_is_the_affinity():
+  assert host_devices.host_cores() == len(os.sched_getaffinity(0))
