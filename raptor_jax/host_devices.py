@@ -33,6 +33,19 @@ def host_cores() -> int:
     return os.cpu_count() or 1
 
 
+def dividing_count(sizes, cores: int = 0) -> int:
+  """The most devices, up to `cores` (0: `host_cores()`), dividing every size.
+
+  For callers that split fixed batches evenly over the devices, e.g. the
+  benchmarks' microbatch sizes (a step on a mesh needs a multiple of its
+  devices).
+  """
+  cores = cores or host_cores()
+  return max(
+      d for d in range(1, cores + 1) if all(size % d == 0 for size in sizes)
+  )
+
+
 def one_device_per_core(count: int = 0) -> int:
   """Splits JAX's CPU backend into `count` devices (default: one per core).
 

@@ -441,6 +441,86 @@ def test_vs_opacus_check_rejects_a_different_update():
     bench.relative_error(ours, {"a": ours["a"]})
 
 
+def _vs_opacus(*flags_):
+  env = dict(os.environ, PYTHONPATH=str(_ROOT), TRANSFORMERS_VERBOSITY="error")
+  env.pop("XLA_FLAGS", None)  # the script's own settings, as a user runs it
+  return subprocess.run(
+      [sys.executable, "-m", "launch.bench.vs_opacus", *flags_],
+      cwd=_ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+
+
+@pytest.mark.slow
+def test_vs_opacus_quick_times_each_side_in_its_own_worker():
+  """The README's --quick command: checks here, timings from the workers."""
+  out = _vs_opacus("--quick", "--modes=ew")
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.splitlines()
+  assert "raptor_jax worker: host memory kept" in lines[0]
+  row = next(l for l in lines if l.startswith("m="))
+  columns = eval(row.split(":", 1)[1])  # pylint: disable=eval-used
+  assert set(columns) == {
+      "raptor",
+      "raptor DP",
+      "raptor expert",
+      "torch",
+      "torch+keep",
+      "opacus ew",
+      "opacus ew expert",
+      "opacus+keep ew",
+      "opacus+keep ew expert",
+  }
+  assert all(_positive(v) for v in columns.values()), columns
+  assert "Paired ratios" in out.stdout and "opacus/raptor DP" in out.stdout
+
+
+def test_vs_opacus_rejects_an_unknown_host_memory_setting_in_one_line():
+  out = _vs_opacus("--quick", "--torch_host_memory=glibc,bogus")
+  assert out.returncode != 0
+  assert "--torch_host_memory takes glibc and/or keep" in out.stderr
+
+
+def test_vs_opacus_columns_take_the_fastest_mode_and_setting():
+  bench = _load("vs_opacus")
+  assert bench.tagged("opacus ew expert", "keep") == "opacus+keep ew expert"
+  assert bench.tagged("torch", "keep") == "torch+keep"
+  assert bench.tagged("torch", "") == "torch"
+  ms = {
+      "torch": 5.0,
+      "torch+keep": 4.0,
+      "opacus ew": 3.0,
+      "opacus+keep hooks": 2.0,
+      "opacus ew expert": 7.0,
+      "opacus+keep ew expert": 8.0,
+      "raptor": 1.0,
+      "raptor DP": 1.0,
+      "raptor expert": 1.0,
+  }
+  row = {"m": 4, "ms": ms, "times": {c: [v / 1e3] for c, v in ms.items()}}
+  summary = bench.summary(row)
+  assert (summary["torch"], summary["torch mode"]) == (4.0, "keep")
+  assert (summary["opacus"], summary["opacus mode"]) == (2.0, "hooks, keep")
+  assert (summary["opacus expert"], summary["opacus expert mode"]) == (
+      7.0,
+      "ew",
+  )
+  assert summary["opacus/raptor DP"] == 2.0
+
+
+def test_vs_opacus_device_count_divides_every_microbatch(monkeypatch):
+  bench = _load("vs_opacus")
+  monkeypatch.setattr(bench.host_devices, "host_cores", lambda: 8)
+  assert bench.cpu_device_count(0, [8, 32, 128]) == 8
+  assert bench.cpu_device_count(0, [6, 12]) == 6
+  assert bench.cpu_device_count(0, [3]) == 3
+  assert bench.cpu_device_count(0, [5, 7]) == 1
+  assert bench.cpu_device_count(2, [3]) == 2  # asked for: kept (and checked)
+
+
 def _ab_commits(*flags_):
   env = dict(os.environ, PYTHONPATH=str(_ROOT), TRANSFORMERS_VERBOSITY="error")
   return subprocess.run(

@@ -91,3 +91,10 @@ def test_rejects_a_negative_count():
 
 def test_host_cores_is_the_affinity():
   assert host_devices.host_cores() == len(os.sched_getaffinity(0))
+
+
+def test_dividing_count_is_the_most_devices_that_split_every_size():
+  assert host_devices.dividing_count([8, 32, 128], cores=2) == 2
+  assert host_devices.dividing_count([8, 32, 128], cores=16) == 8
+  assert host_devices.dividing_count([3], cores=2) == 1
+  assert host_devices.dividing_count([12, 18], cores=16) == 6

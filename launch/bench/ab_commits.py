@@ -13,6 +13,9 @@ base.
   python -m launch.bench.ab_commits --base=HEAD~1 --head=HEAD \
       --microbatch_size=32 --steps=raptor,raptor_dp --repeats=5
 
+  python -m launch.bench.ab_commits --base=HEAD --head=HEAD \
+      --base_cpu_devices=1 --head_cpu_devices=2      # a setting, one commit
+
 Steps: raptor (non-private), raptor_dp (shared DP), raptor_expert (the
 expert stream). Both commits must have `launch/bench/vs_opacus.py`.
 Run under `taskset -c 0-1` for the 2-core setting of the issue-16 table;
@@ -37,7 +40,9 @@ def _sizes(quick: bool):
   return vs_opacus.QUICK if quick else vs_opacus.Sizes()
 
 
-def _worker(model_path: str, m: int, steps: list[str], quick: bool) -> None:
+def _worker(
+    model_path: str, m: int, steps: list[str], quick: bool, cpu_devices: int
+) -> None:
   """Serves timings of this commit's steps: one line in, one line out.
 
   Runs as launch/main.py would at this commit: with
@@ -55,7 +60,9 @@ def _worker(model_path: str, m: int, steps: list[str], quick: bool) -> None:
   except ImportError:  # a commit from before it
     pass
   else:
-    host_devices.one_device_per_core()
+    host_devices.one_device_per_core(
+        cpu_devices or host_devices.dividing_count([m])
+    )
   import jax  # pylint: disable=import-outside-toplevel
   import raptor_jax  # pylint: disable=import-outside-toplevel
   from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
@@ -90,7 +97,12 @@ def _worker(model_path: str, m: int, steps: list[str], quick: bool) -> None:
 
 
 def _start(
-    checkout: str, model_path: str, m: int, steps: list[str], quick: bool
+    checkout: str,
+    model_path: str,
+    m: int,
+    steps: list[str],
+    quick: bool,
+    cpu_devices: int = 0,
 ):
   env = dict(os.environ, PYTHONPATH=checkout)
   proc = subprocess.Popen(
@@ -102,6 +114,7 @@ def _start(
           str(m),
           ','.join(steps),
           str(int(quick)),
+          str(cpu_devices),
       ],
       cwd=checkout,
       env=env,
@@ -129,13 +142,16 @@ def compare(
     repeats: int,
     quick: bool = False,
     back_to_back: int = 1,
+    cpu_devices: tuple[int, int] = (0, 0),
 ):
   """{step: (base times, head times)} from alternating rounds.
 
   A sample is the mean of `back_to_back` consecutive calls of the step in one
   worker (with 1, the step alone after the other worker's turn; with more,
   a training loop's steady state, where one step's buffers are released
-  while the next runs).
+  while the next runs). `cpu_devices`: the base and head workers' CPU
+  device counts (0: one per core, as launch/main.py), so that one commit
+  against itself measures that setting.
   """
   repo = subprocess.check_output(
       ['git', 'rev-parse', '--show-toplevel'], text=True
@@ -148,13 +164,13 @@ def compare(
     )
     procs, trees = {}, []
     try:
-      for name, rev in (('base', base), ('head', head)):
+      for name, rev, count in zip(('base', 'head'), (base, head), cpu_devices):
         tree = os.path.join(tmp, name)
         subprocess.check_call(
             ['git', '-C', repo, 'worktree', 'add', '--detach', '-q', tree, rev]
         )
         trees.append(tree)
-        procs[name] = _start(tree, model_path, m, steps, quick)
+        procs[name] = _start(tree, model_path, m, steps, quick, count)
       times = {s: ([], []) for s in steps}
       for _ in range(repeats):
         for step in steps:
@@ -188,6 +204,15 @@ def main() -> None:
   flags.DEFINE_bool(
       'quick', False, 'Tiny sizes (vs_opacus.QUICK): a smoke test.'
   )
+  flags.DEFINE_integer(
+      'base_cpu_devices',
+      0,
+      'CPU devices of the base worker (0: one per core, as launch/main.py, '
+      'or the most that divide the microbatch).',
+  )
+  flags.DEFINE_integer(
+      'head_cpu_devices', 0, 'CPU devices of the head worker (0: one per core).'
+  )
   flags.FLAGS(sys.argv)
   f = flags.FLAGS
   bad = [s for s in f.steps if s not in STEPS]
@@ -205,6 +230,7 @@ def main() -> None:
       f.repeats,
       quick=f.quick,
       back_to_back=f.back_to_back,
+      cpu_devices=(f.base_cpu_devices, f.head_cpu_devices),
   )
   print(
       json.dumps(
@@ -213,6 +239,7 @@ def main() -> None:
               'head': f.head,
               'm': f.microbatch_size,
               'back_to_back': f.back_to_back,
+              'cpu_devices': [f.base_cpu_devices, f.head_cpu_devices],
           }
       )
   )
@@ -231,6 +258,7 @@ if __name__ == '__main__':
         int(sys.argv[3]),
         sys.argv[4].split(','),
         sys.argv[5] == '1',
+        int(sys.argv[6]),
     )
   else:
     main()

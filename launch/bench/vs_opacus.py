@@ -1,6 +1,6 @@
 r"""raptor_jax against PyTorch + Opacus on the same model, weights and DP step.
 
-One process builds a small random Switch Transformer with `transformers`,
+One command builds a small random Switch Transformer with `transformers`,
 saves it, and loads the same weights into both sides:
 
 * raptor_jax: `models.from_pretrained(..., num_labels=2, lora_rank=r,
@@ -18,9 +18,11 @@ Columns (median ms of interleaved rounds, same records on both sides):
                  among hooks, functorch, ew and ghost (each is timed; the
                  per-mode times are printed too): per-sample gradients of the
                  attention LoRA + head, flat clip C, noise, Adam.
-  raptor         raptor_jax's non-private step (`benchmark.nonprivate_step`).
-  raptor DP      the trainer's shared DP step (`train.step.PhaseStep`:
-                 vmap(grad) per record, clip, float32 sum, noise once, Adam).
+  raptor         the trainer's non-private step (`train.step.PhaseStep` of a
+                 non-private phase: gradient of the summed loss of the
+                 attention LoRA + head over the microbatch size, Adam).
+  raptor DP      the trainer's shared DP step (`PhaseStep`: vmap(grad) per
+                 record, clip, float32 sum, noise once, Adam).
   opacus expert  Opacus with LoRA on EVERY expert of l* (masked dispatch:
                  each expert runs on every token, its output masked by the
                  router), in the fastest shared mode.
@@ -28,6 +30,7 @@ Columns (median ms of interleaved rounds, same records on both sides):
                  gradient reaches its owner's slice only (owner slices, the
                  trainer's default residual weight 'shared', sum by owner,
                  noise on every expert, Adam).
+The torch columns take the fastest host-memory setting too (below).
 
 Before timing, each pair is checked to compute the same update with the noise
 off: the non-private gradients, Opacus's clipped and averaged gradient
@@ -45,20 +48,30 @@ non-private against torch float64, and raptor_jax against float64 Opacus,
 2e-4 (not tracked down; a routing near-tie is one candidate), hence the
 default tolerances. At the --quick sizes everything agrees to ~1e-6.
 
+Processes (`--isolate`, the default): the checks run in this process; the
+timing runs in worker processes, each this script with `--serve`: one for
+raptor_jax, run as launch/main.py runs (host memory kept, set before any
+import, and one XLA CPU device per core, `raptor_jax.host_devices`), and
+one torch worker per `--torch_host_memory` setting: 'glibc' (the defaults,
+as torch users run it) and 'keep' (`keep_freed_memory`, the same setting as
+raptor_jax). The parent asks the workers for one step at a time, column
+after column, round after round, so no two steps ever run at once and all
+see the same machine state; each framework has its process and allocator
+to itself, as in real use. `--noisolate` times everything in this one
+process instead (the issue's original setup): torch and XLA then share one
+heap, so host memory is returned each step unless `--keep_host_memory`
+(with it, torch's tensors land in the holes between raptor_jax's buffers,
+and at microbatch 128 a later raptor_jax step found no hole large enough
+and grew the heap again: 235k page faults in one round, +0.9 GB; see
+results/vs_opacus/README.md).
+
 Threads: torch gets `torch.set_num_threads(--threads)`; `--omp=passive` (the
 default) sets OMP_WAIT_POLICY=PASSIVE before torch is imported (stable when
 other work shares the cores), `--omp=default` leaves torch's own threading.
-XLA's CPU client uses every core of the machine; run it under `taskset -c
-0-1` (or on a 2-core machine) for 2 threads on both sides.
-
-Host memory: glibc's defaults unless `--keep_host_memory`, which calls
-`raptor_jax.host_memory.keep_freed_memory` first (as launch/main.py does):
-one heap for the whole process, so that XLA:CPU's per-step buffer is reused
-instead of mapped afresh. Off by default here because torch then shares that
-heap: its tensors land in the holes between raptor_jax's buffers, and at
-microbatch 128 a later raptor_jax step found no hole large enough and grew
-the heap again (235k page faults in one round, +0.9 GB), which a process
-running raptor_jax alone does not do (results/vs_opacus/README.md).
+XLA's CPU client uses every core the process may run on; run under
+`taskset -c 0-1` (or on a 2-core machine) for 2 cores on both sides. raptor_jax
+splits them into `--cpu_devices` XLA devices (0: one per core, the most
+that divides every microbatch size).
 
   python -m launch.bench.vs_opacus                      # the full table
   python -m launch.bench.vs_opacus --omp=default        # torch's own threading
@@ -1021,13 +1034,7 @@ def run(
 def cpu_device_count(requested: int, microbatch_sizes) -> int:
   """--cpu_devices, or for 0 the most devices, up to one per core, that
   divide every microbatch size (each device takes an equal share)."""
-  if requested:
-    return requested
-  return max(
-      d
-      for d in range(1, host_devices.host_cores() + 1)
-      if all(m % d == 0 for m in microbatch_sizes)
-  )
+  return requested or host_devices.dividing_count(microbatch_sizes)
 
 
 def main(argv) -> None:
@@ -1035,8 +1042,9 @@ def main(argv) -> None:
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   bad = sorted(set(FLAGS.torch_host_memory) - {'glibc', 'keep'})
   if bad or not FLAGS.torch_host_memory:
-    raise app.UsageError(
-        f'--torch_host_memory takes glibc and/or keep, got {bad or "nothing"}'
+    sys.exit(
+        'error: --torch_host_memory takes glibc and/or keep, got '
+        f'{bad or "nothing"}'
     )
   worker = bool(FLAGS.serve)
   kept = FLAGS.keep_host_memory  # set before the imports, see the top
