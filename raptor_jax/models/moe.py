@@ -265,24 +265,41 @@ def _grouped_linear_flat(
   dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
   buf = _to_blocks(x, dest, num_blocks, block)
   contract = (((1,), (1,)), ((), ())) if transpose else (((1,), (0,)), ((), ()))
-  low_rank = tuple(reversed(lora)) if transpose else lora
+  factors = tuple(reversed(lora)) if transpose else lora
+  # Blocks are sorted by expert: expert e owns blocks [first[e], first[e + 1])
+  # and the last expert also the trailing empty ones, so the loops below run
+  # exactly num_blocks block products whatever the routing (no work that
+  # depends on the data), each expert's weights sliced once, not per block.
+  first = jnp.searchsorted(
+      block_expert, jnp.arange(num_experts + 1, dtype=block_expert.dtype)
+  ).astype(jnp.int32)
 
   def matmul(rows, matrix):
     return jax.lax.dot_general(
         rows, matrix, contract, preferred_element_type=jnp.float32
     )
 
-  def one_block(_, inputs):
-    rows, expert = inputs
-    out = matmul(rows, w[expert])
-    if low_rank:
-      first, second = low_rank
-      out = out + matmul(
-          matmul(rows, first[expert]).astype(x.dtype), second[expert]
-      )
-    return None, out.astype(x.dtype)
+  def one_expert(e, out):
+    matrix = w[e]
+    low_rank_pair = tuple(f[e] for f in factors)
 
-  _, out = jax.lax.scan(one_block, None, (buf, block_expert))
+    def one_block(j, out):
+      rows = buf[j]
+      y = matmul(rows, matrix)
+      if low_rank_pair:
+        y = y + matmul(
+            matmul(rows, low_rank_pair[0]).astype(x.dtype), low_rank_pair[1]
+        )
+      return out.at[j].set(y.astype(x.dtype))
+
+    return jax.lax.fori_loop(first[e], first[e + 1], one_block, out)
+
+  out = jax.lax.fori_loop(
+      0,
+      num_experts,
+      one_expert,
+      jnp.zeros((num_blocks, block, d_out), x.dtype),
+  )
   out = out.reshape(num_blocks * block, d_out)
   return jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
 
