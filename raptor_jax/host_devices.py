@@ -7,10 +7,11 @@ products of 128 x 64 x 128 at microbatch 32 of the issue-16 benchmark) run
 on one core at the same speed as on two, and so do most small elementwise
 fusions. Splitting the host into one XLA device per core and the microbatch
 across them (the trainer's data parallelism, `raptor_jax.train.parallel`)
-runs two such halves at once: the shared DP step of that benchmark took
-0.87x the one-device time at microbatch 32 and 128, the expert step 0.91x
-and 0.93x (2 cores; results/vs_opacus/README.md). The update is the same as
-on one device: the devices' clipped sums are combined with `psum` and the
+runs two such halves at once: the non-private, shared DP and expert steps
+of that benchmark took 0.89x, 0.93x and 0.88x the one-device time at
+microbatch 32, 0.93x, 0.90x and 0.94x at 128 (2 cores, paired `ab_commits`
+runs; results/vs_opacus/ab_commits.txt). The update is the same as on one
+device: the devices' clipped sums are combined with `psum` and the
 noise is drawn once, replicated (`parallel`, tested 1 against 4 devices).
 
 The price: every device holds its own copy of the parameters and of the

@@ -294,3 +294,45 @@ def test_combine_matches_a_loop_and_its_gradient_under_vmap(k):
   want = jax.vmap(jax.grad(loss(ref), argnums=(0, 1)))(out, w)
   for g, h in zip(grads, want):
     np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "routing",
+    ["uniform", "one expert", "some empty", "all dropped", "tail of one"],
+)
+def test_dispatch_plan_gives_every_expert_a_block_and_fixed_work(routing):
+  """Whatever the routing: num_blocks blocks, E - 1 expert changes, rows in
+  blocks of their own expert, no two rows in one slot, dropped rows nowhere.
+
+  The block loop loads an expert's weights at its first block, so this is
+  what keeps its work (products and weight copies) independent of the data.
+  """
+  num_experts, rows = 4, 37
+  block = moe.block_size(rows, num_experts)
+  rng = np.random.RandomState(3)
+  experts = {
+      "uniform": rng.randint(0, num_experts, rows),
+      "one expert": np.full(rows, 2),
+      "some empty": rng.choice([0, 3], rows),
+      "all dropped": np.full(rows, num_experts),
+      "tail of one": np.r_[np.zeros(rows - 1, int), [num_experts - 1]],
+  }[routing]
+  experts = np.where(rng.rand(rows) < 0.1, num_experts, experts)
+  dest, block_expert, num_blocks = jax.tree.map(
+      np.asarray,
+      jax.jit(moe._dispatch_plan, static_argnums=(1, 2))(  # pylint: disable=protected-access
+          jnp.asarray(experts, jnp.int32), num_experts, block
+      ),
+  )
+  assert num_blocks == moe.static_num_blocks(rows, num_experts, block)
+  assert block_expert.shape == (num_blocks,)
+  assert np.all(np.diff(block_expert) >= 0)
+  assert set(block_expert) == set(
+      range(num_experts)
+  )  # every expert, once in a row
+  kept = experts < num_experts
+  assert np.all(dest[~kept] >= num_blocks * block)
+  assert len(set(dest[kept])) == kept.sum()
+  np.testing.assert_array_equal(
+      block_expert[dest[kept] // block], experts[kept]
+  )

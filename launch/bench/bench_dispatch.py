@@ -177,7 +177,7 @@ def ideal_flops(
 def grouped_blocks(rows: int, num_experts: int) -> tuple[int, int]:
   """(block size, static number of blocks) of `moe.grouped_linear` for `rows`."""
   block = moe.block_size(rows, num_experts)
-  return block, -(-(rows + num_experts * (block - 1)) // block)
+  return block, moe.static_num_blocks(rows, num_experts, block)
 
 
 def layer_config(

@@ -10,9 +10,12 @@ Expert dispatch
 `grouped_linear` applies, to every (token, expert) row, that expert's weight
 matrix. Its cost scales with the number of rows (tokens x k), not with
 tokens x E: rows are sorted by expert into fixed-size blocks (each block holds
-rows of one expert, padded), and a `lax.scan` multiplies each block by its
-expert's weights. Shapes are static (the number of blocks is a worst-case bound
-computed from the number of rows and E), so one compilation serves every batch.
+rows of one expert, padded; at most 1/8 of the rows are padding), and a
+`lax.scan` multiplies each block by its expert's weights, loaded once at the
+expert's first block. Shapes are static (the number of blocks is a worst-case
+bound computed from the number of rows and E), so one compilation serves every
+batch, and so is the work: every expert owns at least one block, so the scan
+runs the same products and weight loads whatever the routing.
 
 Under `jax.vmap` (per-record gradients) the dispatch does not run per record:
 a `custom_vmap` rule flattens the vmapped axis into the row axis, so the whole
@@ -182,6 +185,16 @@ def block_size(num_rows: int, num_experts: int, max_block: int = 256) -> int:
   return int(max(1, min(max_block, num_rows // (8 * num_experts + 1))))
 
 
+def static_num_blocks(num_rows: int, num_experts: int, block: int) -> int:
+  """Blocks of a dispatch of `num_rows` rows, enough for any routing.
+
+  Expert e needs max(1, ceil(c_e / block)) < c_e / block + 1 blocks (one
+  even without rows, see `_dispatch_plan`), so sum_e c_e <= rows needs at
+  most rows // block + E.
+  """
+  return num_rows // block + num_experts
+
+
 def _dispatch_plan(experts: jax.Array, num_experts: int, block: int):
   """Sorted block layout for the rows of one flat dispatch.
 
@@ -190,17 +203,23 @@ def _dispatch_plan(experts: jax.Array, num_experts: int, block: int):
     num_experts: E.
     block: rows per block.
 
+  Every expert owns at least one block (an expert without rows an empty
+  one), so the blocks of a dispatch always change expert exactly E - 1
+  times, whatever the routing (`_grouped_linear_flat` loads each expert's
+  weights once, at its first block); the trailing blocks no expert needs
+  belong to the last expert.
+
   Returns:
     (dest, block_expert, num_blocks): dest[t] is row t's position in the
     padded, expert-sorted buffer (an out-of-range index for dropped rows);
-    block_expert[j] is the expert of block j.
+    block_expert[j] is the expert of block j (non-decreasing).
   """
   num_rows = experts.shape[0]
-  num_blocks = -(-(num_rows + num_experts * (block - 1)) // block)
+  num_blocks = static_num_blocks(num_rows, num_experts, block)
   counts = (
       jnp.zeros((num_experts + 1,), jnp.int32).at[experts].add(1)[:num_experts]
   )
-  padded = -(-counts // block) * block
+  padded = jnp.maximum(1, -(-counts // block)) * block
   group_end = jnp.cumsum(padded)
   group_start = group_end - padded
   # Rank of each row among the rows of its expert (stable, by position).
@@ -267,39 +286,39 @@ def _grouped_linear_flat(
   buf = _to_blocks(x, dest, num_blocks, block)
   contract = (((1,), (1,)), ((), ())) if transpose else (((1,), (0,)), ((), ()))
   factors = tuple(reversed(lora)) if transpose else lora
-  # Blocks are sorted by expert: expert e owns blocks [first[e], first[e + 1])
-  # and the last expert also the trailing empty ones, so the loops below run
-  # exactly num_blocks block products whatever the routing (no work that
-  # depends on the data), each expert's weights sliced once, not per block.
-  first = jnp.searchsorted(
-      block_expert, jnp.arange(num_experts + 1, dtype=block_expert.dtype)
-  ).astype(jnp.int32)
+  # Each expert's weights are sliced once, at its first block, and carried
+  # through its other blocks: copying them for every block cost more than
+  # the products of small blocks. Blocks change expert exactly E - 1 times
+  # (`_dispatch_plan`), so the copies, like the products, do not depend on
+  # the routing.
+  first_of_expert = jnp.concatenate(
+      [jnp.ones((1,), bool), block_expert[1:] != block_expert[:-1]]
+  )
 
   def matmul(rows, matrix):
     return jax.lax.dot_general(
         rows, matrix, contract, preferred_element_type=jnp.float32
     )
 
-  def one_expert(e, out):
-    matrix = w[e]
-    low_rank_pair = tuple(f[e] for f in factors)
+  def expert_weights(expert):
+    return (w[expert],) + tuple(f[expert] for f in factors)
 
-    def one_block(j, out):
-      rows = buf[j]
-      y = matmul(rows, matrix)
-      if low_rank_pair:
-        y = y + matmul(
-            matmul(rows, low_rank_pair[0]).astype(x.dtype), low_rank_pair[1]
-        )
-      return out.at[j].set(y.astype(x.dtype))
+  def one_block(weights, inputs):
+    rows, expert, first = inputs
+    weights = jax.lax.cond(
+        first, lambda _: expert_weights(expert), lambda held: held, weights
+    )
+    matrix, *low_rank_pair = weights
+    out = matmul(rows, matrix)
+    if low_rank_pair:
+      a, b = low_rank_pair
+      out = out + matmul(matmul(rows, a).astype(x.dtype), b)
+    return weights, out.astype(x.dtype)
 
-    return jax.lax.fori_loop(first[e], first[e + 1], one_block, out)
-
-  out = jax.lax.fori_loop(
-      0,
-      num_experts,
-      one_expert,
-      jnp.zeros((num_blocks, block, d_out), x.dtype),
+  _, out = jax.lax.scan(
+      one_block,
+      jax.tree.map(jnp.zeros_like, expert_weights(0)),
+      (buf, block_expert, first_of_expert),
   )
   out = out.reshape(num_blocks * block, d_out)
   return jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
