@@ -98,3 +98,23 @@ def test_dividing_count_is_the_most_devices_that_split_every_size():
   assert host_devices.dividing_count([8, 32, 128], cores=16) == 8
   assert host_devices.dividing_count([3], cores=2) == 1
   assert host_devices.dividing_count([12, 18], cores=16) == 6
+
+
+def test_launch_main_rejects_a_negative_device_count_in_one_line(tmp_path):
+  out = subprocess.run(
+      [
+          sys.executable,
+          'launch/main.py',
+          '--config=configs/switch_sst2.py:tiny',
+          f'--workdir={tmp_path}',
+          '--cpu_devices=-1',
+      ],
+      capture_output=True,
+      text=True,
+      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=_ROOT),
+      cwd=_ROOT,
+  )
+  assert out.returncode != 0
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: cpu devices must be')
+  assert not list(tmp_path.iterdir())  # nothing written
