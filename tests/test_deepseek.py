@@ -476,8 +476,11 @@ def test_lora_adapters_start_neutral_and_all_train(references, loaded, name):
       base(
           {"params": base_params}, jnp.asarray(ids), jnp.asarray(mask)
       ).hidden_states,
-      rtol=1e-6,
-      atol=1e-6,
+      # B = 0 makes every delta exactly zero; what is left is float32 rounding
+      # of the same products run as differently shaped GEMMs (the adapted
+      # experts go through the owner dispatch), up to ~1e-6 on O(1) outputs.
+      rtol=1e-5,
+      atol=1e-5,
   )
   probe_grad = _jit(
       jax.grad(
