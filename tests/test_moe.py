@@ -296,6 +296,24 @@ def test_combine_matches_a_loop_and_its_gradient_under_vmap(k):
     np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-6)
 
 
+def test_block_size_bounds_padding_and_keeps_blocks_of_16_rows():
+  """Worst-case padding E * (block - 1) below rows / 8, except for the 16-row
+  floor (at >= 32 rows per expert), where it stays below rows / 2."""
+  for num_experts in (1, 2, 8, 60, 64, 128):
+    for rows in (1, 7, 128, 512, 1000, 4096, 8192, 65536, 10**6):
+      block = moe.block_size(rows, num_experts)
+      assert 1 <= block <= 256
+      padding = num_experts * (block - 1)
+      if rows >= 32 * num_experts:
+        assert block >= 16
+        assert padding < rows / 8 or (block == 16 and padding < rows / 2)
+      else:
+        assert padding < rows / 8 or block == 1
+  assert moe.block_size(4096, 64) == 16  # not 4096 // 513 = 7
+  assert moe.block_size(4096, 8) == 63
+  assert moe.block_size(512, 64) == 1
+
+
 @pytest.mark.parametrize(
     "routing",
     ["uniform", "one expert", "some empty", "all dropped", "tail of one"],

@@ -10,7 +10,7 @@ Expert dispatch
 `grouped_linear` applies, to every (token, expert) row, that expert's weight
 matrix. Its cost scales with the number of rows (tokens x k), not with
 tokens x E: rows are sorted by expert into fixed-size blocks (each block holds
-rows of one expert, padded; at most 1/8 of the rows are padding), and a
+rows of one expert, padded; see `block_size`), and a
 `lax.scan` multiplies each block by its expert's weights, loaded once at the
 expert's first block. Shapes are static (the number of blocks is a worst-case
 bound computed from the number of rows and E), so one compilation serves every
@@ -174,15 +174,25 @@ def route_topk(
 
 
 def block_size(num_rows: int, num_experts: int, max_block: int = 256) -> int:
-  """Rows per block so that worst-case padding stays below 1/8 of the rows.
+  """Rows per block: worst-case padding below 1/8 of the rows, or 16-row blocks.
 
   Each expert's group is padded to a multiple of the block size, which costs
   at most E * (block - 1) extra rows; block <= rows / (8 E + 1) keeps that
   below rows / 8, so the dispatch does less than 1.125x the ideal expert
-  work. Smaller blocks cost little since each expert's weights are sliced
-  once for all its blocks (`_grouped_linear_flat`).
+  work. Each block also costs a fixed overhead (one scan step, its slices
+  and updates), and XLA's CPU products of a few rows cost nearly what 16
+  rows do, so once there are at least 32 rows per expert blocks have at least
+  16 rows (padding then below 16 E <= rows / 2). Measured on 2 CPU cores,
+  forward+backward of one d_model 768 x d_ff 3072 expert linear at E=64:
+  4096 rows, blocks of 16 instead of 7, 0.82x the time; below 32 rows per
+  expert single-row blocks (matrix-vector products) were fastest, 4-row
+  blocks 1.17-1.40x slower. The result depends only on the shapes, never on
+  the routing.
   """
-  return int(max(1, min(max_block, num_rows // (8 * num_experts + 1))))
+  block = num_rows // (8 * num_experts + 1)
+  if num_rows >= 32 * num_experts:
+    block = max(block, 16)
+  return int(max(1, min(max_block, block)))
 
 
 def static_num_blocks(num_rows: int, num_experts: int, block: int) -> int:
