@@ -19,6 +19,14 @@ White-box audit of the DP transforms themselves (no config, about a minute):
   python launch/audit.py --mechanism --workdir=/tmp/audit_mech
 """
 
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import sys
+
+from raptor_jax import host_memory
+
+# First of all, before any library starts a thread (raptor_jax/host_memory.py).
+host_memory.keep_unless_disabled(sys.argv)
+
 import json
 import logging
 import pathlib
@@ -36,6 +44,9 @@ _WORKDIR = flags.DEFINE_string(
     None,
     "The audit's own directory (audit.json, train/); rerunning reuses its "
     "training run.",
+)
+flags.DEFINE_bool(
+    "keep_host_memory", True, host_memory.FLAG_HELP
 )
 _NUM_CANARIES = flags.DEFINE_integer(
     "num_canaries",

@@ -47,14 +47,7 @@ _DIAGNOSTICS = flags.DEFINE_bool(
     "After training, write the App. G "
     "diagnostics of the dev split to <workdir>/diagnostics.json.",
 )
-flags.DEFINE_bool(
-    "keep_host_memory",
-    True,
-    "Let glibc keep freed host memory for the next step instead of mapping "
-    "XLA:CPU's per-step buffer afresh (see raptor_jax/host_memory.py; read "
-    "from the command line before anything is imported); "
-    "--nokeep_host_memory returns it to the system between steps.",
-)
+flags.DEFINE_bool("keep_host_memory", True, host_memory.FLAG_HELP)
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices",
     0,

@@ -6,6 +6,14 @@ Rerunning with the same --workdir resumes; the model is written to
 <workdir>/model and the held-out report to <workdir>/pretrain_report.json.
 """
 
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import sys
+
+from raptor_jax import host_memory
+
+# First of all, before any library starts a thread (raptor_jax/host_memory.py).
+host_memory.keep_unless_disabled(sys.argv)
+
 import logging
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
@@ -22,6 +30,9 @@ _WORKDIR = flags.DEFINE_string(
     None,
     "Directory for data, checkpoints and the "
     "model; rerunning with the same workdir resumes.",
+)
+flags.DEFINE_bool(
+    "keep_host_memory", True, host_memory.FLAG_HELP
 )
 flags.mark_flags_as_required(["config", "workdir"])
 

@@ -22,8 +22,15 @@ held-out train records (`--config.data.holdout`), never on dev.
 `environment.json` records the command lines and software versions.
 """
 
-import logging
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
+
+from raptor_jax import host_memory
+
+# First of all, before any library starts a thread (raptor_jax/host_memory.py).
+host_memory.keep_unless_disabled(sys.argv)
+
+import logging
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
@@ -39,6 +46,9 @@ _VARIANTS = flags.DEFINE_list(
     "variants",
     "raptor,monolithic_lora,baseline_a",
     f"Table rows, from: {', '.join(sweep.VARIANTS)}.",
+)
+flags.DEFINE_bool(
+    "keep_host_memory", True, host_memory.FLAG_HELP
 )
 _EPSILONS = flags.DEFINE_list(
     "epsilons", "1,8", "Target epsilons of the private variants."

@@ -69,7 +69,9 @@ def test_keep_freed_memory_is_a_no_op_off_glibc(monkeypatch):
 # intermediate per device; prints the page faults of each repeated call.
 _DEVICE_THREADS_SCRIPT = textwrap.dedent("""
     import json, resource, sys
-    import launch.main  # its first lines: keep_unless_disabled(sys.argv)
+    import importlib
+    # its first lines: keep_unless_disabled(sys.argv)
+    importlib.import_module(sys.argv.pop(1))
     import pyarrow  # starts threads (also imported by launch.main's imports)
     import jax, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -92,9 +94,20 @@ _DEVICE_THREADS_SCRIPT = textwrap.dedent("""
     platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc',
     reason='glibc only',
 )
-@pytest.mark.parametrize('argv', [[], ['--nokeep_host_memory']])
-def test_launch_main_keeps_memory_before_its_imports_start_threads(argv):
-  """launch/main.py's first lines, then threads (pyarrow) and a 2-device step.
+@pytest.mark.parametrize(
+    'entry, argv',
+    [
+        ('launch.main', []),
+        ('launch.main', ['--nokeep_host_memory']),
+        ('launch.pretrain', []),
+        ('launch.sweep', []),
+        ('launch.audit', []),
+    ],
+)
+def test_entry_points_keep_memory_before_their_imports_start_threads(
+    entry, argv
+):
+  """An entry point's first lines, then threads (pyarrow) and a 2-device step.
 
   Kept before pyarrow's threads exist, the steady state has no faults; with
   the setting applied after them, XLA's device threads shared their arena
@@ -102,7 +115,7 @@ def test_launch_main_keeps_memory_before_its_imports_start_threads(argv):
   """
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run(
-      [sys.executable, '-c', _DEVICE_THREADS_SCRIPT, *argv],
+      [sys.executable, '-c', _DEVICE_THREADS_SCRIPT, entry, *argv],
       capture_output=True,
       text=True,
       check=True,
