@@ -45,9 +45,7 @@ _WORKDIR = flags.DEFINE_string(
     "The audit's own directory (audit.json, train/); rerunning reuses its "
     "training run.",
 )
-flags.DEFINE_bool(
-    "keep_host_memory", True, host_memory.FLAG_HELP
-)
+flags.DEFINE_bool("keep_host_memory", True, host_memory.FLAG_HELP)
 _NUM_CANARIES = flags.DEFINE_integer(
     "num_canaries",
     1000,

@@ -31,9 +31,7 @@ _WORKDIR = flags.DEFINE_string(
     "Directory for data, checkpoints and the "
     "model; rerunning with the same workdir resumes.",
 )
-flags.DEFINE_bool(
-    "keep_host_memory", True, host_memory.FLAG_HELP
-)
+flags.DEFINE_bool("keep_host_memory", True, host_memory.FLAG_HELP)
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -47,9 +47,7 @@ _VARIANTS = flags.DEFINE_list(
     "raptor,monolithic_lora,baseline_a",
     f"Table rows, from: {', '.join(sweep.VARIANTS)}.",
 )
-flags.DEFINE_bool(
-    "keep_host_memory", True, host_memory.FLAG_HELP
-)
+flags.DEFINE_bool("keep_host_memory", True, host_memory.FLAG_HELP)
 _EPSILONS = flags.DEFINE_list(
     "epsilons", "1,8", "Target epsilons of the private variants."
 )

@@ -87,10 +87,10 @@ def flag_value(argv: Sequence[str], name: str, default: bool) -> bool:
 
 
 FLAG_HELP = (
-    "Let glibc keep freed host memory for the next step instead of mapping "
+    'Let glibc keep freed host memory for the next step instead of mapping '
     "XLA:CPU's per-step buffer afresh (see raptor_jax/host_memory.py; read "
-    "from the command line before anything is imported); "
-    "--nokeep_host_memory returns it to the system between steps."
+    'from the command line before anything is imported); '
+    '--nokeep_host_memory returns it to the system between steps.'
 )
 """Help text of the entry points' `--keep_host_memory` flag."""
 

@@ -82,7 +82,7 @@ _DEVICE_THREADS_SCRIPT = textwrap.dedent("""
     w = jnp.ones((16, 4096)); v = jnp.ones((4096, 4))
     step = jax.jit(lambda x, w, v: jnp.tanh(x @ w) @ v)
     faults = []
-    for _ in range(12):
+    for _ in range(16):
       before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
       step(x, w, v).block_until_ready()
       faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -124,7 +124,9 @@ def test_entry_points_keep_memory_before_their_imports_start_threads(
   )
   faults = json.loads(out.stdout.strip().splitlines()[-1])
   pages = 4096 * 4096 * 4 // os.sysconf('SC_PAGE_SIZE')  # one device's share
-  steady = sorted(faults[-6:])[3]
+  # The last 8 calls; the heap may still grow on up to three of them (XLA frees
+  # a step's buffers asynchronously, so up to three can be live at once).
+  steady = sorted(faults[-8:])[4]
   if argv:  # turned off: every step maps the buffers afresh
     assert steady > pages // 2, faults
   else:
