@@ -441,17 +441,23 @@ def test_vs_opacus_check_rejects_a_different_update():
     bench.relative_error(ours, {"a": ours["a"]})
 
 
-def _vs_opacus(*flags_):
+def _run_module(module, *flags_, own_xla_flags=False):
+  """`python -m module flags_` from the repository root; its output."""
   env = dict(os.environ, PYTHONPATH=str(_ROOT), TRANSFORMERS_VERBOSITY="error")
-  env.pop("XLA_FLAGS", None)  # the script's own settings, as a user runs it
+  if own_xla_flags:  # the script's own settings, as a user runs it
+    env.pop("XLA_FLAGS", None)
   return subprocess.run(
-      [sys.executable, "-m", "launch.bench.vs_opacus", *flags_],
+      [sys.executable, "-m", module, *flags_],
       cwd=_ROOT,
       env=env,
       capture_output=True,
       text=True,
       timeout=600,
   )
+
+
+def _vs_opacus(*flags_):
+  return _run_module("launch.bench.vs_opacus", *flags_, own_xla_flags=True)
 
 
 @pytest.mark.slow
@@ -522,15 +528,7 @@ def test_vs_opacus_device_count_divides_every_microbatch(monkeypatch):
 
 
 def _ab_commits(*flags_):
-  env = dict(os.environ, PYTHONPATH=str(_ROOT), TRANSFORMERS_VERBOSITY="error")
-  return subprocess.run(
-      [sys.executable, "-m", "launch.bench.ab_commits", *flags_],
-      cwd=_ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-  )
+  return _run_module("launch.bench.ab_commits", *flags_)
 
 
 def test_ab_commits_rejects_an_unknown_step_in_one_line():
