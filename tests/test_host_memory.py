@@ -11,6 +11,19 @@ import pytest
 
 from raptor_jax import host_memory
 
+
+def _count_faults(calls: int) -> str:
+  """Script lines: `calls` calls of `step`, then their page faults as JSON."""
+  return textwrap.dedent(f"""
+      faults = []
+      for _ in range({calls}):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        step(x, w, v).block_until_ready()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+      print(json.dumps(faults))
+  """)
+
+
 # A step whose intermediate h (8192 x 4096 float32, 128 MB) lives in XLA's
 # temporary buffer; prints the minor page faults of each repeated call.
 # (An allocation pattern, not a timing: deterministic enough for a test.)
@@ -23,13 +36,7 @@ _SCRIPT = textwrap.dedent("""
     x = jnp.ones((8192, 16)); w = jnp.ones((16, 4096)); v = jnp.ones((4096, 4))
     step = jax.jit(lambda x, w, v: jnp.tanh(x @ w) @ v)
     step(x, w, v).block_until_ready()
-    faults = []
-    for _ in range(9):
-      before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-      step(x, w, v).block_until_ready()
-      faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(json.dumps(faults))
-""")
+""") + _count_faults(9)
 
 
 def _faults(mode: str) -> list[int]:
@@ -70,7 +77,7 @@ def test_keep_freed_memory_is_a_no_op_off_glibc(monkeypatch):
 _DEVICE_THREADS_SCRIPT = textwrap.dedent("""
     import json, resource, sys
     import importlib
-    # its first lines: keep_unless_disabled(sys.argv)
+    # The entry point, whose first lines call keep_unless_disabled(sys.argv).
     importlib.import_module(sys.argv.pop(1))
     import pyarrow  # starts threads (also imported by launch.main's imports)
     import jax, jax.numpy as jnp
@@ -81,13 +88,7 @@ _DEVICE_THREADS_SCRIPT = textwrap.dedent("""
         jnp.ones((8192, 16)), NamedSharding(mesh, PartitionSpec('d')))
     w = jnp.ones((16, 4096)); v = jnp.ones((4096, 4))
     step = jax.jit(lambda x, w, v: jnp.tanh(x @ w) @ v)
-    faults = []
-    for _ in range(16):
-      before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-      step(x, w, v).block_until_ready()
-      faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(json.dumps(faults))
-""")
+""") + _count_faults(16)
 
 
 @pytest.mark.skipif(

@@ -89,8 +89,11 @@ if __name__ == '__main__':  # first, before any library starts a thread
   _host_memory.keep_unless_disabled(sys.argv, default=False)
 
 import dataclasses
+import json
 import os
+import subprocess
 import tempfile
+import time
 
 from absl import app
 from absl import flags
@@ -697,9 +700,6 @@ def serve(side: str, path: str, sizes: Sizes, m: int, modes) -> None:
   input line 'column' is answered with the seconds one call of that step
   took (outputs waited for).
   """
-  import json  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-  import time  # pylint: disable=import-outside-toplevel
 
   calls, failed = side_calls(side, path, sizes, m, modes)
   for call in calls.values():  # compile and warm up
@@ -732,9 +732,6 @@ def worker_times(path: str, m: int, workers, *, repeats: int, flag_args):
   columns are tagged with a 'keep' setting (`tagged`); the raptor_jax
   worker always keeps host memory, as launch/main.py does.
   """
-  import json  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
 
   procs, order, failed = [], [], {}
   try:
