@@ -24,6 +24,11 @@ def _count_faults(calls: int) -> str:
   """)
 
 
+def _fresh_calls(faults: list[int], pages: int) -> int:
+  """How many calls touched more than half of a `pages`-page buffer afresh."""
+  return sum(fault > pages // 2 for fault in faults)
+
+
 # A step whose intermediate h (8192 x 4096 float32, 128 MB) lives in XLA's
 # temporary buffer; prints the minor page faults of each repeated call.
 # (An allocation pattern, not a timing: deterministic enough for a test.)
@@ -36,7 +41,7 @@ _SCRIPT = textwrap.dedent("""
     x = jnp.ones((8192, 16)); w = jnp.ones((16, 4096)); v = jnp.ones((4096, 4))
     step = jax.jit(lambda x, w, v: jnp.tanh(x @ w) @ v)
     step(x, w, v).block_until_ready()
-""") + _count_faults(9)
+""") + _count_faults(40)
 
 
 def _faults(mode: str) -> list[int]:
@@ -59,12 +64,12 @@ def test_keep_freed_memory_stops_per_step_page_faults():
   pages = 8192 * 4096 * 4 // os.sysconf('SC_PAGE_SIZE')
   default = _faults('default')
   kept = _faults('keep')
-  # Without it every call maps the 128 MB buffer afresh; with it, the heap
-  # grows for the first few calls (XLA frees a step's buffer asynchronously,
-  # so two can be live at once) and is then reused.
-  median = lambda faults: sorted(faults)[len(faults) // 2]
-  assert median(default) > pages // 2, default
-  assert median(kept) < pages // 20, kept
+  # Without it every call maps the 128 MB buffer afresh. With it, the heap
+  # grows on a few calls (XLA frees a step's buffer asynchronously, so several
+  # can be live at once, more when the CPU is busy: 0-5 of 40 seen with six
+  # copies on two cores) and is then reused.
+  assert _fresh_calls(default, pages) >= 36, default
+  assert _fresh_calls(kept, pages) <= 10, kept
 
 
 def test_keep_freed_memory_is_a_no_op_off_glibc(monkeypatch):
@@ -88,7 +93,7 @@ _DEVICE_THREADS_SCRIPT = textwrap.dedent("""
         jnp.ones((8192, 16)), NamedSharding(mesh, PartitionSpec('d')))
     w = jnp.ones((16, 4096)); v = jnp.ones((4096, 4))
     step = jax.jit(lambda x, w, v: jnp.tanh(x @ w) @ v)
-""") + _count_faults(16)
+""") + _count_faults(32)
 
 
 @pytest.mark.skipif(
@@ -125,13 +130,13 @@ def test_entry_points_keep_memory_before_their_imports_start_threads(
   )
   faults = json.loads(out.stdout.strip().splitlines()[-1])
   pages = 4096 * 4096 * 4 // os.sysconf('SC_PAGE_SIZE')  # one device's share
-  # The last 8 calls; the heap may still grow on up to three of them (XLA frees
-  # a step's buffers asynchronously, so up to three can be live at once).
-  steady = sorted(faults[-8:])[4]
-  if argv:  # turned off: every step maps the buffers afresh
-    assert steady > pages // 2, faults
+  # Turned off, every call maps the buffers afresh; kept, the heap grows on a
+  # few calls only (XLA frees a step's buffers asynchronously, so several can
+  # be live at once) and is then reused.
+  if argv:
+    assert _fresh_calls(faults, pages) >= 28, faults
   else:
-    assert steady < pages // 20, faults
+    assert _fresh_calls(faults, pages) <= 8, faults
 
 
 @pytest.mark.parametrize(
