@@ -327,7 +327,7 @@ def _grouped_linear_flat(
 
   _, out = jax.lax.scan(
       one_block,
-      jax.tree.map(jnp.zeros_like, expert_weights(0)),
+      tuple(jnp.zeros(a.shape[1:], a.dtype) for a in (w, *factors)),
       (buf, block_expert, first_of_expert),
   )
   out = out.reshape(num_blocks * block, d_out)
