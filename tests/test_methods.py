@@ -197,6 +197,49 @@ def test_phase_clip_with_needs_a_joint_clip():
     methods.Phase("shared", 0, (part,), clip_with=(part,))
 
 
+def test_a_joint_clip_over_parts_of_unequal_clip_or_sigma_is_refused():
+  """A joint clip is one mechanism of sensitivity C accounted with one sigma:
+  a part with a smaller sigma * C would be noised below its sensitivity."""
+  shared, expert = _plan(**ABLATIONS["no_alternation"]).phases[0].parts
+  assert shared.noise_multiplier != expert.noise_multiplier
+  for other in (
+      dataclasses.replace(expert, l2_clip=shared.l2_clip),  # sigmas differ
+      dataclasses.replace(
+          expert, noise_multiplier=shared.noise_multiplier, l2_clip=13.0
+      ),
+  ):
+    with pytest.raises(ValueError, match="one Gaussian mechanism") as e:
+      methods.Phase("joint", 0, (shared, other), joint_clip=True)
+    assert "\n" not in str(e.value)
+  # A clip_with part joins the clip norm: its l2_clip must agree too.
+  with pytest.raises(ValueError, match="same l2_clip"):
+    methods.Phase(
+        "shared",
+        0,
+        (shared,),
+        joint_clip=True,
+        clip_with=(dataclasses.replace(expert, l2_clip=13.0),),
+    )
+  same = dataclasses.replace(
+      expert, l2_clip=shared.l2_clip, noise_multiplier=shared.noise_multiplier
+  )
+  assert methods.Phase("joint", 0, (shared, same), joint_clip=True)
+
+
+def test_a_plan_whose_phases_share_a_poisson_stream_is_refused():
+  """The ledger composes phases as independent samples; one stream is one."""
+  plan = _plan()
+  assert [p.stream for p in plan.phases] == [
+      sampling.SHARED_STREAM,
+      sampling.EXPERT_STREAM,
+  ]
+  shared, expert = plan.phases
+  same = dataclasses.replace(expert, stream=shared.stream)
+  with pytest.raises(ValueError, match="share a Poisson stream") as e:
+    dataclasses.replace(plan, phases=(shared, same))
+  assert "\n" not in str(e.value)
+
+
 def test_full_model_clip_one_sample_is_one_clip_and_one_sigma():
   """The older two-change variant: no alternation, one clip C_s, one sigma."""
   plan = _plan(

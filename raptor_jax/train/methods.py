@@ -133,8 +133,10 @@ class Phase:
     stream: Poisson stream id (independent samples per id).
     parts: the parameter groups updated from this sample.
     joint_clip: clip each record's gradient over all parts (and `clip_with`)
-      together, to the l2_clip of `parts[0]` (the parts then share one
-      l2_clip and one sigma).
+      together, to the one l2_clip they all share; the parts share one sigma
+      too (refused otherwise: the release is one Gaussian mechanism of
+      sensitivity C, accounted with that sigma, so a part with a smaller
+      sigma * C would be under-noised).
     private: False for the non-private upper bounds (no clip, no noise).
     clip_with: parts of another phase whose per-record gradient joins this
       phase's clip norm but is neither released nor updated here (the
@@ -154,6 +156,17 @@ class Phase:
           f"phase {self.name!r}: clip_with parts join the clip norm, which "
           "needs joint_clip=True"
       )
+    if not self.joint_clip:
+      return
+    clips = sorted({p.l2_clip for p in self.parts + self.clip_with})
+    sigmas = sorted({p.noise_multiplier for p in self.parts})
+    if len(clips) > 1 or len(sigmas) > 1:
+      raise ValueError(
+          f"phase {self.name!r}: a joint clip is one Gaussian mechanism, but"
+          f" its parts have l2_clip {clips} and noise_multiplier {sigmas};"
+          " give every part (and clip_with part) the same l2_clip and its"
+          " parts the same noise_multiplier, or set joint_clip=False"
+      )
 
   @property
   def noise_multiplier(self) -> float:
@@ -167,7 +180,9 @@ class Phase:
 class Plan:
   """Everything public about a run: phases, steps, sampling, budget.
 
-  `target_epsilon` is None for the non-private methods.
+  `target_epsilon` is None for the non-private methods. Every phase draws
+  its own Poisson stream (refused otherwise): the ledger composes the phases
+  as independent samples, which two phases of one stream are not.
   """
 
   method: str
@@ -178,6 +193,15 @@ class Plan:
   target_epsilon: float | None
   expert_layer: int
   model_options: dict
+
+  def __post_init__(self):
+    streams = [phase.stream for phase in self.phases]
+    if len(set(streams)) != len(streams):
+      raise ValueError(
+          f"plan {self.method!r}: phases {[p.name for p in self.phases]} share"
+          f" a Poisson stream ({streams}), which the ledger would compose as"
+          " independent samples; give every phase its own stream id"
+      )
 
   @property
   def parts(self) -> tuple[Part, ...]:
