@@ -531,6 +531,7 @@ def test_families_share_one_set_of_fine_tuning_options():
           "expert_lora_layers",
           "dispatch",
           "dtype",
+          "kernels",
       )
   )
   for config in (

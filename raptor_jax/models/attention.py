@@ -1,30 +1,38 @@
 """The attention core every family shares: scores, float32 softmax, values.
 
-`attend(q, k, v, *biases)` computes softmax(q k^T + sum(biases)) v per head
-in the [B, H, S, D] layout, with a hand-written backward (`jax.custom_vjp`).
-Why not `jnp.einsum` plus `jax.nn.softmax`, as the families had before:
+`attend(q, k, v, *biases, kernels=...)` computes softmax(q k^T + sum(biases)) v
+per head in the [B, H, S, D] layout. Two implementations sit side by side:
 
-* On XLA CPU the einsum layout ([B, S, H, D] operands, head axis in the
-  middle) lets the compiler fuse both batched products and the softmax into
-  one library call that runs at a fraction of the matmul rate: the Switch
-  forward of the issue-16 benchmark spent 29% of its time there. Head-major
-  operands give plain batched matmuls, 3.3x faster in the forward.
-* Autodiff of the softmax keeps exp, max and sum residuals and builds the
-  input gradient from them; the standard softmax backward needs only the
-  probabilities p:  ds = p * (dp - sum(dp * p)),  1.5x faster end to end.
-* Biases (relative positions [1, H, S, S], padding [B, 1, 1, S], causal)
-  are added inside the fused score computation, never broadcast to a
-  [B, H, S, S] buffer of their own, and get no gradient (they are frozen or
-  constant in every model here).
-* Under `jax.vmap` over records (per-record gradients, B = 1 per call) a
-  `custom_vmap` rule folds the records into B, so the products keep two
-  batch axes; a third made the per-record gradient 1.3x slower.
+* `attend_reference`: the definition, plain `jnp` and autodiff.
+* `attend_fast`: the same function with a hand-written backward
+  (`jax.custom_vjp`) and a `custom_vmap` rule, measured faster on XLA:CPU:
 
-The products accumulate in float32 whatever the activation dtype and the
-softmax is float32, as in the Hugging Face models; p is cast to the dtype of
-v before the value product (what `softmax(...).astype(dtype)` did). Scaling
-(1/sqrt(d), or none as in T5 and Switch) is the caller's. The speed-ups are
-from one 2-core CPU at 32 records x 4 heads x 128 tokens x 64 dimensions.
+  * Head-major operands give plain batched matmuls. With the einsum layout
+    ([B, S, H, D] operands, head axis in the middle) XLA:CPU fused both
+    batched products and the softmax into one library call that ran at a
+    fraction of the matmul rate (29% of a Switch forward): 3.3x faster.
+  * Autodiff of the softmax keeps exp, max and sum residuals and builds the
+    input gradient from them; the standard softmax backward needs only the
+    probabilities p:  ds = p * (dp - sum(dp * p)),  1.5x faster end to end.
+  * Biases (relative positions [1, H, S, S], padding [B, 1, 1, S], causal)
+    are added inside the fused score computation, never broadcast to a
+    [B, H, S, S] buffer of their own. Each bias gets the gradient of the
+    scores, ds, summed over the axes it was broadcast along: Switch's
+    relative position table trains in pretraining and in the full-weight
+    methods. A constant bias (padding, causal) costs nothing: its gradient
+    is never used and XLA removes the reduction.
+  * Under `jax.vmap` over records (per-record gradients, B = 1 per call) a
+    `custom_vmap` rule folds the records into B, so the products keep two
+    batch axes; a third made the per-record gradient 1.3x slower. The bias
+    gradients are reduced outside that rule, so they stay per record.
+
+Both accumulate the products in float32 whatever the activation dtype and
+take a float32 softmax, as the Hugging Face models do; p is cast to the
+dtype of v before the value product (what `softmax(...).astype(dtype)`
+did). Scaling (1/sqrt(d), or none as in T5 and Switch) is the caller's. The
+speed-ups are from one 2-core CPU at 32 records x 4 heads x 128 tokens x 64
+dimensions; `kernels='auto'` uses the fast path on CPU only (see
+`kernels.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from __future__ import annotations
 import jax
 from jax.custom_batching import custom_vmap
 import jax.numpy as jnp
+
+from raptor_jax.models import kernels as kernels_lib
 
 # dot_general dimension numbers over [B, H, S, D] operands (batch B, H).
 _BATCH = ((0, 1), (0, 1))
@@ -97,17 +107,82 @@ def _forward(q, k, v, *biases):
 
 @_merge_records
 def _backward(q, k, v, p, d_out):
-  """(dq, dk, dv) from the probabilities: ds = p * (dp - sum(dp * p))."""
+  """(dq, dk, dv, ds) from the probabilities: ds = p * (dp - sum(dp * p)).
+
+  ds [B, H, Q, K] (float32) is the gradient of the scores, and so of their
+  sum with the biases.
+  """
   dv = _dot(p.astype(d_out.dtype), d_out, _PT_DO, v.dtype)
   dp = _dot(d_out, v, _QK, jnp.float32)
   ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True))
   dq = _dot(ds.astype(k.dtype), k, _PV, q.dtype)
   dk = _dot(ds.astype(q.dtype), q, _PT_DO, k.dtype)
-  return dq, dk, dv
+  return dq, dk, dv, ds
+
+
+def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """x summed over the axes along which an array of `shape` was broadcast."""
+  lead = x.ndim - len(shape)
+  axes = tuple(range(lead)) + tuple(
+      lead + i
+      for i, size in enumerate(shape)
+      if size == 1 and x.shape[lead + i] != 1
+  )
+  return jnp.sum(x, axis=axes, keepdims=True).reshape(shape)
+
+
+def attend_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, *biases: jax.Array
+) -> jax.Array:
+  """softmax(q k^T + sum(biases)) v per head: the definition (autodiff).
+
+  Args and result as `attend`.
+  """
+  scores = jnp.einsum(
+      "bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32
+  )
+  for bias in biases:
+    scores = scores + bias.astype(jnp.float32)
+  p = jax.nn.softmax(scores, axis=-1)
+  return jnp.einsum(
+      "bhqk,bhkd->bhqd",
+      p.astype(v.dtype),
+      v,
+      preferred_element_type=jnp.float32,
+  ).astype(v.dtype)
 
 
 @jax.custom_vjp
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, *biases: jax.Array):
+def attend_fast(
+    q: jax.Array, k: jax.Array, v: jax.Array, *biases: jax.Array
+) -> jax.Array:
+  """`attend_reference` with the hand-written backward (module docstring)."""
+  return _forward(q, k, v, *biases)[0]
+
+
+def _attend_fwd(q, k, v, *biases):
+  out, p = _forward(q, k, v, *biases)
+  # The biases are kept for their shapes only (XLA drops unused residuals).
+  return out, (q, k, v, p, biases)
+
+
+def _attend_bwd(residuals, d_out):
+  q, k, v, p, biases = residuals
+  dq, dk, dv, ds = _backward(q, k, v, p, d_out)
+  d_biases = tuple(_sum_to_shape(ds, b.shape).astype(b.dtype) for b in biases)
+  return (dq, dk, dv) + d_biases
+
+
+attend_fast.defvjp(_attend_fwd, _attend_bwd)
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *biases: jax.Array,
+    kernels: str = "auto",
+) -> jax.Array:
   """softmax(q k^T + sum(biases)) v per head.
 
   Args:
@@ -116,30 +191,24 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *biases: jax.Array):
     v: [B, H, K, Dv] values.
     *biases: float arrays broadcastable to [B, H, Q, K] with a leading axis
       of B or 1, e.g. a relative position bias [1, H, Q, K] and a padding
-      mask [B, 1, 1, K] of 0 and the float32 minimum. Treated as constants:
-      no gradient.
+      mask [B, 1, 1, K] of 0 and the float32 minimum. Differentiable: a
+      trainable bias gets its gradient; a constant one costs nothing.
+    kernels: 'reference', 'fast' or 'auto' (see `kernels.py`).
 
   Returns:
     [B, H, Q, Dv] in the dtype of v.
   """
-  return _forward(q, k, v, *biases)[0]
-
-
-def _attend_fwd(q, k, v, *biases):
-  out, p = _forward(q, k, v, *biases)
-  return out, (q, k, v, p, (None,) * len(biases))
-
-
-def _attend_bwd(residuals, d_out):
-  q, k, v, p, no_biases = residuals
-  return _backward(q, k, v, p, d_out) + no_biases
-
-
-attend.defvjp(_attend_fwd, _attend_bwd)
+  if kernels_lib.resolve(kernels) == "fast":
+    return attend_fast(q, k, v, *biases)
+  return attend_reference(q, k, v, *biases)
 
 
 def attend_tokens(
-    q: jax.Array, k: jax.Array, v: jax.Array, *biases: jax.Array
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *biases: jax.Array,
+    kernels: str = "auto",
 ) -> jax.Array:
   """`attend` for token-major heads [B, S, H, D], as projections give them.
 
@@ -147,7 +216,7 @@ def attend_tokens(
   projection.
   """
   heads = lambda t: jnp.swapaxes(t, 1, 2)
-  out = heads(attend(heads(q), heads(k), heads(v), *biases))
+  out = heads(attend(heads(q), heads(k), heads(v), *biases, kernels=kernels))
   return out.reshape(*out.shape[:2], -1)
 
 

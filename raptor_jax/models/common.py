@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from raptor_jax import _validate
-from raptor_jax.models import moe
+from raptor_jax.models import kernels, moe
 
 
 class BackboneOutput(NamedTuple):
@@ -87,6 +87,9 @@ class FineTuningOptions:
   dtype: str = (
       "float32"  # activation dtype; routers and norm statistics use float32.
   )
+  kernels: str = (
+      "auto"  # hand-written backwards: auto | fast | reference (kernels.py).
+  )
 
   @property
   def sparse_layers(self) -> tuple[int, ...]:
@@ -98,6 +101,9 @@ class FineTuningOptions:
         self.dispatch,
         moe.DISPATCHES,
         moe.DISPATCH_FIX,
+    )
+    _validate.one_of(
+        "kernels", self.kernels, kernels.KERNELS, kernels.KERNELS_FIX
     )
     bad = [l for l in self.expert_lora_layers if l not in self.sparse_layers]
     if bad:

@@ -286,7 +286,12 @@ class MultiHeadLatentAttention(nn.Module):
 
     def proj(name, features, inputs):
       return LoRADense(
-          features, rank=rank, alpha=cfg.lora_alpha, dtype=dtype, name=name
+          features,
+          rank=rank,
+          alpha=cfg.lora_alpha,
+          dtype=dtype,
+          kernels=cfg.kernels,
+          name=name,
       )(inputs)
 
     def norm(name, inputs):
@@ -320,6 +325,7 @@ class MultiHeadLatentAttention(nn.Module):
         k,
         kv[..., nope:],
         attention.mask_bias(allowed),
+        kernels=cfg.kernels,
     )
     return proj("o", cfg.hidden_size, out)
 
@@ -343,7 +349,12 @@ class MultiHeadAttention(nn.Module):
 
     def proj(name, features, inputs):
       return LoRADense(
-          features, rank=rank, alpha=cfg.lora_alpha, dtype=dtype, name=name
+          features,
+          rank=rank,
+          alpha=cfg.lora_alpha,
+          dtype=dtype,
+          kernels=cfg.kernels,
+          name=name,
       )(inputs)
 
     cos, sin = rotary_tables(seq, head_dim, cfg.rope_theta, dtype)
@@ -365,7 +376,11 @@ class MultiHeadAttention(nn.Module):
     # Query head h reads key/value head h // (heads / kv_heads) (HF repeat_kv).
     k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
     out = attention.attend_tokens(
-        q * head_dim**-0.5, k, v, attention.mask_bias(allowed)
+        q * head_dim**-0.5,
+        k,
+        v,
+        attention.mask_bias(allowed),
+        kernels=cfg.kernels,
     )
     return proj("o", cfg.hidden_size, out)
 
@@ -378,6 +393,7 @@ class GatedMLP(nn.Module):
   alpha: float = 16.0
   dtype: Any = jnp.float32
   act: str = "silu"
+  kernels: str = "auto"  # see kernels.py
 
   @nn.compact
   def __call__(self, x):
@@ -387,6 +403,7 @@ class GatedMLP(nn.Module):
           rank=self.rank,
           alpha=self.alpha,
           dtype=self.dtype,
+          kernels=self.kernels,
           name=name,
       )(inputs)
 
@@ -432,6 +449,7 @@ class DeepseekSparseMLP(nn.Module):
         dispatch=cfg.dispatch,
         dtype=dtype,
         act=cfg.hidden_act,
+        kernels=cfg.kernels,
         name="experts",
     )
     out = experts(rows, routing.experts.reshape(-1), owner, owner_params)
@@ -442,6 +460,7 @@ class DeepseekSparseMLP(nn.Module):
         alpha=cfg.lora_alpha,
         dtype=dtype,
         act=cfg.hidden_act,
+        kernels=cfg.kernels,
         name="shared_experts",
     )
     return out + shared(x), router_logits
@@ -463,7 +482,11 @@ class DeepseekBlock(nn.Module):
     h = norm("mlp_norm")(x)
     if self.index not in cfg.sparse_layers:
       mlp = GatedMLP(
-          cfg.intermediate_size, dtype=dtype, act=cfg.hidden_act, name="mlp"
+          cfg.intermediate_size,
+          dtype=dtype,
+          act=cfg.hidden_act,
+          kernels=cfg.kernels,
+          name="mlp",
       )
       return x + mlp(h), None
     rank = cfg.lora_rank if self.index in cfg.expert_lora_layers else 0

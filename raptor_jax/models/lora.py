@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raptor_jax import _validate
+from raptor_jax.models import kernels as kernels_lib
 from raptor_jax.models import low_rank, moe
 
 Dtype = Any
@@ -36,13 +37,20 @@ def lora_a_init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
 
 
 class LoRADense(nn.Module):
-  """Bias-free dense layer with an optional LoRA adapter (rank 0 = none)."""
+  """Bias-free dense layer with an optional LoRA adapter (rank 0 = none).
+
+  `kernels` 'fast' (or 'auto' on CPU) runs float32 adapters through
+  `low_rank_linear`'s folded backward; 'reference' is the split form
+  x @ kernel + scale (x @ a) @ b differentiated by autodiff (see
+  `kernels.py`).
+  """
 
   features: int
   rank: int = 0
   alpha: float = 16.0
   dtype: Dtype = jnp.float32
   kernel_init: Any = nn.initializers.lecun_normal()
+  kernels: str = "auto"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -59,9 +67,11 @@ class LoRADense(nn.Module):
         b.astype(self.dtype),
         self.alpha / self.rank,
     )
-    if jnp.dtype(self.dtype) == jnp.float32:
+    fast = kernels_lib.resolve(self.kernels) == "fast"
+    if fast and jnp.dtype(self.dtype) == jnp.float32:
       return low_rank_linear(x, kernel, a, b, scale)
-    # Narrow dtypes: a merged kernel would round the small update away.
+    # The definition; narrow dtypes always use it, since a merged kernel
+    # would round the small update away.
     return x @ kernel + scale * ((x @ a) @ b)
 
 
@@ -136,10 +146,13 @@ class ExpertLinear(nn.Module):
     alpha: LoRA alpha; the update is scaled by alpha / rank.
     dispatch: 'grouped' (sorted blocks, work ~ rows; base kernel frozen),
       'ragged' (the same with grouped GEMMs, `jax.lax.ragged_dot`), 'auto'
-      (grouped on CPU, ragged on GPU/TPU), 'dense' (every expert on every
+      (grouped: the measured choice, on every backend), 'dense' (every expert on every
       row; differentiable in the kernel, used when full expert weights
       train) or 'grouped_train' / 'ragged_train' / 'auto_train'
       (differentiable in the kernel; pretraining, without adapters).
+    kernels: 'fast' (the dispatches' custom VJPs and `custom_vmap` rules),
+      'reference' (autodiff of the same dispatch functions) or 'auto' (see
+      `kernels.py`).
   """
 
   num_experts: int
@@ -148,6 +161,7 @@ class ExpertLinear(nn.Module):
   alpha: float = 16.0
   dispatch: str = "auto"
   dtype: Dtype = jnp.float32
+  kernels: str = "auto"
   kernel_init: Any = nn.initializers.lecun_normal(batch_axis=(0,))
 
   @nn.compact
@@ -202,7 +216,14 @@ class ExpertLinear(nn.Module):
     if "kernel" in owner_params:
       owner_kernel = owner_params["kernel"].astype(self.dtype)
     y = _stacked_output(
-        x, experts, kernel, factors, self.dispatch, owner, owner_kernel
+        x,
+        experts,
+        kernel,
+        factors,
+        self.dispatch,
+        owner,
+        owner_kernel,
+        self.kernels,
     )
     if owner_lora:
       y = y + moe.owner_lora_delta(
@@ -212,6 +233,7 @@ class ExpertLinear(nn.Module):
           owner,
           owner_params["lora_a"].astype(self.dtype),
           owner_params["lora_b"].astype(self.dtype),
+          self.kernels,
       )
     return y
 
@@ -224,6 +246,7 @@ def _stacked_output(
     dispatch: str,
     owner: jax.Array | None,
     owner_kernel: jax.Array | None,
+    kernels: str,
 ) -> jax.Array:
   """`ExpertLinear`'s output from its stacked parameters, row by row.
 
@@ -237,6 +260,7 @@ def _stacked_output(
     owner: the record's owner expert, when `owner_kernel` is given.
     owner_kernel: [d_in, d_out] owner kernel slice that trains alone, or
       `None`; it replaces the owner's stacked kernel and overrides `dispatch`.
+    kernels: 'fast', 'reference' or 'auto' (see `kernels.py`).
 
   Returns:
     [T, d_out].
@@ -247,10 +271,14 @@ def _stacked_output(
     lora = (a, scale * b)
   _validate.one_of("dispatch", dispatch, moe.DISPATCHES, moe.DISPATCH_FIX)
   dispatch = moe.resolve_dispatch(dispatch)
-  frozen = {"grouped": moe.grouped_linear, "ragged": moe.ragged_linear}
+  with_kernels = lambda fn: functools.partial(fn, kernels=kernels)
+  frozen = {
+      "grouped": with_kernels(moe.grouped_linear),
+      "ragged": with_kernels(moe.ragged_linear),
+  }
   trainable = {
-      "grouped_train": moe.grouped_linear_trainable,
-      "ragged_train": moe.ragged_linear_trainable,
+      "grouped_train": with_kernels(moe.grouped_linear_trainable),
+      "ragged_train": with_kernels(moe.ragged_linear_trainable),
   }
   if owner_kernel is not None:
     y = moe.owner_linear(
@@ -259,7 +287,7 @@ def _stacked_output(
         kernel,
         owner,
         owner_kernel,
-        frozen.get(dispatch.removesuffix("_train"), moe.grouped_linear),
+        frozen.get(dispatch.removesuffix("_train"), frozen["grouped"]),
     )
     if lora is not None:
       y = y + moe.expert_lora(x, experts, a, b, scale)

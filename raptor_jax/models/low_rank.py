@@ -26,6 +26,8 @@ import functools
 
 import jax
 
+from raptor_jax.models import kernels as kernels_lib
+
 
 def rows_contraction(small: jax.Array, big: jax.Array) -> jax.Array:
   """small^T @ big, summed over the rows: [T, r], [T, n] -> [r, n].
@@ -70,9 +72,12 @@ def factor_grads(
   return da, db
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def low_rank_update(
-    x: jax.Array, a: jax.Array, b: jax.Array, scale: float
+    x: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    scale: float,
+    kernels: str = "auto",
 ) -> jax.Array:
   """scale * (x @ a) @ b with x a constant: gradients reach a and b only.
 
@@ -85,10 +90,22 @@ def low_rank_update(
     a: [d_in, r].
     b: [r, d_out].
     scale: the Python float alpha / r.
+    kernels: 'reference' (autodiff of this product), 'fast' (the factor
+      gradients of `factor_grads`) or 'auto' (see `kernels.py`).
 
   Returns:
     [..., d_out].
   """
+  if kernels_lib.resolve(kernels) == "fast":
+    return low_rank_update_fast(x, a, b, scale)
+  return scale * ((jax.lax.stop_gradient(x) @ a) @ b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def low_rank_update_fast(
+    x: jax.Array, a: jax.Array, b: jax.Array, scale: float
+) -> jax.Array:
+  """`low_rank_update` whose backward is `factor_grads` (module docstring)."""
   return scale * ((x @ a) @ b)
 
 
@@ -110,4 +127,4 @@ def _low_rank_update_bwd(scale, residuals, dy):
   return None, da.astype(a.dtype), db.astype(b.dtype)
 
 
-low_rank_update.defvjp(_low_rank_update_fwd, _low_rank_update_bwd)
+low_rank_update_fast.defvjp(_low_rank_update_fwd, _low_rank_update_bwd)

@@ -29,8 +29,9 @@ expert's factors) computed only where asked for. RAPTOR's owner slices use
 `ragged_linear` (and `ragged_linear_trainable`) compute the same functions
 with native grouped GEMMs (`jax.lax.ragged_dot`): one sort of the rows by
 expert, then one kernel per matrix, with the realised group sizes passed as
-data. That is the shape GPU and TPU kernels want; on CPU the scan wins, so
-`dispatch='auto'` picks per backend (`resolve_dispatch`). Routing, and so
+data. That is the shape GPU and TPU kernels want; on CPU the scan wins, and
+until a GPU or TPU measures otherwise `dispatch='auto'` is the scan on every
+backend (`resolve_dispatch`). Routing, and so
 capacity drops, is decided before either dispatch: a dropped row has expert
 E in both and gets no expert output.
 """
@@ -44,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from raptor_jax.models import kernels as kernels_lib
 from raptor_jax.models import low_rank
 
 ACTIVATIONS = {
@@ -416,6 +418,7 @@ def grouped_linear(
     experts: jax.Array,
     w: jax.Array,
     lora: tuple[jax.Array, jax.Array] | None = None,
+    kernels: str = "auto",
 ) -> jax.Array:
   """y[t] = x[t] @ w[experts[t]] with work proportional to the rows, not to E.
 
@@ -429,11 +432,17 @@ def grouped_linear(
       same blocks (rows x r x (d_in + d_out) more work, whatever E). The pair
       is differentiable; its gradient covers every expert's factors, costs a
       one-hot over E, and is only computed where it is used.
+    kernels: 'fast' (the custom VJP above, records folded into one dispatch
+      under `vmap`), 'reference' (autodiff of `_grouped_linear_flat`, batched
+      by JAX's rules) or 'auto' (see `kernels.py`).
 
   Returns:
     [T, d_out]; zero rows where dropped.
   """
-  return _grouped_linear(x, experts, jax.lax.stop_gradient(w), *(lora or ()))
+  w = jax.lax.stop_gradient(w)
+  if kernels_lib.resolve(kernels) == "fast":
+    return _grouped_linear(x, experts, w, *(lora or ()))
+  return _grouped_linear_flat(x, experts, w, *(lora or ()), transpose=False)
 
 
 @jax.custom_vjp
@@ -467,7 +476,7 @@ _grouped_linear_trainable.defvjp(
 
 
 def grouped_linear_trainable(
-    x: jax.Array, experts: jax.Array, w: jax.Array
+    x: jax.Array, experts: jax.Array, w: jax.Array, kernels: str = "auto"
 ) -> jax.Array:
   """`grouped_linear` differentiable in the stacked weights (pretraining).
 
@@ -480,18 +489,22 @@ def grouped_linear_trainable(
     x: [T, d_in] rows.
     experts: int32 [T] expert of each row; E drops the row.
     w: [E, d_in, d_out].
+    kernels: 'fast' (the hand-written weight gradient above), 'reference'
+      (autodiff of `_grouped_linear_flat`) or 'auto' (see `kernels.py`).
 
   Returns:
     [T, d_out]; zero rows where dropped.
   """
-  return _grouped_linear_trainable(x, experts, w)
+  if kernels_lib.resolve(kernels) == "fast":
+    return _grouped_linear_trainable(x, experts, w)
+  return _grouped_linear_flat(x, experts, w, transpose=False)
 
 
 # ---------------------------------------------------------------------------
 # Ragged dispatch: native grouped GEMMs (`jax.lax.ragged_dot`).
 
 # Every `dispatch` an expert layer accepts. 'auto' and 'auto_train' resolve
-# per backend (`resolve_dispatch`); '*_train' makes the stacked kernels
+# to the grouped ones (`resolve_dispatch`); '*_train' makes the stacked kernels
 # trainable (pretraining) and takes no adapters.
 DISPATCHES = (
     "auto",
@@ -504,32 +517,34 @@ DISPATCHES = (
 )
 DISPATCH_FIX = (
     "pass dispatch= to from_pretrained / with_options (or set"
-    " --config.model.dispatch); 'auto' picks by backend"
+    " --config.model.dispatch); 'auto' is 'grouped'"
 )
 
 
 def resolve_dispatch(dispatch: str, backend: str | None = None) -> str:
-  """The dispatch to run: 'auto' picks by backend, any other value is kept.
+  """The dispatch to run: 'auto' is 'grouped', any other value is kept.
 
-  On CPU the sorted-block `lax.scan` (`grouped_linear`) wins: XLA CPU has no
-  grouped-GEMM kernel and lowers `ragged_dot` to a masked product over every
-  expert. On GPU and TPU a sequential scan over small blocks leaves the
-  device idle, and `ragged_dot` lowers to the backend's grouped GEMM, so
-  'auto' resolves to 'ragged' there ('auto_train' likewise to the '_train'
-  variants). Both dispatches compute the same function.
+  On CPU the sorted-block `lax.scan` (`grouped_linear`) was measured to win:
+  XLA CPU has no grouped-GEMM kernel and lowers `ragged_dot` to a masked
+  product over every expert. No GPU or TPU has measured either yet, and
+  public reports put XLA's default NVIDIA lowering of `ragged_dot` at a dense
+  masked product too, so 'auto' resolves to 'grouped' on every backend
+  ('auto_train' to 'grouped_train') until a measurement there says
+  otherwise (`launch/bench/gpu_dispatch.py`). Both dispatches compute the
+  same function; 'ragged' stays available by name.
 
   Args:
     dispatch: one of `DISPATCHES`.
-    backend: 'cpu', 'gpu', 'tpu'...; default `jax.default_backend()`.
+    backend: 'cpu', 'gpu', 'tpu'...; default `jax.default_backend()`. Kept
+      for the day the choice depends on it.
 
   Returns:
-    `dispatch` with 'auto' replaced by 'grouped' or 'ragged'.
+    `dispatch` with 'auto' replaced by 'grouped'.
   """
+  del backend  # unmeasured off CPU: the measured choice everywhere
   if not dispatch.startswith("auto"):
     return dispatch
-  backend = backend or jax.default_backend()
-  kind = "grouped" if backend == "cpu" else "ragged"
-  return kind + dispatch[len("auto") :]
+  return "grouped" + dispatch[len("auto") :]
 
 
 def _ragged_plan(experts: jax.Array, num_groups: int):
@@ -674,6 +689,7 @@ def ragged_linear(
     experts: jax.Array,
     w: jax.Array,
     lora: tuple[jax.Array, jax.Array] | None = None,
+    kernels: str = "auto",
 ) -> jax.Array:
   """`grouped_linear` computed with grouped GEMMs (`jax.lax.ragged_dot`).
 
@@ -681,9 +697,15 @@ def ragged_linear(
   `w`, differentiable LoRA pair, dropped rows zero); the rows are sorted by
   expert once per product and each matrix is one `ragged_dot`, the shape
   GPU and TPU grouped-GEMM kernels want. Under `vmap` the records share one
-  dispatch, exactly as in `grouped_linear`.
+  dispatch, exactly as in `grouped_linear` (`kernels` 'fast'); 'reference'
+  differentiates `_ragged_linear_flat` with JAX's own rules, which have no
+  `vmap` of `ragged_dot` over records yet (`NotImplementedError` under
+  per-record gradients: use 'fast', or the grouped dispatch).
   """
-  return _ragged_linear(x, experts, jax.lax.stop_gradient(w), *(lora or ()))
+  w = jax.lax.stop_gradient(w)
+  if kernels_lib.resolve(kernels) == "fast":
+    return _ragged_linear(x, experts, w, *(lora or ()))
+  return _ragged_linear_flat(x, experts, w, *(lora or ()), transpose=False)
 
 
 @jax.custom_vjp
@@ -707,7 +729,7 @@ _ragged_linear_trainable.defvjp(
 
 
 def ragged_linear_trainable(
-    x: jax.Array, experts: jax.Array, w: jax.Array
+    x: jax.Array, experts: jax.Array, w: jax.Array, kernels: str = "auto"
 ) -> jax.Array:
   """`ragged_linear` differentiable in the stacked weights (pretraining).
 
@@ -715,8 +737,11 @@ def ragged_linear_trainable(
   rows (rows x d_in x d_out work). Unlike `grouped_linear_trainable` it also
   serves per-record gradients: under `vmap` each record's rows form their
   own groups (`_group_outer`), giving [n, E, d_in, d_out] in one pass.
+  `kernels` 'reference' is autodiff of `_ragged_linear_flat` instead.
   """
-  return _ragged_linear_trainable(x, experts, w)
+  if kernels_lib.resolve(kernels) == "fast":
+    return _ragged_linear_trainable(x, experts, w)
+  return _ragged_linear_flat(x, experts, w, transpose=False)
 
 
 def dense_linear(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:
@@ -773,6 +798,7 @@ def owner_lora_delta(
     owner: jax.Array,
     owner_a: jax.Array,
     owner_b: jax.Array,
+    kernels: str = "auto",
 ) -> jax.Array:
   """The owner slice's gradient path of a frozen expert layer with LoRA.
 
@@ -797,12 +823,13 @@ def owner_lora_delta(
     scale: alpha / r.
     owner: int32 scalar owner expert of this record.
     owner_a: [d_in, r] and owner_b: [r, d_out], the trainable owner slice.
+    kernels: of `low_rank.low_rank_update` (see `kernels.py`).
 
   Returns:
     [T, d_out], zero in value.
   """
   delta = low_rank.low_rank_update(
-      jax.lax.stop_gradient(x), owner_a, owner_b, scale
+      jax.lax.stop_gradient(x), owner_a, owner_b, scale, kernels
   )
   delta = jnp.where((experts == owner)[:, None], delta, 0.0).astype(x.dtype)
   return delta - jax.lax.stop_gradient(delta)

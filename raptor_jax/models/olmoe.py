@@ -146,7 +146,12 @@ class OlmoeAttention(nn.Module):
 
     def proj(name, features):
       return LoRADense(
-          features, rank=rank, alpha=cfg.lora_alpha, dtype=dtype, name=name
+          features,
+          rank=rank,
+          alpha=cfg.lora_alpha,
+          dtype=dtype,
+          kernels=cfg.kernels,
+          name=name,
       )
 
     def norm(name):
@@ -164,7 +169,11 @@ class OlmoeAttention(nn.Module):
     # Query head h reads key/value head h // (heads / kv_heads) (HF repeat_kv).
     k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
     out = attention.attend_tokens(
-        q * head_dim**-0.5, k, v, attention.mask_bias(allowed_BxSxS)
+        q * head_dim**-0.5,
+        k,
+        v,
+        attention.mask_bias(allowed_BxSxS),
+        kernels=cfg.kernels,
     )
     return proj("o", cfg.hidden_size)(out)
 
@@ -183,6 +192,7 @@ class GatedExperts(nn.Module):
   dispatch: str = "grouped"
   dtype: Any = jnp.float32
   act: str = "silu"
+  kernels: str = "auto"  # see kernels.py
 
   @nn.compact
   def __call__(self, rows, experts, owner=None, owner_params=None):
@@ -196,6 +206,7 @@ class GatedExperts(nn.Module):
           alpha=self.alpha,
           dispatch=self.dispatch,
           dtype=self.dtype,
+          kernels=self.kernels,
           name=name,
       )
       return layer(x, experts, owner, owner_params.get(name))
@@ -234,6 +245,7 @@ class OlmoeSparseMLP(nn.Module):
         dispatch=cfg.dispatch,
         dtype=jnp.dtype(cfg.dtype),
         act=cfg.hidden_act,
+        kernels=cfg.kernels,
         name="experts",
     )
     out = experts(rows, routing.experts.reshape(-1), owner, owner_params)

@@ -128,7 +128,12 @@ class SwitchAttention(nn.Module):
 
     def proj(name, features):
       return LoRADense(
-          features, rank=rank, alpha=cfg.lora_alpha, dtype=dtype, name=name
+          features,
+          rank=rank,
+          alpha=cfg.lora_alpha,
+          dtype=dtype,
+          kernels=cfg.kernels,
+          name=name,
       )
 
     batch, seq = x.shape[:2]
@@ -150,7 +155,9 @@ class SwitchAttention(nn.Module):
       position_bias = jnp.transpose(bias_table(buckets), (2, 0, 1))[
           None
       ]  # [1, H, S, S]
-    out = attention.attend_tokens(q, k, v, position_bias, mask_bias)
+    out = attention.attend_tokens(
+        q, k, v, position_bias, mask_bias, kernels=cfg.kernels
+    )
     return proj("o", cfg.d_model)(out), position_bias
 
 
@@ -164,9 +171,11 @@ class DenseMLP(nn.Module):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     h = moe.ACTIVATIONS[cfg.dense_act_fn](
-        LoRADense(cfg.d_ff, dtype=dtype, name="wi")(x)
+        LoRADense(cfg.d_ff, dtype=dtype, kernels=cfg.kernels, name="wi")(x)
     )
-    return LoRADense(cfg.d_model, dtype=dtype, name="wo")(h)
+    return LoRADense(cfg.d_model, dtype=dtype, kernels=cfg.kernels, name="wo")(
+        h
+    )
 
 
 class SwitchExperts(nn.Module):
@@ -188,6 +197,7 @@ class SwitchExperts(nn.Module):
           alpha=cfg.lora_alpha,
           dispatch=cfg.dispatch,
           dtype=jnp.dtype(cfg.dtype),
+          kernels=cfg.kernels,
           name=name,
       )
 

@@ -26,6 +26,9 @@ def _model(c: ml_collections.ConfigDict) -> None:
   c.model.kv_lora_rank = (
       64  # deepseek: MLA latent rank (heads: d_kv + d_kv/2 rotary)
   )
+  c.model.kernels = (
+      "auto"  # hand-written backwards: auto (fast on CPU) | fast | reference
+  )
   c.model.embedding_init = "spectral"  # spectral (PPMI + SVD of the corpus) | normal (HF's random init)
 
 

@@ -54,7 +54,13 @@ def backbone(
     family: str, mc: ml_collections.ConfigDict, vocab_size: int
 ) -> nn.Module:
   """The backbone module of a pretraining config (trainable expert kernels)."""
-  return hf.backbone_from_sizes(family, mc, vocab_size, dispatch="auto_train")
+  return hf.backbone_from_sizes(
+      family,
+      mc,
+      vocab_size,
+      dispatch="auto_train",
+      kernels=mc.get("kernels", "auto"),
+  )
 
 
 def _switch_std(path: str, cfg: models.SwitchConfig) -> float:

@@ -41,7 +41,8 @@ def _model_config() -> ml_collections.ConfigDict:
   m.lora_rank = 8  # LoRA rank r of every adapter
   m.lora_alpha = 16.0  # LoRA alpha (scale alpha / r)
   m.dtype = "float32"  # activation dtype ('bfloat16' on GPUs); DP sums and noise stay float32
-  m.dispatch = "auto"  # expert dispatch: auto (grouped on CPU, ragged on GPU/TPU) | grouped | ragged
+  m.dispatch = "auto"  # expert dispatch: auto (= grouped, on every backend) | grouped | ragged
+  m.kernels = "auto"  # hand-written backwards: auto (fast on CPU, reference elsewhere) | fast | reference
   m.pooling = (
       ""  # '' = model default ('mean' for encoders, 'last' for decoders)
   )

@@ -68,6 +68,7 @@ import dataclasses
 import dp_accounting
 
 from raptor_jax import _validate, accounting, roles, sampling
+from raptor_jax.models import kernels, moe
 
 # Expert dispatches of a fine-tuning run (`moe.DISPATCHES` without the
 # pretraining '*_train' ones); runs that train expert kernels use 'dense'.
@@ -231,8 +232,23 @@ def check_config(config) -> None:
       "model.dispatch",
       config.model.get("dispatch", "auto"),
       FINE_TUNING_DISPATCHES,
-      fix("model.dispatch") + " ('auto': grouped on CPU, ragged on GPU/TPU)",
+      fix("model.dispatch") + " ('auto' is 'grouped')",
   )
+  _validate.one_of(
+      "model.kernels",
+      config.model.get("kernels", "auto"),
+      kernels.KERNELS,
+      fix("model.kernels") + " ('auto': fast on CPU, reference elsewhere)",
+  )
+  dispatch = moe.resolve_dispatch(config.model.get("dispatch", "auto"))
+  if dispatch == "ragged" and (
+      kernels.resolve(config.model.get("kernels", "auto")) == "reference"
+  ):
+    raise ValueError(
+        "model.dispatch='ragged' with reference kernels cannot take per-record"
+        " gradients (jax.lax.ragged_dot has no vmap over records); set"
+        " --config.model.kernels=fast or --config.model.dispatch=grouped"
+    )
   _validate.one_of(
       "raptor.expert_denominator",
       rc.expert_denominator,
@@ -448,7 +464,7 @@ def _model_options(
 
   A non-owner part that trains expert kernels needs the dense dispatch (the
   grouped and ragged ones treat expert kernels as frozen constants); every
-  other run uses `model.dispatch` ('auto': grouped on CPU, ragged on GPU/TPU).
+  other run uses `model.dispatch` ('auto' is 'grouped').
   Shared-expert adapters exist exactly when attention adapters do: both are
   the shared stream's LoRA (a model without shared experts takes no such
   option).
@@ -456,7 +472,10 @@ def _model_options(
   method, mc, rc = config.method, config.model, config.raptor
   parts = [part for phase in phases for part in phase.parts]
   dense = any("expert_kernel" in p.roles and not p.owner for p in parts)
-  options = dict(dispatch="dense" if dense else mc.get("dispatch", "auto"))
+  options = dict(
+      dispatch="dense" if dense else mc.get("dispatch", "auto"),
+      kernels=mc.get("kernels", "auto"),
+  )
   if method in ("monolithic", "nonprivate_full"):
     options.update(lora_rank=0, attention_lora=False, expert_lora_layers=())
   elif method in ("monolithic_lora", "nonprivate_lora"):

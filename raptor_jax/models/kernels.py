@@ -1,0 +1,49 @@
+"""Which implementation of the hand-written kernels a model runs.
+
+Every kernel with a hand-written backward (the attention core, the LoRA
+layers, the expert dispatch) sits next to its plain definition in its own
+module:
+
+* 'reference': the readable definition, plain `jnp` differentiated by JAX's
+  autodiff, batched by JAX's own `vmap` rules. What the fast path is tested
+  against (and, through it, against PyTorch's gradients).
+* 'fast': the same functions with custom VJPs, `custom_vmap` rules that fold
+  records into one batch, and `optimization_barrier` layout pins. Each was
+  measured faster on XLA:CPU (2 cores); none has been measured on a GPU or
+  TPU.
+* 'auto': 'fast' on CPU, where it was measured, 'reference' on every other
+  backend until a benchmark there says otherwise.
+
+Both compute the same function and the same gradients up to float rounding
+(`tests/test_grad_parity.py`): the choice changes speed, never what a run
+releases.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from raptor_jax import _validate
+
+KERNELS = ("auto", "fast", "reference")
+KERNELS_FIX = (
+    "pass kernels= to from_pretrained / with_options (or set "
+    "--config.model.kernels); 'auto' is fast on CPU, reference elsewhere"
+)
+
+
+def resolve(kernels: str, backend: str | None = None) -> str:
+  """'fast' or 'reference': `kernels` with 'auto' resolved for `backend`.
+
+  Args:
+    kernels: one of `KERNELS`.
+    backend: 'cpu', 'gpu', 'tpu'...; default `jax.default_backend()`.
+
+  Returns:
+    'fast' or 'reference'.
+  """
+  _validate.one_of("kernels", kernels, KERNELS, KERNELS_FIX)
+  if kernels != "auto":
+    return kernels
+  backend = backend or jax.default_backend()
+  return "fast" if backend == "cpu" else "reference"
