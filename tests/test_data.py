@@ -603,7 +603,7 @@ def test_real_public_corpora():
   assert len(squad) == 2067
 
 
-# -- public corpus disjoint from the private train split ----------------------
+# -- the public corpus, used as loaded; the operator's overlap report ---------
 
 PRIVATE = [
     "The quick brown fox jumps over the lazy dog near the river.",
@@ -636,25 +636,126 @@ def test_public_texts_overlapping_private_text_are_dropped():
   assert data.drop_overlapping(PUBLIC, [], min_chars=32) == (PUBLIC, 0)
 
 
-@pytest.mark.slow
-def test_the_run_drops_overlapping_public_texts_and_counts_them(tmp_path):
-  from raptor_jax.train import config as train_config, setup
+def _file_config(tmp_path, private, public=PUBLIC):
+  """The :tiny model on a train file of `private` and a public file."""
+  from raptor_jax.train import config as train_config
 
   config = train_config.with_preset(train_config.base_config(), "tiny")
   config.data.task = "sst2"
   config.model.tokenizer = "public-words"
-  rows = "".join(f"{s}\t1\n" for s in PRIVATE)
+  config.batch_size = 2
+  rows = "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(private))
+  name = f"train_{len(private)}.tsv"
   config.data.train_path = str(
-      _write(tmp_path / "train.tsv", "sentence\tlabel\n" + rows)
+      _write(tmp_path / name, "sentence\tlabel\n" + rows)
   )
   config.data.dev_path = config.data.train_path
   config.data.public_corpus = ""
-  config.data.public_path = str(_write(tmp_path / "pub.txt", "\n".join(PUBLIC)))
+  config.data.public_path = str(_write(tmp_path / "pub.txt", "\n".join(public)))
+  return config
+
+
+@pytest.mark.slow
+def test_the_run_uses_the_public_corpus_as_loaded_overlap_or_not(tmp_path):
+  """Filtering the corpus against D would make it a function of D."""
+  from raptor_jax.train import setup
+
+  config = _file_config(tmp_path, PRIVATE)
   run_data = setup.load_run_data(config)
-  assert run_data.public_dropped == 2 and len(run_data.public[0]) == 2
+  assert not hasattr(run_data, "public_dropped")
+  assert len(run_data.public[0]) == len(PUBLIC)  # the two overlapping kept
   config.data.public_path = str(_write(tmp_path / "all.txt", PUBLIC[0]))
-  with pytest.raises(ValueError, match="disjoint"):
-    setup.load_run_data(config)
+  assert len(setup.load_run_data(config).public[0]) == 1
+
+
+@pytest.mark.slow
+def test_nothing_before_the_mechanism_moves_when_a_record_copies_a_public_text(
+    tmp_path,
+):
+  """SPEC invariant: l*, the vocabulary and every file written before the
+  mechanism are identical for D and for D plus a record that copies a public
+  text (under add/remove adjacency such a neighbour is always possible)."""
+  from raptor_jax.train import loop
+  from raptor_jax.train.run import build_run
+
+  public = [
+      *PUBLIC,
+      *(
+          f"Review {i}: the {w} film about {v} was {u} and rather long."
+          for i, (w, v, u) in enumerate(
+              zip(
+                  ("odd", "calm", "loud", "slow", "dark", "warm") * 2,
+                  ("ships", "cats", "kings", "trains", "lakes", "bees") * 2,
+                  ("dull", "fine", "grand", "weak", "bold", "sweet") * 2,
+              )
+          )
+      ),
+  ]
+  base = [*PRIVATE[:2], "A plain sentence that is only private.", "Bad."]
+  outputs = []
+  for private in (base, [*base, public[-1]]):  # the neighbour copies a text
+    config = _file_config(tmp_path, private, public)
+    run = build_run(config)
+    workdir = tmp_path / f"run_{len(private)}"
+    workdir.mkdir()
+    loop.write_layer_selection(workdir, run)
+    run.data.tokenizer.save_pretrained(workdir / "tokenizer")
+    files = {
+        str(p.relative_to(workdir)): p.read_bytes()
+        for p in sorted(workdir.rglob("*"))
+        if p.is_file()
+    }
+    outputs.append(
+        (
+            run.expert_layer,
+            run.data.tokenizer.get_vocab(),
+            [a.tolist() for a in run.data.public],
+            files,
+        )
+    )
+  assert len(outputs[1][3]) >= 3  # layer_selection.json and tokenizer files
+  assert outputs[0] == outputs[1]
+
+
+def test_the_overlap_report_is_an_operator_command_that_writes_nothing(
+    tmp_path,
+):
+  """Opt-in, apart from training: one line on stdout, no file anywhere."""
+  import subprocess
+  import sys
+
+  config = _file_config(tmp_path, PRIVATE)
+  before = sorted(p.name for p in tmp_path.iterdir())
+  cwd = tmp_path / "cwd"
+  cwd.mkdir()
+  root = Path(__file__).resolve().parents[1]
+  proc = subprocess.run(
+      [
+          sys.executable,
+          str(root / "launch" / "overlap.py"),
+          f"--config={root / 'configs' / 'glue.py'}:preset=cpu",
+          *(
+              f"--config.{k}={v}"
+              for k, v in (
+                  ("data.public_corpus", ""),
+                  ("data.train_path", config.data.train_path),
+                  ("data.dev_path", config.data.dev_path),
+                  ("data.public_path", config.data.public_path),
+              )
+          ),
+      ],
+      cwd=cwd,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip().splitlines() == [
+      "2 of 4 public texts overlap the private train split verbatim"
+      " (private: do not publish)"
+  ]
+  assert not list(cwd.iterdir())
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "cwd"])
 
 
 @pytest.mark.slow

@@ -5,8 +5,9 @@
   tokenizer into right-padded ``int32`` arrays (:class:`TextClassificationData`).
 * :func:`load_public_corpus` returns the first ``n_pub`` texts of a public
   corpus for layer selection (presets in :data:`PUBLIC_CORPORA`).
-* :func:`drop_overlapping` drops public texts that overlap private text
-  verbatim (the layer-selection corpus against the private train split).
+* :func:`drop_overlapping` finds public texts that overlap private text
+  verbatim, for the operator's opt-in overlap report only
+  (``launch/overlap.py``): a run uses its public corpus as loaded.
 * :func:`synthetic_task` generates the offline task of the ``:tiny`` presets:
   train/dev records, a disjoint public corpus, a word-level tokenizer and the
   token-to-topic map that lets a model make routing matter.

@@ -1,8 +1,9 @@
 """Public calibration corpora for layer selection (paper Sec. 5.1, App. F).
 
 Layer selection applies the frozen router to a small *public*, unlabeled
-corpus that is disjoint from the private data and format-matched to the task,
-so it costs no privacy budget. The paper's corpora are presets here; any Hub
+corpus format-matched to the task. It costs no privacy budget because the
+corpus is fixed, used exactly as loaded: the same for D and every neighbour,
+even where a record quotes it (a filter against D would break that). The paper's corpora are presets here; any Hub
 dataset or local file works too. Only the first ``n_pub`` texts are kept
 (the paper finds ``n = 1000`` enough for a stable choice on all four tasks).
 """

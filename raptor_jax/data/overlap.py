@@ -1,9 +1,12 @@
 """Verbatim text overlap between public text and a task's (private) text.
 
 One matcher for both places that need it: the pretraining corpus drops
-documents that contain a task text (`pretrain.corpus`), and the public
-corpus of layer selection drops texts that overlap the private train split
-(`drop_overlapping`). Matching is on a normalised form (lowercase letters and
+documents that contain an evaluation text of the task (`pretrain.corpus`),
+and the operator's opt-in overlap report (`launch/overlap.py`) counts the
+public texts of layer selection that overlap the private train split
+(`drop_overlapping`). A run never filters its public corpus against the
+private data: that would make the corpus, l* and the vocabulary functions
+of D. Matching is on a normalised form (lowercase letters and
 digits only), so tokenisation differences (SST-2's PTB style ``does n't``
 against ``doesn't``, WikiText's `` @-@ ``) do not hide a copy. Texts shorter
 than `min_chars` normalised characters are not matched: SST-2 train holds
@@ -82,11 +85,9 @@ def drop_overlapping(
   reported.
 
   Privacy: the count (and which texts are kept) is a function of the
-  private data, computed by the data curator before training, outside the
-  DP release. For a public corpus disjoint from the private data by
-  construction the result is the same for every neighbouring dataset (the
-  whole corpus, count 0), so layer selection stays independent of it; a
-  nonzero count says the corpus was not disjoint and is dropped from.
+  private data that no epsilon covers. It is for the operator's eyes only
+  (`setup.overlap_report`): nothing a run computes or writes reads it, and
+  a run's public corpus is never filtered with it.
 
   Returns:
     (kept public texts in order, number dropped).

@@ -558,6 +558,23 @@ class _Session:
     self.checkpointer.close()
 
 
+def write_layer_selection(workdir: Path, run: Run) -> None:
+  """layer_selection.json: l*, its rule and the public corpus's statistics.
+
+  Public: every field is a function of the public corpus (used as loaded)
+  and the frozen model, computed before the mechanism, so the file is the
+  same for D and for every neighbour of D.
+  """
+  _write_json(
+      workdir / "layer_selection.json",
+      dict(
+          selected_layer=run.expert_layer,
+          rule=str(run.config.raptor.layer),
+          public_corpus=run.layer_table,
+      ),
+  )
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, *, run: Run | None = None
 ) -> dict[str, Any]:
@@ -593,16 +610,7 @@ def train_and_evaluate(
         f"a run of {run.config.method!r} in {jax.process_count()} processes",
         "pass run=None to build it here",
     )
-  _write_json(
-      workdir / "layer_selection.json",
-      dict(
-          selected_layer=run.expert_layer,
-          rule=str(config.raptor.layer),
-          public_corpus=run.layer_table,
-          # Data-dependent (curator pre-processing, not DP): see README.
-          public_texts_dropped_overlap_private=run.data.public_dropped,
-      ),
-  )
+  write_layer_selection(workdir, run)
   if run.layer_table:
     log.info(
         "layer selection:\n%s",

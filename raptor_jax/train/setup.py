@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,6 @@ import numpy as np
 from raptor_jax import _validate, data, models, roles
 from raptor_jax.models import hf
 from raptor_jax.train import config as config_lib
-
-log = logging.getLogger("raptor_jax")
 
 # model.tokenizer value: a word-level tokenizer over the public corpus's words.
 PUBLIC_WORDS = "public-words"
@@ -37,9 +34,6 @@ class RunData:
   public: tuple[np.ndarray, np.ndarray] | None  # (input_ids, attention_mask)
   tokenizer: Any
   token_groups: np.ndarray | None  # synthetic task: token -> topic (-1 none)
-  # Public texts dropped for verbatim overlap with the private train split
-  # (`public_disjoint_from_train`); None when not checked.
-  public_dropped: int | None = None
 
 
 def _shard_of(
@@ -230,7 +224,7 @@ def load_run_data(
   check_data_fields(config)
   if task.name == "synthetic":
     return _synthetic_run_data(config, task, host)
-  texts, dropped = _public_texts(dc, task.name)
+  texts = public_texts(dc)
   tokenizer = _run_tokenizer(config, texts)
   kwargs = dict(
       tokenizer=tokenizer,
@@ -268,7 +262,7 @@ def load_run_data(
       if texts is None
       else data.tokenize(tokenizer, texts, max_length=dc.max_length)
   )
-  return RunData(task, train, dev, public, tokenizer, None, dropped)
+  return RunData(task, train, dev, public, tokenizer, None)
 
 
 def _synthetic_run_data(
@@ -306,27 +300,28 @@ def _synthetic_run_data(
   )
 
 
-def _public_texts(
-    dc: ml_collections.ConfigDict, task: str
-) -> tuple[list[str] | None, int | None]:
-  """The public corpus (None if none is set) and how many texts were dropped.
+def public_texts(dc: ml_collections.ConfigDict) -> list[str] | None:
+  """The public corpus exactly as loaded (None if none is set).
 
-  Texts overlapping the private train split are dropped
-  (`public_disjoint_from_train`); the count is None when nothing was checked.
+  Privacy: layer selection (l*) and the `public-words` vocabulary are
+  computed from these texts alone, before the mechanism, so they must not
+  depend on the private data D. A fixed public corpus is DP-safe even where
+  it overlaps D: it is the same for D and for every neighbour, so nothing
+  computed from it spends budget. Filtering it against D (dropping texts
+  that a record copies) would make it, l* and the vocabulary functions of
+  D, outside any accounting; it is never filtered. An operator who wants to
+  know how much of the corpus a train split quotes runs `overlap_report`
+  (`launch/overlap.py`), which changes nothing a run computes.
   """
-  texts = None
-  if dc.public_corpus or dc.public_path:
-    texts = data.load_public_corpus(
-        dc.public_corpus or None,
-        path=dc.public_path or None,
-        split=dc.public_split or None,
-        text_fields=tuple(dc.public_text_fields) or None,
-        n_pub=dc.n_pub,
-    )
-  dropped = None
-  if texts is not None:
-    texts, dropped = public_disjoint_from_train(texts, task, dc)
-  return texts, dropped
+  if not (dc.public_corpus or dc.public_path):
+    return None
+  return data.load_public_corpus(
+      dc.public_corpus or None,
+      path=dc.public_path or None,
+      split=dc.public_split or None,
+      text_fields=tuple(dc.public_text_fields) or None,
+      n_pub=dc.n_pub,
+  )
 
 
 def _run_tokenizer(
@@ -343,34 +338,37 @@ def _run_tokenizer(
   return data.load_tokenizer(config.model.tokenizer or config.model.name)
 
 
-def public_disjoint_from_train(
-    texts: list[str], task: str, dc: ml_collections.ConfigDict
-) -> tuple[list[str], int]:
-  """The public texts without those that overlap the private train split.
+def overlap_report(config: ml_collections.ConfigDict) -> dict[str, int]:
+  """How many texts of a run's public corpus overlap its private train split.
 
-  A public text containing a train text verbatim, or contained in one
-  (`data.overlap`), is dropped: it is not public. The whole train file is
-  checked (also records beyond `data.train_limit`). Only the count is
-  logged, never a text; it depends on the private data (curator-side
-  pre-processing outside the DP release; 0 for a corpus disjoint by
-  construction, whatever the dataset).
+  An operator's check of a corpus choice, opt-in (`launch/overlap.py`): a
+  public text that contains a train text verbatim, or is contained in one
+  (`data.overlap`, the whole train file), counts. Nothing a run computes
+  reads it and it writes no file: the count is a function of the private
+  data, not covered by any epsilon, so it is for the operator's eyes (on
+  the terminal) only. A run always uses the corpus as loaded
+  (`public_texts`).
+
+  Returns:
+    dict(public_texts=number of texts loaded, overlapping=how many overlap).
   """
-  private = data.load_task_texts(task, "train", path=dc.train_path or None)
-  kept, dropped = data.drop_overlapping(texts, private)
-  if dropped:
-    log.warning(
-        "%d of %d public texts overlap the private train split verbatim and "
-        "were dropped; choose a public corpus disjoint from the private data",
-        dropped,
-        len(texts),
-    )
-  if not kept:
+  dc = config.data
+  task = data.get_task(dc.task)
+  check_data_fields(config)
+  if task.name == "synthetic":
     raise ValueError(
-        "every public text overlaps the private train split; set "
-        "--config.data.public_corpus or --config.data.public_path to a "
-        "corpus disjoint from it"
+        "the generated task's public corpus is generated disjoint from its"
+        " records; run the overlap report on a task read from files"
     )
-  return kept, dropped
+  texts = public_texts(dc)
+  if texts is None:
+    raise ValueError(
+        "the config has no public corpus; set --config.data.public_corpus or"
+        " --config.data.public_path"
+    )
+  private = data.load_task_texts(task.name, "train", path=dc.train_path or None)
+  _, overlapping = data.drop_overlapping(texts, private)
+  return dict(public_texts=len(texts), overlapping=overlapping)
 
 
 def random_backbone(
