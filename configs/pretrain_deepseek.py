@@ -6,7 +6,6 @@ DeepSeek-V2's sequence-wise expert-level balance loss (coefficient 0.001).
 
   python launch/pretrain.py --config=configs/pretrain_deepseek.py --workdir=/tmp/pt_deepseek \
     --config.corpus.local_dir=../shared/data/pretrain \
-    --config.decontaminate.train_path=../shared/data/glue/sst2/train.tsv \
     --config.decontaminate.dev_path=../shared/data/glue/sst2/dev.tsv
 
 `:tiny` pretrains a micro DeepSeek-MoE on generated text in under a minute,

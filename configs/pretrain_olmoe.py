@@ -2,7 +2,6 @@
 
   python launch/pretrain.py --config=configs/pretrain_olmoe.py --workdir=/tmp/pt_olmoe \
     --config.corpus.local_dir=../shared/data/pretrain \
-    --config.decontaminate.train_path=../shared/data/glue/sst2/train.tsv \
     --config.decontaminate.dev_path=../shared/data/glue/sst2/dev.tsv
 
 `:tiny` pretrains a micro OLMoE on generated text in under a minute, offline.

@@ -1,11 +1,11 @@
 """Pretrains a small Switch encoder (masked LM) on public text.
 
 Default: d_model 128, 4 blocks (2 sparse, E=8, d_ff 512), WordPiece 8192, on WikiText-2
-train + IMDb unsup, decontaminated against SST-2 train/dev (local copies):
+train + IMDb unsup, decontaminated against SST-2 dev (local copies; never
+against the private train split, see raptor_jax/pretrain/corpus.py):
 
   python launch/pretrain.py --config=configs/pretrain_switch.py --workdir=/tmp/pt_switch \
     --config.corpus.local_dir=../shared/data/pretrain \
-    --config.decontaminate.train_path=../shared/data/glue/sst2/train.tsv \
     --config.decontaminate.dev_path=../shared/data/glue/sst2/dev.tsv
 
 Online, leave the paths empty and the corpora and GLUE come from the Hub.

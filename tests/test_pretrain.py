@@ -10,6 +10,7 @@ import torch
 
 from helpers import ROOT
 from raptor_jax import models
+from raptor_jax.data import synthetic
 from raptor_jax.pretrain import config as pretrain_config
 from raptor_jax.pretrain import corpus, model, objectives, pretrain, tokenizer, train
 
@@ -286,6 +287,69 @@ def test_build_corpus_reports_and_removes_contamination(tmp_path):
   assert set(built.heldout) <= set(again.heldout)
 
 
+def test_the_pretraining_corpus_is_the_same_for_d_and_d_plus_a_record(
+    tmp_path, monkeypatch
+):
+  """SPEC invariant: the public starting point is no function of D. The
+  neighbour adds a record that copies a public document; the corpus is
+  decontaminated against the task's dev split only (here served as from the
+  Hub, as the default config reads it), never against its train split."""
+  docs = [
+      f"public document {i} with enough words to be a document of its own"
+      for i in range(80)
+  ]
+  dev = ["a dev sentence that the public text quotes word for word ."]
+  path = tmp_path / "pub.txt"
+  path.write_text("\n".join([*docs, f"It quotes: {dev[0]} The end."]))
+  train = [f"private train sentence number {i} of the task ." for i in range(5)]
+
+  def built(train_texts):
+    splits = {"train": train_texts, "dev": dev}
+    monkeypatch.setattr(
+        corpus.tasks, "load_task_texts", lambda task, split, path: splits[split]
+    )
+    return corpus.build_corpus(
+        [f"wikitext2={path}"],
+        contaminants=corpus.task_texts("sst2"),
+        heldout_fraction=0.1,
+    )
+
+  d, neighbour = built(train), built([*train, docs[7]])
+  assert d.stats["contaminated"] == 1  # the document quoting dev
+  assert (d.train, d.heldout, d.stats) == (
+      neighbour.train,
+      neighbour.heldout,
+      neighbour.stats,
+  )
+
+
+def test_train_split_decontamination_is_an_explicit_opt_in(tmp_path, caplog):
+  """Only a named train file is read, with a warning that the corpus then
+  depends on the private data; the generated task has no train file."""
+  train = tmp_path / "train.tsv"
+  train.write_text(
+      "sentence\tlabel\na private train sentence , long enough .\t1\n"
+  )
+  dev = tmp_path / "dev.tsv"
+  dev.write_text(
+      "sentence\tlabel\nthe dev sentence , long enough to match .\t0\n"
+  )
+  assert corpus.task_texts("sst2", dev_path=str(dev)) == [
+      "the dev sentence , long enough to match ."
+  ]
+  with caplog.at_level("WARNING", logger="raptor_jax"):
+    texts = corpus.task_texts("sst2", dev_path=str(dev), train_path=str(train))
+  assert "a private train sentence , long enough ." in texts
+  assert any(
+      "outside the DP guarantee" in r.getMessage() for r in caplog.records
+  )
+  generated = corpus.task_texts("synthetic", seed=3)
+  train_texts = synthetic.generate_records(3, 4000).texts  # its train split
+  assert len(generated) == 500 and not set(generated) & set(train_texts)
+  with pytest.raises(ValueError, match="no train file"):
+    corpus.task_texts("synthetic", train_path="x.tsv")
+
+
 # ---------------------------------------------------------------------------
 # Training, export and resume.
 
@@ -316,6 +380,26 @@ def test_pretraining_reduces_the_heldout_loss(switch_run):
   routing = report["routing"]
   assert routing["selected_layer"] in (1,) and len(routing["layers"]) == 1
   assert abs(sum(routing["layers"][0]["owner_shares"]) - 1.0) < 1e-6
+
+
+@pytest.mark.slow
+def test_pretraining_trains_the_relative_position_table(switch_run):
+  """Switch's only position signal learns: the table moves far more than
+  weight decay alone moves it (20 steps at lr 1e-2 and decay 0.01 shrink it
+  by well under 1%; with no gradient it moved 0.3% of its norm)."""
+  workdir, _ = switch_run
+  config = tiny_config()
+  data = train.prepare_data(config, workdir)
+  module = model.backbone("switch", config.model, len(data["tokenizer"]))
+  table = lambda p: np.asarray(
+      p["block_0"]["attention"]["relative_attention_bias"]["embedding"]
+  )
+  initial = table(
+      model.init_params(module, jax.random.PRNGKey(config.seed))["backbone"]
+  )
+  _, trained = models.from_pretrained(workdir / "model")
+  moved = np.linalg.norm(table(trained) - initial) / np.linalg.norm(initial)
+  assert moved > 0.05, moved
 
 
 @pytest.mark.slow

@@ -53,9 +53,9 @@ def _data(c: ml_collections.ConfigDict) -> None:
 
   c.decontaminate = ml_collections.ConfigDict()
   c.decontaminate.task = (
-      "sst2"  # fine-tuning task whose train/dev texts are removed; '' = none
+      "sst2"  # fine-tuning task whose dev texts are removed; '' = none
   )
-  c.decontaminate.train_path = ""  # its local train file; '' = the Hub
+  c.decontaminate.train_path = ""  # opt-in: also remove its private train texts (the corpus then depends on D, outside the DP guarantee); '' = never
   c.decontaminate.dev_path = ""  # its local dev file; '' = the Hub
   c.decontaminate.seed = 0  # synthetic task only: the task's seed
 

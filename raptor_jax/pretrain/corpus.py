@@ -1,10 +1,17 @@
 """Public pretraining text: sources, cleaning, deduplication, decontamination.
 
-Pretraining must never see the fine-tuning task's text, or the later DP
-fine-tuning would be evaluated on (and partly trained on) data the model
-already memorised outside the privacy accounting. So every public document
-that contains a train or dev text of the task verbatim is dropped, and the
-count is reported. Matching (`data.overlap`) is on a normalised form
+Pretraining must not see the fine-tuning task's evaluation text (dev), or
+the fine-tuned model would be scored on text it memorised: that is what
+contamination is about. So every public document that contains a dev text of
+the task verbatim is dropped, and the count is reported. The private *train*
+split is not read by default: dropping the documents a train record quotes
+would make the "public" starting point a function of D (a neighbour adding a
+record that copies a public document would change the corpus), outside any
+epsilon. A fixed public corpus is DP-safe even where D quotes it, so by
+default the corpus is the same for D and for every neighbour.
+`decontaminate.train_path` opts in to train-split decontamination as well;
+the pretrained model then depends on D, and the fine-tuned model's
+guarantee no longer covers that dependence (a warning says so). Matching (`data.overlap`) is on a normalised form
 (lowercase letters and digits only), so tokenisation differences do not
 hide a copy.
 
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -30,6 +38,8 @@ from raptor_jax.data.overlap import (
     is_contaminated,
     normalize,
 )
+
+log = logging.getLogger("raptor_jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,16 +156,39 @@ def read_source(
 def task_texts(
     task: str, *, train_path: str = "", dev_path: str = "", seed: int = 0
 ) -> list[str]:
-  """Every text of the fine-tuning task's train and dev splits.
+  """The fine-tuning task's texts to decontaminate against: its dev split.
 
-  Sentence pairs contribute both sides. The synthetic task is regenerated
-  from `seed` with its default sizes (`data.synthetic_task`).
+  Sentence pairs contribute both sides. The synthetic task's dev records are
+  regenerated from `seed` with its default sizes (`data.synthetic_task`).
+
+  Privacy: the private train split is read only when `train_path` names it
+  (an explicit opt-in, warned about): the corpus is then a function of D,
+  outside the DP guarantee. Without it the corpus is the same for D and for
+  every neighbour of D.
+
+  Args:
+    task: the fine-tuning task.
+    train_path: opt-in only: the task's train file, also decontaminated
+      against; '' (default) reads no train text.
+    dev_path: the task's dev file; '' reads the Hub.
+    seed: the synthetic task's seed.
   """
   if task == SYNTHETIC:
-    return synthetic.generate_records(seed, 4000 + 500).texts
-  texts = []
-  for split, path in (("train", train_path), ("dev", dev_path)):
-    texts.extend(tasks.load_task_texts(task, split, path=path or None))
+    if train_path:
+      raise ValueError(
+          "the generated task has no train file; unset"
+          " --config.decontaminate.train_path"
+      )
+    return synthetic.generate_records(seed, 4000 + 500).texts[4000:]
+  texts = tasks.load_task_texts(task, "dev", path=dev_path or None)
+  if train_path:
+    log.warning(
+        "decontaminate.train_path is set: the pretraining corpus drops"
+        " documents that quote the private train split, so it depends on the"
+        " private data, outside the DP guarantee of any model fine-tuned"
+        " from it; unset it to decontaminate against the dev split only"
+    )
+    texts = [*texts, *tasks.load_task_texts(task, "train", path=train_path)]
   return texts
 
 
@@ -181,7 +214,7 @@ def build_corpus(
 
   Args:
     sources: see `read_source`.
-    contaminants: the fine-tuning task's train and dev texts.
+    contaminants: the fine-tuning task's dev texts (`task_texts`).
     local_dir: local copies of the sources (see `read_source`).
     heldout_fraction: share of documents held out for evaluation.
     min_chars: task texts with fewer normalised characters are not matched.
