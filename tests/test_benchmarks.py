@@ -575,3 +575,20 @@ def test_ab_commits_quick_times_a_commit_against_itself():
     assert float(row[2]) > 0 and float(row[5]) > 0
     assert 0.0 < float(row[-1]) < 100.0
   assert worktrees() == before  # its temporary worktrees are removed
+
+
+@pytest.mark.slow
+def test_kernels_benchmark_quick_checks_both_settings_and_prints_ratios():
+  """`launch.bench.kernels --quick`: fast and reference give the same
+  update with the noise off, and each step gets a measured ratio."""
+  out = _run_module("launch.bench.kernels", "--quick")
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = [l for l in out.stdout.splitlines() if l.startswith("| 2 |")]
+  assert [r.split("|")[2].strip() for r in rows] == [
+      "nonprivate",
+      "shared",
+      "expert",
+  ]
+  for row in rows:
+    ratio, error = (float(c) for c in row.split("|")[5:7])
+    assert ratio > 0 and error < 1e-4

@@ -18,8 +18,8 @@ in two modes:
   of every parameter and of the input;
 
 and three dispatches: grouped (sorted blocks and a `lax.scan`: the CPU
-path), ragged (`jax.lax.ragged_dot` grouped GEMMs: what `dispatch='auto'`
-picks on GPU/TPU) and dense (every expert on every row) where it fits. On a
+path, and what `dispatch='auto'` is until this script measures otherwise),
+ragged (`jax.lax.ragged_dot` grouped GEMMs) and dense (every expert on every row) where it fits. On a
 GPU the ragged rows run once per ragged_dot lowering (`LOWERINGS`: XLA's
 default, XLA's cuDNN fusion, JAX's Pallas Triton kernel), since which of them
 is a true grouped GEMM depends on the jaxlib and cuDNN versions.
