@@ -13,8 +13,9 @@ The export directory:
 
   config.json, model.safetensors   the backbone in `save_pretrained` format,
       every LoRA adapter merged into its kernel (W + (alpha / r) A B), so
-      `transformers` loads it as `SwitchTransformersEncoderModel` (Switch) or
-      `OlmoeModel` (OLMoE); `id2label` names the classes.
+      `transformers` loads it as `SwitchTransformersEncoderModel` (Switch),
+      `OlmoeModel` (OLMoE) or `DeepseekV2Model` (DeepSeek, MLA attention);
+      `id2label` names the classes.
   tokenizer files                  the tokenizer the run used (a pretrained
       one, the synthetic task's generated vocabulary or the public corpus's
       words: never built from private records).
@@ -24,12 +25,18 @@ The export directory:
       'last' (the last non-padding token, decoders; right padding).
       transformers 5 has no sequence-classification class for either family.
   privacy_card.json                (epsilon, delta), the accountant, the
-      sample rate, the steps, the noise multipliers and clip norms per stream.
+      sample rate, the steps, the noise multipliers and clip norms per stream
+      (each field only where the method has it), and `record_count`, which
+      says that n is treated as public.
 
-Nothing else: no secret, no noise key, no optimizer state, no wall time, no
-record count or batch size (with the published sample rate either gives n,
-which under add/remove adjacency depends on the private data), no owner map
-or per-expert statistic, no metric of the private data.
+The record count n is public, not hidden: the sample rate q = B/n and the
+default delta = 1/n^1.1 are functions of it (either gives n back), and the
+accountant takes them as public parameters, as DP-SGD accounting does. The
+guarantee covers whether any one record was in the data, given n.
+
+Nothing else: no secret, no noise key, no optimizer state, no wall time or
+timestamp, no batch size, no owner map or per-expert statistic, no metric of
+the private data.
 """
 
 from __future__ import annotations
@@ -57,7 +64,17 @@ HEAD = "classification_head.safetensors"
 _ARCHITECTURES = {
     models.SwitchEncoder: "SwitchTransformersEncoderModel",
     models.OlmoeDecoder: "OlmoeModel",
+    models.DeepseekDecoder: "DeepseekV2Model",
 }
+# What the card says about n (see the module docstring).
+RECORD_COUNT = (
+    "treated as public: the sample rate q = B/n and the default delta ="
+    " 1/n^1.1 are functions of n (either gives it back), and the accountant"
+    " takes them as public parameters; the guarantee hides whether one record"
+    " was added or removed, not n"
+)
+# Fields of a privacy report that the card copies where the method has them.
+_OPTIONAL_FIELDS = ("target_epsilon", "rho", "sigma_shared", "sigma_expert")
 
 
 def _check_out(out: Path) -> None:
@@ -133,8 +150,11 @@ def privacy_card(report: dict) -> dict[str, Any]:
 
   Per stream (RAPTOR: `shared` and `expert`; the monolithic methods: `all`)
   the noise multiplier, the clip norm and the number of noisy steps; the
-  sample rate, delta, epsilon and the accountant. Left out: the record count
-  and batch size, wall time, the ledger's layout, the secret.
+  sample rate, delta, epsilon and the accountant; `target_epsilon`, `rho`
+  and `sigma_shared` / `sigma_expert` only where the report has them (a
+  field that does not apply to a method is absent, not filled in). Left
+  out: the batch size, wall time, the ledger's layout, the secret. The
+  record count is public (`record_count` says so; see the module doc).
   """
   private = bool(report["private"])
   streams = {
@@ -145,28 +165,28 @@ def privacy_card(report: dict) -> dict[str, Any]:
       )
       for name, part in report["parts"].items()
   }
-  return dict(
+  card = dict(
       method=report["method"],
       private=private,
       guarantee=(
           "(epsilon, delta)-DP for the addition or removal of one training "
-          "record; the model is a post-processing of the noisy updates"
+          "record, the record count n treated as public; the model is a "
+          "post-processing of the noisy updates"
           if private
           else "none: this method trains without differential privacy"
       ),
       epsilon=report["epsilon"],
       delta=report["delta"],
-      target_epsilon=report["target_epsilon"],
       accountant=report["accountant"],
       sampling="Poisson",
       sample_rate=report["sample_rate"],
       steps=report["cycles"],
-      rho=report["rho"],
-      sigma_shared=report["sigma_shared"],
-      sigma_expert=report["sigma_expert"],
+      record_count=RECORD_COUNT,
       streams=streams,
       expert_layer=report["expert_layer"],
   )
+  card.update({k: report[k] for k in _OPTIONAL_FIELDS if k in report})
+  return card
 
 
 def _head_tensors(params: dict) -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Releasing the model, not the run (issue 14.4): launch/export.py.
+"""Releasing the model, not the run: launch/export.py.
 
 The export must load in transformers and compute what the Flax model
 computes, carry the run's privacy accounting, and hold no byte of the secret,
@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import flax
 import jax
@@ -25,7 +26,7 @@ from safetensors.numpy import load_file
 from raptor_jax import models, release
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.models import hf, lora
-from raptor_jax.train import step, train_and_evaluate
+from raptor_jax.train import loop, methods, step, train_and_evaluate
 from raptor_jax.train.run import build_run
 
 from helpers import ROOT, latest_state, micro_config
@@ -49,6 +50,26 @@ _CARD_KEYS = {
     "sigma_expert",
     "streams",
     "expert_layer",
+    "record_count",
+}
+# Random models of each family, as their training tests size them.
+_FAMILIES = {
+    "switch": {},
+    "olmoe": {
+        "model.random.family": "olmoe",
+        "model.random.num_experts": 4,
+        "model.random.top_k": 2,
+        "model.random.num_kv_heads": 1,
+    },
+    "deepseek": {
+        "model.random.family": "deepseek",
+        "model.random.num_experts": 4,
+        "model.random.top_k": 2,
+        "model.random.num_layers": 2,
+        "model.random.first_k_dense": 1,
+        "model.random.num_shared_experts": 2,
+        "model.random.kv_lora_rank": 16,
+    },
 }
 
 
@@ -358,6 +379,108 @@ def test_privacy_card_is_the_run_accounting_and_nothing_else(trained):
     assert stream["l2_clip"] == config.privacy[f"clip_{name}"]
   assert card["sigma_shared"] == pytest.approx(sigmas["shared"])
   assert card["sigma_expert"] == pytest.approx(sigmas["expert"])
+
+
+def _planned_report(method):
+  """privacy_report.json of a finished run of `method`'s real plan."""
+  config = micro_config(method=method)
+  plan = methods.build_plan(
+      config, n=300, num_experts=4, sparse_layers=(1,), expert_layer=1
+  )
+  ledger = PrivacyLedger()
+  for phase in plan.phases:
+    if phase.private:
+      ledger.record(
+          phase.name,
+          sample_rate=plan.sample_rate,
+          noise_multiplier=phase.noise_multiplier,
+          steps=plan.cycles,
+      )
+  run = types.SimpleNamespace(config=config, plan=plan, expert_layer=1, n=300)
+  state = loop.TrainState({}, {}, ledger, plan.cycles)
+  return loop.privacy_report(run, state, dict(source="generated"))
+
+
+@pytest.mark.parametrize("method", methods.METHODS)
+def test_every_methods_privacy_card_holds_the_fields_its_report_has(method):
+  """A field that does not apply to a method is absent from its report, so
+  the card copies what is there (it used to fail on every method but RAPTOR)."""
+  report = _planned_report(method)
+  card = release.privacy_card(report)
+  optional = {"target_epsilon", "rho", "sigma_shared", "sigma_expert"}
+  assert set(card) == (_CARD_KEYS - optional) | (optional & set(report))
+  assert set(card["streams"]) == set(report["parts"])
+  for name, part in report["parts"].items():
+    assert card["streams"][name]["noise_multiplier"] == part["noise_multiplier"]
+    assert card["streams"][name]["l2_clip"] == part["l2_clip"]
+  assert card["private"] == (method in methods.PRIVATE_METHODS)
+  assert card["epsilon"] == report["epsilon"]
+  assert card["record_count"].startswith("treated as public")
+  assert not _keys(card) & {"n", "batch_size", "ledger", "denominator"}
+
+
+def _transformers_logits(out, ids, mask):
+  """Logits of the export as transformers computes them, from its files."""
+  arch = json.loads((out / "config.json").read_text())["architectures"][0]
+  model, info = getattr(transformers, arch).from_pretrained(
+      out, output_loading_info=True
+  )
+  assert not info["missing_keys"] and not info["unexpected_keys"], info
+  with torch.no_grad():
+    hidden = (
+        model.eval()(
+            input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
+            attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
+        )
+        .last_hidden_state.float()
+        .numpy()
+    )
+  with safetensors.safe_open(out / release.HEAD, "np") as f:
+    pooling = f.metadata()["pooling"]
+  m = np.asarray(mask, np.float32)
+  if pooling == "mean":
+    pooled = (hidden * m[..., None]).sum(1) / np.maximum(m.sum(1), 1.0)[:, None]
+  else:
+    pooled = hidden[np.arange(len(m)), m.sum(1).astype(int) - 1]
+  head = load_file(out / release.HEAD)
+  return arch, pooled @ head["weight"].T + head["bias"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family, method",
+    [
+        ("switch", "monolithic_lora"),
+        ("olmoe", "baseline_a"),
+        ("deepseek", "nonprivate_lora"),
+    ],
+)
+def test_every_family_exports_and_loads_in_transformers(
+    family, method, tmp_path
+):
+  """release.export end to end, outside RAPTOR on Switch: the card of a
+  method without RAPTOR's fields, and each family's transformers class
+  computing what the trained Flax classifier computes."""
+  config = micro_config(method=method, **_FAMILIES[family])
+  workdir = tmp_path / "run"
+  train_and_evaluate(config, str(workdir))
+  out = release.export(workdir, tmp_path / "model")
+  card = json.loads((out / release.CARD).read_text())
+  assert card["method"] == method and "rho" not in card
+  run, params, _ = release.trained_model(workdir)
+  ids = run.data.dev.input_ids[:8]
+  mask = run.data.dev.attention_mask[:8]
+  flax_logits, _ = run.model.apply({"params": params}, ids, mask)
+  arch, hf_logits = _transformers_logits(out, ids, mask)
+  assert (
+      arch
+      == {
+          "switch": "SwitchTransformersEncoderModel",
+          "olmoe": "OlmoeModel",
+          "deepseek": "DeepseekV2Model",
+      }[family]
+  )
+  np.testing.assert_allclose(hf_logits, flax_logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow
