@@ -387,26 +387,31 @@ def _secret(
           " no checkpoint of it; train in a new --workdir"
       )
     return parallel.agree_bytes(secrecy.draw_secret(config))
+  secret = bytes.fromhex(meta["secret"])
   if meta.get("data") != data_fingerprint:
     raise ValueError(
         f"the training data changed since {checkpointer.latest_path()} was"
-        f" written (now {_describe(data_fingerprint)}, then"
-        f" {_describe(meta.get('data'))}); restore the data the run started"
-        " on, or train in a new --workdir"
+        f" written (now {_describe(data_fingerprint, secret)}, then"
+        f" {_describe(meta.get('data'), secret)}); restore the data the run"
+        " started on, or train in a new --workdir"
     )
-  return bytes.fromhex(meta["secret"])
+  return secret
 
 
-def _describe(fingerprint: dict | None) -> str:
-  """A short public description of a data fingerprint for error messages."""
+def _describe(fingerprint: dict | None, secret: bytes) -> str:
+  """A description of a data fingerprint safe for error messages.
+
+  A file's size and plain sha256 are functions of every record (an
+  adversary who knows all records but one could test candidates against
+  them), so a file is described by its digest keyed by the run's secret
+  (the `keyed_sha256` of privacy_report.json) only; a hub or generated
+  source by its public name.
+  """
   if not fingerprint:
     return "unknown"
   if fingerprint.get("source") != "file":
     return f"{fingerprint.get('source')} {fingerprint.get('task')}"
-  return ", ".join(
-      f"{name}: {f['size']} bytes, sha256 {f['sha256'][:12]}"
-      for name, f in fingerprint["files"].items()
-  )
+  return f"keyed sha256 {secrecy.keyed_digest(secret, fingerprint)}"
 
 
 class _Session:
