@@ -55,6 +55,16 @@ def test_the_secret_seed_reaches_no_file():
   assert json.loads(text)["privacy"]["epsilon"] == config.privacy.epsilon
 
 
+def test_the_audit_seed_reaches_no_config_json():
+  """It reproduces every canary's inclusion bit: the auditor's secret."""
+  from raptor_jax.train import canaries  # pylint: disable=g-import-not-at-top
+
+  config = canaries.audit_config(micro_config(), num_canaries=8, seed=918273645)
+  text = secrecy.public_config(config)
+  assert "918273645" not in text and "seed" not in json.loads(text)["audit"]
+  assert json.loads(text)["audit"]["num_canaries"] == 8
+
+
 def test_sweep_cells_derive_distinct_secrets_from_the_fixed_seed():
   base = micro_config(**{"privacy.secret_seed": 5})
   cells = [

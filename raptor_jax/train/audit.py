@@ -292,7 +292,6 @@ def run(
       canaries=dict(
           num_canaries=num_canaries,
           num_included=int(canaries.included.sum()),
-          seed=seed,
           owner_expert=canaries.expert,
           expert_layer=audit_run.expert_layer,
           kind=canaries_lib.KIND,

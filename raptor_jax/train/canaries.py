@@ -19,7 +19,10 @@ same canaries also audit the expert stream.
 Privacy. Included canaries are private training records like any other:
 Poisson-sampled, clipped, counted in n, so the run's claimed epsilon covers
 them. Which canaries were included is the auditor's secret: it stays in
-process memory (``Run.canaries``) and is never logged or saved.
+process memory (``Run.canaries``) and is never logged or saved, nor is
+``audit.seed``, which recomputes it (``secrecy.public_config`` leaves it out
+of config.json; audit.json omits it; only the private checkpoint's config
+fingerprint covers it). Choose a seed nobody else knows.
 """
 
 from __future__ import annotations

@@ -76,9 +76,15 @@ def warn_if_fixed(config: ml_collections.ConfigDict) -> None:
 
 
 def public_config(config: ml_collections.ConfigDict) -> str:
-  """The config as JSON for config.json, without `privacy.secret_seed`."""
+  """The config as JSON for config.json, without its secrets.
+
+  Left out: `privacy.secret_seed` (it reproduces every sample and noise
+  draw) and an audit run's `audit.seed` (it reproduces every canary's
+  inclusion bit, the auditor's secret; see `canaries`).
+  """
   values = config.to_dict()
   values.get("privacy", {}).pop("secret_seed", None)
+  values.get("audit", {}).pop("seed", None)
   return json.dumps(values, indent=2, sort_keys=True, default=str)
 
 
