@@ -2,7 +2,10 @@
 
 Only public quantities reach these writers: dev metrics, epsilon spent, the
 cycle counter (wall time only with `config.log_wall_time`: it depends on the
-realised batch sizes, so TensorBoard events carry walltime 0 by default). Private per-step statistics (training loss, realised
+realised batch sizes, so TensorBoard events carry walltime 0 by default, the
+file's first event too, and event files are named
+`events.out.tfevents.<session index>.raptor_jax`, without the start time and
+host name that tensorboardX puts in its file names). Private per-step statistics (training loss, realised
 batch sizes, per-expert counts, the owner map) are never written unless the
 user opts in with `config.log_private_stats` (with a warning).
 """
@@ -10,6 +13,7 @@ user opts in with `config.log_private_stats` (with a warning).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -60,6 +64,43 @@ def evaluate(
   return {name: METRICS[name](predictions, labels) for name in metric_names}
 
 
+class EventFile:
+  """One TensorBoard event file that records no time or host unless asked.
+
+  tensorboardX's writer names its file `events.out.tfevents.<start
+  time>.<host name>` and stamps the file's first event with the start time;
+  this one names it by the count of event files already in `directory` (one
+  per session of a resumed run) and stamps every event with `clock()`.
+  """
+
+  def __init__(self, directory: Path, clock: Callable[[], float]):
+    from tensorboardX.record_writer import RecordWriter  # pylint: disable=g-import-not-at-top
+
+    directory.mkdir(parents=True, exist_ok=True)
+    index = len(list(directory.glob("events.out.tfevents.*")))
+    self.path = directory / f"events.out.tfevents.{index:010d}.raptor_jax"
+    self._clock = clock
+    self._records = RecordWriter(str(self.path))
+    self._write(file_version="brain.Event:2")
+
+  def _write(self, **fields) -> None:
+    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
+    event = event_pb2.Event(wall_time=self._clock(), **fields)
+    self._records.write(event.SerializeToString())
+
+  def add_scalar(self, name: str, value: float, step: int) -> None:
+    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
+
+    self._write(step=step, summary=summary.scalar(name, value))
+
+  def flush(self) -> None:
+    self._records.flush()
+
+  def close(self) -> None:
+    self._records.close()
+
+
 class MetricWriter:
   """Appends scalars to `<workdir>/metrics.jsonl` and TensorBoard event files.
 
@@ -72,13 +113,12 @@ class MetricWriter:
       self, workdir: Path, just_logging: bool = False, wall_time: bool = False
   ):
     self._just_logging = just_logging
-    self._walltime = None if wall_time else 0.0  # None: tensorboardX's clock
     if just_logging:
       return
-    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-
     self._jsonl = open(workdir / "metrics.jsonl", "a", encoding="utf-8")
-    self._tb = SummaryWriter(str(workdir / "tensorboard"))
+    self._tb = EventFile(
+        workdir / "tensorboard", time.time if wall_time else lambda: 0.0
+    )
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     if self._just_logging:
@@ -91,9 +131,7 @@ class MetricWriter:
     )
     self._jsonl.flush()
     for name, value in scalars.items():
-      self._tb.add_scalar(
-          name, float(value), int(step), walltime=self._walltime
-      )
+      self._tb.add_scalar(name, float(value), int(step))
     self._tb.flush()
 
   def close(self) -> None:
