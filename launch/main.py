@@ -1,6 +1,11 @@
 """Trains with RAPTOR (or a baseline) per an ml_collections config.
 
 python launch/main.py --config=configs/switch_sst2.py:tiny --workdir=/tmp/raptor_tiny
+
+stderr is private operator output, like the workdir: its log lines carry
+absl timestamps (how long cycles take depends on the realised Poisson sample
+sizes), so keep it with the workdir and never publish it. What to publish is
+launch/export.py's directory, which holds no timing.
 """
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
