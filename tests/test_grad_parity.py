@@ -8,9 +8,9 @@ plain attention is `DeepseekV2Model` with `LlamaAttention` swapped in, as in
 test_deepseek.py, since transformers has no such variant). It shares no code
 with raptor_jax: none of its custom VJPs, custom_vmap rules, optimisation
 barriers or grouped expert dispatch. The reference runs in float64 (Hugging
-Face still computes its RMS-norm statistics and OLMoE/DeepSeek router
-softmaxes in float32, a 1e-7 effect), so the tolerance measures raptor_jax's
-float32 error, not torch's.
+Face still computes its RMS-norm statistics, the OLMoE router softmax and the
+whole DeepSeek router in float32, a 1e-7 effect), so the tolerance measures
+raptor_jax's float32 error, not torch's.
 
 Both sides differentiate the same scalar, a fixed random projection of the
 real (non-padding) tokens' final hidden states,
@@ -19,13 +19,12 @@ on a right-padded batch, with respect to every base parameter: the Flax side
 is loaded with `dispatch='auto_train'` (expert kernels differentiable) and no
 adapters, and `jax.grad` takes the whole tree, routers and the Switch position
 bias included (frozen in fine-tuning, trained in pretraining). Torch's
-gradients, keyed by checkpoint tensor name, go through the family's own
-checkpoint converter (`Family.params_from_hf`, a linear re-layout:
+gradients, keyed by transformers' parameter names, go through the family's
+own checkpoint converter (`Family.params_from_hf`, a linear re-layout:
 transposes, expert stacking, gate/up splits), which puts them in the Flax
 layout; every Flax leaf must be covered, and every torch parameter with a
-gradient must be a checkpoint tensor the loader reads (the Switch decoder and
-the lm_heads are excluded by the family's ignored prefix; tied embeddings
-count once). Each tensor must satisfy ||g_jax - g_torch|| / ||g_torch|| <=
+gradient must be one the loader reads (the Switch decoder and the lm_heads
+are excluded by the family's ignored prefix; tied embeddings count once). Each tensor must satisfy ||g_jax - g_torch|| / ||g_torch|| <=
 1e-4, for both kernel settings (`kernels='fast'`: custom VJPs and vmap rules;
 `'reference'`: plain jnp and autodiff).
 
