@@ -30,7 +30,13 @@ denominator is a public constant (e.g. the expected batch size B, or B/E for
 the experts), never a realised count, so it reveals nothing. Noise is a
 deterministic function of ``(key, step count)``: a run resumed from a saved
 state reproduces it. The key must be secret and distinct per transform (split
-one key per stream): two transforms sharing a key add identical noise.
+one key per stream): two transforms sharing a key add identical noise. A
+threefry key holds 64 bits; for 128, pass several independent keys stacked
+on a leading axis (``[K]`` typed keys or raw ``uint32[K, 2]``): the noise is
+then ``sum_k N_k / sqrt(K)`` with one independent standard normal draw
+``N_k`` per key, again exactly ``N(0, 1)`` per element, and reproducing it
+needs every key. Threefry is counter based, so the draws are the same on any
+device count and backend.
 ``noise_multiplier=0`` turns the noise off, for tests and non-private
 baselines only; it gives no privacy.
 
@@ -73,17 +79,42 @@ def _public_number(name: str, value, *, allow_zero: bool = False) -> float:
   return check(name, value, _validate.PUBLIC_NUMBER)
 
 
+def _single_key_ndim(key: jax.Array) -> int:
+  """The ndim of ONE key of `key`'s kind: 0 typed, 1 raw (`uint32[2]`)."""
+  return 0 if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else 1
+
+
 def _canonical_key(key: Union[jax.Array, int]) -> jax.Array:
   if isinstance(key, numbers.Integral) and not isinstance(key, bool):
     return jax.random.key(int(key))
-  if isinstance(key, jax.Array):
+  if isinstance(key, jax.Array) and (
+      0 <= key.ndim - _single_key_ndim(key) <= 1
+  ):
     return key
   _validate.fail(
       'key',
-      'a jax PRNG key or an int',
-      _validate.Shown(f'a {type(key).__name__}'),
-      'pass jax.random.key(seed)',
+      'a jax PRNG key, several stacked on a leading axis, or an int',
+      _validate.Shown(
+          f'a {type(key).__name__} of shape {getattr(key, "shape", None)}'
+      ),
+      'pass jax.random.key(seed), or jax.random.split(key) for 128 bits',
   )
+
+
+def fold_in(key: jax.Array, data) -> jax.Array:
+  """`jax.random.fold_in` of each key of `key` (one, or several stacked)."""
+  if key.ndim == _single_key_ndim(key):
+    return jax.random.fold_in(key, data)
+  return jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, data)
+
+
+def _standard_normal(key: jax.Array, like: PyTree) -> PyTree:
+  """N(0, 1) noise shaped like `like`: the normalised sum of one draw per key."""
+  if key.ndim == _single_key_ndim(key):
+    return optax.tree.random_like(key, like, jax.random.normal)
+  draws = [optax.tree.random_like(k, like, jax.random.normal) for k in key]
+  scale = 1.0 / len(draws) ** 0.5
+  return jax.tree.map(lambda *d: sum(d) * scale, *draws)
 
 
 def _privatize(
@@ -98,8 +129,8 @@ def _privatize(
   sums = jax.tree.map(lambda s: jnp.asarray(s, jnp.float32), sums)
   std = noise_multiplier * l2_clip
   if std > 0:
-    step_key = jax.random.fold_in(state.rng_key, state.count)
-    noise = optax.tree.random_like(step_key, sums, jax.random.normal)
+    step_key = fold_in(state.rng_key, state.count)
+    noise = _standard_normal(step_key, sums)
     sums = optax.tree.add_scale(sums, std, noise)
   updates = jax.tree.map(lambda s: s / denominator, sums)
   return updates, DpAggregateState(
@@ -138,7 +169,8 @@ def privatize_sums(
       privacy, for tests and non-private baselines).
     denominator: public constant the noisy sum is divided by (e.g. the
       expected batch size B, or B/E for the experts); never a realised count.
-    key: secret PRNG key, distinct for every transform instance.
+    key: secret PRNG key, distinct for every transform instance; several
+      stacked on a leading axis for more than 64 bits (module docstring).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update(sums, state,
@@ -217,7 +249,8 @@ def dp_aggregate(
     noise_multiplier: sigma (>= 0; 0 = no noise, no privacy).
     denominator: public constant, e.g. the expected batch size B; never a
       realised count.
-    key: secret PRNG key, distinct for every transform instance.
+    key: secret PRNG key, distinct for every transform instance; several
+      stacked on a leading axis for more than 64 bits (module docstring).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update`` takes
@@ -285,7 +318,8 @@ def owner_dp_aggregate(
     noise_multiplier: sigma_e (>= 0; 0 = no noise, no privacy).
     num_experts: E (>= 1).
     denominator: public constant, e.g. D_e = B / E; never a realised count.
-    key: secret PRNG key, distinct for every transform instance.
+    key: secret PRNG key, distinct for every transform instance; several
+      stacked on a leading axis for more than 64 bits (module docstring).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` requires

@@ -268,15 +268,17 @@ def _key_needles(opt_state) -> list[bytes]:
   for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
     if "key" not in jax.tree_util.keystr(path):
       continue
-    data = np.asarray(leaf, np.uint32)
+    data = np.asarray(leaf, np.uint32).reshape(-1, 2)  # one or more keys
     keys = [data] + [
         np.asarray(
             jax.random.key_data(
-                jax.random.fold_in(jax.random.wrap_key_data(data), t)
+                jax.random.fold_in(jax.random.wrap_key_data(one), t)
             )
         )
+        for one in data
         for t in range(16)
     ]
+    keys += list(data)  # each 64-bit half on its own
     for k in keys:
       needles += [
           k.astype("<u4").tobytes(),

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -31,10 +32,34 @@ def test_the_secret_has_256_bits_from_the_os_and_labels_separate_streams():
   y = sampling.poisson_sample(1000, 0.5, seed=seed ^ (1 << 200), step=0)
   assert not np.array_equal(x, y)
   k0, k1 = secrecy.noise_key(a, 0), secrecy.noise_key(a, 1)
-  assert k0.dtype == np.uint32 and k0.shape == (2,)
   assert not np.array_equal(k0, k1)
   with pytest.raises(ValueError, match="128 bits"):
     secrecy.derive(b"short", "poisson")
+
+
+def test_noise_keys_hold_128_bits_and_the_noise_needs_all_of_them():
+  """Two independent threefry keys (64 bits each) whose draws combine into
+  one N(0, 1): changing either half changes the noise; the std is exact."""
+  from raptor_jax import transforms  # pylint: disable=g-import-not-at-top
+
+  key = secrecy.noise_key(secrecy.fixed_secret(3), 0)
+  assert key.dtype == np.uint32 and key.shape == (2, 2)  # 2 x 64 bits
+  assert np.asarray(key).tobytes() == secrecy.derive(
+      secrecy.fixed_secret(3), "noise/0", 16
+  )
+  zeros = {"w": np.zeros(200_000, np.float32)}
+
+  def noise(k):
+    tx = transforms.privatize_sums(1.0, 2.0, 1.0, k)
+    return np.asarray(tx.update(zeros, tx.init(zeros))[0]["w"])
+
+  base = noise(key)
+  assert abs(base.std() / 2.0 - 1) < 0.01 and abs(base.mean()) < 0.02
+  for half in (0, 1):
+    other = np.asarray(key).copy()
+    other[half, 0] ^= 1
+    assert not np.allclose(noise(jax.numpy.asarray(other)), base)
+  np.testing.assert_array_equal(noise(key), base)  # deterministic
 
 
 def test_a_fixed_seed_is_reproducible_and_warns_once(caplog, monkeypatch):

@@ -27,12 +27,13 @@ import orbax.checkpoint as ocp
 
 from raptor_jax.train.config import RESUME_INSENSITIVE
 
-# Version of the checkpoint layout, saved in every checkpoint's meta. 3: the
+# Version of the checkpoint layout, saved in every checkpoint's meta. 4: each
+# noise state's key is two threefry keys (uint32[2, 2], 128 bits). 3: the
 # meta holds the 256-bit `secret` (hex) and the `data` fingerprint instead of
 # a 31-bit `secret_seed`. 2: each part's optimizer state is the state of
 # `optax.chain(privatize_sums, adam)` (1, unversioned: a {"noise", "adam"}
 # dict per part).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 def fingerprint(

@@ -8,8 +8,12 @@ knowing one stream's seed reveals nothing about another's:
 
   'poisson'         the seed of every Poisson sample (numpy's SeedSequence
                     takes the whole 256-bit integer)
-  'noise/<i>'       phase i's noise key (JAX's threefry keys hold 64 bits;
-                    each is a fresh KDF output, not a slice of another key)
+  'noise/<i>'       phase i's noise key: 128 KDF bits as two independent
+                    threefry keys (each holds only 64), whose two standard
+                    normal draws the transforms combine into one
+                    (`transforms` module docstring): reproducing the noise
+                    needs all 128 bits, and threefry gives the same draws on
+                    any device count
   'data-fingerprint' the key of the keyed data digest in privacy_report.json
 
 The secret lives in the (private) checkpoint only, so a resumed run draws the
@@ -93,11 +97,16 @@ def sampler_seed(secret: bytes) -> int:
   return int.from_bytes(derive(secret, "poisson"), "little")
 
 
+NOISE_KEY_BITS = 128  # SPEC: the noise secret has at least 128 bits
+
+
 def noise_key(secret: bytes, phase_index: int) -> jax.Array:
-  """Phase `phase_index`'s noise key: a raw threefry key (uint32[2], as
-  `jax.random.PRNGKey` makes) of 64 KDF bits; orbax checkpoints it as is."""
-  words = np.frombuffer(derive(secret, f"noise/{phase_index}", 8), np.uint32)
-  return jax.numpy.asarray(words)
+  """Phase `phase_index`'s noise key: two raw threefry keys (uint32[2, 2],
+  each as `jax.random.PRNGKey` makes one) of 128 KDF bits in all; orbax
+  checkpoints it as is. One threefry key holds only 64 bits."""
+  size = NOISE_KEY_BITS // 8
+  words = np.frombuffer(derive(secret, f"noise/{phase_index}", size), np.uint32)
+  return jax.numpy.asarray(words.reshape(2, 2))
 
 
 def cell_secret_seed(seed: int, cell: str) -> int:
