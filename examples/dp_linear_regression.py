@@ -14,8 +14,18 @@ q = batch_size / n and the noise multiplier below):
   "experts"; each record trains only its owner expert, a fixed function of
   the record (like RAPTOR's frozen router).
 
+Randomness: the Poisson samples and the noise derive from a secret of 256
+bits drawn from the operating system (``os.urandom``) unless you pass one, as
+the trainer's do: amplification by sampling and the noise both assume the
+adversary cannot reproduce them, which a public seed would let them do. The
+noise key is 128 bits (two threefry keys, see ``transforms``). ``seed`` seeds
+only public randomness (the data and the initial parameters).
+
 Run: ``python examples/dp_linear_regression.py``.
 """
+
+import hashlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +35,27 @@ import optax
 from raptor_jax import grads, sampling, transforms
 
 N, DIM, NUM_EXPERTS = 2000, 8, 4
+
+
+def fresh_secret() -> bytes:
+  """256 bits of OS entropy: the secret behind the samples and the noise."""
+  return os.urandom(32)
+
+
+def _derive(secret: bytes, label: str, size: int) -> bytes:
+  """A keyed BLAKE2b of `label`: one independent stream per purpose."""
+  return hashlib.blake2b(label.encode(), key=secret, digest_size=size).digest()
+
+
+def poisson_seed(secret: bytes) -> int:
+  """The 256-bit seed of every Poisson sample (`sampling.poisson_sample`)."""
+  return int.from_bytes(_derive(secret, 'poisson', 32), 'little')
+
+
+def noise_key(secret: bytes, label: str) -> jax.Array:
+  """A 128-bit noise key: two raw threefry keys stacked (uint32[2, 2])."""
+  words = np.frombuffer(_derive(secret, f'noise/{label}', 16), np.uint32)
+  return jnp.asarray(words.reshape(2, 2))
 
 
 def make_data(seed: int = 0) -> dict[str, np.ndarray]:
@@ -64,15 +95,16 @@ def train_microbatched(
     noise_multiplier=1.0,
     lr=0.05,
     seed=0,
+    secret=None,
 ):
+  secret = fresh_secret() if secret is None else secret
   data = make_data(seed)
-  params_key, noise_key = jax.random.split(jax.random.key(seed))
-  params = init_params(params_key)
+  params = init_params(jax.random.key(seed))
   # Noise std noise_multiplier * l2_clip, then divide by the PUBLIC expected
   # batch size, never by the realised one.
   tx = optax.chain(
       transforms.privatize_sums(
-          l2_clip, noise_multiplier, batch_size, noise_key
+          l2_clip, noise_multiplier, batch_size, noise_key(secret, 'linear')
       ),
       optax.adam(lr),
   )
@@ -91,7 +123,9 @@ def train_microbatched(
     return optax.apply_updates(params, updates), opt_state
 
   for step in range(steps):
-    sample = sampling.poisson_sample(N, batch_size / N, seed=seed, step=step)
+    sample = sampling.poisson_sample(
+        N, batch_size / N, seed=poisson_seed(secret), step=step
+    )
     sums = grads.zeros_like_f32(params)  # an empty sample: noise only
     for mb in sampling.microbatches(sample, microbatch_size):
       batch = jax.tree.map(lambda a: a[mb.indices], data)
@@ -107,12 +141,15 @@ def train_one_call(
     noise_multiplier=1.0,
     lr=0.05,
     seed=0,
+    secret=None,
 ):
+  secret = fresh_secret() if secret is None else secret
   data = make_data(seed)
-  params_key, noise_key = jax.random.split(jax.random.key(seed))
-  params = init_params(params_key)
+  params = init_params(jax.random.key(seed))
   tx = optax.chain(
-      transforms.dp_aggregate(l2_clip, noise_multiplier, batch_size, noise_key),
+      transforms.dp_aggregate(
+          l2_clip, noise_multiplier, batch_size, noise_key(secret, 'linear')
+      ),
       optax.adam(lr),
   )
   opt_state = tx.init(params)
@@ -126,7 +163,11 @@ def train_one_call(
 
   for step in range(steps):
     mask = np.zeros(N, np.float32)
-    mask[sampling.poisson_sample(N, batch_size / N, seed=seed, step=step)] = 1.0
+    mask[
+        sampling.poisson_sample(
+            N, batch_size / N, seed=poisson_seed(secret), step=step
+        )
+    ] = 1.0
     params, opt_state = step_fn(params, opt_state, mask)
   return params, mse(params, data)
 
@@ -138,7 +179,9 @@ def train_owner(
     noise_multiplier=1.0,
     lr=0.05,
     seed=0,
+    secret=None,
 ):
+  secret = fresh_secret() if secret is None else secret
   data = make_data(seed)
   owners = data['owner']
   stacked = {'kernel': jnp.zeros((NUM_EXPERTS, DIM))}  # E linear experts
@@ -148,7 +191,7 @@ def train_owner(
           noise_multiplier,
           NUM_EXPERTS,
           denominator=batch_size / NUM_EXPERTS,  # public D_e = B / E
-          key=jax.random.key(seed + 1),
+          key=noise_key(secret, 'experts'),
       ),
       optax.adam(lr),
   )
@@ -175,7 +218,7 @@ def train_owner(
         sampling.poisson_sample(
             N,
             batch_size / N,
-            seed=seed,
+            seed=poisson_seed(secret),
             stream=sampling.EXPERT_STREAM,
             step=step,
         )
@@ -186,13 +229,19 @@ def train_owner(
   return stacked, float(np.mean((pred - data['y']) ** 2))
 
 
-def main(steps: int = 150) -> dict[str, float]:
+def main(steps: int = 150, secret: bytes | None = None) -> dict[str, float]:
+  """Trains all three ways from ONE secret (fresh unless given): the
+  microbatched and the one-call paths then draw the same samples and noise."""
+  secret = fresh_secret() if secret is None else secret
   baseline = float(np.mean(make_data()['y'] ** 2))
+  _, microbatched = train_microbatched(steps, secret=secret)
+  _, one_call = train_one_call(steps, secret=secret)
+  _, owner = train_owner(steps, secret=secret)
   results = {
       'zero predictor': baseline,
-      'microbatched privatize_sums': train_microbatched(steps)[1],
-      'one-call dp_aggregate': train_one_call(steps)[1],
-      'owner_dp_aggregate (E experts)': train_owner(steps)[1],
+      'microbatched privatize_sums': microbatched,
+      'one-call dp_aggregate': one_call,
+      'owner_dp_aggregate (E experts)': owner,
   }
   for name, value in results.items():
     print(f'{name:32s} mse {value:.3f}')
