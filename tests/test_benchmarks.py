@@ -590,5 +590,5 @@ def test_kernels_benchmark_quick_checks_both_settings_and_prints_ratios():
       "expert",
   ]
   for row in rows:
-    ratio, error = (float(c) for c in row.split("|")[5:7])
-    assert ratio > 0 and error < 1e-4
+    ratio, *errors = (float(c) for c in row.split("|")[5:9])
+    assert ratio > 0 and max(errors) < 1e-4
