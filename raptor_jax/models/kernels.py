@@ -12,7 +12,8 @@ module:
   measured faster on XLA:CPU (2 cores); none has been measured on a GPU or
   TPU.
 * 'auto': 'fast' on CPU, where it was measured, 'reference' on every other
-  backend until a benchmark there says otherwise.
+  backend until a benchmark there says otherwise; except the expert
+  dispatch, which stays 'fast' everywhere (`resolve_expert`).
 
 Both compute the same function and the same gradients up to float rounding
 (`tests/test_grad_parity.py`): the choice changes speed, never what a run
@@ -47,3 +48,25 @@ def resolve(kernels: str, backend: str | None = None) -> str:
     return kernels
   backend = backend or jax.default_backend()
   return "fast" if backend == "cpu" else "reference"
+
+
+def resolve_expert(kernels: str) -> str:
+  """'fast' or 'reference' for the expert dispatch: 'auto' is 'fast'.
+
+  The expert dispatch's plain twin is its definition, every expert on every
+  row and then a select (`moe.dense_linear`): E times the expert FLOPs. A
+  plain autodiff of the sorted dispatch itself is no alternative: under the
+  per-record `vmap` it keeps every block's gathered weights for every record
+  (one expert linear of the `vs_opacus` model at 32 records: 4.6 GB of
+  temporaries, against 39 MB fast and 157 MB dense). So 'auto' keeps the
+  sorted dispatch and its record folding on every backend rather than make
+  a GPU run dense by default; 'reference' asks for the definition.
+
+  Args:
+    kernels: one of `KERNELS`.
+
+  Returns:
+    'fast' or 'reference'.
+  """
+  _validate.one_of("kernels", kernels, KERNELS, KERNELS_FIX)
+  return "reference" if kernels == "reference" else "fast"

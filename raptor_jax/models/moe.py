@@ -432,17 +432,17 @@ def grouped_linear(
       same blocks (rows x r x (d_in + d_out) more work, whatever E). The pair
       is differentiable; its gradient covers every expert's factors, costs a
       one-hot over E, and is only computed where it is used.
-    kernels: 'fast' (the custom VJP above, records folded into one dispatch
-      under `vmap`), 'reference' (autodiff of `_grouped_linear_flat`, batched
-      by JAX's rules) or 'auto' (see `kernels.py`).
+    kernels: 'fast' or 'auto' (the custom VJP above, records folded into one
+      dispatch under `vmap`) or 'reference' (the definition: `dense_linear`
+      and `expert_lora`, autodiff; see `kernels.resolve_expert`).
 
   Returns:
     [T, d_out]; zero rows where dropped.
   """
   w = jax.lax.stop_gradient(w)
-  if kernels_lib.resolve(kernels) == "fast":
+  if kernels_lib.resolve_expert(kernels) == "fast":
     return _grouped_linear(x, experts, w, *(lora or ()))
-  return _grouped_linear_flat(x, experts, w, *(lora or ()), transpose=False)
+  return reference_linear(x, experts, w, lora)
 
 
 @jax.custom_vjp
@@ -489,15 +489,15 @@ def grouped_linear_trainable(
     x: [T, d_in] rows.
     experts: int32 [T] expert of each row; E drops the row.
     w: [E, d_in, d_out].
-    kernels: 'fast' (the hand-written weight gradient above), 'reference'
-      (autodiff of `_grouped_linear_flat`) or 'auto' (see `kernels.py`).
+    kernels: 'fast' or 'auto' (the hand-written weight gradient above) or
+      'reference' (`dense_linear`, autodiff; see `kernels.resolve_expert`).
 
   Returns:
     [T, d_out]; zero rows where dropped.
   """
-  if kernels_lib.resolve(kernels) == "fast":
+  if kernels_lib.resolve_expert(kernels) == "fast":
     return _grouped_linear_trainable(x, experts, w)
-  return _grouped_linear_flat(x, experts, w, transpose=False)
+  return dense_linear(x, experts, w)
 
 
 # ---------------------------------------------------------------------------
@@ -697,15 +697,13 @@ def ragged_linear(
   `w`, differentiable LoRA pair, dropped rows zero); the rows are sorted by
   expert once per product and each matrix is one `ragged_dot`, the shape
   GPU and TPU grouped-GEMM kernels want. Under `vmap` the records share one
-  dispatch, exactly as in `grouped_linear` (`kernels` 'fast'); 'reference'
-  differentiates `_ragged_linear_flat` with JAX's own rules, which have no
-  `vmap` of `ragged_dot` over records yet (`NotImplementedError` under
-  per-record gradients: use 'fast', or the grouped dispatch).
+  dispatch, exactly as in `grouped_linear` (`kernels` 'fast' or 'auto');
+  'reference' is the definition, as for `grouped_linear`.
   """
   w = jax.lax.stop_gradient(w)
-  if kernels_lib.resolve(kernels) == "fast":
+  if kernels_lib.resolve_expert(kernels) == "fast":
     return _ragged_linear(x, experts, w, *(lora or ()))
-  return _ragged_linear_flat(x, experts, w, *(lora or ()), transpose=False)
+  return reference_linear(x, experts, w, lora)
 
 
 @jax.custom_vjp
@@ -737,11 +735,31 @@ def ragged_linear_trainable(
   rows (rows x d_in x d_out work). Unlike `grouped_linear_trainable` it also
   serves per-record gradients: under `vmap` each record's rows form their
   own groups (`_group_outer`), giving [n, E, d_in, d_out] in one pass.
-  `kernels` 'reference' is autodiff of `_ragged_linear_flat` instead.
+  `kernels` 'reference' is `dense_linear` (the definition) instead.
   """
-  if kernels_lib.resolve(kernels) == "fast":
+  if kernels_lib.resolve_expert(kernels) == "fast":
     return _ragged_linear_trainable(x, experts, w)
-  return _ragged_linear_flat(x, experts, w, transpose=False)
+  return dense_linear(x, experts, w)
+
+
+def reference_linear(
+    x: jax.Array,
+    experts: jax.Array,
+    w: jax.Array,
+    lora: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
+  """The frozen dispatches' definition: `dense_linear` (+ `expert_lora`).
+
+  y[t] = x[t] @ w[e_t] (+ x[t] @ a[e_t] @ b[e_t], the scale already in b),
+  every expert on every row and then a select, differentiated by autodiff
+  and batched by JAX's own `vmap` rules: the plain twin of `grouped_linear`
+  and `ragged_linear` (`kernels='reference'`).
+  """
+  y = dense_linear(x, experts, w)
+  if lora is not None:
+    a, b = lora
+    y = y + expert_lora(x, experts, a, b, 1.0)
+  return y
 
 
 def dense_linear(x: jax.Array, experts: jax.Array, w: jax.Array) -> jax.Array:

@@ -68,7 +68,7 @@ import dataclasses
 import dp_accounting
 
 from raptor_jax import _validate, accounting, roles, sampling
-from raptor_jax.models import kernels, moe
+from raptor_jax.models import kernels
 
 # Expert dispatches of a fine-tuning run (`moe.DISPATCHES` without the
 # pretraining '*_train' ones); runs that train expert kernels use 'dense'.
@@ -240,15 +240,6 @@ def check_config(config) -> None:
       kernels.KERNELS,
       fix("model.kernels") + " ('auto': fast on CPU, reference elsewhere)",
   )
-  dispatch = moe.resolve_dispatch(config.model.get("dispatch", "auto"))
-  if dispatch == "ragged" and (
-      kernels.resolve(config.model.get("kernels", "auto")) == "reference"
-  ):
-    raise ValueError(
-        "model.dispatch='ragged' with reference kernels cannot take per-record"
-        " gradients (jax.lax.ragged_dot has no vmap over records); set"
-        " --config.model.kernels=fast or --config.model.dispatch=grouped"
-    )
   _validate.one_of(
       "raptor.expert_denominator",
       rc.expert_denominator,
