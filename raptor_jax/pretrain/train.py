@@ -3,8 +3,9 @@
 Pipeline (every stage deterministic for a given config and seed):
 
 1. Corpus: read the public sources, clean, deduplicate, drop every document
-   that contains a text of the fine-tuning task (`corpus.build_corpus`), and
-   hold out ~1% of the documents by hash.
+   that contains a text of the fine-tuning task's evaluation split
+   (`corpus.build_corpus`; never its private train split unless the user opts
+   in, outside the guarantee), and hold out ~1% of the documents by hash.
 2. Tokenizer: WordPiece trained on the training documents only.
 3. Rows: documents as `[CLS] text [SEP]`, concatenated and cut into rows of
    `seq_len` tokens (no padding, so no compute is wasted).
