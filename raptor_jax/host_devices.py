@@ -17,6 +17,16 @@ noise is drawn once, replicated (`parallel`, tested 1 against 4 devices).
 The price: every device holds its own copy of the parameters and of the
 optimizer state, so host memory for them grows with the device count.
 Accelerators (GPU, TPU) are not affected: this only splits JAX's CPU backend.
+
+Collectives on a loaded host. Each device runs its part of the step on its
+own thread, and the `psum` of the clipped sums waits for every device. XLA:CPU
+aborts the whole process (`rendezvous.cc ... Termination timeout`, a C++ stack
+dump and no Python handler, so no checkpoint) when one device arrives more
+than `--xla_cpu_collective_call_warn_stuck_timeout_seconds` plus
+`--xla_cpu_collective_call_terminate_timeout_seconds` (20 + 40 s in jaxlib
+0.10.2) after another. On a machine whose cores other processes keep busy a
+device's thread can be descheduled that long, so a split host waits
+`COLLECTIVE_TIMEOUT_S` instead (the flags a user set in `XLA_FLAGS` are kept).
 """
 
 from __future__ import annotations
@@ -24,6 +34,13 @@ from __future__ import annotations
 import os
 
 import jax
+
+# Seconds a device may wait for the others at a collective before XLA:CPU
+# aborts the process: a day (no host is that overloaded; a real deadlock
+# still ends). XLA logs a "may be stuck" line after at most 10 minutes.
+COLLECTIVE_TIMEOUT_S = 24 * 3600
+_WARN_FLAG = "--xla_cpu_collective_call_warn_stuck_timeout_seconds"
+_TERMINATE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
 
 
 def host_cores() -> int:
@@ -47,15 +64,38 @@ def dividing_count(sizes, cores: int = 0) -> int:
   )
 
 
-def one_device_per_core(count: int = 0) -> int:
+def with_collective_timeout(xla_flags: str, seconds: int) -> str:
+  """`xla_flags` plus XLA:CPU's collective timeouts totalling `seconds`.
+
+  XLA aborts after the warning timeout plus the termination timeout; the
+  warning comes after half the time, at most 10 minutes. A timeout flag
+  already in `xla_flags` (the user's choice) is kept as it is.
+  """
+  warn = max(1, min(600, seconds // 2))
+  flags = xla_flags.split()
+  for name, value in ((_WARN_FLAG, warn), (_TERMINATE_FLAG, seconds - warn)):
+    if not any(flag.startswith(name + "=") for flag in flags):
+      flags.append(f"{name}={max(1, value)}")
+  return " ".join(flags)
+
+
+def one_device_per_core(
+    count: int = 0, collective_timeout_s: int = COLLECTIVE_TIMEOUT_S
+) -> int:
   """Splits JAX's CPU backend into `count` devices (default: one per core).
 
   Call it before the first JAX computation: JAX fixes its devices when its
   backends start. A count already chosen by the user (`JAX_NUM_CPU_DEVICES`,
   or `--xla_force_host_platform_device_count` in `XLA_FLAGS`) is kept.
 
+  With more than one device, XLA:CPU's collectives wait
+  `collective_timeout_s` for a late device instead of aborting after a
+  minute (module docstring), unless `XLA_FLAGS` sets those timeouts.
+
   Args:
     count: devices to create; 0 means `host_cores()`.
+    collective_timeout_s: seconds a device may wait for the others at a
+      collective before XLA aborts the process.
 
   Returns:
     The CPU device count JAX will use.
@@ -67,19 +107,22 @@ def one_device_per_core(count: int = 0) -> int:
   if count < 0:
     raise ValueError(f"cpu devices must be >= 0 (0: one per core), got {count}")
   configured = jax.config.jax_num_cpu_devices
-  if configured > 0:
-    return configured
   flags = os.environ.get("XLA_FLAGS", "")
   for flag in flags.split():
     if flag.startswith("--xla_force_host_platform_device_count="):
-      return int(flag.split("=", 1)[1])
-  count = count or host_cores()
-  try:
-    jax.config.update("jax_num_cpu_devices", count)
-  except RuntimeError as e:
-    raise ValueError(
-        "JAX's backends have already started, so the CPU device count is "
-        "fixed; call host_devices.one_device_per_core() before the first JAX "
-        "computation"
-    ) from e
-  return count
+      configured = int(flag.split("=", 1)[1])
+  if configured <= 0:
+    configured = count or host_cores()
+    try:
+      jax.config.update("jax_num_cpu_devices", configured)
+    except RuntimeError as e:
+      raise ValueError(
+          "JAX's backends have already started, so the CPU device count is "
+          "fixed; call host_devices.one_device_per_core() before the first "
+          "JAX computation"
+      ) from e
+  if configured > 1:  # read by XLA when the CPU backend starts
+    os.environ["XLA_FLAGS"] = with_collective_timeout(
+        flags, collective_timeout_s
+    )
+  return configured

@@ -118,3 +118,70 @@ def test_launch_main_rejects_a_negative_device_count_in_one_line(tmp_path):
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('error: cpu devices must be')
   assert not list(tmp_path.iterdir())  # nothing written
+
+
+# One device reaches the psum `late` seconds after the other, as a device
+# whose thread a loaded machine deschedules.
+_LATE_DEVICE = """
+    import sys, time
+    from raptor_jax import host_devices
+    host_devices.one_device_per_core(2, **{kwargs})
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def late(index, x):
+      if int(index) == 1:
+        time.sleep({late})
+      return x
+
+    def body(x):
+      shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+      x = jax.pure_callback(late, shape, jax.lax.axis_index('d'), x)
+      return jax.lax.psum(x, 'd')
+
+    mesh = jax.make_mesh((2,), ('d',))
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('d'), out_specs=P()))
+    x = jax.device_put(jnp.ones((2, 4)), NamedSharding(mesh, P('d')))
+    print(float(step(x).sum()))
+"""
+
+
+def test_collective_timeout_governs_how_long_a_late_device_may_be():
+  # The timeout the split sets is the one XLA applies: 3 s aborts a device
+  # 8 s late, as XLA's default (60 s) aborted a loaded 2-core run at cycle 11.
+  environ = {
+      k: v
+      for k, v in os.environ.items()
+      if k not in ('XLA_FLAGS', 'JAX_NUM_CPU_DEVICES')
+  }
+  script = _LATE_DEVICE.format(kwargs="{'collective_timeout_s': 3}", late=8)
+  out = subprocess.run(
+      [sys.executable, '-c', textwrap.dedent(script)],
+      capture_output=True,
+      text=True,
+      env=dict(environ, JAX_PLATFORMS='cpu', PYTHONPATH=_ROOT),
+      cwd=_ROOT,
+  )
+  assert out.returncode != 0
+  assert 'Termination timeout' in out.stderr
+
+
+@pytest.mark.slow
+def test_a_device_late_by_more_than_xla_default_does_not_abort():
+  # 65 s late: past XLA's default 20 + 40 s, within the split's default.
+  script = _LATE_DEVICE.format(kwargs='{}', late=65)
+  assert _run(script) == '8.0'
+
+
+def test_collective_timeout_flags_keep_the_users():
+  flags = host_devices.with_collective_timeout('--xla_foo=1', 3600)
+  assert flags.split() == [
+      '--xla_foo=1',
+      '--xla_cpu_collective_call_warn_stuck_timeout_seconds=600',
+      '--xla_cpu_collective_call_terminate_timeout_seconds=3000',
+  ]
+  mine = '--xla_cpu_collective_call_terminate_timeout_seconds=7'
+  assert mine in host_devices.with_collective_timeout(mine, 3600).split()
+  assert (
+      host_devices.with_collective_timeout(mine, 3600).count('terminate') == 1
+  )
