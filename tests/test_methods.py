@@ -353,7 +353,7 @@ def test_model_dispatch_comes_from_the_config_unless_expert_kernels_train():
       ValueError,
       match=(
           r"^model.dispatch: must be one of 'auto', 'grouped', 'ragged', "
-          r"'dense', got 'ragged_train'; set --config.model.dispatch"
+          r"'tokamax', 'dense', got 'ragged_train'; set --config.model.dispatch"
       ),
   ):
     methods.check_config(micro_config(**{"model.dispatch": "ragged_train"}))

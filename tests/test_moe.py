@@ -7,6 +7,7 @@ reference (`dense_linear` + `expert_lora`) pins both independently.
 """
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,17 @@ def _inputs(num_experts, rows, records=2, seed=0):
 
 KEY = jax.random.PRNGKey(0)
 
+try:
+  import tokamax  # pylint: disable=g-import-not-at-top,unused-import
+
+  HAS_TOKAMAX = True
+except ImportError:
+  HAS_TOKAMAX = False
+_needs_tokamax = pytest.mark.skipif(
+    not HAS_TOKAMAX, reason="tokamax (the [gpu] extra) is not installed"
+)
+RAGGED_KINDS = ["ragged", pytest.param("tokamax", marks=_needs_tokamax)]
+
 
 def _close_to_scale(got, want, tol=1e-4):
   """max |got - want| <= tol * max |want| (float32 noise scales with the array)."""
@@ -53,10 +65,12 @@ def _close(got, want):
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", RAGGED_KINDS)
 @pytest.mark.parametrize("num_experts,rows", [(3, 1), (8, 300)])
-def test_ragged_lora_layer_equals_grouped_per_record(num_experts, rows):
+def test_ragged_lora_layer_equals_grouped_per_record(num_experts, rows, kind):
   """Values and per-record gradients (input, every expert's LoRA factors)."""
   x, experts, w, a, b = _inputs(num_experts, rows)
+  ragged = getattr(moe, f"{kind}_linear")
 
   def loss(linear):
     return lambda x, e, a, b: jnp.sum(jnp.sin(linear(x, e, w, (a, b))))
@@ -66,7 +80,7 @@ def test_ragged_lora_layer_equals_grouped_per_record(num_experts, rows):
           jax.value_and_grad(f, argnums=(0, 2, 3)), in_axes=(0, 0, None, None)
       )
   )
-  got_value, got = per_record(loss(moe.ragged_linear))(x, experts, a, b)
+  got_value, got = per_record(loss(ragged))(x, experts, a, b)
   value, want = per_record(loss(moe.grouped_linear))(x, experts, a, b)
   _close(got_value, value)
   assert got[1].shape == (2, num_experts, 5, 3)  # per record, every expert
@@ -78,26 +92,24 @@ def test_ragged_lora_layer_equals_grouped_per_record(num_experts, rows):
   _, ref_grads = per_record(ref)(x, experts, a, b)
   jax.tree.map(_close, got, ref_grads)
   # Dropped rows get no output and no input gradient; base weights are frozen.
-  y = _jit(jax.vmap(lambda x, e: moe.ragged_linear(x, e, w, (a, b))))(
-      x, experts
-  )
+  y = _jit(jax.vmap(lambda x, e: ragged(x, e, w, (a, b))))(x, experts)
   dropped = np.asarray(experts) == num_experts
   assert not np.any(np.asarray(y)[dropped])
   assert not np.any(np.asarray(got[0])[dropped])
-  dw = _jit(
-      jax.grad(lambda w: jnp.sum(moe.ragged_linear(x[0], experts[0], w)))
-  )(w)
+  dw = _jit(jax.grad(lambda w: jnp.sum(ragged(x[0], experts[0], w))))(w)
   assert not np.any(np.asarray(dw))
 
 
+@pytest.mark.parametrize("kind", RAGGED_KINDS)
 @pytest.mark.parametrize("num_experts,rows", [(3, 1), (8, 300)])
-def test_ragged_trainable_equals_grouped_trainable(num_experts, rows):
+def test_ragged_trainable_equals_grouped_trainable(num_experts, rows, kind):
   """Pretraining (batch gradient) and per-record kernel gradients under vmap."""
   x, experts, w, _, _ = _inputs(num_experts, rows, records=3, seed=1)
+  ragged = getattr(moe, f"{kind}_linear_trainable")
   loss = lambda linear: lambda x, e, w: jnp.sum(jnp.sin(linear(x, e, w)))
   grad = lambda f: _jit(jax.value_and_grad(f, argnums=(0, 2)))
   flat_x, flat_e = x.reshape(-1, 5), experts.reshape(-1)
-  got_value, got = grad(loss(moe.ragged_linear_trainable))(flat_x, flat_e, w)
+  got_value, got = grad(loss(ragged))(flat_x, flat_e, w)
   value, want = grad(loss(moe.grouped_linear_trainable))(flat_x, flat_e, w)
   _, ref = grad(loss(moe.dense_linear))(flat_x, flat_e, w)
   _close(got_value, value)
@@ -106,7 +118,7 @@ def test_ragged_trainable_equals_grouped_trainable(num_experts, rows):
   per_record = lambda f: _jit(
       jax.vmap(jax.grad(f, argnums=(0, 2)), in_axes=(0, 0, None))
   )
-  got = per_record(loss(moe.ragged_linear_trainable))(x, experts, w)
+  got = per_record(loss(ragged))(x, experts, w)
   want = per_record(loss(moe.dense_linear))(x, experts, w)
   assert got[1].shape == (3, num_experts, 5, 7)
   jax.tree.map(_close, got, want)
@@ -134,9 +146,12 @@ LAYERS = {
 }
 
 
+@pytest.mark.parametrize("other", RAGGED_KINDS)
 @pytest.mark.parametrize("trainable", [False, True])
 @pytest.mark.parametrize("family", list(LAYERS))
-def test_sparse_layer_ragged_equals_grouped_per_record(family, trainable):
+def test_sparse_layer_ragged_equals_grouped_per_record(
+    family, trainable, other
+):
   """A whole Switch / OLMoE sparse layer (router, capacity, experts) under
   per-record vmap: values, router logits and the gradients of the input and
   of every parameter (LoRA factors, or trainable kernels) agree."""
@@ -146,7 +161,7 @@ def test_sparse_layer_ragged_equals_grouped_per_record(family, trainable):
   if family == "switch":
     options["expert_capacity"] = 2
   got = {}
-  for kind in ("grouped", "ragged"):
+  for kind in ("grouped", other):
     dispatch = kind + "_train" if trainable else kind
     layer = LAYERS[family](dispatch=dispatch, **options)
     if kind == "grouped":
@@ -164,7 +179,7 @@ def test_sparse_layer_ragged_equals_grouped_per_record(family, trainable):
             in_axes=(None, 0),
         )
     )(params, x)
-  (_, (_, logits)), grads = got["ragged"]
+  (_, (_, logits)), grads = got[other]
   if family == "switch":
     routing = moe.route_top1(logits, 2)
     assert np.any(np.asarray(routing.experts) == 4)  # capacity drops
@@ -173,7 +188,7 @@ def test_sparse_layer_ragged_equals_grouped_per_record(family, trainable):
   name = "kernel" if trainable else "lora_a"
   assert experts[leaf][name].shape[:2] == (3, layer.config.num_experts)
   assert np.any(np.asarray(experts[leaf][name]))
-  jax.tree.map(_close_to_scale, got["ragged"], got["grouped"])
+  jax.tree.map(_close_to_scale, got[other], got["grouped"])
 
 
 def test_owner_linear_with_the_ragged_frozen_dispatch():
@@ -234,8 +249,9 @@ def test_expert_layer_runs_the_dispatch_it_resolves_to(
 
 def test_bad_dispatch_gives_one_clear_error():
   want = (
-      r"^dispatch: must be one of 'auto', 'grouped', 'ragged', 'dense', "
-      r"'auto_train', 'grouped_train', 'ragged_train', got 'scan'; pass "
+      r"^dispatch: must be one of 'auto', 'grouped', 'ragged', 'tokamax', "
+      r"'dense', 'auto_train', 'grouped_train', 'ragged_train', "
+      r"'tokamax_train', got 'scan'; pass "
       r"dispatch= .*--config\.model\.dispatch"
   )
   with pytest.raises(ValueError, match=want):
@@ -353,3 +369,16 @@ def test_dispatch_plan_gives_every_expert_a_block_and_fixed_work(routing):
   np.testing.assert_array_equal(
       block_expert[dest[kept] // block], experts[kept]
   )
+
+
+def test_tokamax_without_the_package_gives_one_line_with_the_install(
+    monkeypatch,
+):
+  monkeypatch.setitem(sys.modules, "tokamax", None)  # import fails
+  monkeypatch.setattr(
+      moe, "_tokamax_dispatch", moe._tokamax_dispatch.__wrapped__
+  )
+  x, experts, w, a, b = _inputs(3, 4)
+  with pytest.raises(ImportError, match=r"raptor_jax\[gpu\]") as err:
+    moe.tokamax_linear(x[0], experts[0], w, (a, b))
+  assert "\n" not in str(err.value)

@@ -145,7 +145,8 @@ class ExpertLinear(nn.Module):
     rank: LoRA rank (0 = no adapter).
     alpha: LoRA alpha; the update is scaled by alpha / rank.
     dispatch: 'grouped' (sorted blocks, work ~ rows; base kernel frozen),
-      'ragged' (the same with grouped GEMMs, `jax.lax.ragged_dot`), 'auto'
+      'ragged' (the same with grouped GEMMs, `jax.lax.ragged_dot`),
+      'tokamax' (the same with tokamax's grouped-GEMM kernels), 'auto'
       (grouped: the measured choice, on every backend), 'dense' (every expert on every
       row; differentiable in the kernel, used when full expert weights
       train) or 'grouped_train' / 'ragged_train' / 'auto_train'
@@ -275,10 +276,12 @@ def _stacked_output(
   frozen = {
       "grouped": with_kernels(moe.grouped_linear),
       "ragged": with_kernels(moe.ragged_linear),
+      "tokamax": with_kernels(moe.tokamax_linear),
   }
   trainable = {
       "grouped_train": with_kernels(moe.grouped_linear_trainable),
       "ragged_train": with_kernels(moe.ragged_linear_trainable),
+      "tokamax_train": with_kernels(moe.tokamax_linear_trainable),
   }
   if owner_kernel is not None:
     y = moe.owner_linear(

@@ -510,10 +510,12 @@ DISPATCHES = (
     "auto",
     "grouped",
     "ragged",
+    "tokamax",
     "dense",
     "auto_train",
     "grouped_train",
     "ragged_train",
+    "tokamax_train",
 )
 DISPATCH_FIX = (
     "pass dispatch= to from_pretrained / with_options (or set"
@@ -578,6 +580,7 @@ def _ragged_linear_flat(
     w: jax.Array,
     *lora: jax.Array,
     transpose: bool,
+    ragged_dot_general=jax.lax.ragged_dot_general,
 ) -> jax.Array:
   """`_grouped_linear_flat` with one `ragged_dot` per matrix instead of a scan.
 
@@ -585,13 +588,15 @@ def _ragged_linear_flat(
   counts, consumed as data by the kernel, never by Python), multiplied by
   their expert's matrix in one grouped GEMM, and put back in row order.
   Dropped rows sort last, outside every group, and are zeroed explicitly.
+  `ragged_dot_general` is the grouped GEMM (`jax.lax`'s, or tokamax's with
+  the same signature).
   """
   num_experts = w.shape[0]
   order, sizes = _ragged_plan(experts, num_experts)
   dims = _RAGGED_ROWS_T if transpose else _RAGGED_ROWS
 
   def matmul(rows, matrix):
-    return jax.lax.ragged_dot_general(
+    return ragged_dot_general(
         rows, matrix, sizes, dims, preferred_element_type=jnp.float32
     )
 
@@ -604,19 +609,11 @@ def _ragged_linear_flat(
   return jnp.where((experts < num_experts)[:, None], out, 0)
 
 
-_ragged_forward = _rowwise(
-    functools.partial(_ragged_linear_flat, transpose=False)
-)
-_ragged_backward = _rowwise(
-    functools.partial(_ragged_linear_flat, transpose=True)
-)
-
-
-def _group_outer_flat(x, groups, y, num_groups):
+def _group_outer_flat(x, groups, y, num_groups, ragged_dot_general):
   """out[g] = sum_{t: groups[t] = g} x[t]^T y[t] in float32, one ragged GEMM."""
   order, sizes = _ragged_plan(groups, num_groups)
   y = jnp.where((groups < num_groups)[:, None], y, 0)
-  return jax.lax.ragged_dot_general(
+  return ragged_dot_general(
       x[order],
       y[order],
       sizes,
@@ -625,14 +622,20 @@ def _group_outer_flat(x, groups, y, num_groups):
   )
 
 
-def _group_outer(num_groups: int):
+def _group_outer(num_groups: int, ragged_dot_general):
   """`_group_outer_flat` over `num_groups` groups, batched by group folding.
 
   Under `vmap` (per-record gradients) record i's rows of group g form group
   i * num_groups + g of one flat ragged GEMM, so the per-record results
   [n, G, i, o] cost one pass over the rows; nested vmaps fold again.
   """
-  fn = custom_vmap(functools.partial(_group_outer_flat, num_groups=num_groups))
+  fn = custom_vmap(
+      functools.partial(
+          _group_outer_flat,
+          num_groups=num_groups,
+          ragged_dot_general=ragged_dot_general,
+      )
+  )
 
   @fn.def_vmap
   def _rule(axis_size, in_batched, x, groups, y):
@@ -646,7 +649,7 @@ def _group_outer(num_groups: int):
         record * num_groups + groups,
         axis_size * num_groups,
     )
-    out = _group_outer(axis_size * num_groups)(
+    out = _group_outer(axis_size * num_groups, ragged_dot_general)(
         x.reshape(-1, x.shape[-1]),
         folded.reshape(-1),
         y.reshape(-1, y.shape[-1]),
@@ -656,32 +659,61 @@ def _group_outer(num_groups: int):
   return fn
 
 
-@jax.custom_vjp
-def _ragged_linear(x, experts, w, *lora):
-  return _ragged_forward(x, experts, w, *lora)
+def _ragged_dispatch(ragged_dot_general):
+  """(frozen, trainable) fast ragged dispatches over one grouped GEMM.
 
-
-def _ragged_linear_fwd(x, experts, w, *lora):
-  return _ragged_forward(x, experts, w, *lora), (
-      x if lora else None,
-      experts,
-      w,
-      lora,
+  The custom VJPs of `ragged_linear` / `ragged_linear_trainable`, whose
+  products are `ragged_dot_general(lhs, rhs, group_sizes, dims, ...)`:
+  `jax.lax.ragged_dot_general` or a kernel library's function of the same
+  signature (`tokamax_linear`).
+  """
+  flat = functools.partial(
+      _ragged_linear_flat, ragged_dot_general=ragged_dot_general
   )
+  forward = _rowwise(functools.partial(flat, transpose=False))
+  backward = _rowwise(functools.partial(flat, transpose=True))
+
+  @jax.custom_vjp
+  def frozen(x, experts, w, *lora):
+    return forward(x, experts, w, *lora)
+
+  def frozen_fwd(x, experts, w, *lora):
+    return forward(x, experts, w, *lora), (
+        x if lora else None,
+        experts,
+        w,
+        lora,
+    )
+
+  def frozen_bwd(residuals, dy):
+    x, experts, w, lora = residuals
+    dx = backward(dy, experts, w, *lora)
+    if not lora:
+      return dx, None, None
+    grads = _stacked_lora_grads(x, experts, *lora, dy, forward, backward)
+    return (dx, None, None) + grads
+
+  frozen.defvjp(frozen_fwd, frozen_bwd)
+
+  @jax.custom_vjp
+  def trainable(x, experts, w):
+    return forward(x, experts, w)
+
+  def trainable_fwd(x, experts, w):
+    return forward(x, experts, w), (x, experts, w)
+
+  def trainable_bwd(residuals, dy):
+    x, experts, w = residuals
+    dw = _group_outer(w.shape[0], ragged_dot_general)(x, experts, dy)
+    return backward(dy, experts, w), None, dw.astype(w.dtype)
+
+  trainable.defvjp(trainable_fwd, trainable_bwd)
+  return frozen, trainable
 
 
-def _ragged_linear_bwd(residuals, dy):
-  x, experts, w, lora = residuals
-  dx = _ragged_backward(dy, experts, w, *lora)
-  if not lora:
-    return dx, None, None
-  grads = _stacked_lora_grads(
-      x, experts, *lora, dy, _ragged_forward, _ragged_backward
-  )
-  return (dx, None, None) + grads
-
-
-_ragged_linear.defvjp(_ragged_linear_fwd, _ragged_linear_bwd)
+_ragged_linear, _ragged_linear_trainable = _ragged_dispatch(
+    jax.lax.ragged_dot_general
+)
 
 
 def ragged_linear(
@@ -706,26 +738,6 @@ def ragged_linear(
   return reference_linear(x, experts, w, lora)
 
 
-@jax.custom_vjp
-def _ragged_linear_trainable(x, experts, w):
-  return _ragged_forward(x, experts, w)
-
-
-def _ragged_linear_trainable_fwd(x, experts, w):
-  return _ragged_forward(x, experts, w), (x, experts, w)
-
-
-def _ragged_linear_trainable_bwd(residuals, dy):
-  x, experts, w = residuals
-  dw = _group_outer(w.shape[0])(x, experts, dy)
-  return _ragged_backward(dy, experts, w), None, dw.astype(w.dtype)
-
-
-_ragged_linear_trainable.defvjp(
-    _ragged_linear_trainable_fwd, _ragged_linear_trainable_bwd
-)
-
-
 def ragged_linear_trainable(
     x: jax.Array, experts: jax.Array, w: jax.Array, kernels: str = "auto"
 ) -> jax.Array:
@@ -739,6 +751,54 @@ def ragged_linear_trainable(
   """
   if kernels_lib.resolve_expert(kernels) == "fast":
     return _ragged_linear_trainable(x, experts, w)
+  return dense_linear(x, experts, w)
+
+
+# ---------------------------------------------------------------------------
+# tokamax: the same ragged dispatch over its grouped-GEMM kernels (Pallas
+# kernels for Hopper and Blackwell GPUs and TPUs, XLA's elsewhere).
+
+TOKAMAX_FIX = "pip install 'raptor_jax[gpu]' (or pip install tokamax)"
+
+
+@functools.cache
+def _tokamax_dispatch():
+  """`_ragged_dispatch` over `tokamax.ragged_dot_general` (imported lazily)."""
+  try:
+    import tokamax  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ImportError(
+        f"dispatch='tokamax' needs the tokamax package: {TOKAMAX_FIX}"
+    ) from None
+  return _ragged_dispatch(tokamax.ragged_dot_general)
+
+
+def tokamax_linear(
+    x: jax.Array,
+    experts: jax.Array,
+    w: jax.Array,
+    lora: tuple[jax.Array, jax.Array] | None = None,
+    kernels: str = "auto",
+) -> jax.Array:
+  """`ragged_linear` whose grouped GEMMs are tokamax's kernels.
+
+  The same function and gradients as `ragged_linear` (and so as
+  `grouped_linear`); tokamax picks its implementation per backend (on CPU
+  XLA's `ragged_dot`). Unmeasured on GPU so far: `launch/bench/gpu_dispatch.py`
+  times it. Needs the optional `tokamax` package (the `[gpu]` extra).
+  """
+  w = jax.lax.stop_gradient(w)
+  if kernels_lib.resolve_expert(kernels) == "fast":
+    return _tokamax_dispatch()[0](x, experts, w, *(lora or ()))
+  return reference_linear(x, experts, w, lora)
+
+
+def tokamax_linear_trainable(
+    x: jax.Array, experts: jax.Array, w: jax.Array, kernels: str = "auto"
+) -> jax.Array:
+  """`ragged_linear_trainable` over tokamax's grouped GEMMs."""
+  if kernels_lib.resolve_expert(kernels) == "fast":
+    return _tokamax_dispatch()[1](x, experts, w)
   return dense_linear(x, experts, w)
 
 

@@ -72,7 +72,7 @@ from raptor_jax.models import kernels
 
 # Expert dispatches of a fine-tuning run (`moe.DISPATCHES` without the
 # pretraining '*_train' ones); runs that train expert kernels use 'dense'.
-FINE_TUNING_DISPATCHES = ("auto", "grouped", "ragged", "dense")
+FINE_TUNING_DISPATCHES = ("auto", "grouped", "ragged", "tokamax", "dense")
 
 METHODS = (
     "raptor",
