@@ -205,6 +205,7 @@ def test_bench_dispatch_deepseek_toy():
 def test_gpu_dispatch_quick_runs_on_cpu():
   """Toy rows of the GPU script, in process and in a child process."""
   bench = _load("gpu_dispatch")
+  assert "tokamax" in bench.VARIANTS
   variants = ("grouped", "ragged")
   rows = bench.run(
       families=("switch",), quick=True, repeats=1, variants=variants

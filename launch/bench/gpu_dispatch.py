@@ -19,7 +19,9 @@ in two modes:
 
 and three dispatches: grouped (sorted blocks and a `lax.scan`: the CPU
 path, and what `dispatch='auto'` is until this script measures otherwise),
-ragged (`jax.lax.ragged_dot` grouped GEMMs) and dense (every expert on every row) where it fits. On a
+ragged (`jax.lax.ragged_dot` grouped GEMMs), tokamax (the same rows through
+tokamax's grouped-GEMM kernels, the `[gpu]` extra; a row that cannot run is
+reported, not timed) and dense (every expert on every row) where it fits. On a
 GPU the ragged rows run once per ragged_dot lowering (`LOWERINGS`: XLA's
 default, XLA's cuDNN fusion, JAX's Pallas Triton kernel), since which of them
 is a true grouped GEMM depends on the jaxlib and cuDNN versions.
@@ -67,15 +69,17 @@ SHAPES = {
     ),
 }
 MODES = ('lora', 'train')
-VARIANTS = ('grouped', 'ragged', 'dense')
+VARIANTS = ('grouped', 'ragged', 'tokamax', 'dense')
 # The `dispatch` of each (mode, variant): frozen kernels for LoRA, trainable
 # kernels otherwise ('dense' is differentiable in both).
 DISPATCH = {
     ('lora', 'grouped'): 'grouped',
     ('lora', 'ragged'): 'ragged',
+    ('lora', 'tokamax'): 'tokamax',
     ('lora', 'dense'): 'dense',
     ('train', 'grouped'): 'grouped_train',
     ('train', 'ragged'): 'ragged_train',
+    ('train', 'tokamax'): 'tokamax_train',
     ('train', 'dense'): 'dense',
 }
 LORA_RANK = 8
