@@ -1,0 +1,278 @@
+"""A generated task with two knobs: expert relevance and routing imbalance.
+
+A sibling of :mod:`raptor_jax.data.synthetic` for the controlled study of the
+paper's failure modes (``results/controlled``). Records come from *domains*
+marked in their tokens (about half of a record's words are its domain's
+words, :data:`DOMAINS`), so a Switch pretrained on the PUBLIC text below routes
+a domain's records to one owner expert. Two knobs:
+
+* **Expert relevance** ``relevance`` in [0, 1]: each sentiment slot of a
+  record holds a *domain-specific* word with probability ``relevance``, else
+  a *shared* word. Shared words (:data:`SHARED_WORDS`) mean the same in every
+  domain, a rule attention and the head can learn. Domain words
+  (:data:`DOMAIN_RULE_WORDS`) take a polarity that depends on the domain
+  (:func:`rule_polarity`, a fixed public table in which every word is
+  positive in two domains and negative in the other two), so reading them
+  needs the domain-conditional computation that the owner expert at l*
+  performs. At 0 the label follows the shared rule only; at 1 only the
+  domain rule.
+* **Routing imbalance** ``domain_shares``: the probability of each domain.
+  Under the owner rule (one owner per domain) the owner shares follow it;
+  :func:`normalized_entropy` gives H/log E.
+
+The label is the majority polarity of the sentiment slots (a three-slot
+record may carry one slot of the other polarity), then flipped with
+probability ``label_noise``.
+
+Public text (:func:`generate_public_texts`) comes from another random stream
+and template ("descriptions": domain words and filler, sometimes one
+sentiment word, never a label), with its own ``domain_shares``; it is what
+the small Switch is pretrained on (balanced) and what layer selection and
+the public routing entropy read (at the condition's shares). No public text
+equals a record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set as AbstractSet
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from raptor_jax import _validate
+from raptor_jax.data import synthetic
+
+# Four domains of twelve words (the first four topics of the synthetic task).
+DOMAINS: tuple[tuple[str, ...], ...] = synthetic.TOPICS[:4]
+NUM_DOMAINS = len(DOMAINS)
+# The shared rule: (negative, positive) in every domain.
+SHARED_WORDS: tuple[tuple[str, ...], tuple[str, ...]] = synthetic.FIXED_WORDS
+# The domain rule: polarity by domain (`rule_polarity`).
+DOMAIN_RULE_WORDS: tuple[str, ...] = (
+    *synthetic.CONTEXT_WORDS[0],
+    *synthetic.CONTEXT_WORDS[1],
+)
+FILLER_WORDS = synthetic.FILLER_WORDS
+VOCABULARY: tuple[str, ...] = (
+    *(w for words in DOMAINS for w in words),
+    *(w for words in SHARED_WORDS for w in words),
+    *DOMAIN_RULE_WORDS,
+    *FILLER_WORDS,
+)
+# Word j of DOMAIN_RULE_WORDS is positive in domain d iff _RULE[j, d] == 1:
+# a balanced design (each word positive in exactly two domains, each domain
+# has eight positive words), so no word carries label information without
+# its domain.
+_RULE = np.array(
+    [
+        [1, 1, 0, 0],
+        [0, 0, 1, 1],
+        [1, 0, 1, 0],
+        [0, 1, 0, 1],
+        [1, 0, 0, 1],
+        [0, 1, 1, 0],
+        [1, 1, 0, 0],
+        [0, 0, 1, 1],
+        [1, 0, 1, 0],
+        [0, 1, 0, 1],
+        [1, 0, 0, 1],
+        [0, 1, 1, 0],
+        [1, 1, 0, 0],
+        [0, 0, 1, 1],
+        [1, 0, 1, 0],
+        [0, 1, 0, 1],
+    ],
+    np.int32,
+)
+_RECORD_STREAM, _PUBLIC_STREAM = 10, 11
+_SLOT_COUNTS, _SLOT_PROBS = (1, 2, 3), (0.35, 0.4, 0.25)
+_MINORITY_PROB = 0.5  # a three-slot record has one slot of the other polarity
+
+BALANCED: tuple[float, ...] = (0.25, 0.25, 0.25, 0.25)
+
+
+class ControlledRecords(NamedTuple):
+  """Generated labelled records (raw text)."""
+
+  texts: list[str]
+  labels: np.ndarray  # int32 [n], 1 = positive, after label noise
+  domains: np.ndarray  # int32 [n], the domain of each record
+
+
+def check_shares(domain_shares: Sequence[float]) -> np.ndarray:
+  """`domain_shares` as a probability vector over the domains, or one clear error."""
+  shares = np.asarray(domain_shares, np.float64)
+  if (
+      shares.shape != (NUM_DOMAINS,)
+      or np.any(shares <= 0)
+      or abs(shares.sum() - 1.0) > 1e-6
+  ):
+    raise ValueError(
+        f"domain_shares must be {NUM_DOMAINS} positive numbers summing to 1,"
+        f" got {list(domain_shares)}"
+    )
+  return shares
+
+
+def normalized_entropy(shares: Sequence[float]) -> float:
+  """H(q) / log E of a share vector (zeros allowed): 1 uniform, 0 one-hot."""
+  q = np.asarray(shares, np.float64)
+  q = q / q.sum()
+  nz = q[q > 0]
+  return float(-np.sum(nz * np.log(nz)) / np.log(len(q)))
+
+
+def skewed_shares(major: float) -> tuple[float, ...]:
+  """Domain 0 has share `major`, the others split the rest equally."""
+  _validate.check(
+      1.0 / NUM_DOMAINS <= major < 1.0,
+      "major",
+      f"in [1/{NUM_DOMAINS}, 1)",
+      major,
+  )
+  rest = (1.0 - major) / (NUM_DOMAINS - 1)
+  return (major, *([rest] * (NUM_DOMAINS - 1)))
+
+
+def rule_polarity(word: str, domain: int) -> int:
+  """+1 / -1 for a sentiment word read in `domain`, 0 for other words.
+
+  The rule that defines the labels: a record's noise-free label is positive
+  exactly when the sum of its words' polarities is positive.
+  """
+  for sign, words in ((-1, SHARED_WORDS[0]), (1, SHARED_WORDS[1])):
+    if word in words:
+      return sign
+  if word in DOMAIN_RULE_WORDS:
+    return 1 if _RULE[DOMAIN_RULE_WORDS.index(word), domain] else -1
+  return 0
+
+
+def _pick(rng: np.random.Generator, words: Sequence[str]) -> str:
+  return words[int(rng.integers(len(words)))]
+
+
+def _sentiment_word(
+    rng: np.random.Generator, domain: int, positive: int, relevance: float
+) -> str:
+  if rng.random() < relevance:
+    words = [w for j, w in enumerate(DOMAIN_RULE_WORDS) if _RULE[j, domain]]
+    if not positive:
+      words = [
+          w for j, w in enumerate(DOMAIN_RULE_WORDS) if not _RULE[j, domain]
+      ]
+    return _pick(rng, words)
+  return _pick(rng, SHARED_WORDS[positive])
+
+
+def _record(
+    rng: np.random.Generator, domain: int, label: int, relevance: float
+) -> str:
+  length = int(rng.integers(8, 21))
+  n_slots = int(rng.choice(_SLOT_COUNTS, p=_SLOT_PROBS))
+  polarities = [label] * n_slots
+  if n_slots == 3 and rng.random() < _MINORITY_PROB:
+    polarities[0] = 1 - label
+  words = [_sentiment_word(rng, domain, p, relevance) for p in polarities]
+  words += [_pick(rng, DOMAINS[domain]) for _ in range(length // 2)]
+  words += [_pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
+  return " ".join(words[i] for i in rng.permutation(len(words)))
+
+
+def generate_records(
+    seed: int,
+    n: int,
+    *,
+    relevance: float,
+    domain_shares: Sequence[float] = BALANCED,
+    label_noise: float = 0.05,
+) -> ControlledRecords:
+  """Generates `n` distinct labelled records, deterministically from the arguments.
+
+  Args:
+    seed: the random seed (train, held-out and dev data use distinct seeds).
+    n: the number of records.
+    relevance: share of sentiment slots that follow the domain rule, [0, 1].
+    domain_shares: probability of each domain (`check_shares`).
+    label_noise: probability that a label is flipped, [0, 0.5).
+
+  Returns:
+    The texts, labels and domains.
+  """
+  _validate.check(n >= 1, "n", ">= 1 (controlled records)", n)
+  _validate.check(0.0 <= relevance <= 1.0, "relevance", "in [0, 1]", relevance)
+  _validate.check(
+      0.0 <= label_noise < 0.5, "label_noise", "in [0, 0.5)", label_noise
+  )
+  shares = check_shares(domain_shares)
+  rng = np.random.default_rng((seed, _RECORD_STREAM))
+  texts: dict[str, None] = {}
+  labels, domains = [], []
+  while len(texts) < n:
+    domain = int(rng.choice(NUM_DOMAINS, p=shares))
+    label = int(rng.integers(2))
+    text = _record(rng, domain, label, relevance)
+    if text not in texts:
+      texts[text] = None
+      labels.append(label ^ int(rng.random() < label_noise))
+      domains.append(domain)
+  return ControlledRecords(
+      list(texts), np.asarray(labels, np.int32), np.asarray(domains, np.int32)
+  )
+
+
+def _description(rng: np.random.Generator, domain: int) -> str:
+  length = int(rng.integers(10, 25))
+  words = [_pick(rng, DOMAINS[domain]) for _ in range(length * 11 // 20)]
+  if rng.random() < 0.5:
+    pool = (
+        DOMAIN_RULE_WORDS
+        if rng.random() < 0.5
+        else SHARED_WORDS[int(rng.integers(2))]
+    )
+    words.append(_pick(rng, pool))
+  words += [_pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
+  return " ".join(words[i] for i in rng.permutation(len(words)))
+
+
+def generate_public_texts(
+    seed: int,
+    n: int,
+    *,
+    domain_shares: Sequence[float] = BALANCED,
+    exclude: AbstractSet[str] = frozenset(),
+) -> list[str]:
+  """Generates `n` distinct unlabeled descriptions, none of them in `exclude`.
+
+  Another random stream and template than the records: public text matched
+  to their format, as pretraining and layer selection need, with no label.
+  """
+  _validate.check(n >= 1, "n", ">= 1 (public texts)", n)
+  shares = check_shares(domain_shares)
+  rng = np.random.default_rng((seed, _PUBLIC_STREAM))
+  texts: dict[str, None] = {}
+  while len(texts) < n:
+    text = _description(rng, int(rng.choice(NUM_DOMAINS, p=shares)))
+    if text not in exclude:
+      texts.setdefault(text)
+  return list(texts)
+
+
+def owner_purity(domains: np.ndarray, owners: np.ndarray) -> np.ndarray:
+  """Per domain, the share of its records owned by its modal expert.
+
+  Domains with no record get NaN.
+  """
+  domains, owners = np.asarray(domains), np.asarray(owners)
+  purity = np.full(NUM_DOMAINS, np.nan)
+  for d in range(NUM_DOMAINS):
+    owned = owners[domains == d]
+    if len(owned):
+      purity[d] = np.bincount(owned).max() / len(owned)
+  return purity
+
+
+def owner_shares(owners: np.ndarray, num_experts: int) -> np.ndarray:
+  """Share of records owned by each expert (float64 [E])."""
+  counts = np.bincount(np.asarray(owners), minlength=num_experts)
+  return counts / max(counts.sum(), 1)

@@ -1,0 +1,168 @@
+"""The controlled study's generator knobs and the Theorem 1 check."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raptor_jax import theory
+from raptor_jax.data import controlled
+
+MODEL = Path(__file__).resolve().parents[1] / "results/controlled/model"
+
+
+def _sentiment_words(text: str) -> list[str]:
+  return [w for w in text.split() if controlled.rule_polarity(w, 0) != 0]
+
+
+def test_relevance_sets_which_rule_the_sentiment_words_follow():
+  for relevance, rule_share in ((0.0, 0.0), (1.0, 1.0)):
+    records = controlled.generate_records(0, 300, relevance=relevance)
+    words = [w for t in records.texts for w in _sentiment_words(t)]
+    share = np.mean([w in controlled.DOMAIN_RULE_WORDS for w in words])
+    assert share == rule_share
+  middle = controlled.generate_records(0, 2000, relevance=0.5)
+  words = [w for t in middle.texts for w in _sentiment_words(t)]
+  assert (
+      0.45 < np.mean([w in controlled.DOMAIN_RULE_WORDS for w in words]) < 0.55
+  )
+
+
+def test_labels_follow_the_rule_of_the_records_domain():
+  records = controlled.generate_records(3, 500, relevance=0.7, label_noise=0.0)
+  for text, label, domain in zip(*records):
+    score = sum(controlled.rule_polarity(w, domain) for w in text.split())
+    assert (score > 0) == bool(label)
+
+
+def test_domain_rule_words_say_nothing_without_the_domain():
+  """At relevance 1 no word predicts the label unless its domain is known."""
+  records = controlled.generate_records(1, 4000, relevance=1.0, label_noise=0.0)
+  for word in controlled.DOMAIN_RULE_WORDS:
+    has = np.array([word in t.split() for t in records.texts])
+    blind = records.labels[has].mean()  # domain ignored
+    assert abs(blind - 0.5) < 0.1, word
+    by_domain = [
+        records.labels[has & (records.domains == d)].mean() for d in range(4)
+    ]
+    assert max(abs(p - 0.5) for p in by_domain) > 0.3, word
+
+
+def test_domain_shares_set_the_domain_frequencies():
+  skew = controlled.skewed_shares(0.75)
+  records = controlled.generate_records(
+      0, 3000, relevance=0.5, domain_shares=skew
+  )
+  freq = np.bincount(records.domains, minlength=4) / 3000
+  np.testing.assert_allclose(freq, skew, atol=0.03)
+  assert controlled.normalized_entropy(controlled.BALANCED) == pytest.approx(
+      1.0
+  )
+  assert controlled.normalized_entropy(skew) == pytest.approx(0.604, abs=0.01)
+
+
+def test_public_texts_are_disjoint_from_records_and_unlabelled():
+  records = controlled.generate_records(0, 500, relevance=0.5)
+  public = controlled.generate_public_texts(
+      0, 500, exclude=frozenset(records.texts)
+  )
+  assert len(set(public)) == 500 and not set(public) & set(records.texts)
+
+
+def test_bad_shares_are_refused_in_one_line():
+  with pytest.raises(ValueError, match="4 positive numbers summing to 1"):
+    controlled.check_shares((0.5, 0.5))
+  with pytest.raises(ValueError, match="relevance"):
+    controlled.generate_records(0, 5, relevance=1.5)
+
+
+def test_owner_purity_counts_the_modal_expert():
+  domains = np.array([0, 0, 0, 0, 1, 1])
+  owners = np.array([2, 2, 2, 1, 3, 3])
+  np.testing.assert_allclose(
+      controlled.owner_purity(domains, owners)[:2], [0.75, 1.0]
+  )
+
+
+@pytest.mark.skipif(not MODEL.exists(), reason="results/controlled/model")
+def test_pretrained_router_owns_domains_and_shares_follow_the_knob():
+  from raptor_jax import data, models, ownership
+  from raptor_jax.train import config as config_lib
+
+  backbone, params = models.from_pretrained(str(MODEL), dtype="float32")
+  tokenizer = data.load_tokenizer(str(MODEL))
+  config = config_lib.base_config()
+  config.eval_batch_size = 500
+  layer = backbone.config.sparse_layers[-1]
+  entropies = []
+  for shares in (controlled.BALANCED, controlled.skewed_shares(0.75)):
+    records = controlled.generate_records(
+        5, 1000, relevance=1.0, domain_shares=shares
+    )
+    enc = data.encode(tokenizer, records.texts, records.labels, max_length=32)
+    owners = ownership.private_owner_map(config, backbone, params, enc, layer)
+    assert np.nanmin(controlled.owner_purity(records.domains, owners)) >= 0.9
+    entropies.append(
+        controlled.normalized_entropy(controlled.owner_shares(owners, 4))
+    )
+  assert entropies[0] > 0.97
+  assert 0.55 < entropies[1] < 0.65
+
+
+def _theorem1(shares, *, sigma=1.0, trials=1500):
+  h, owners = theory.synthetic_gradients(
+      np.asarray(shares), n=800, d=8, l2_clip=1.0, seed=0
+  )
+  stats = theory.group_statistics(h, owners, 4)
+  terms = theory.theorem1_terms(
+      stats, batch_size=80.0, noise_multiplier=sigma, l2_clip=1.0
+  )
+  mc = theory.monte_carlo(
+      h,
+      owners,
+      num_experts=4,
+      batch_size=80.0,
+      noise_multiplier=1.0,
+      l2_clip=1.0,
+      trials=trials,
+      seed=1,
+  )
+  return terms, mc
+
+
+@pytest.mark.parametrize(
+    "shares", [(0.25, 0.25, 0.25, 0.25), (0.55, 0.25, 0.15, 0.05)]
+)
+def test_theorem1_matches_monte_carlo_of_owner_dp_aggregate(shares):
+  terms, mc = _theorem1(shares)
+  z = (mc.mse - terms.total) / mc.stderr
+  assert np.all(np.abs(z) < 4), z
+  uniform = np.allclose(shares, 0.25)
+  assert (
+      np.all(terms.bias2 == 0)
+      if uniform
+      else np.all(terms.bias2[[0, 2, 3]] > 0)
+  )
+
+
+def test_theorem1_check_detects_a_wrong_noise_scale():
+  """A prediction with the wrong sigma is many standard errors off."""
+  terms, mc = _theorem1((0.25, 0.25, 0.25, 0.25), sigma=1.2)
+  assert np.all(np.abs((mc.mse - terms.total) / mc.stderr) > 6)
+
+
+def test_group_statistics_are_the_population_moments():
+  h = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]], np.float32)
+  stats = theory.group_statistics(h, np.array([0, 0, 1]), 2)
+  np.testing.assert_allclose(stats.means[0], [0.5, 0.5])
+  np.testing.assert_allclose(stats.trace_cov, [0.5, 0.0])
+  with pytest.raises(ValueError, match="clipped"):
+    theory.monte_carlo(
+        h * 3,
+        np.array([0, 0, 1]),
+        num_experts=2,
+        batch_size=1.0,
+        noise_multiplier=1.0,
+        l2_clip=1.0,
+        trials=2,
+    )
