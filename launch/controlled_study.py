@@ -30,7 +30,6 @@ from absl import app, flags
 from ml_collections import config_flags
 import numpy as np
 
-from raptor_jax.data import controlled as gen
 from raptor_jax.train import controlled, study_report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/controlled.py")
@@ -45,13 +44,7 @@ _MAX_RUNS = flags.DEFINE_integer(
 )
 
 # --- the grid of PROTOCOL.md -------------------------------------------------
-RELEVANCE = {"r0": 0.0, "r50": 0.5, "r100": 1.0}
-IMBALANCE = {"bal": gen.BALANCED, "skew": gen.skewed_shares(0.75)}
-CONDITIONS = tuple(
-    controlled.Condition(f"{r}_{i}", rel, shares)
-    for r, rel in RELEVANCE.items()
-    for i, shares in IMBALANCE.items()
-)
+CONDITIONS = controlled.CONDITIONS
 EPSILONS = (0.5, 1.0, 2.0, 8.0)
 PRIVATE = ("raptor", "baseline_a", "baseline_b", "monolithic_lora")
 NONPRIVATE = "nonprivate_lora"

@@ -59,6 +59,17 @@ class Condition:
   domain_shares: tuple[float, ...]
 
 
+# The study's conditions (results/controlled/PROTOCOL.md): relevance levels
+# x imbalance levels.
+RELEVANCE = {"r0": 0.0, "r50": 0.5, "r100": 1.0}
+IMBALANCE = {"bal": gen.BALANCED, "skew": gen.skewed_shares(0.75)}
+CONDITIONS = tuple(
+    Condition(f"{r}_{i}", rel, shares)
+    for r, rel in RELEVANCE.items()
+    for i, shares in IMBALANCE.items()
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ConditionData:
   """A condition's tokenised splits (`setup.RunData`) and its generator truth."""
