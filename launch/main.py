@@ -2,6 +2,10 @@
 
 python launch/main.py --config=configs/switch_sst2.py:tiny --workdir=/tmp/raptor_tiny
 
+SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) checkpoint the last
+completed cycle and exit with one line (status 128 + the signal's number);
+rerunning the same command resumes (raptor_jax/train/preemption.py).
+
 stderr is private operator output, like the workdir: its log lines carry
 absl timestamps (how long cycles take depends on the realised Poisson sample
 sizes), so keep it with the workdir and never publish it. What to publish is
@@ -22,7 +26,7 @@ from absl import app, flags, logging as absl_logging  # pylint: disable=g-multip
 from ml_collections import config_flags
 
 from raptor_jax import _validate, host_devices  # pylint: disable=g-multiple-import
-from raptor_jax.train import parallel, train_and_evaluate
+from raptor_jax.train import parallel, preemption, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training configuration file.", lock_config=True
@@ -73,7 +77,11 @@ def main(argv):
     parallel.initialize_distributed(
         _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
     )
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    try:
+      train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    except preemption.Stopped as stopped:  # SIGINT or SIGTERM, checkpointed
+      print(stopped.one_line(), file=sys.stderr)
+      sys.exit(128 + stopped.signum)
     if _DIAGNOSTICS.value:
       from raptor_jax import diagnostics  # pylint: disable=g-import-not-at-top
 

@@ -143,6 +143,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_every_cycles = (
       100  # checkpoint period (and at the end, and on errors)
   )
+  # also checkpoint when this many minutes passed since the last one (0: off)
+  c.checkpoint_every_minutes = 0.0
   c.log_every_cycles = 10  # progress / epsilon-spent logging period
   c.stop_after_cycles = (
       0  # stop (with a checkpoint) after this many cycles; 0 = run to the end
@@ -341,6 +343,7 @@ RESUME_INSENSITIVE = (
     "eval_every_epochs",
     "eval_batch_size",
     "checkpoint_every_cycles",
+    "checkpoint_every_minutes",
     "log_every_cycles",
     "stop_after_cycles",
     "log_private_stats",

@@ -10,6 +10,7 @@ decides how many microbatches run; nothing reads, branches on or logs it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,8 +24,9 @@ import numpy as np
 
 from raptor_jax import _validate, accounting, data, ownership, roles, sampling
 from raptor_jax.ledger import PrivacyLedger
-from raptor_jax.train import methods, metrics, parallel, secrecy, step
+from raptor_jax.train import methods, metrics, parallel, preemption, secrecy, step
 from raptor_jax.train.checkpoint import Checkpointer
+from raptor_jax.train.config import RESUME_INSENSITIVE
 from raptor_jax.train.run import Run, build_run, validate
 
 log = logging.getLogger("raptor_jax")
@@ -441,6 +443,11 @@ class _Session:
     self.logits_fn = step.make_eval_fn(run.model)
     self.cycles_per_epoch = accounting.steps_per_epoch(run.plan.sample_rate)
     self.last_saved = self.state.cycle
+    self.clock = preemption.CheckpointClock(
+        config.checkpoint_every_cycles,
+        config.checkpoint_every_minutes,
+        saved_cycle=self.state.cycle,
+    )
 
   def public_data(self) -> dict:
     """The report's data field: the public source, or a keyed file digest."""
@@ -471,17 +478,26 @@ class _Session:
         self.run.config.eval_batch_size,
     )
 
-  def save(self) -> None:
+  def save(self, stopping: bool = False) -> None:
     """Checkpoints the current state, once per cycle.
 
     An interrupt that lands after the checkpoint of this cycle was written
     (but before `last_saved` moved) finds it saved: the state of a cycle is
     one value, so that checkpoint is this state and is not written twice.
+    A stop signal during the save waits for it to commit, then stops the run
+    (or, `stopping`: the run already stops, it is dropped).
     """
     state = self.state
     if self.checkpointer.latest() == state.cycle:
       self.last_saved = state.cycle
+      self.clock.saved(state.cycle)
       return
+    with preemption.deferred_signals(raise_after=not stopping):
+      self._write_checkpoint(state)
+    self.last_saved = state.cycle
+    self.clock.saved(state.cycle)
+
+  def _write_checkpoint(self, state: TrainState) -> None:
     self.checkpointer.save(
         state.cycle,
         {"trainable": state.trainable, "opt": state.opt_states},
@@ -493,7 +509,6 @@ class _Session:
             "wall_time_s": self.wall_time_s(),
         },
     )
-    self.last_saved = state.cycle
 
   def log_cycle(self, progress) -> None:
     """Public per-cycle output: epoch, epsilon spent, dev metrics at epoch ends."""
@@ -527,6 +542,14 @@ class _Session:
           _epsilon_spent(plan, self.state),
       )
 
+  def _checkpoint_due(self) -> bool:
+    """Whether to save now; every process of a multi-host run agrees (the
+    time-based period reads each host's clock, and orbax saves jointly)."""
+    due = self.clock.due(self.state.cycle)
+    if self.clock.seconds and jax.process_count() > 1:
+      due = bool(parallel.agree(int(due)))
+    return due
+
   def train(self) -> None:
     """Cycles until the plan (or config.stop_after_cycles) ends, checkpointing."""
     config, plan = self.run.config, self.run.plan
@@ -548,12 +571,13 @@ class _Session:
             self.writer,
         )
         self.log_cycle(progress)
-        if self.state.cycle - self.last_saved >= config.checkpoint_every_cycles:
+        if self._checkpoint_due():
           self.save()
     except BaseException:
-      # A crash loses no checkpoint: save the last completed cycle, then re-raise.
+      # A crash or a stop signal (`preemption.Stopped`) loses no checkpoint:
+      # save the last completed cycle, then re-raise.
       if self.state.cycle > self.last_saved:
-        self.save()
+        self.save(stopping=True)
       raise
     finally:
       if progress is not None:
@@ -597,14 +621,99 @@ def train_and_evaluate(
     run: optionally, the single-process `build_run(config)` already built
       by the caller (the audit reads its canaries); saves building it twice.
 
+  One process trains in a workdir at a time (`preemption.WorkdirLock`), and
+  SIGINT and SIGTERM stop the run with a checkpoint of its last completed
+  cycle (`preemption`).
+
   Returns:
     The results dict (also written to results.json).
+
+  Raises:
+    preemption.Stopped: a stop signal; its `cycle` is the cycle the
+      workdir's checkpoint holds (None: no checkpoint yet).
+    ValueError: bad config, a workdir in use by another process or of
+      another config (one line).
   """
   start_time = time.time()
   validate(config)  # before any data or model is loaded
   mesh = parallel.make_mesh(config.num_devices)
   workdir = Path(workdir).expanduser().resolve()
   workdir.mkdir(parents=True, exist_ok=True)
+  lock = (
+      preemption.WorkdirLock(workdir)
+      if _is_writer()
+      else contextlib.nullcontext()
+  )
+  with lock, preemption.stop_on_signals():
+    try:
+      return _train_and_evaluate(config, workdir, mesh, run, start_time)
+    except preemption.Stopped as stopped:
+      stopped.cycle = preemption.latest_checkpoint(workdir)
+      raise
+
+
+def check_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:
+  """Refuses a workdir of another config before anything is loaded.
+
+  The workdir's config.json (public) against `config`, every field that
+  changes what the run computes; the checkpoint's fingerprint stays the
+  authority (`Checkpointer.restore_meta`). A workdir without a checkpoint
+  passes: `_start_fresh` handles it.
+
+  Raises:
+    ValueError: one line naming the fields that differ.
+  """
+  saved = workdir / "config.json"
+  if preemption.latest_checkpoint(workdir) is None or not saved.exists():
+    return
+  try:
+    then = _flat(json.loads(saved.read_text()))
+  except ValueError:
+    return  # unreadable: the checkpoint's fingerprint decides
+  now = _flat(json.loads(secrecy.public_config(config)))
+  differ = sorted(
+      key
+      for key in set(then) | set(now)
+      if then.get(key) != now.get(key)
+      and key.split(".")[0] not in RESUME_INSENSITIVE
+  )
+  if differ:
+    shown = ", ".join(
+        f"{key} (then {then.get(key)!r}, now {now.get(key)!r})"
+        for key in differ[:5]
+    )
+    more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+    raise ValueError(
+        f"{workdir} holds a run of another config: {shown}{more}; use another"
+        " --workdir, or rerun with the config in its config.json"
+    )
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in values.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def _start_fresh(workdir: Path) -> None:
+  """A workdir with no checkpoint and no report: the outputs of a run that
+  died before its first checkpoint (if any) are moved aside."""
+  if (
+      preemption.latest_checkpoint(workdir) is None
+      and not (workdir / "privacy_report.json").exists()
+  ):
+    preemption.move_aside_unfinished_logs(workdir)
+
+
+def _train_and_evaluate(config, workdir, mesh, run, start_time):
+  """`train_and_evaluate` inside the workdir lock and the stop signals."""
+  check_workdir(config, workdir)
+  if _is_writer():
+    _start_fresh(workdir)
   # This host tokenises and keeps only its records (i % P == p); n counts all.
   if run is None:
     run = build_run(config, host=parallel.host_shard())

@@ -44,6 +44,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
   setup.check_eval_split(config.data)
   setup.check_data_fields(config)
   sampling.check_microbatch_size(config.microbatch_size)
+  _validate.positive_int(
+      "checkpoint_every_cycles",
+      config.checkpoint_every_cycles,
+      _validate.config_fix("checkpoint_every_cycles"),
+  )
+  _validate.non_negative(
+      "checkpoint_every_minutes",
+      config.checkpoint_every_minutes,
+      _validate.config_fix("checkpoint_every_minutes") + " (0: off)",
+  )
 
 
 @dataclasses.dataclass(frozen=True)
