@@ -113,4 +113,60 @@ def write(results_dir: Path) -> Path:
   rows = read_rows(Path(results_dir) / "results.csv")
   path = Path(results_dir) / "results.md"
   path.write_text(markdown(rows))
+  if rows:
+    plot_phase_diagram(rows, Path(results_dir) / "phase_diagram.png")
+  return path
+
+
+def plot_phase_diagram(rows, path: Path) -> Path:
+  """RAPTOR - baseline_a and RAPTOR - monolithic_lora vs relevance.
+
+  One panel per epsilon; one line per (comparison, imbalance level); error
+  bars are the 95% paired t intervals. Cells with fewer than the protocol's
+  seeds are drawn hollow (PARTIAL).
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  relevance = {r["condition"]: float(r["relevance"]) for r in rows}
+  epsilons = sorted({r["epsilon"] for r in rows} - {"inf"}, key=float)
+  fig, axes = plt.subplots(
+      1, max(len(epsilons), 1), figsize=(3.2 * max(len(epsilons), 1), 3.2)
+  )
+  axes = np.atleast_1d(axes)
+  for ax, eps in zip(axes, epsilons):
+    for other, color in zip(PAIRS, ("C0", "C1")):
+      for imbalance, style in (("bal", "-"), ("skew", "--")):
+        points = []
+        for cond in sorted(relevance, key=relevance.get):
+          if not cond.endswith(imbalance):
+            continue
+          diffs = paired(rows, cond, eps, other)
+          if diffs:
+            points.append(
+                (relevance[cond], *paired_interval(diffs), len(diffs))
+            )
+        if not points:
+          continue
+        x, mean, low, high, n = map(np.asarray, zip(*points))
+        ax.errorbar(
+            x,
+            mean,
+            yerr=[mean - low, high - mean],
+            fmt="o" + style,
+            color=color,
+            mfc=[color if k >= SEEDS_PER_CELL else "none" for k in n][0],
+            label=f"- {other} ({imbalance})",
+            capsize=3,
+        )
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_title(f"epsilon {eps}")
+    ax.set_xlabel("expert relevance")
+  axes[0].set_ylabel("RAPTOR gain (points)")
+  axes[-1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
   return path
