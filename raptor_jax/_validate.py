@@ -66,6 +66,23 @@ def errors_exit_in_one_line() -> Iterator[None]:
     sys.exit(f"error: {e}  ({TRACEBACK_VARIABLE}=1 shows the traceback)")
 
 
+@contextlib.contextmanager
+def needs_extra(package: str, extra: str = "train") -> Iterator[None]:
+  """Turns a missing optional dependency into one line naming the extra.
+
+  The DP core installs with four dependencies; ``package`` (e.g.
+  ``raptor_jax.train``) needs the ``extra``'s too.
+  """
+  try:
+    yield
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+        f"{package} needs {e.name}, which is not installed; pip install"
+        f" 'raptor_jax[{extra}]'",
+        name=e.name,
+    ) from None
+
+
 # The fix of a number that must be known before tracing (a clip, a noise
 # multiplier, a denominator): an array could be traced or data-dependent.
 PUBLIC_NUMBER = "pass a public Python number, not an array or a traced value"

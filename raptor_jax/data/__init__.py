@@ -16,23 +16,35 @@ Privacy: nothing here prints or logs record contents or statistics of the
 private data; errors name files, columns and row numbers, never values.
 """
 
-from raptor_jax.data.corpora import PUBLIC_CORPORA, TASK_CORPUS, CorpusSpec, load_public_corpus
-from raptor_jax.data.encoding import (
-    TextClassificationData,
-    Tokenizer,
-    build_word_tokenizer,
-    check_batch_size,
-    encode,
-    load_tokenizer,
-    public_word_tokenizer,
-    tokenize,
-)
-from raptor_jax.data.overlap import drop_overlapping
-from raptor_jax.data.synthetic import SyntheticTask, synthetic_task, topic_groups
-from raptor_jax.data.tables import read_columns
-from raptor_jax.data.tasks import TASKS, TaskSpec, get_task, load_task_split, load_task_texts
+from raptor_jax import _validate
+
+with _validate.needs_extra("raptor_jax.data"):  # datasets, transformers, ...
+  from raptor_jax.data.corpora import PUBLIC_CORPORA, TASK_CORPUS, CorpusSpec, load_public_corpus
+  from raptor_jax.data.encoding import (
+      TextClassificationData,
+      Tokenizer,
+      build_word_tokenizer,
+      check_batch_size,
+      encode,
+      load_tokenizer,
+      public_word_tokenizer,
+      tokenize,
+  )
+  from raptor_jax.data.overlap import drop_overlapping
+  from raptor_jax.data.synthetic import SyntheticTask, synthetic_task, topic_groups
+  from raptor_jax.data.tables import read_columns
+  from raptor_jax.data.tasks import (
+      CUSTOM,
+      TASKS,
+      TaskSpec,
+      custom_task,
+      get_task,
+      load_task_split,
+      load_task_texts,
+  )
 
 __all__ = [
+    "CUSTOM",
     "PUBLIC_CORPORA",
     "TASKS",
     "TASK_CORPUS",
@@ -43,6 +55,7 @@ __all__ = [
     "Tokenizer",
     "build_word_tokenizer",
     "check_batch_size",
+    "custom_task",
     "drop_overlapping",
     "encode",
     "get_task",

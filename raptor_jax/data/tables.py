@@ -23,10 +23,12 @@ Columns = dict[str, list[Any]]
 LOCAL_FORMATS = (".tsv", ".csv", ".parquet", ".jsonl", ".txt")
 
 
-def read_columns(path: str | Path) -> Columns:
+def read_columns(path: str | Path, split: str | None = None) -> Columns:
   """Reads a local table into ``{column name: values in file order}``.
 
-  The format follows the extension:
+  A directory is a ``datasets`` ``save_to_disk`` directory: a ``Dataset``,
+  or a ``DatasetDict`` from which ``split`` is read. A file's format follows
+  its extension:
 
   * ``.tsv``: tab-separated, a header row, quoting OFF (``csv.QUOTE_NONE``).
     That is how the official GLUE files are written: some QNLI dev sentences
@@ -40,36 +42,80 @@ def read_columns(path: str | Path) -> Columns:
   * ``.txt``: one text per line, returned as the single column ``text``.
 
   Args:
-      path: the local file.
+      path: the local file or ``save_to_disk`` directory.
+      split: the split of a saved ``DatasetDict`` (``train``,
+          ``validation``); ignored for files.
 
   Returns:
       A dict from column name to the list of that column's values.
 
   Raises:
       FileNotFoundError: the file does not exist.
-      ValueError: unknown extension, an empty TSV/CSV, or a TSV/CSV row whose
-          field count differs from the header's.
+      ValueError: unknown extension, an empty TSV/CSV, a TSV/CSV row whose
+          field count differs from the header's, a file that is not UTF-8,
+          a bad JSON line, an unreadable parquet file or saved dataset (one
+          line naming the file and the fix).
   """
   path = Path(path)
+  if path.is_dir():
+    return _read_saved(path, split)
   if not path.is_file():
     raise FileNotFoundError(
         f"Data file {path} does not exist; check the path in the config."
     )
+  try:
+    return _read_file(path)
+  except UnicodeDecodeError as e:
+    raise ValueError(
+        f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8"
+    ) from None
+
+
+def _read_file(path: Path) -> Columns:
   suffix = path.suffix.lower()
   if suffix == ".tsv":
     return _read_delimited(path, delimiter="\t", quoting=csv.QUOTE_NONE)
   if suffix == ".csv":
     return _read_delimited(path, delimiter=",", quoting=csv.QUOTE_MINIMAL)
   if suffix == ".parquet":
-    return pq.read_table(path).to_pydict()
+    try:
+      return pq.read_table(path).to_pydict()
+    except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError
+      reason = (str(e).splitlines() or [""])[0][:200]
+      raise ValueError(
+          f"{path} is not a readable parquet file ({reason}); write it with"
+          " pandas.DataFrame.to_parquet or pyarrow.parquet.write_table"
+      ) from None
   if suffix == ".jsonl":
     return _read_jsonl(path)
   if suffix == ".txt":
     return {"text": path.read_text(encoding="utf-8").splitlines()}
   raise ValueError(
       f"Cannot read {path}: unknown extension {suffix!r}; use one of"
-      f" {', '.join(LOCAL_FORMATS)}."
+      f" {', '.join(LOCAL_FORMATS)}, or a datasets.save_to_disk directory."
   )
+
+
+def _read_saved(path: Path, split: str | None) -> Columns:
+  """A `datasets.save_to_disk` directory's columns (a split of a DatasetDict)."""
+  try:
+    saved = datasets.load_from_disk(str(path))
+  except (FileNotFoundError, ValueError) as e:
+    reason = (str(e).splitlines() or [""])[0][:200]
+    raise ValueError(
+        f"{path} is a directory but not a datasets.save_to_disk directory"
+        f" ({reason}); point the path at a file, or save the dataset with"
+        " Dataset.save_to_disk"
+    ) from None
+  if isinstance(saved, datasets.DatasetDict):
+    if split not in saved:
+      raise ValueError(
+          f"{path} holds the splits {', '.join(saved)}, not {split!r}; save"
+          f" that split as {split!r}, or point the path at"
+          f" {path}/<split> (a Dataset)"
+      )
+    saved = saved[split]
+  return saved.to_dict()
 
 
 def _read_delimited(path: Path, *, delimiter: str, quoting: int) -> Columns:
@@ -95,8 +141,25 @@ def _read_delimited(path: Path, *, delimiter: str, quoting: int) -> Columns:
 
 
 def _read_jsonl(path: Path) -> Columns:
+  records = []
   with path.open(encoding="utf-8") as f:
-    records = [json.loads(line) for line in f if line.strip()]
+    for number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except ValueError as e:
+        raise ValueError(
+            f"{path} line {number} is not JSON ({e.msg}); write one JSON"
+            " object per line"
+        ) from None
+      if not isinstance(record, dict):
+        raise ValueError(
+            f"{path} line {number} is a JSON {type(record).__name__}, not an"
+            " object; write one JSON object per line, e.g."
+            ' {"text": "...", "label": 1}'
+        )
+      records.append(record)
   names = list(dict.fromkeys(key for record in records for key in record))
   return {name: [record.get(name) for record in records] for name in names}
 

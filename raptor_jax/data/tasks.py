@@ -1,4 +1,5 @@
-"""The classification tasks: GLUE SST-2, MNLI, QNLI, QQP and the generated task.
+"""The classification tasks: GLUE SST-2, MNLI, QNLI, QQP, the generated task
+and the user's own (:func:`custom_task`).
 
 A :class:`TaskSpec` holds everything public about a task: where its data lives
 on the Hub, which columns hold the text and the label (with the aliases used
@@ -112,16 +113,106 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
+# `data.task` of a task the user declares (`custom_task`, configs/custom.py).
+CUSTOM = "custom"
+_CUSTOM_FIX = "declare your own with --config=configs/custom.py:cpu"
+
+
 def get_task(name: str) -> TaskSpec:
   """Returns the spec of task ``name`` (case-insensitive).
 
   Raises:
-      ValueError: unknown task.
+      ValueError: unknown task (a custom task is built by `custom_task`).
   """
+  _validate.check(
+      name.lower() != CUSTOM,
+      "data.task",
+      f"one of {', '.join(TASKS)} here (data.task='custom' is declared by"
+      " data.text_fields, data.label_field and data.label_names)",
+      name,
+      _CUSTOM_FIX,
+  )
   _validate.one_of(
-      "data.task", name.lower(), TASKS, _validate.config_fix("data.task")
+      "data.task",
+      name.lower(),
+      TASKS,
+      _validate.config_fix("data.task") + f", or {_CUSTOM_FIX}",
   )
   return TASKS[name.lower()]
+
+
+def custom_task(
+    text_fields: Sequence[str],
+    label_field: str,
+    label_names: Sequence[str],
+    *,
+    hub_id: str | None = None,
+) -> TaskSpec:
+  """The spec of the user's own task: its columns and its label vocabulary.
+
+  Args:
+      text_fields: the text column, or two for a sentence pair (also as
+          one comma-separated string, as the command line passes it).
+      label_field: the label column; its values are class names of
+          ``label_names`` or integers 0 .. K-1.
+      label_names: the K >= 2 class names; position = class id.
+      hub_id: a Hub dataset with ``train`` and ``validation`` splits, read
+          when no local file is given (online, or from the ``datasets``
+          cache).
+
+  Returns:
+      A task reporting accuracy and macro-F1 (the mean F1 over classes).
+
+  Raises:
+      ValueError: one line naming the field and its fix.
+  """
+  fix = lambda field, example: (
+      _validate.config_fix(f"data.{field}", example) + " (configs/custom.py)"
+  )
+  if isinstance(text_fields, str):
+    text_fields = (text_fields,)
+  if len(text_fields) == 1 and "," in text_fields[0]:  # --config...=q,s
+    text_fields = tuple(text_fields[0].split(","))
+  _validate.check(
+      len(text_fields) in (1, 2)
+      and all(isinstance(f, str) and f for f in text_fields),
+      "data.text_fields",
+      "one text column, or two for a sentence pair",
+      tuple(text_fields),
+      fix("text_fields", "text"),
+  )
+  _validate.check(
+      isinstance(label_field, str) and bool(label_field),
+      "data.label_field",
+      "the label column's name",
+      label_field,
+      fix("label_field", "label"),
+  )
+  if isinstance(label_names, str):
+    label_names = tuple(filter(None, label_names.split(",")))
+  _validate.check(
+      len(label_names) >= 2
+      and all(isinstance(n, str) and n for n in label_names)
+      and len(set(label_names)) == len(label_names),
+      "data.label_names",
+      "two or more distinct class names (position = class id)",
+      tuple(label_names),
+      fix("label_names", "negative,positive"),
+  )
+  return TaskSpec(
+      name=CUSTOM,
+      text_fields=tuple((name,) for name in text_fields),
+      label_fields=(label_field,),
+      label_names=tuple(label_names),
+      hub_id=hub_id or None,
+      hub_config=None,
+      splits={"train": "train", "dev": "validation"},
+      metrics=("accuracy", "macro_f1"),
+  )
+
+
+def _spec(task: str | TaskSpec) -> TaskSpec:
+  return task if isinstance(task, TaskSpec) else get_task(task)
 
 
 def _check_split_args(spec, split, text_fields, limit, offset):
@@ -188,7 +279,7 @@ def _records_stop(
 
 
 def load_task_split(
-    task: str,
+    task: str | TaskSpec,
     split: str,
     *,
     tokenizer: encoding.Tokenizer,
@@ -204,13 +295,14 @@ def load_task_split(
 
   Without ``path`` the split comes from the Hub (or the local ``datasets``
   cache); with ``path`` from a local ``.tsv`` (quoting off, as GLUE writes
-  them), ``.csv``, ``.parquet`` or ``.jsonl`` file. Column names are found
+  them), ``.csv``, ``.parquet`` or ``.jsonl`` file, or a
+  ``datasets.save_to_disk`` directory. Column names are found
   through the task's aliases (``sentence1``/``premise``, ``gold_label``/
   ``label``, ``is_duplicate``/``label``...) unless given explicitly.
   Sentence pairs are tokenised as pairs.
 
   Args:
-      task: a key of :data:`TASKS`.
+      task: a key of :data:`TASKS`, or a :class:`TaskSpec` (`custom_task`).
       split: ``"train"`` or ``"dev"`` (MNLI also ``"dev_mismatched"``).
       tokenizer: the model's tokenizer.
       path: a local file to read instead of the Hub.
@@ -236,7 +328,7 @@ def load_task_split(
       FileNotFoundError: missing local file, or a Hub dataset that is neither
           reachable nor cached.
   """
-  spec = get_task(task)
+  spec = _spec(task)
   text_fields = _check_split_args(spec, split, text_fields, limit, offset)
   columns, source = _split_columns(spec, split, path)
   text_names, label_name = _pick_columns(
@@ -265,7 +357,7 @@ def load_task_split(
 
 
 def load_task_texts(
-    task: str,
+    task: str | TaskSpec,
     split: str,
     *,
     path: str | Path | None = None,
@@ -276,7 +368,7 @@ def load_task_texts(
   For checks that must see the raw text, such as dropping a task's sentences
   from a public pretraining corpus. Arguments as :func:`load_task_split`.
   """
-  spec = get_task(task)
+  spec = _spec(task)
   _validate.one_of(f"split of task {spec.name}", split, spec.splits)
   columns, source = _split_columns(spec, split, path)
   candidates = (
@@ -297,11 +389,14 @@ def _split_columns(
     spec: TaskSpec, split: str, path: str | Path | None
 ) -> tuple[tables.Columns, str]:
   if path is not None:
-    return tables.read_columns(path), str(path)
+    return tables.read_columns(path, split=spec.splits[split]), str(path)
   if spec.hub_id is None:
     raise ValueError(
         f"Task {spec.name} has no Hub dataset: it is generated by"
         f" raptor_jax.data.synthetic_task(); or set --config.data.{split}_path to a file."
+        if spec.name != CUSTOM
+        else f"the custom task has no {split} data; set"
+        f" --config.data.{split}_path to a file, or --config.data.hub_dataset"
     )
   hub_split = spec.splits[split]
   columns = tables.load_hub_columns(
@@ -310,7 +405,12 @@ def _split_columns(
       hub_split,
       fix=f"set --config.data.{split}_path=/path/to/{split}.tsv",
   )
-  return columns, f"{spec.hub_id}/{spec.hub_config} split {hub_split}"
+  name = (
+      spec.hub_id
+      if spec.hub_config is None
+      else f"{spec.hub_id}/{spec.hub_config}"
+  )
+  return columns, f"{name} split {hub_split}"
 
 
 def _as_text(value: Any) -> str:
@@ -333,8 +433,13 @@ def _label_id(
       value = int(value)
   if isinstance(value, int) and 0 <= value < spec.num_labels:
     return int(value)
+  fix = (
+      "fix the file, or list its classes in --config.data.label_names"
+      if spec.name == CUSTOM
+      else "fix the file or set --config.data.label_field"
+  )
   raise ValueError(
       f"{source}, column {column!r}, data row {row}: not a {spec.name} label (expected"
       f" {'/'.join(spec.label_names)} or 0..{spec.num_labels - 1}; an unlabelled test"
-      " split?); fix the file or set --config.data.label_field."
+      f" split?); {fix}."
   )

@@ -32,9 +32,23 @@ def binary_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
   return float(2 * tp / max(2 * tp + fp + fn, 1))
 
 
+def macro_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
+  """The mean F1 over the classes that occur in `labels` or `predictions`
+  (scikit-learn's `f1_score(average='macro')`); a custom task's metric."""
+  classes = np.union1d(labels, predictions)
+  scores = []
+  for c in classes:
+    tp = np.sum((predictions == c) & (labels == c))
+    fp = np.sum((predictions == c) & (labels != c))
+    fn = np.sum((predictions != c) & (labels == c))
+    scores.append(2 * tp / max(2 * tp + fp + fn, 1))
+  return float(np.mean(scores))
+
+
 METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
     "accuracy": accuracy,
     "f1": binary_f1,
+    "macro_f1": macro_f1,
 }
 
 

@@ -140,7 +140,8 @@ def data_fingerprint(config: ml_collections.ConfigDict) -> dict:
   if dc.task == "synthetic":
     return dict(source="generated", task="synthetic")
   if not dc.train_path:
-    return dict(source="hub", task=dc.task)
+    hub = dc.get("hub_dataset")  # a custom task's (configs/custom.py)
+    return dict(source="hub", task=f"custom {hub}" if hub else dc.task)
   path = Path(dc.train_path).expanduser()
   if path.is_dir():
     files = {

@@ -46,6 +46,24 @@ def _shard_of(
   )
 
 
+# Fields only a custom task reads (configs/custom.py declares them).
+CUSTOM_TASK_ONLY = ("data.label_names", "data.hub_dataset")
+
+
+def task_spec(dc: ml_collections.ConfigDict) -> data.TaskSpec:
+  """The task `dc` names: a GLUE or the generated task, or the user's own
+  (`data.task='custom'`: `data.text_fields`, `data.label_field`,
+  `data.label_names`, `configs/custom.py`)."""
+  if dc.task != data.CUSTOM:
+    return data.get_task(dc.task)
+  return data.custom_task(
+      tuple(dc.text_fields),
+      dc.label_field,
+      dc.label_names,
+      hub_id=dc.get("hub_dataset") or None,
+  )
+
+
 def check_eval_split(dc: ml_collections.ConfigDict) -> None:
   """The evaluation split exists and the holdout never overlaps training records.
 
@@ -59,7 +77,7 @@ def check_eval_split(dc: ml_collections.ConfigDict) -> None:
       fix("data.eval_split"),
   )
   _validate.non_negative_int("data.holdout", dc.holdout, fix("data.holdout"))
-  if data.get_task(dc.task).name == "synthetic":
+  if task_spec(dc).name == "synthetic":
     return  # no holdout: `check_data_fields` refuses one
   _validate.check(
       not dc.holdout or dc.train_limit,
@@ -149,7 +167,35 @@ def check_data_fields(config: ml_collections.ConfigDict) -> None:
   dc, fix = config.data, _validate.config_fix
   if config.model.name != "random":
     _check_random_model_unset(config)
-  if data.get_task(dc.task).name == "synthetic":
+  task = task_spec(dc)
+  if task.name != data.CUSTOM:
+    for field in CUSTOM_TASK_ONLY:
+      value = dc.get(field.split(".")[1])
+      _validate.check(
+          not value,
+          field,
+          f"unset with data.task={dc.task!r}, whose labels and source are"
+          " fixed",
+          value,
+          "set --config.data.task=custom (configs/custom.py) for your own task",
+      )
+  elif not (dc.train_path or dc.get("hub_dataset")):
+    _validate.fail(
+        "data.train_path",
+        "a file or save_to_disk directory of your task (or set"
+        " data.hub_dataset)",
+        dc.train_path,
+        fix("data.train_path", "/path/to/train.tsv"),
+    )
+  elif dc.eval_split == "dev" and not (dc.dev_path or dc.get("hub_dataset")):
+    _validate.fail(
+        "data.dev_path",
+        "a file of your task's evaluation records (or set data.eval_split"
+        " to 'holdout' with data.train_limit and data.holdout)",
+        dc.dev_path,
+        fix("data.dev_path", "/path/to/dev.tsv"),
+    )
+  if task.name == "synthetic":
     where = "unset with the generated task (data.task='synthetic', as in :tiny)"
     for field in GENERATED_TASK_IGNORES:
       value = _field(config, field)
@@ -198,7 +244,7 @@ def check_data_fields(config: ml_collections.ConfigDict) -> None:
       )
   for field in ("train_path", "dev_path", "public_path"):
     _validate.check(
-        not dc[field] or Path(dc[field]).is_file(),
+        not dc[field] or Path(dc[field]).expanduser().exists(),
         f"data.{field}",
         "an existing file",
         dc[field],
@@ -219,7 +265,7 @@ def load_run_data(
       and the public corpus are loaded whole.
   """
   dc = config.data
-  task = data.get_task(dc.task)
+  task = task_spec(dc)
   check_eval_split(dc)
   check_data_fields(config)
   if task.name == "synthetic":
@@ -233,7 +279,7 @@ def load_run_data(
       label_field=dc.label_field or None,
   )
   train = data.load_task_split(
-      task.name,
+      task,
       "train",
       path=dc.train_path or None,
       limit=dc.train_limit or None,
@@ -242,7 +288,7 @@ def load_run_data(
   )
   if dc.eval_split == "holdout":
     dev = data.load_task_split(
-        task.name,
+        task,
         "train",
         path=dc.train_path or None,
         offset=dc.train_limit,
@@ -251,7 +297,7 @@ def load_run_data(
     )
   else:
     dev = data.load_task_split(
-        task.name,
+        task,
         "dev",
         path=dc.dev_path or None,
         limit=dc.dev_limit or None,
@@ -353,7 +399,7 @@ def overlap_report(config: ml_collections.ConfigDict) -> dict[str, int]:
     dict(public_texts=number of texts loaded, overlapping=how many overlap).
   """
   dc = config.data
-  task = data.get_task(dc.task)
+  task = task_spec(dc)
   check_data_fields(config)
   if task.name == "synthetic":
     raise ValueError(
@@ -366,7 +412,12 @@ def overlap_report(config: ml_collections.ConfigDict) -> dict[str, int]:
         "the config has no public corpus; set --config.data.public_corpus or"
         " --config.data.public_path"
     )
-  private = data.load_task_texts(task.name, "train", path=dc.train_path or None)
+  private = data.load_task_texts(
+      task,
+      "train",
+      path=dc.train_path or None,
+      text_fields=tuple(dc.text_fields) or None,
+  )
   _, overlapping = data.drop_overlapping(texts, private)
   return dict(public_texts=len(texts), overlapping=overlapping)
 

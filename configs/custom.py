@@ -1,0 +1,49 @@
+"""RAPTOR on your own text classification data: `configs/custom.py:<preset>`.
+
+Declare the task with four fields (there is no default for them):
+
+  data.text_fields   the text column, or two columns for a sentence pair
+  data.label_field   the label column: class names or integers 0 .. K-1
+  data.label_names   the K class names, comma-separated; position = class id
+  data.train_path    a .tsv (quoting off), .csv, .jsonl or .parquet file, or a
+                     datasets.save_to_disk directory (data.dev_path likewise);
+                     or, online, data.hub_dataset=<Hub id> with train and
+                     validation splits
+
+The task reports accuracy and macro-F1. Presets, as for GLUE
+(`configs/glue.py`): empty (paper scale, google/switch-base-8) | cpu (the
+tiny random model with a word vocabulary from the PUBLIC corpus; CPU) |
+small (a small pretrained model from launch/pretrain.py: set
+--config.model.name=<pretrain workdir>/model).
+
+A 5-class TSV with columns `text, sentiment`, public corpus from a file:
+
+  python launch/main.py --config=configs/custom.py:cpu --workdir=/tmp/mine \
+    --config.data.train_path=train.tsv --config.data.dev_path=dev.tsv \
+    --config.data.text_fields=text --config.data.label_field=sentiment \
+    --config.data.label_names=very_neg,neg,neutral,pos,very_pos \
+    --config.data.public_path=calib/imdb/unsup_sample5000.tsv
+
+The public corpus (layer selection, and the :cpu vocabulary) must not be
+your private data: any public text of the same language and domain works
+(default: the IMDb preset from the Hub).
+"""
+
+from raptor_jax import _validate
+from raptor_jax.train.config import base_config, with_preset
+
+PRESETS = ("", "cpu", "small")
+
+
+def get_config(arg: str = ""):
+  _validate.one_of(
+      "preset of configs/custom.py",
+      arg,
+      PRESETS,
+      "use --config=configs/custom.py:cpu, :small, or no preset",
+  )
+  config = base_config()
+  config.data.task = "custom"
+  config.data.label_names = ""  # comma-separated class names (id = position)
+  config.data.hub_dataset = ""  # a Hub dataset id instead of files (online)
+  return with_preset(config, arg)
