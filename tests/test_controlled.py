@@ -166,3 +166,51 @@ def test_group_statistics_are_the_population_moments():
         l2_clip=1.0,
         trials=2,
     )
+
+
+def _experts_off(trainable: dict, layer: int) -> dict:
+  """`trainable` with the LoRA B factors of block `layer`'s experts at zero
+  (their initial value): the model without its expert updates."""
+  prefix = f"backbone/block_{layer}/mlp/experts/"
+  return {
+      part: {
+          p: (v * 0 if p.startswith(prefix) and p.endswith("lora_b") else v)
+          for p, v in leaves.items()
+      }
+      for part, leaves in trainable.items()
+  }
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MODEL.exists(), reason="results/controlled/model")
+def test_expert_updates_matter_more_at_higher_relevance_without_privacy():
+  """Non-private LoRA: switching the trained expert adapters off costs more
+  accuracy when the label follows the domain rule (r = 1) than when it
+  follows the shared rule (r = 0)."""
+  import importlib.util
+
+  from raptor_jax.train import controlled as study
+
+  spec = importlib.util.spec_from_file_location(
+      "controlled_config", MODEL.parents[2] / "configs/controlled.py"
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("tiny")
+  config.model.name = str(MODEL)
+  config.method, config.seed, config.epochs = "nonprivate_lora", 100, 3
+  _, _, tokenizer = study.pretrained(str(MODEL))
+  cache, memo, drops = study.StepCache(), {}, []
+  for relevance in (0.0, 1.0):
+    cond = study.condition_data(
+        config,
+        study.Condition(f"r{relevance}", relevance, controlled.BALANCED),
+        tokenizer,
+        eval_split="tune",
+    )
+    run = study.build(config, cond, owners_cache=memo)
+    trainable = study.train(run, cache.phase_functions(run), b"\0" * 32)
+    full = study.evaluate(cache, run, trainable)
+    off = study.evaluate(cache, run, _experts_off(trainable, run.expert_layer))
+    drops.append(full - off)
+  assert drops[1] > drops[0] + 0.02, drops
