@@ -178,7 +178,7 @@ class Study:
           self.data(tune_cond, "tune"),
           self.cache,
           secret_key=f"tune/{tune_cond}/{method}/{epsilon:g}/{clip:g}",
-          owners_cache=self._owners,
+          memo=self._owners,
           with_diagnostics=False,
       )
       done[clip] = row["accuracy"]
@@ -213,7 +213,7 @@ class Study:
         # Common random numbers: every method of a (condition, eps, seed)
         # draws from the same sample and noise secret.
         secret_key=f"grid/{name}/{eps_key}/{seed}",
-        owners_cache=self._owners,
+        memo=self._owners,
         eval_owners=self._dev_owners(config, cond),
     )
     condition = self.conditions[name]

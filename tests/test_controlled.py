@@ -208,7 +208,7 @@ def test_expert_updates_matter_more_at_higher_relevance_without_privacy():
         tokenizer,
         eval_split="tune",
     )
-    run = study.build(config, cond, owners_cache=memo)
+    run = study.build(config, cond, memo=memo)
     trainable = study.train(run, cache.phase_functions(run), b"\0" * 32)
     full = study.evaluate(cache, run, trainable)
     off = study.evaluate(cache, run, _experts_off(trainable, run.expert_layer))

@@ -43,7 +43,7 @@ def main(argv):
     )
     start = time.perf_counter()
     row = controlled.run_cell(
-        config, cond, cache, secret_key=f"scan/{level:g}", owners_cache=owners
+        config, cond, cache, secret_key=f"scan/{level:g}", memo=owners
     )
     ratio = row["lambda_e"] / row["lambda_s"] if row["lambda_s"] else None
     entry = dict(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import time
 from typing import Any, Sequence
 
@@ -130,30 +131,32 @@ def pretrained(model_dir: str):
 
 
 def build(
-    config: ml_collections.ConfigDict, cond: ConditionData, *, owners_cache=None
+    config: ml_collections.ConfigDict, cond: ConditionData, *, memo=None
 ) -> Run:
   """The cell's `Run`, assembled as `run.build_run` does, from `cond`.
 
-  `owners_cache` (a dict) keeps the owner map of each (train split, l*):
-  it depends only on the frozen model and the records.
+  `memo` (a dict shared by the cells of a study) keeps what depends only
+  on public inputs or on the frozen model: l* of each public corpus, the
+  plan of each config (its noise calibration is a PLD bisection), and the
+  owner map of each (train split, l*).
   """
   backbone, backbone_params, _ = pretrained(config.model.name)
   run_data = cond.run_data
   n = len(run_data.train)
   data.check_batch_size(config.batch_size, n)
   bc = backbone.config
-  owners_cache = {} if owners_cache is None else owners_cache
-  layer_key = ("layer", id(run_data), config.raptor.layer)
-  if layer_key not in owners_cache:  # public corpus only
-    owners_cache[layer_key] = ownership.select_expert_layer(
+  memo = {} if memo is None else memo
+  layer_key = ("layer", _digest(run_data.public[0]), config.raptor.layer)
+  if layer_key not in memo:  # public corpus only
+    memo[layer_key] = ownership.select_expert_layer(
         config, backbone, backbone_params, run_data
     )
-  expert_layer, table = owners_cache[layer_key]
+  expert_layer, table = memo[layer_key]
   # The plan is public and depends on the config, n and l* only; its noise
   # calibration (a PLD bisection) is the slow part, so it is kept.
   plan_key = ("plan", _plan_fields(config), n, expert_layer)
-  if plan_key not in owners_cache:
-    owners_cache[plan_key] = methods.build_plan(
+  if plan_key not in memo:
+    memo[plan_key] = methods.build_plan(
         config,
         n=n,
         num_experts=bc.num_experts,
@@ -161,13 +164,13 @@ def build(
         expert_layer=expert_layer,
         shared_experts=roles.has_shared_experts(backbone_params),
     )
-  plan = owners_cache[plan_key]
-  key = (id(run_data.train), expert_layer)
-  if key not in owners_cache:
-    owners_cache[key] = ownership.private_owner_map(
+  plan = memo[plan_key]
+  key = ("owners", _digest(run_data.train.input_ids), expert_layer)
+  if key not in memo:
+    memo[key] = ownership.private_owner_map(
         config, backbone, backbone_params, run_data.train, expert_layer
     )
-  owners = owners_cache[key]
+  owners = memo[key]
   backbone, backbone_params = hf.with_options(
       backbone,
       backbone_params,
@@ -186,6 +189,11 @@ def build(
   return Run(
       config, run_data, n, plan, table, model, trainable, frozen, owners, bc
   )
+
+
+def _digest(array: np.ndarray) -> str:
+  """A content key of an array (ids of freed objects are reused)."""
+  return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
 def _plan_fields(config: ml_collections.ConfigDict) -> str:
@@ -416,13 +424,13 @@ def run_cell(
     cache: StepCache,
     *,
     secret_key: str,
-    owners_cache: dict,
+    memo: dict,
     eval_owners: np.ndarray | None = None,
     with_diagnostics: bool = True,
 ) -> dict[str, Any]:
   """Builds, trains and measures one cell; returns its row (public numbers)."""
   start = time.perf_counter()
-  run = build(config, cond, owners_cache=owners_cache)
+  run = build(config, cond, memo=memo)
   phase_fns = cache.phase_functions(run)
   secret = secrecy.fixed_secret(secrecy.cell_secret_seed(0, secret_key))
   trainable = train(run, phase_fns, secret)
