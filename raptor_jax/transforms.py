@@ -51,10 +51,20 @@ row by row and apply only the last micro-step's ``mask`` and ``owners`` to all
 of them, which voids the one-record sensitivity bound above. To accumulate
 over microbatches, add their clipped sums (``grads.clipped_grad_sum``) and
 call ``privatize_sums`` once per step: one step, one noise draw, one
-accounted release.
+accounted release. The transforms refuse to run inside ``MultiSteps`` (one
+line), and ``dp_aggregate`` / ``owner_dp_aggregate`` refuse an update that is
+not the parameter tree plus one leading record axis (a mean gradient).
+
+The front door. ``make_private`` (``make_private_experts`` for expert
+streams) assembles the four pieces in one call, as Opacus's
+``make_private_with_epsilon`` does: the noise multiplier calibrated to a
+target epsilon, the transform, a Poisson microbatch iterator and an
+accountant whose ``epsilon()`` reports the spend.
 """
 
+import inspect
 import numbers
+import sys
 from typing import Any, NamedTuple, Union
 
 import jax
@@ -115,6 +125,87 @@ def _standard_normal(key: jax.Array, like: PyTree) -> PyTree:
   draws = [optax.tree.random_like(k, like, jax.random.normal) for k in key]
   scale = 1.0 / len(draws) ** 0.5
   return jax.tree.map(lambda *d: sum(d) * scale, *draws)
+
+
+# optax.MultiSteps's source file: an update called from it is refused.
+_MULTISTEPS_FILE = inspect.getsourcefile(optax.MultiSteps)
+
+
+def _refuse_multisteps(name: str) -> None:
+  """Refuses to run inside ``optax.MultiSteps`` (module docstring: it would
+  privatize a running mean, voiding the guarantee). Python-level, so it runs
+  when the update is traced, not on every step of a jitted loop."""
+  frame = sys._getframe(2)  # pylint: disable=protected-access
+  while frame is not None:
+    code = frame.f_code
+    if code.co_filename == _MULTISTEPS_FILE and 'MultiSteps' in getattr(
+        code, 'co_qualname', 'MultiSteps'
+    ):
+      raise ValueError(
+          f'{name}: must not run inside optax.MultiSteps (it hands the'
+          ' transform a running mean of its inputs, not one step of'
+          ' per-record gradients or sums, and the guarantee is void);'
+          ' accumulate microbatch sums with grads.clipped_grad_sum and call'
+          ' privatize_sums once per step'
+      )
+    frame = frame.f_back
+
+
+def _shape_of(leaf) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
+
+
+def _check_per_record(
+    name: str, updates: PyTree, reference: PyTree, mask, *, sliced: bool
+) -> None:
+  """Refuses updates that are not per-record gradients (one line).
+
+  Per-record gradients are the parameter tree with ONE leading record axis
+  (``sliced``: of each expert's slice, the parameters' leading expert axis
+  replaced by the record axis). A mean gradient (the parameter tree itself)
+  would be taken as records and clipped row by row: the one-record bound,
+  hence the guarantee, would not hold.
+  """
+  fix = (
+      'pass per-record gradients, e.g. jax.vmap(jax.grad(loss),'
+      ' in_axes=(None, 0))(params, batch), not a mean gradient'
+  )
+  if sliced:
+    fix = (
+        'pass per-record gradients of the owner slices,'
+        ' jax.vmap(jax.grad(loss))(grads.owner_slices(params, owners), batch)'
+    )
+  if jax.tree.structure(updates) != jax.tree.structure(reference):
+    _validate.fail(
+        f'{name} updates',
+        'the parameter tree with one leading record axis',
+        _validate.Shown(f'a tree of structure {jax.tree.structure(updates)}'),
+        fix,
+    )
+  records = set()
+  for (path, leaf), ref in zip(
+      jax.tree_util.tree_flatten_with_path(updates)[0],
+      jax.tree.leaves(reference),
+  ):
+    want = tuple(jnp.shape(ref))[1:] if sliced else tuple(jnp.shape(ref))
+    shape = tuple(jnp.shape(leaf))
+    _validate.check(
+        len(shape) == len(want) + 1 and shape[1:] == want,
+        f'{name} updates{jax.tree_util.keystr(path)}',
+        f'per-record gradients of shape (n, *{want})',
+        _validate.Shown(f'shape {shape}'),
+        fix,
+    )
+    records.add(shape[0])
+  if mask is not None:
+    records.add(jnp.shape(mask)[0] if jnp.ndim(mask) == 1 else -1)
+  _validate.check(
+      len(records) <= 1,
+      f'{name} updates',
+      'one record count n on every leaf (and the mask)',
+      _validate.Shown(f'counts {sorted(records)}'),
+      fix,
+  )
 
 
 def _privatize(
@@ -209,6 +300,7 @@ def privatize_sums(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _refuse_multisteps('privatize_sums')
     return _privatize(
         updates,
         state,
@@ -274,14 +366,23 @@ def dp_aggregate(
     {'w': (3,)}
   """
   privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
+  shapes = {}  # the parameter shapes seen by init, for the shape guard
+
+  def init_fn(params):
+    shapes['params'] = jax.tree.map(_shape_of, params)
+    return privatizer.init(params)
 
   def update_fn(updates, state, params=None, *, mask=None, **extra_args):
-    del params, extra_args
+    del extra_args
+    _refuse_multisteps('dp_aggregate')
+    reference = params if params is not None else shapes.get('params')
+    if reference is not None:
+      _check_per_record('dp_aggregate', updates, reference, mask, sliced=False)
     clipped, _ = grads_lib.clip_per_record(updates, l2_clip, mask)
     sums = jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped)
     return privatizer.update(sums, state)
 
-  return optax.GradientTransformationExtraArgs(privatizer.init, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def owner_dp_aggregate(
@@ -346,11 +447,22 @@ def owner_dp_aggregate(
   """
   num_experts = _validate.positive_int('num_experts', num_experts)
   privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
+  shapes = {}  # the stacked parameter shapes seen by init, for the guard
+
+  def init_fn(params):
+    shapes['params'] = jax.tree.map(_shape_of, params)
+    return privatizer.init(params)
 
   def update_fn(
       updates, state, params=None, *, owners=None, mask=None, **extra_args
   ):
-    del params, extra_args
+    del extra_args
+    _refuse_multisteps('owner_dp_aggregate')
+    reference = params if params is not None else shapes.get('params')
+    if reference is not None:
+      _check_per_record(
+          'owner_dp_aggregate', updates, reference, mask, sliced=True
+      )
     _validate.check(
         owners is not None,
         'owners',
@@ -362,4 +474,241 @@ def owner_dp_aggregate(
     sums = grads_lib.sum_by_owner(clipped, owners, num_experts)
     return privatizer.update(sums, state)
 
-  return optax.GradientTransformationExtraArgs(privatizer.init, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------- front door
+
+
+class Accountant:
+  """The privacy spent by a `make_private` run so far (PLD accountant).
+
+  `PoissonMicrobatches` records one release per step it hands out, BEFORE
+  the step runs (a step drawn but not applied is counted: the spend is never
+  under-reported). `epsilon()` composes the steps recorded so far at the
+  run's delta (`accounting.dpsgd_epsilon`).
+  """
+
+  def __init__(self, sample_rate: float, noise_multiplier: float, delta: float):
+    from raptor_jax import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
+
+    self.sample_rate, self.noise_multiplier = sample_rate, noise_multiplier
+    self.delta = delta
+    self.ledger = ledger_lib.PrivacyLedger()
+
+  @property
+  def steps(self) -> int:
+    return self.ledger.steps('dpsgd')
+
+  def record_step(self) -> None:
+    self.ledger.record(
+        'dpsgd',
+        sample_rate=self.sample_rate,
+        noise_multiplier=self.noise_multiplier,
+    )
+
+  def epsilon(self) -> float:
+    """Epsilon spent at `delta` by the steps handed out so far (0 before)."""
+    return self.ledger.epsilon(self.delta) if self.steps else 0.0
+
+
+class PoissonMicrobatches:
+  """Each step's Poisson sample, cut into fixed-size padded microbatches.
+
+  Iterating yields, for step t = 0 .. steps-1, the list of
+  `sampling.Microbatch(indices, mask)` of `sampling.poisson_sample(n, q,
+  seed, step=t)` (an empty list when the sample is empty: the step then
+  releases noise only), and records the step in the accountant first.
+  Iterate it again to redraw the same samples (a resumed run).
+  """
+
+  def __init__(
+      self,
+      n: int,
+      sample_rate: float,
+      steps: int,
+      microbatch_size: int,
+      seed: int,
+      accountant: Accountant,
+  ):
+    self.n, self.sample_rate, self.steps = n, sample_rate, steps
+    self.microbatch_size, self._seed = microbatch_size, seed
+    self._accountant = accountant
+
+  def __len__(self) -> int:
+    return self.steps
+
+  def step(self, t: int) -> list:
+    """Step t's microbatches (recorded in the accountant)."""
+    from raptor_jax import sampling  # pylint: disable=g-import-not-at-top
+
+    self._accountant.record_step()
+    sample = sampling.poisson_sample(
+        self.n, self.sample_rate, seed=self._seed, step=t
+    )
+    return sampling.microbatches(sample, self.microbatch_size)
+
+  def __iter__(self):
+    for t in range(self.steps):
+      yield self.step(t)
+
+
+class PrivateTraining(NamedTuple):
+  """What `make_private` returns: a calibrated DP-SGD setup.
+
+  Attributes:
+    tx: `privatize_sums` chained with your optimizer; `update` takes the
+      step's clipped float32 sums (`grads.clipped_grad_sum`, or
+      `grads.owner_clipped_grad_sum` for `make_private_experts`).
+    microbatches: `PoissonMicrobatches`, one list of microbatches per step.
+    accountant: `Accountant`; `accountant.epsilon()` is the spend so far.
+    noise_multiplier: the calibrated sigma (public).
+    steps: the number of noisy steps (epochs * ceil(n / B)).
+    l2_clip: the clipping norm C the sums must be built with.
+  """
+
+  tx: optax.GradientTransformationExtraArgs
+  microbatches: PoissonMicrobatches
+  accountant: Accountant
+  noise_multiplier: float
+  steps: int
+  l2_clip: float
+
+
+def _derive(secret: bytes, label: str, size: int) -> bytes:
+  import hashlib  # pylint: disable=g-import-not-at-top
+
+  return hashlib.blake2b(label.encode(), key=secret, digest_size=size).digest()
+
+
+def make_private(
+    optimizer: optax.GradientTransformation,
+    *,
+    target_epsilon: float,
+    delta: float,
+    n: int,
+    batch_size: float,
+    epochs: float,
+    l2_clip: float,
+    secret: bytes,
+    microbatch_size: int = 32,
+    num_experts: int | None = None,
+) -> PrivateTraining:
+  """DP-SGD in one call, calibrated to a budget (as Opacus's
+  ``make_private_with_epsilon``).
+
+  Guarantee: if every step's input to ``tx.update`` is the sum over that
+  step's microbatches of per-record gradients clipped to ``l2_clip``
+  (``grads.clipped_grad_sum`` with this ``l2_clip``, padding masked), the
+  released parameters after all ``steps`` steps are
+  ``(target_epsilon, delta)``-DP under add/remove of one record: each step
+  is a Poisson-subsampled Gaussian mechanism (rate ``q = batch_size / n``,
+  noise multiplier calibrated by the PLD accountant,
+  ``accounting.calibrate_dpsgd``) and the accountant composes them. The
+  Poisson seed and the 128-bit noise key are derived from ``secret``: keep
+  it secret (whoever has it can redraw the samples and the noise).
+
+  Args:
+    optimizer: the optimizer applied to the privatized update (e.g.
+      ``optax.adam(1e-3)``).
+    target_epsilon: the budget, > 0.
+    delta: in (0, 1), below 1/n (``accounting.validate_delta``).
+    n: the number of private records (public).
+    batch_size: the expected batch size B (public): q = B / n and the noisy
+      sum is divided by B, never by a realised count.
+    epochs: training length in epochs; steps = epochs * ceil(n / B).
+    l2_clip: the per-record clipping norm C.
+    secret: >= 16 secret bytes, e.g. ``os.urandom(32)``.
+    microbatch_size: rows per microbatch (memory only; no effect on privacy).
+    num_experts: None for one parameter tree; E for owner sums ``[E, ...]``
+      (use `make_private_experts`).
+
+  Returns:
+    A `PrivateTraining` (tx, microbatches, accountant, noise_multiplier,
+    steps, l2_clip).
+
+  Example:
+    >>> import os, jax, jax.numpy as jnp, numpy as np, optax
+    >>> from raptor_jax import grads, transforms
+    >>> x = np.random.default_rng(0).normal(size=(200, 3)).astype(np.float32)
+    >>> params = {'w': jnp.zeros(3)}
+    >>> loss_fn = lambda p, r: (r['x'] @ p['w'] - 1.0) ** 2
+    >>> private = transforms.make_private(
+    ...     optax.sgd(0.1), target_epsilon=2.0, delta=1e-3, n=200,
+    ...     batch_size=50, epochs=2, l2_clip=1.0, secret=os.urandom(32))
+    >>> state = private.tx.init(params)
+    >>> for microbatches in private.microbatches:
+    ...   sums = grads.zeros_like_f32(params)
+    ...   for mb in microbatches:
+    ...     s, _ = grads.clipped_grad_sum(loss_fn, params, {'x': x[mb.indices]},
+    ...                                   l2_clip=1.0, mask=mb.mask)
+    ...     sums = optax.tree.add(sums, s)
+    ...   updates, state = private.tx.update(sums, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> private.steps, private.accountant.epsilon() <= 2.0
+    (8, True)
+  """
+  from raptor_jax import accounting  # pylint: disable=g-import-not-at-top
+
+  n = _validate.positive_int('n', n)
+  batch_size = _validate.positive('batch_size', batch_size)
+  _validate.check(
+      batch_size <= n, 'batch_size', f'<= n = {n}', batch_size, 'lower it'
+  )
+  epochs = _validate.positive('epochs', epochs)
+  _validate.check(
+      isinstance(secret, bytes) and len(secret) >= 16,
+      'secret',
+      '>= 16 secret bytes',
+      _validate.Shown(f'a {type(secret).__name__}'),
+      'pass os.urandom(32), kept secret (never a public seed)',
+  )
+  accounting.validate_delta(delta, n)
+  sample_rate = batch_size / n
+  steps = max(1, round(epochs * accounting.steps_per_epoch(sample_rate)))
+  sigma = accounting.calibrate_dpsgd(
+      target_epsilon=target_epsilon,
+      delta=delta,
+      sample_rate=sample_rate,
+      steps=steps,
+  )
+  denominator = batch_size
+  if num_experts is not None:
+    denominator = batch_size / _validate.positive_int(
+        'num_experts', num_experts
+    )
+  words = jnp.frombuffer(_derive(secret, 'noise', 16), jnp.uint32)
+  tx = optax.chain(
+      privatize_sums(l2_clip, sigma, denominator, words.reshape(2, 2)),
+      optimizer,
+  )
+  seed = int.from_bytes(_derive(secret, 'poisson', 32), 'little')
+  accountant = Accountant(sample_rate, sigma, delta)
+  batches = PoissonMicrobatches(
+      n, sample_rate, steps, microbatch_size, seed, accountant
+  )
+  return PrivateTraining(tx, batches, accountant, sigma, steps, float(l2_clip))
+
+
+def make_private_experts(
+    optimizer: optax.GradientTransformation, *, num_experts: int, **kwargs
+) -> PrivateTraining:
+  """`make_private` for parameters stacked per expert ``[E, ...]`` (Eq. 9).
+
+  Each record trains only its owner expert's slice: feed ``tx.update`` the
+  step's ``grads.owner_clipped_grad_sum`` (leaves ``[E, ...]``), which the
+  transform noises per expert and divides by the public ``B / E``.
+
+  Guarantee: as `make_private`'s, provided each record's owner is a function
+  of that record alone, fixed for the run (e.g. the frozen pretrained
+  router's choice): one record then changes one expert's slice of the sums
+  by at most ``l2_clip``, so the ``[E, ...]`` release has the same
+  sensitivity as one tree's and the same accountant applies (parallel
+  composition over the owner groups, RAPTOR Lemma 1).
+
+  Args:
+    optimizer: the optimizer of the expert slices.
+    num_experts: E (>= 1).
+    **kwargs: `make_private`'s keyword arguments.
+  """
+  return make_private(optimizer, num_experts=num_experts, **kwargs)

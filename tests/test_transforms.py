@@ -402,13 +402,13 @@ def test_state_names_its_key_as_optax_does():
   assert state._fields == optax.AddNoiseState._fields == ('count', 'rng_key')
 
 
-def test_multisteps_would_privatize_a_mean_not_the_sum():
-  """Why the docstrings forbid optax.MultiSteps: the released update is no
-  longer the step's (sum + noise) / denominator."""
+def test_multisteps_is_refused_because_it_would_privatize_a_mean():
+  """optax.MultiSteps hands the transform the running mean ([1, 2] for the
+  sums [2, 0] and [0, 4]), not the step's sum, so the release would not be
+  the step's (sum + noise) / denominator: the transforms refuse it."""
   tx = optax.MultiSteps(
       transforms.privatize_sums(1.0, 0.0, 1.0, 0), every_k_schedule=2
   )
   state = tx.init({'w': jnp.zeros(2)})
-  _, state = tx.update({'w': jnp.array([2.0, 0.0])}, state)
-  out, _ = tx.update({'w': jnp.array([0.0, 4.0])}, state)
-  np.testing.assert_allclose(out['w'], [1.0, 2.0])  # the sum is [2, 4]
+  with pytest.raises(ValueError, match='must not run inside optax.MultiSteps'):
+    tx.update({'w': jnp.array([2.0, 0.0])}, state)
