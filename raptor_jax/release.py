@@ -24,6 +24,9 @@ The export directory:
       `pooling`: 'mean' (masked mean of the final hidden states, encoders) or
       'last' (the last non-padding token, decoders; right padding).
       transformers 5 has no sequence-classification class for either family.
+  README.md                        the model card: base model, task, labels,
+      the guarantee in words, the privacy unit, the library version and an
+      inference snippet (`INFERENCE`, plain transformers + torch).
   privacy_card.json                (epsilon, delta), the accountant, the
       sample rate, the steps, the noise multipliers and clip norms per stream
       (each field only where the method has it), and `record_count`, which
@@ -42,6 +45,7 @@ the private data.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -60,6 +64,46 @@ from raptor_jax.train.run import Run, build_run
 
 CARD = "privacy_card.json"
 HEAD = "classification_head.safetensors"
+MODEL_CARD = "README.md"
+
+# The model card's inference code: transformers + torch + numpy only. The
+# backbone class is the one config.json names (`architectures`); the head
+# reads the backbone's final hidden states pooled as the run pooled them.
+INFERENCE = """\
+import numpy as np
+import torch
+import transformers
+from safetensors import safe_open
+
+DIR = {directory!r}  # this directory
+tokenizer = transformers.AutoTokenizer.from_pretrained(DIR)
+config = transformers.AutoConfig.from_pretrained(DIR)
+backbone = getattr(transformers, config.architectures[0])
+model = backbone.from_pretrained(DIR).eval()
+with safe_open(f"{{DIR}}/classification_head.safetensors", "np") as f:
+  pooling = f.metadata()["pooling"]
+  weight, bias = f.get_tensor("weight"), f.get_tensor("bias")
+
+
+def predict(texts):
+  batch = tokenizer(texts, padding=True, truncation=True,
+                    max_length={max_length}, return_tensors="pt")
+  with torch.no_grad():
+    hidden = model(input_ids=batch["input_ids"],
+                   attention_mask=batch["attention_mask"]).last_hidden_state
+  hidden = hidden.float().numpy()
+  mask = batch["attention_mask"].numpy().astype(np.float32)
+  if pooling == "mean":  # the mean over real tokens (encoders)
+    pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+  else:  # "last": the last real token (decoders, right padding)
+    last = mask.sum(1).astype(int) - 1
+    pooled = hidden[np.arange(len(texts)), last]
+  logits = pooled @ weight.T + bias
+  return [config.id2label[int(i)] for i in logits.argmax(-1)]
+
+
+print(predict({examples!r}))
+"""
 # The transformers class of each backbone (the head is exported apart).
 _ARCHITECTURES = {
     models.SwitchEncoder: "SwitchTransformersEncoderModel",
@@ -241,6 +285,76 @@ def write_model(
   return directory
 
 
+def _in_words(card: dict) -> str:
+  """The guarantee of `card` in a sentence a reader can check."""
+  if not card["private"]:
+    return (
+        "None. This model was trained WITHOUT differential privacy"
+        f" (method {card['method']!r}); treat it as the training data."
+    )
+  epsilon, delta = card["epsilon"], card["delta"]
+  return (
+      f"({epsilon:.3g}, {delta:.3g})-differential privacy: adding or removing"
+      " any one training record changes the probability of any outcome of"
+      f" training (this model, and anything computed from it) by at most a"
+      f" factor of e^{epsilon:.3g} = {math.exp(epsilon):.3g}, except with"
+      f" probability {delta:.3g}."
+  )
+
+
+def model_card(card: dict, run: Run, directory: Path) -> str:
+  """README.md of an export: what the model is, its guarantee, how to use it.
+
+  Public only: the config's model name, task and label names, and the
+  privacy card's public parameters (no metric of the private data).
+  """
+  import raptor_jax  # pylint: disable=g-import-not-at-top
+
+  config = run.config
+  task = run.data.task
+  base = (
+      f"a randomly initialised {type(run.model.backbone).__name__} (no"
+      " pretrained weights)"
+      if config.model.name == "random"
+      else config.model.name
+  )
+  source = config.data.get("hub_dataset") or (
+      "a local file" if config.data.train_path else task.hub_id or "generated"
+  )
+  code = INFERENCE.format(
+      directory=str(directory),
+      max_length=int(config.data.max_length),
+      examples=["an example text", "another example text"],
+  )
+  labels = ", ".join(f"{i} `{n}`" for i, n in enumerate(task.label_names))
+  return f"""# {task.name} classifier, fine-tuned with differential privacy
+
+- **Base model:** {base}
+- **Task:** {task.name} ({source}), {task.num_labels} labels: {labels}
+- **Method:** {card['method']} (raptor_jax {raptor_jax.__version__})
+- **Guarantee:** {_in_words(card)}
+- **Privacy unit:** one training record (one row of the training data). The
+  number of training records n is treated as public.
+- **Accountant:** {card['accountant']}; Poisson sampling at rate
+  {card['sample_rate']:.4g}, {card['steps']} noisy steps. Every parameter of
+  the mechanism is in `privacy_card.json`.
+
+## Use it
+
+The backbone loads in `transformers` ({config_architecture(run)}); the
+classification head is `classification_head.safetensors` (weight
+[num_labels, hidden], bias [num_labels]) over the backbone's final hidden
+states, pooled as its metadata says.
+
+```python
+{code}```
+"""
+
+
+def config_architecture(run: Run) -> str:
+  return _ARCHITECTURES[type(run.model.backbone)]
+
+
 def export(workdir: str | os.PathLike, out: str | os.PathLike) -> Path:
   """Writes the trained model of the finished run in `workdir` to `out`.
 
@@ -262,9 +376,9 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike) -> Path:
     write_model(
         tmp, run.model, params, run.data.tokenizer, run.data.task.label_names
     )
-    (tmp / CARD).write_text(
-        json.dumps(privacy_card(report), indent=2, sort_keys=True)
-    )
+    card = privacy_card(report)
+    (tmp / CARD).write_text(json.dumps(card, indent=2, sort_keys=True))
+    (tmp / MODEL_CARD).write_text(model_card(card, run, out))
     _check_out(out)
     if out.exists():
       out.rmdir()

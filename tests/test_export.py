@@ -333,9 +333,11 @@ def test_no_secret_noise_key_or_private_statistic_in_the_export(trained):
       "tokenizer.json",
       release.HEAD,
       release.CARD,
+      release.MODEL_CARD,
   }
   assert all(
-      n.endswith((".json", ".safetensors", ".txt", ".model")) for n in names
+      n.endswith((".json", ".safetensors", ".txt", ".model", ".md"))
+      for n in names
   ), names
   for path in files:
     content = path.read_bytes()
@@ -518,3 +520,34 @@ def test_export_refuses_a_used_out_dir_and_an_unfinished_run(trained, tmp_path):
   with pytest.raises(ValueError, match="not the end of a finished run"):
     release.export(partial, tmp_path / "b")
   assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_the_model_card_states_the_guarantee_and_its_snippet_predicts(
+    trained, capsys
+):
+  _, workdir, out, run = trained
+  card_text = (out / release.MODEL_CARD).read_text()
+  card = json.loads((out / release.CARD).read_text())
+  assert card_text.startswith(
+      "# synthetic classifier, fine-tuned with differential privacy"
+  )
+  assert f"({card['epsilon']:.3g}, {card['delta']:.3g})-differential" in (
+      card_text
+  )
+  assert "**Privacy unit:** one training record" in card_text
+  assert "labels: 0 `negative`, 1 `positive`" in card_text
+  assert "raptor_jax 0.1.0" in card_text
+  code = re.search(r"```python\n(.*?)```", card_text, flags=re.S).group(1)
+  namespace = {}
+  exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  assert capsys.readouterr().out.startswith("['")  # the example's labels
+  # The snippet's predictions are the trained Flax model's.
+  _, state, _ = latest_state(workdir)
+  params = step.merged_params(run.frozen, state["trainable"])
+  ids = run.data.dev.input_ids[:32]
+  mask = run.data.dev.attention_mask[:32]
+  texts = run.data.tokenizer.batch_decode(ids, skip_special_tokens=True)
+  logits, _ = run.model.apply({"params": params}, ids, mask)
+  want = [("negative", "positive")[i] for i in np.argmax(logits, -1)]
+  assert namespace["predict"](texts) == want
