@@ -21,6 +21,8 @@ from raptor_jax import host_memory
 host_memory.keep_unless_disabled(sys.argv)
 
 import logging
+import os
+import re
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
@@ -64,7 +66,60 @@ _CPU_DEVICES = flags.DEFINE_integer(
     "across them (0: one per core; 1: one device). See "
     "raptor_jax/host_devices.py; no effect on GPUs or TPUs.",
 )
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run",
+    False,
+    "Validate the config, check the workdir, load the data, calibrate the "
+    "noise, print the run header and the resolved config, then exit without "
+    "training or writing anything.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
+
+# ml_collections' "Did you mean" for an unknown config key.
+_DID_YOU_MEAN = re.compile(r'Did you mean "([^"]+)" instead of "([^"]+)"')
+
+
+def _config_error(error: Exception, argv) -> str:
+  """One line for a bad --config (an unknown key, a bad preset or value)."""
+  text = str(error).replace("\\n", "\n").replace("\\'", "'")
+  suggestion = _DID_YOU_MEAN.search(text)
+  if suggestion:
+    right, wrong = suggestion.groups()
+    given = next(
+        (a.split("=")[0] for a in argv if re.search(rf"\.{wrong}(=|$)", a)),
+        f"--config...{wrong}",
+    )
+    return (
+        f"{given}: no such config field; did you mean"
+        f" {given[: -len(wrong)]}{right}?"
+    )
+  unknown = re.fullmatch(r"""["']*(\w+)["']*""", text.strip())
+  if isinstance(error, (AttributeError, KeyError)) and unknown:
+    given = next(
+        (a.split("=")[0] for a in argv if a.split("=")[0].endswith(unknown[1])),
+        unknown[1],
+    )
+    return (
+        f"{given}: no such config field; --helpfull lists the flags, and"
+        " the config file's docstring its fields"
+    )
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  causes = [l for l in lines if re.match(r"\w*(Error|Exception): ", l)]
+  line = (causes or lines or [type(error).__name__])[-1]
+  return re.sub(r"^\w*(Error|Exception): ", "", line)
+
+
+def _parse_flags(argv):
+  """absl's flag parsing, with a bad --config as ONE line, not a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, ValueError) as e:
+    if os.environ.get(_validate.TRACEBACK_VARIABLE):
+      raise
+    sys.exit(
+        f"error: {_config_error(e, argv)}  ({_validate.TRACEBACK_VARIABLE}=1"
+        " shows the traceback)"
+    )
 
 
 def main(argv):
@@ -78,7 +133,7 @@ def main(argv):
         _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
     )
     try:
-      train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+      train_and_evaluate(_CONFIG.value, _WORKDIR.value, dry_run=_DRY_RUN.value)
     except preemption.Stopped as stopped:  # SIGINT or SIGTERM, checkpointed
       print(stopped.one_line(), file=sys.stderr)
       sys.exit(128 + stopped.signum)
@@ -89,4 +144,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -535,12 +535,15 @@ class _Session:
     ):
       dev = self.evaluate()
       self.writer.write(cycle, {f"dev/{k}": v for k, v in dev.items()})
-      log.info(
-          "cycle %d: dev %s, epsilon spent %s",
-          cycle,
-          dev,
-          _epsilon_spent(plan, self.state),
+      eps = _epsilon_spent(plan, self.state)
+      line = f"cycle {cycle}: dev " + ", ".join(
+          f"{k} {v:.4f}" for k, v in dev.items()
       )
+      line += "" if eps is None else f", epsilon spent {eps:.3f}"
+      if progress is not None:
+        progress.write(line)  # above the bar, not glued onto it
+      else:
+        log.info("%s", line)
 
   def _checkpoint_due(self) -> bool:
     """Whether to save now; every process of a multi-host run agrees (the
@@ -605,7 +608,11 @@ def write_layer_selection(workdir: Path, run: Run) -> None:
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str, *, run: Run | None = None
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    run: Run | None = None,
+    dry_run: bool = False,
 ) -> dict[str, Any]:
   """Trains per `config` in `workdir` (resuming if it holds a checkpoint).
 
@@ -620,6 +627,9 @@ def train_and_evaluate(
     workdir: where the run writes (and resumes from).
     run: optionally, the single-process `build_run(config)` already built
       by the caller (the audit reads its canaries); saves building it twice.
+    dry_run: validate, check the workdir, build the run (data, model, noise
+      calibration), log the run header and the resolved config, and return
+      {} without training or writing a file.
 
   One process trains in a workdir at a time (`preemption.WorkdirLock`), and
   SIGINT and SIGTERM stop the run with a checkpoint of its last completed
@@ -646,7 +656,9 @@ def train_and_evaluate(
   )
   with lock, preemption.stop_on_signals():
     try:
-      return _train_and_evaluate(config, workdir, mesh, run, start_time)
+      return _train_and_evaluate(
+          config, workdir, mesh, run, start_time, dry_run
+      )
     except preemption.Stopped as stopped:
       stopped.cycle = preemption.latest_checkpoint(workdir)
       raise
@@ -709,13 +721,18 @@ def _start_fresh(workdir: Path) -> None:
     preemption.move_aside_unfinished_logs(workdir)
 
 
-def _train_and_evaluate(config, workdir, mesh, run, start_time):
+def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
   """`train_and_evaluate` inside the workdir lock and the stop signals."""
   check_workdir(config, workdir)
-  if _is_writer():
+  if _is_writer() and not dry_run:
     _start_fresh(workdir)
   # This host tokenises and keeps only its records (i % P == p); n counts all.
   if run is None:
+    if _is_writer():
+      log.info(
+          "loading the data, the public corpus and the model (%s)...",
+          config.model.name,
+      )
     run = build_run(config, host=parallel.host_shard())
   elif run.config is not config or jax.process_count() > 1:
     _validate.fail(
@@ -724,12 +741,21 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time):
         f"a run of {run.config.method!r} in {jax.process_count()} processes",
         "pass run=None to build it here",
     )
+  if dry_run:
+    if _is_writer():
+      log.info("%s", run_header(run, workdir))
+      log.info(
+          "config (dry run: nothing trained, no output written):\n%s", config
+      )
+    return {}
   write_layer_selection(workdir, run)
   if run.layer_table:
     log.info(
         "layer selection:\n%s",
         ownership.format_layer_table(run.layer_table, run.expert_layer),
     )
+  if _is_writer():
+    log.info("%s", run_header(run, workdir))
   session = _Session(run, mesh, workdir, start_time)
   session.train()
   dev = session.evaluate()
@@ -747,8 +773,75 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time):
       session.state.cycle, {f"final/dev_{k}": v for k, v in dev.items()}
   )
   session.writer.close()
-  log.info(
-      "done: %s",
-      {k: results[k] for k in ("finished", "cycles", "epsilon", *dev)},
-  )
+  if _is_writer():
+    log.info("%s", run_summary(run, results, dev, workdir))
   return results
+
+
+def run_header(run: Run, workdir: Path) -> str:
+  """What a run will do, printed before it trains: public quantities only.
+
+  The method, n (public: the sample rate is a function of it), the sample
+  rate, the cycles, delta and the target epsilon, sigma and the clip norm of
+  every stream with its trainable parameter count, and where outputs go.
+  """
+  plan, config = run.plan, run.config
+  lines = [
+      f"{plan.method} on {run.data.task.name}: n = {run.n} training records,"
+      f" expected batch B = {config.batch_size}, sample rate q ="
+      f" {plan.sample_rate:.4g}, {plan.cycles} cycles ({config.epochs} epochs)",
+      (
+          f"privacy: target epsilon {plan.target_epsilon:g} at delta"
+          f" {plan.delta:.3g} (PLD accountant, Poisson sampling)"
+          if methods.is_private(plan)
+          else "privacy: NONE (this method trains without differential privacy)"
+      ),
+  ]
+  for phase in plan.phases:
+    for part in phase.parts:
+      count = sum(int(np.size(v)) for v in run.trainable[part.name].values())
+      noise = (
+          f"sigma {part.noise_multiplier:.4g}, clip {part.l2_clip:.3g}"
+          if phase.private
+          else "no noise"
+      )
+      lines.append(
+          f"  stream {phase.name}, part {part.name}: {noise},"
+          f" {count:,} trainable parameters"
+      )
+  lines.append(
+      f"outputs: {workdir} (checkpoints/, metrics.jsonl, tensorboard/;"
+      " at the end privacy_report.json and results.json)"
+  )
+  return "\n".join(lines)
+
+
+def run_summary(run: Run, results: dict, dev: dict, workdir: Path) -> str:
+  """The run's last lines: a table of the public results and the export
+  command."""
+  rows = [
+      ("cycles", f"{results['cycles']} of {run.plan.cycles}"),
+      (
+          "epsilon spent",
+          "n/a (not private)"
+          if results["epsilon"] is None
+          else f"{results['epsilon']:.4g} at delta {run.plan.delta:.3g}",
+      ),
+      *(
+          (f"{run.config.data.eval_split} {k}", f"{v:.4f}")
+          for k, v in dev.items()
+      ),
+      ("reports", f"{workdir}/privacy_report.json, results.json"),
+  ]
+  width = max(len(name) for name, _ in rows)
+  done = "finished" if results["finished"] else "stopped (stop_after_cycles)"
+  lines = [f"run {done}:"]
+  lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+  if results["finished"]:
+    lines.append(
+        f"export: python launch/export.py --workdir={workdir}"
+        f" --out={workdir}_model"
+    )
+  else:
+    lines.append("resume: rerun the same command")
+  return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""The console: the run header, the closing summary, one-line config typos,
+--dry_run."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raptor_jax.train import loop
+from raptor_jax.train.run import build_run
+
+from helpers import ROOT, micro_config
+
+
+@pytest.fixture(scope="module")
+def run():
+  return build_run(micro_config())
+
+
+def test_the_header_says_what_the_run_will_do_before_it_trains(run):
+  header = loop.run_header(run, Path("/w")).splitlines()
+  sigma = {p.name: p.noise_multiplier for p in run.plan.parts}
+  assert header[0] == (
+      "raptor on synthetic: n = 300 training records, expected batch B = 50,"
+      " sample rate q = 0.1667, 6 cycles (1 epochs)"
+  )
+  assert header[1] == (
+      f"privacy: target epsilon 8 at delta {run.plan.delta:.3g} (PLD"
+      " accountant, Poisson sampling)"
+  )
+  for line, part in zip(header[2:4], ("shared", "expert")):
+    count = sum(v.size for v in run.trainable[part].values())
+    assert line == (
+        f"  stream {part}, part {part}: sigma {sigma[part]:.4g}, clip 1,"
+        f" {count:,} trainable parameters"
+    )
+  assert header[4].startswith("outputs: /w (checkpoints/")
+
+
+def test_the_run_ends_with_a_table_and_the_export_command(run):
+  results = dict(cycles=6, finished=True, epsilon=1.5)
+  summary = loop.run_summary(run, results, {"accuracy": 0.75}, Path("/w"))
+  assert summary.splitlines() == [
+      "run finished:",
+      "  cycles         6 of 6",
+      f"  epsilon spent  1.5 at delta {run.plan.delta:.3g}",
+      "  dev accuracy   0.7500",
+      "  reports        /w/privacy_report.json, results.json",
+      "export: python launch/export.py --workdir=/w --out=/w_model",
+  ]
+
+
+def _main(*args):
+  return subprocess.run(
+      [sys.executable, "launch/main.py", *args],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            [
+                "--config=configs/switch_sst2.py:tiny",
+                "--config.data.train_pth=x",
+            ],
+            "error: --config.data.train_pth: no such config field; did you"
+            " mean --config.data.train_path?",
+        ),
+        (
+            ["--config=configs/switch_sst2.py:tny"],
+            "error: preset: must be one of '', 'tiny', 'cpu', 'small', got"
+            " 'tny'; pass comma-separated key=value pairs, e.g."
+            " --config=configs/glue.py:task=mnli,model=olmoe,preset=tiny",
+        ),
+    ],
+)
+def test_a_config_typo_is_one_line_with_the_suggestion(tmp_path, args, line):
+  proc = _main(*args, f"--workdir={tmp_path}")
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [
+      line + "  (RAPTOR_TRACEBACK=1 shows the traceback)"
+  ]
+
+
+@pytest.mark.slow
+def test_dry_run_prints_the_header_and_config_and_trains_nothing(tmp_path):
+  proc = _main(
+      "--config=configs/switch_sst2.py:tiny",
+      f"--workdir={tmp_path}",
+      "--config.data.synthetic.n_train=300",
+      "--dry_run",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "loading the data" in proc.stderr
+  assert "raptor on synthetic: n = 300 training records" in proc.stderr
+  assert "stream expert, part expert: sigma" in proc.stderr
+  assert "n_train: 300" in proc.stderr  # the resolved config
+  assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
