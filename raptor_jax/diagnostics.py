@@ -307,9 +307,14 @@ def _sensitivities(
     *,
     noise_std: float,
     draws: int,
+    logits_fn=None,
 ) -> tuple[float, dict[str, Any]]:
-  """(base loss, per trainable role: params, mean dL over antithetic draws, lambda_+)."""
-  logits_fn = step.make_eval_fn(model)
+  """(base loss, per trainable role: params, mean dL over antithetic draws, lambda_+).
+
+  `logits_fn`: `step.make_eval_fn(model)` (default: a new one, i.e. one
+  compilation per call; pass one to reuse it across runs of one model).
+  """
+  logits_fn = logits_fn or step.make_eval_fn(model)
   base_loss = _mean_loss(
       logits_fn, trainable, frozen, records, config.eval_batch_size
   )

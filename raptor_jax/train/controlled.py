@@ -375,6 +375,7 @@ def diagnose(
       param_counts,
       noise_std=sc.sensitivity_std,
       draws=sc.sensitivity_draws,
+      logits_fn=cache.eval_fn(run.model),
   )
   squared = dict.fromkeys(diagnostics.DIAGNOSTIC_ROLES, 0.0)
   signals: dict[str, dict[str, np.ndarray]] = {}
