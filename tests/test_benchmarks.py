@@ -593,3 +593,57 @@ def test_kernels_benchmark_quick_checks_both_settings_and_prints_ratios():
   for row in rows:
     ratio, *errors = (float(c) for c in row.split("|")[5:9])
     assert ratio > 0 and max(errors) < 1e-4
+
+
+@pytest.mark.slow
+def test_gpu_check_script_quick_runs_on_cpu():
+  """`launch/bench/gpu_check.sh --quick`: the classifier rows (both streams)
+  and the OLMoE layer rows, every part within its budget."""
+  env = dict(
+      os.environ,
+      PYTHON=sys.executable,
+      TRANSFORMERS_VERBOSITY="error",
+  )
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(
+      ["bash", "launch/bench/gpu_check.sh", "--quick"],
+      cwd=_ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = out.stdout
+  assert "gpu_check exit status: 0" in text, text[-3000:]
+  assert "gpu_dispatch exit status: 0" in text, text[-3000:]
+  rows = [l.split() for l in text.splitlines() if l.startswith("float32")]
+  assert [r[3] for r in rows] == ["shared", "expert"], text[-3000:]
+  assert "did not run" not in text
+  assert any(
+      l.startswith("olmoe") and "tokamax" in l for l in text.splitlines()
+  )
+
+
+def test_gpu_check_names_missing_modules_in_one_line(tmp_path):
+  """A GPU image without a needed module: one line, before anything runs."""
+  fake = tmp_path / "python"
+  fake.write_text(
+      "#!/bin/sh\n"
+      'if [ "$1" = "-" ]; then echo ml_collections; exit 0; fi\n'
+      "exit 3\n"
+  )
+  fake.chmod(0o755)
+  out = subprocess.run(
+      ["bash", "launch/bench/gpu_check.sh"],
+      cwd=_ROOT,
+      env=dict(os.environ, PYTHON=str(fake)),
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
+  assert out.returncode == 1
+  assert out.stdout.strip().splitlines() == [
+      "error: missing Python modules: ml_collections; carry their wheels in"
+      " .whl/ (see the device notes) and rerun"
+  ]
