@@ -5,10 +5,10 @@
 #   bash launch/bench/gpu_check.sh            # on the GPU
 #   bash launch/bench/gpu_check.sh --quick    # toy sizes, any backend (CPU tests)
 #
-# 1. Wheels carried in .whl/ (packages the machine's image lacks, e.g.
-#    ml-collections, dp-accounting, datasets, tokamax and their pure-Python
-#    needs) are installed into a private target first; a module that still
-#    cannot be imported is named in one line before anything runs.
+# 1. Wheels carried in .whl/ (packages the machine's image lacks: made here
+#    by launch/bench/gpu_wheels.sh, carried with the run as ['.whl']) are
+#    installed into a private target first; a module that still cannot be
+#    imported is named in one line before anything runs.
 # 2. launch.bench.gpu_check: the trainer's shared and expert DP steps of a
 #    switch-base-8-shaped classifier at B=1000 (microbatched), bf16 and
 #    float32, per expert dispatch (grouped, XLA ragged, tokamax), with step
