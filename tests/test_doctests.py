@@ -5,7 +5,14 @@ import importlib
 
 import pytest
 
-DP_CORE = ('transforms', 'grads', 'sampling', 'accounting', 'ledger')
+DP_CORE = (
+    'transforms',
+    'grads',
+    'sampling',
+    'accounting',
+    'ledger',
+    'length_buckets',
+)
 
 
 @pytest.mark.parametrize('name', DP_CORE)
