@@ -208,6 +208,25 @@ def _check_per_record(
   )
 
 
+def _guarded(name: str, privatizer, *, sliced: bool) -> tuple[Any, Any]:
+  """(init_fn, guard) of a per-record transform: init records the parameter
+  shapes; guard(updates, params, mask) refuses `optax.MultiSteps` and
+  updates without a record axis (`_check_per_record`)."""
+  shapes = {}
+
+  def init_fn(params):
+    shapes['params'] = jax.tree.map(_shape_of, params)
+    return privatizer.init(params)
+
+  def guard(updates, params, mask):
+    _refuse_multisteps(name)
+    reference = params if params is not None else shapes.get('params')
+    if reference is not None:
+      _check_per_record(name, updates, reference, mask, sliced=sliced)
+
+  return init_fn, guard
+
+
 def _privatize(
     sums: PyTree,
     state: DpAggregateState,
@@ -242,9 +261,8 @@ def privatize_sums(
   ``grads.owner_clipped_grad_sum``), add them up, then call ``update`` once
   per step, so noise is drawn once per step. Under data parallelism, reduce
   the sums across devices first and privatize the total (replicated, every
-  device draws the same noise from the same state), never per device. Never
-  wrap it in ``optax.MultiSteps`` (see the module docstring): accumulate the
-  sums yourself instead.
+  device draws the same noise from the same state), never per device. It
+  refuses ``optax.MultiSteps`` (module docstring): accumulate sums instead.
 
   Precondition (the caller's part of the guarantee): adding or removing one
   record changes the input sums by at most ``l2_clip`` in l2 norm, as the
@@ -366,18 +384,11 @@ def dp_aggregate(
     {'w': (3,)}
   """
   privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
-  shapes = {}  # the parameter shapes seen by init, for the shape guard
-
-  def init_fn(params):
-    shapes['params'] = jax.tree.map(_shape_of, params)
-    return privatizer.init(params)
+  init_fn, guard = _guarded('dp_aggregate', privatizer, sliced=False)
 
   def update_fn(updates, state, params=None, *, mask=None, **extra_args):
     del extra_args
-    _refuse_multisteps('dp_aggregate')
-    reference = params if params is not None else shapes.get('params')
-    if reference is not None:
-      _check_per_record('dp_aggregate', updates, reference, mask, sliced=False)
+    guard(updates, params, mask)
     clipped, _ = grads_lib.clip_per_record(updates, l2_clip, mask)
     sums = jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped)
     return privatizer.update(sums, state)
@@ -410,9 +421,8 @@ def owner_dp_aggregate(
   the bound does not hold. Hence each expert's release is a Gaussian
   mechanism on its owner group (parallel composition, Lemma 1), and the whole
   ``[E, ...]`` release has l2 sensitivity ``l2_clip / denominator``: one
-  Gaussian mechanism with noise multiplier ``noise_multiplier``. Never wrap it
-  in ``optax.MultiSteps``, which would pair averaged records with the last
-  micro-step's ``owners`` and ``mask`` (see the module docstring).
+  Gaussian mechanism with noise multiplier ``noise_multiplier``. It refuses
+  ``optax.MultiSteps`` (averaged records, the last ``owners``: module doc).
 
   Args:
     l2_clip: per-record clipping norm C_e (public, > 0).
@@ -447,22 +457,13 @@ def owner_dp_aggregate(
   """
   num_experts = _validate.positive_int('num_experts', num_experts)
   privatizer = privatize_sums(l2_clip, noise_multiplier, denominator, key)
-  shapes = {}  # the stacked parameter shapes seen by init, for the guard
-
-  def init_fn(params):
-    shapes['params'] = jax.tree.map(_shape_of, params)
-    return privatizer.init(params)
+  init_fn, guard = _guarded('owner_dp_aggregate', privatizer, sliced=True)
 
   def update_fn(
       updates, state, params=None, *, owners=None, mask=None, **extra_args
   ):
     del extra_args
-    _refuse_multisteps('owner_dp_aggregate')
-    reference = params if params is not None else shapes.get('params')
-    if reference is not None:
-      _check_per_record(
-          'owner_dp_aggregate', updates, reference, mask, sliced=True
-      )
+    guard(updates, params, mask)
     _validate.check(
         owners is not None,
         'owners',
@@ -581,6 +582,22 @@ def _derive(secret: bytes, label: str, size: int) -> bytes:
   return hashlib.blake2b(label.encode(), key=secret, digest_size=size).digest()
 
 
+def _sample_rate_and_steps(n, batch_size, epochs, delta) -> tuple[float, int]:
+  """(q = B / n, steps = epochs * ceil(n / B)), the arguments validated."""
+  from raptor_jax import accounting  # pylint: disable=g-import-not-at-top
+
+  n = _validate.positive_int('n', n)
+  batch_size = _validate.positive('batch_size', batch_size)
+  _validate.check(
+      batch_size <= n, 'batch_size', f'<= n = {n}', batch_size, 'lower it'
+  )
+  epochs = _validate.positive('epochs', epochs)
+  accounting.validate_delta(delta, n)
+  sample_rate = batch_size / n
+  steps = max(1, round(epochs * accounting.steps_per_epoch(sample_rate)))
+  return sample_rate, steps
+
+
 def make_private(
     optimizer: optax.GradientTransformation,
     *,
@@ -609,8 +626,7 @@ def make_private(
   it secret (whoever has it can redraw the samples and the noise).
 
   Args:
-    optimizer: the optimizer applied to the privatized update (e.g.
-      ``optax.adam(1e-3)``).
+    optimizer: applied to the privatized update (``optax.adam(1e-3)``).
     target_epsilon: the budget, > 0.
     delta: in (0, 1), below 1/n (``accounting.validate_delta``).
     n: the number of private records (public).
@@ -620,42 +636,25 @@ def make_private(
     l2_clip: the per-record clipping norm C.
     secret: >= 16 secret bytes, e.g. ``os.urandom(32)``.
     microbatch_size: rows per microbatch (memory only; no effect on privacy).
-    num_experts: None for one parameter tree; E for owner sums ``[E, ...]``
-      (use `make_private_experts`).
+    num_experts: None, or E for owner sums (`make_private_experts`).
 
   Returns:
-    A `PrivateTraining` (tx, microbatches, accountant, noise_multiplier,
-    steps, l2_clip).
+    A `PrivateTraining`.
 
-  Example:
-    >>> import os, jax, jax.numpy as jnp, numpy as np, optax
-    >>> from raptor_jax import grads, transforms
-    >>> x = np.random.default_rng(0).normal(size=(200, 3)).astype(np.float32)
-    >>> params = {'w': jnp.zeros(3)}
-    >>> loss_fn = lambda p, r: (r['x'] @ p['w'] - 1.0) ** 2
+  Example (the whole loop: README, "Use the DP transforms"):
+    >>> import os, optax
+    >>> from raptor_jax import transforms
     >>> private = transforms.make_private(
     ...     optax.sgd(0.1), target_epsilon=2.0, delta=1e-3, n=200,
     ...     batch_size=50, epochs=2, l2_clip=1.0, secret=os.urandom(32))
-    >>> state = private.tx.init(params)
-    >>> for microbatches in private.microbatches:
-    ...   sums = grads.zeros_like_f32(params)
-    ...   for mb in microbatches:
-    ...     s, _ = grads.clipped_grad_sum(loss_fn, params, {'x': x[mb.indices]},
-    ...                                   l2_clip=1.0, mask=mb.mask)
-    ...     sums = optax.tree.add(sums, s)
-    ...   updates, state = private.tx.update(sums, state, params)
-    ...   params = optax.apply_updates(params, updates)
+    >>> for microbatches in private.microbatches:  # sum clipped grads over
+    ...   pass                                      # them, then tx.update
     >>> private.steps, private.accountant.epsilon() <= 2.0
     (8, True)
   """
   from raptor_jax import accounting  # pylint: disable=g-import-not-at-top
 
-  n = _validate.positive_int('n', n)
-  batch_size = _validate.positive('batch_size', batch_size)
-  _validate.check(
-      batch_size <= n, 'batch_size', f'<= n = {n}', batch_size, 'lower it'
-  )
-  epochs = _validate.positive('epochs', epochs)
+  sample_rate, steps = _sample_rate_and_steps(n, batch_size, epochs, delta)
   _validate.check(
       isinstance(secret, bytes) and len(secret) >= 16,
       'secret',
@@ -663,25 +662,16 @@ def make_private(
       _validate.Shown(f'a {type(secret).__name__}'),
       'pass os.urandom(32), kept secret (never a public seed)',
   )
-  accounting.validate_delta(delta, n)
-  sample_rate = batch_size / n
-  steps = max(1, round(epochs * accounting.steps_per_epoch(sample_rate)))
   sigma = accounting.calibrate_dpsgd(
       target_epsilon=target_epsilon,
       delta=delta,
       sample_rate=sample_rate,
       steps=steps,
   )
-  denominator = batch_size
-  if num_experts is not None:
-    denominator = batch_size / _validate.positive_int(
-        'num_experts', num_experts
-    )
-  words = jnp.frombuffer(_derive(secret, 'noise', 16), jnp.uint32)
-  tx = optax.chain(
-      privatize_sums(l2_clip, sigma, denominator, words.reshape(2, 2)),
-      optimizer,
-  )
+  experts = 1 if num_experts is None else num_experts
+  denominator = batch_size / _validate.positive_int('num_experts', experts)
+  key = jnp.frombuffer(_derive(secret, 'noise', 16), jnp.uint32).reshape(2, 2)
+  tx = optax.chain(privatize_sums(l2_clip, sigma, denominator, key), optimizer)
   seed = int.from_bytes(_derive(secret, 'poisson', 32), 'little')
   accountant = Accountant(sample_rate, sigma, delta)
   batches = PoissonMicrobatches(

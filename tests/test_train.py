@@ -93,7 +93,12 @@ def test_every_step_function_compiles_once_per_run(tmp_path, caplog):
 
 def test_a_checkpoint_of_another_config_is_refused(full_run):
   workdir, _ = full_run
-  with pytest.raises(ValueError, match="different config"):
+  # Before any data is loaded, naming the field that differs.
+  with pytest.raises(
+      ValueError,
+      match=r"holds a run of another config: privacy.epsilon \(then 8.0, now"
+      r" 1.0\); use another --workdir",
+  ):
     train_and_evaluate(micro_config(**{"privacy.epsilon": 1.0}), str(workdir))
 
 

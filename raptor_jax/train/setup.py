@@ -153,21 +153,11 @@ def _check_random_model_unset(config: ml_collections.ConfigDict) -> None:
     )
 
 
-def check_data_fields(config: ml_collections.ConfigDict) -> None:
-  """Refuses a set field that the chosen data source ignores (one line).
-
-  A field that has no effect must not be accepted silently: a user who sets
-  `data.train_path` on the generated task would otherwise train on generated
-  records and believe they trained on their file. The generated task ignores
-  `GENERATED_TASK_IGNORES` (and a public corpus other than its own, and
-  `model.tokenizer` under the random model); a real task ignores
-  `GENERATED_TASK_ONLY`; a pretrained model ignores `model.random`. Set data
-  files must exist.
-  """
-  dc, fix = config.data, _validate.config_fix
-  if config.model.name != "random":
-    _check_random_model_unset(config)
-  task = task_spec(dc)
+def _check_custom_fields(
+    dc: ml_collections.ConfigDict, task: data.TaskSpec
+) -> None:
+  """A custom task has its data; no other task sets a custom task's fields."""
+  fix = _validate.config_fix
   if task.name != data.CUSTOM:
     for field in CUSTOM_TASK_ONLY:
       value = dc.get(field.split(".")[1])
@@ -195,6 +185,24 @@ def check_data_fields(config: ml_collections.ConfigDict) -> None:
         dc.dev_path,
         fix("data.dev_path", "/path/to/dev.tsv"),
     )
+
+
+def check_data_fields(config: ml_collections.ConfigDict) -> None:
+  """Refuses a set field that the chosen data source ignores (one line).
+
+  A field that has no effect must not be accepted silently: a user who sets
+  `data.train_path` on the generated task would otherwise train on generated
+  records and believe they trained on their file. The generated task ignores
+  `GENERATED_TASK_IGNORES` (and a public corpus other than its own, and
+  `model.tokenizer` under the random model); a real task ignores
+  `GENERATED_TASK_ONLY`; a pretrained model ignores `model.random`. Set data
+  files must exist.
+  """
+  dc, fix = config.data, _validate.config_fix
+  if config.model.name != "random":
+    _check_random_model_unset(config)
+  task = task_spec(dc)
+  _check_custom_fields(dc, task)
   if task.name == "synthetic":
     where = "unset with the generated task (data.task='synthetic', as in :tiny)"
     for field in GENERATED_TASK_IGNORES:
