@@ -637,7 +637,7 @@ def test_gpu_check_names_missing_modules_in_one_line(tmp_path):
   out = subprocess.run(
       ["bash", "launch/bench/gpu_check.sh"],
       cwd=_ROOT,
-      env=dict(os.environ, PYTHON=str(fake)),
+      env=dict(os.environ, PYTHON=str(fake), GPU_CHECK_WHEELS=str(tmp_path)),
       capture_output=True,
       text=True,
       timeout=60,

@@ -86,7 +86,7 @@ SIZES = types.SimpleNamespace(
 
 @pytest.mark.parametrize("family", ["switch", "olmoe", "deepseek"])
 def test_padding_inside_a_bucket_never_changes_a_records_gradient(family):
-  """One 12-token record padded to 16, 32 and 64 tokens: the same logits
+  """One 12-token record padded to 16 and 40 tokens: the same logits
   and the same gradient of every parameter (right padding is masked;
   routing and capacity see the real tokens first)."""
   backbone = hf.backbone_from_sizes(family, SIZES, 50, dispatch="dense")
@@ -105,10 +105,10 @@ def test_padding_inside_a_bucket_never_changes_a_records_gradient(family):
 
   results = {
       length: jax.grad(loss, has_aux=True)(params, length)
-      for length in (16, 32, 64)
+      for length in (16, 40)
   }
   grads16, logits16 = results[16]
-  for length in (32, 64):
+  for length in (40,):
     grads, logits = results[length]
     np.testing.assert_allclose(logits, logits16, rtol=1e-5, atol=1e-6)
     for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(grads16)):

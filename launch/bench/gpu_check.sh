@@ -25,9 +25,13 @@ if [[ "${1:-}" == "--quick" ]]; then
   budget_check=600 budget_layer=600
 fi
 python="${PYTHON:-python3}"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$python" -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target /tmp/gpu_check_site .whl/*.whl || exit 1
+wheels="${GPU_CHECK_WHEELS:-.whl}"
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  if ! "$python" -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/gpu_check_site "$wheels"/*.whl; then
+    echo "error: the wheels in $wheels/ did not install; remake them with launch/bench/gpu_wheels.sh"
+    exit 1
+  fi
   export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
