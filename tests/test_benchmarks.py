@@ -596,13 +596,14 @@ def test_kernels_benchmark_quick_checks_both_settings_and_prints_ratios():
 
 
 @pytest.mark.slow
-def test_gpu_check_script_quick_runs_on_cpu():
+def test_gpu_check_script_quick_runs_on_cpu(tmp_path):
   """`launch/bench/gpu_check.sh --quick`: the classifier rows (both streams)
   and the OLMoE layer rows, every part within its budget."""
   env = dict(
       os.environ,
       PYTHON=sys.executable,
       TRANSFORMERS_VERBOSITY="error",
+      GPU_CHECK_WHEELS=str(tmp_path),  # no carried wheels here
   )
   env.pop("XLA_FLAGS", None)
   out = subprocess.run(

@@ -21,7 +21,7 @@ cd "$(dirname "$0")/../.."
 quick=() layers=(--families=olmoe,switch --repeats=5)
 budget_check=330 budget_layer=120
 if [[ "${1:-}" == "--quick" ]]; then
-  quick=(--quick) layers=(--families=olmoe --variants=grouped,tokamax)
+  quick=(--quick) layers=(--families=olmoe --modes=lora --variants=grouped,tokamax)
   budget_check=600 budget_layer=600
 fi
 python="${PYTHON:-python3}"
