@@ -171,20 +171,35 @@ def build(
         config, backbone, backbone_params, run_data.train, expert_layer
     )
   owners = memo[key]
-  backbone, backbone_params = hf.with_options(
-      backbone,
-      backbone_params,
-      seed=config.seed,
-      dtype=config.model.dtype,
-      **plan.model_options,
-  )
-  model, params = setup.classifier(
-      backbone,
-      backbone_params,
-      run_data.task.num_labels,
-      config.model.pooling or setup.default_pooling(backbone),
+  pooling = config.model.pooling or setup.default_pooling(backbone)
+  # The initial model depends on the options, the seed and the label count
+  # only (never on data), so the cells of one seed share it: building it
+  # traces the model twice, which costs more than a cached cell's training.
+  model_key = (
+      "model",
+      config.model.name,
+      repr(sorted(plan.model_options.items())),
       config.seed,
+      config.model.dtype,
+      run_data.task.num_labels,
+      pooling,
   )
+  if model_key not in memo:
+    backbone, backbone_params = hf.with_options(
+        backbone,
+        backbone_params,
+        seed=config.seed,
+        dtype=config.model.dtype,
+        **plan.model_options,
+    )
+    memo[model_key] = setup.classifier(
+        backbone,
+        backbone_params,
+        run_data.task.num_labels,
+        pooling,
+        config.seed,
+    )
+  model, params = memo[model_key]
   trainable, frozen = setup.partition(params, plan.parts)
   return Run(
       config, run_data, n, plan, table, model, trainable, frozen, owners, bc

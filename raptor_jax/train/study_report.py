@@ -108,12 +108,12 @@ def markdown(rows) -> str:
   return "\n".join(lines) + "\n"
 
 
-def write(results_dir: Path) -> Path:
-  """Rebuilds `results.md` from `results.csv`."""
+def write(results_dir: Path, plot: bool = True) -> Path:
+  """Rebuilds `results.md` (and with `plot`, the phase diagram) from `results.csv`."""
   rows = read_rows(Path(results_dir) / "results.csv")
   path = Path(results_dir) / "results.md"
   path.write_text(markdown(rows))
-  if rows:
+  if rows and plot:
     plot_phase_diagram(rows, Path(results_dir) / "phase_diagram.png")
   return path
 
