@@ -350,6 +350,36 @@ def test_train_split_decontamination_is_an_explicit_opt_in(tmp_path, caplog):
     corpus.task_texts("synthetic", train_path="x.tsv")
 
 
+def test_a_custom_tasks_dev_texts_are_read_through_its_text_fields(tmp_path):
+  """decontaminate.task='custom' reads the columns that fine-tuning reads
+  (data.text_fields of configs/custom.py), not GLUE's column names; without
+  them, or without a dev file, one line names the field."""
+  dev = tmp_path / "dev.tsv"
+  dev.write_text(
+      "review\ttitle\tsentiment\n"
+      "a custom dev review , long enough to match .\ta title\tpos\n"
+  )
+  assert corpus.task_texts(
+      "custom", dev_path=str(dev), text_fields="review"
+  ) == ["a custom dev review , long enough to match ."]
+  pair = corpus.task_texts(
+      "custom", dev_path=str(dev), text_fields=("review", "title")
+  )
+  assert pair == ["a custom dev review , long enough to match .", "a title"]
+  # A GLUE task's aliases are overridden the same way.
+  assert corpus.task_texts(
+      "sst2", dev_path=str(dev), text_fields=["title"]
+  ) == ["a title"]
+  with pytest.raises(ValueError, match=r"^decontaminate.text_fields: must be"):
+    corpus.task_texts("custom", dev_path=str(dev))
+  with pytest.raises(ValueError, match=r"^decontaminate.dev_path: must be"):
+    corpus.task_texts("custom", text_fields="review")
+  with pytest.raises(ValueError, match="review"):  # a missing column is named
+    corpus.task_texts("custom", dev_path=str(dev), text_fields="text")
+  config = pretrain_config.base_config()
+  assert config.decontaminate.text_fields == ()
+
+
 # ---------------------------------------------------------------------------
 # Training, export and resume.
 

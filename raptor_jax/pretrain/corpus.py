@@ -154,12 +154,21 @@ def read_source(
 
 
 def task_texts(
-    task: str, *, train_path: str = "", dev_path: str = "", seed: int = 0
+    task: str,
+    *,
+    train_path: str = "",
+    dev_path: str = "",
+    seed: int = 0,
+    text_fields: Sequence[str] | str = (),
 ) -> list[str]:
   """The fine-tuning task's texts to decontaminate against: its dev split.
 
   Sentence pairs contribute both sides. The synthetic task's dev records are
   regenerated from `seed` with its default sizes (`data.synthetic_task`).
+  A custom task (`task='custom'`, configs/custom.py) is read from its
+  `dev_path` through its `text_fields`, the columns fine-tuning reads as
+  `data.text_fields`; for a GLUE task `text_fields` overrides its column
+  aliases.
 
   Privacy: the private train split is read only when `train_path` names it
   (an explicit opt-in, warned about): the corpus is then a function of D,
@@ -167,20 +176,50 @@ def task_texts(
   every neighbour of D.
 
   Args:
-    task: the fine-tuning task.
+    task: the fine-tuning task (a GLUE task, 'synthetic' or 'custom').
     train_path: opt-in only: the task's train file, also decontaminated
       against; '' (default) reads no train text.
-    dev_path: the task's dev file; '' reads the Hub.
+    dev_path: the task's dev file; '' reads the Hub (a custom task needs it).
     seed: the synthetic task's seed.
+    text_fields: the text column, or two for a sentence pair (also as one
+      comma-separated string); () = the task's own (GLUE) column names.
   """
+  if isinstance(text_fields, str):
+    text_fields = tuple(filter(None, text_fields.split(",")))
+  text_fields = tuple(text_fields)
   if task == SYNTHETIC:
-    if train_path:
-      raise ValueError(
-          "the generated task has no train file; unset"
-          " --config.decontaminate.train_path"
-      )
+    for field, value in (
+        ("train_path", train_path),
+        ("text_fields", text_fields),
+    ):
+      if value:
+        raise ValueError(
+            f"decontaminate.{field}: the generated task has no"
+            f" {'train file' if field == 'train_path' else 'columns'}; unset"
+            f" --config.decontaminate.{field}"
+        )
     return synthetic.generate_records(seed, 4000 + 500).texts[4000:]
-  texts = tasks.load_task_texts(task, "dev", path=dev_path or None)
+  spec: str | tasks.TaskSpec = task
+  if task == tasks.CUSTOM:
+    fix = "(the columns of data.text_fields in configs/custom.py)"
+    _validate.check(
+        len(text_fields) in (1, 2),
+        "decontaminate.text_fields",
+        "the custom task's text column, or two for a sentence pair",
+        text_fields,
+        _validate.config_fix("decontaminate.text_fields", "text") + " " + fix,
+    )
+    _validate.check(
+        bool(dev_path),
+        "decontaminate.dev_path",
+        "the custom task's dev file",
+        dev_path,
+        _validate.config_fix("decontaminate.dev_path", "dev.tsv"),
+    )
+    # Only the text columns are read: the label fields are placeholders.
+    spec = tasks.custom_task(text_fields, "label", ("0", "1"))
+  kwargs = dict(text_fields=text_fields) if text_fields else {}
+  texts = tasks.load_task_texts(spec, "dev", path=dev_path or None, **kwargs)
   if train_path:
     log.warning(
         "decontaminate.train_path is set: the pretraining corpus drops"
@@ -188,7 +227,10 @@ def task_texts(
         " private data, outside the DP guarantee of any model fine-tuned"
         " from it; unset it to decontaminate against the dev split only"
     )
-    texts = [*texts, *tasks.load_task_texts(task, "train", path=train_path)]
+    texts = [
+        *texts,
+        *tasks.load_task_texts(spec, "train", path=train_path, **kwargs),
+    ]
   return texts
 
 

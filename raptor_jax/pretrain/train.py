@@ -149,7 +149,11 @@ def prepare_data(
   cc, dc = config.corpus, config.decontaminate
   contaminants = (
       corpus_lib.task_texts(
-          dc.task, train_path=dc.train_path, dev_path=dc.dev_path, seed=dc.seed
+          dc.task,
+          train_path=dc.train_path,
+          dev_path=dc.dev_path,
+          seed=dc.seed,
+          text_fields=tuple(dc.get("text_fields", ())),
       )
       if dc.task
       else []
