@@ -1,6 +1,7 @@
 """Tests for raptor_jax.accounting against independent accountants."""
 
 import math
+import os
 import pathlib
 import re
 import subprocess
@@ -321,12 +322,14 @@ def test_too_large_target_raises():
     )
 
 
-def _run_planner(*flags):
+def _run_planner(*flags, env=None):
   return subprocess.run(
       [sys.executable, str(_ROOT / 'launch' / 'privacy.py'), *flags],
       capture_output=True,
       text=True,
       timeout=120,
+      cwd=_ROOT,
+      env=env,
   )
 
 
@@ -365,3 +368,127 @@ def test_planner_rejects_large_delta():
       .splitlines()[-1]
       .startswith('error: delta: must be below 1/n')
   )
+
+
+def _planner_rows(stdout):
+  header, *lines = stdout.splitlines()
+  rows = dict(re.split(r'\s{2,}', line.strip(), maxsplit=1) for line in lines)
+  return header, rows
+
+
+def _tiny_plan(**overrides):
+  """The trainer's plan of configs/glue.py:preset=tiny (n as it loads it)."""
+  from raptor_jax.train import config as config_lib
+  from raptor_jax.train import methods
+
+  config = config_lib.glue_config(preset='tiny')
+  config.epochs = 2
+  for key, value in overrides.items():
+    config[key] = value
+  # n as build_run counts it: the generated task's train records.
+  n = config.data.synthetic.n_train
+  return methods.build_plan(
+      config, n=n, num_experts=4, sparse_layers=(1, 3), expert_layer=1
+  )
+
+
+@pytest.mark.slow
+def test_planner_of_a_config_gives_the_trainers_sigmas():
+  """--config as launch/main.py takes it: n, B and epochs from the config,
+  the sigmas those of `methods.build_plan`, which the trainer runs."""
+  plan = _tiny_plan()
+  result = _run_planner(
+      '--config=configs/glue.py:preset=tiny', '--config.epochs=2'
+  )
+  assert result.returncode == 0, result.stderr
+  header, rows = _planner_rows(result.stdout)
+  assert header.startswith('raptor: n=4000 B=250 q=0.0625 epochs=2 steps=32 ')
+  sigmas = {p.name: p.noise_multiplier for p in plan.phases}
+  assert float(rows['sigma_shared']) == pytest.approx(sigmas['shared'], 1e-5)
+  assert float(rows['sigma_expert']) == pytest.approx(sigmas['expert'], 1e-5)
+  assert f'delta={plan.delta:.3g}' in header
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    'method, flags',
+    [
+        ('raptor', ('sigma_shared', 'sigma_expert')),
+        ('baseline_b', ('sigma',)),
+    ],
+)
+def test_planner_reverse_mode_spends_the_target_epsilon(method, flags):
+  """Given the trainer's calibrated sigmas, the planner returns the epsilon
+  the trainer's ledger reports for them: the target, within tolerance."""
+  from raptor_jax.ledger import PrivacyLedger
+
+  plan = _tiny_plan(method=method)
+  sigma = {p.name: p.noise_multiplier for p in plan.phases}
+  given = (
+      [sigma['shared'], sigma['expert']]
+      if len(flags) == 2
+      else [*sigma.values()]
+  )
+  result = _run_planner(
+      '--config=configs/glue.py:preset=tiny',
+      '--config.epochs=2',
+      f'--method={method}',
+      *(f'--{f}={s!r}' for f, s in zip(flags, given)),
+  )
+  assert result.returncode == 0, result.stderr
+  header, rows = _planner_rows(result.stdout)
+  assert ' given ' in header and 'target' not in header
+  spent = [float(v) for k, v in rows.items() if k.startswith('epsilon (PLD')]
+  ledger = PrivacyLedger()
+  for phase in plan.phases:
+    ledger.record(
+        phase.name,
+        sample_rate=plan.sample_rate,
+        noise_multiplier=phase.noise_multiplier,
+        steps=plan.cycles,
+    )
+  assert spent == [pytest.approx(ledger.epsilon(plan.delta), abs=1e-4)]
+  assert 8 * (1 - _RTOL) - 1e-4 <= spent[0] <= 8 + 1e-4
+
+
+@pytest.mark.parametrize(
+    'flags, start',
+    [
+        (('--sigma=1',), 'error: --sigma: must be unset for method raptor'),
+        (
+            ('--method=baseline_b', '--sigma_shared=1'),
+            'error: --sigma_shared: must be unset for method baseline_b',
+        ),
+        (('--method=nonprivate_lora',), 'error: --method: must be a private'),
+        (
+            ('--sigma=1', '--epsilon=2', '--method=monolithic'),
+            'error: --epsilon:',
+        ),
+    ],
+)
+def test_planner_bad_input_is_one_line_naming_the_fix(flags, start):
+  result = _run_planner('--config=configs/glue.py:preset=tiny', *flags)
+  assert result.returncode != 0
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(start), result.stderr
+
+
+@pytest.mark.slow
+def test_planner_without_data_asks_for_n(tmp_path):
+  """A hub task that is not cached: one line saying to pass --n."""
+  env = dict(
+      os.environ,
+      HF_DATASETS_OFFLINE='1',
+      HF_HUB_OFFLINE='1',
+      HF_DATASETS_CACHE=str(tmp_path),
+  )
+  result = _run_planner('--config=configs/glue.py:task=qnli', env=env)
+  assert result.returncode != 0
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: n: ')
+  assert '--n=N' in lines[0]
+  result = _run_planner(
+      '--config=configs/glue.py:task=qnli', '--n=104743', env=env
+  )
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith('raptor: n=104743 B=1000 ')

@@ -68,6 +68,47 @@ def _epsilon(plan):
 
 @pytest.mark.parametrize(
     "method,overrides",
+    [(m, {}) for m in methods.METHODS]
+    + [("raptor", o) for o in ABLATIONS.values()],
+)
+def test_given_noise_rebuilds_the_calibrated_plan(method, overrides):
+  """build_plan(noise=...) (the planner's reverse mode) with the names of
+  noise_fields and the calibrated sigmas gives the same phases and event."""
+  config = micro_config(method=method, **overrides)
+  calibrated = _plan(method, **overrides)
+  fields = methods.noise_fields(config)
+  summary = methods.noise_summary(calibrated)
+  if method not in methods.PRIVATE_METHODS:
+    assert fields == ()
+    return
+  if fields == ("sigma",):
+    (sigma,) = {p["noise_multiplier"] for p in summary.values()}
+    noise = {"sigma": sigma}
+  else:
+    assert fields == ("sigma_shared", "sigma_expert")
+    noise = {f"sigma_{k}": summary[k]["noise_multiplier"] for k in summary}
+  given = methods.build_plan(
+      config,
+      n=N,
+      num_experts=E,
+      sparse_layers=SPARSE,
+      expert_layer=LAYER,
+      noise=noise,
+  )
+  assert given.phases == calibrated.phases and given.target_epsilon is None
+  with pytest.raises(ValueError, match=f"^{fields[0]}: needed by method"):
+    methods.build_plan(
+        config,
+        n=N,
+        num_experts=E,
+        sparse_layers=SPARSE,
+        expert_layer=LAYER,
+        noise={},
+    )
+
+
+@pytest.mark.parametrize(
+    "method,overrides",
     [(m, {}) for m in methods.PRIVATE_METHODS]
     + [("raptor", o) for o in ABLATIONS.values()],
 )

@@ -64,6 +64,7 @@ private method is calibrated to the same (epsilon, delta).
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 import dp_accounting
 
@@ -323,6 +324,43 @@ class _Calibration:
     return accounting.calibrate_raptor(**self.kwargs, rho=self.rho, joint=joint)
 
 
+class _Given:
+  """Noise multipliers given by name instead of calibrated (`noise_fields`)."""
+
+  def __init__(self, noise: Mapping[str, float], method: str):
+    self.noise, self.method, self.asked = dict(noise), method, []
+
+  def _get(self, name: str) -> float:
+    self.asked.append(name)
+    if name not in self.noise:
+      raise ValueError(
+          f"{name}: needed by method {self.method!r} with this config (see"
+          " methods.noise_fields); give it"
+      )
+    return self.noise[name]
+
+  def dpsgd(self) -> float:
+    return self._get("sigma")
+
+  def raptor(self, joint: bool) -> tuple[float, float]:
+    del joint
+    return self._get("sigma_shared"), self._get("sigma_expert")
+
+
+def noise_fields(config) -> tuple[str, ...]:
+  """The noise multipliers `config`'s plan calibrates, by name.
+
+  `('sigma',)` for the one-sigma methods (and RAPTOR with one sample and one
+  clip), `('sigma_shared', 'sigma_expert')` for RAPTOR's two streams, `()`
+  for the non-private methods: the names `build_plan(noise=...)` takes.
+  """
+  probe = _Given(dict(sigma=1.0, sigma_shared=1.0, sigma_expert=1.0), "")
+  _phases(config, b=1.0, num_experts=1, expert_layer=0, sigmas=probe)
+  if config.method not in PRIVATE_METHODS:
+    return ()
+  return tuple(dict.fromkeys(probe.asked))
+
+
 def _raptor_phases(rc, shared, expert, sigmas: _Calibration):
   """RAPTOR's phases and its `config.raptor` ablations.
 
@@ -496,6 +534,7 @@ def build_plan(
     sparse_layers: tuple[int, ...],
     expert_layer: int,
     shared_experts: bool = False,
+    noise: Mapping[str, float] | None = None,
 ) -> Plan:
   """Turns a config into phases with calibrated noise.
 
@@ -510,6 +549,10 @@ def build_plan(
     expert_layer: the selected layer l*.
     shared_experts: the model has always-active shared experts (their
       adapters then join the shared stream's LoRA).
+    noise: the noise multipliers by name (`noise_fields(config)`) instead of
+      calibrating them to `privacy.epsilon` (launch/privacy.py's reverse
+      mode: the epsilon that given noise spends); the plan's
+      `target_epsilon` is then None.
 
   Returns:
     The Plan.
@@ -521,8 +564,10 @@ def build_plan(
   delta = config.privacy.delta or accounting.default_delta(n)
   accounting.validate_delta(delta, n)
   private = config.method in PRIVATE_METHODS
-  calibration = _Calibration(
-      config.privacy.epsilon, delta, q, cycles, config.privacy.rho
+  calibration = (
+      _Calibration(config.privacy.epsilon, delta, q, cycles, config.privacy.rho)
+      if noise is None
+      else _Given(noise, config.method)
   )
   phases = _phases(
       config,
@@ -537,7 +582,7 @@ def build_plan(
       cycles,
       q,
       delta,
-      config.privacy.epsilon if private else None,
+      config.privacy.epsilon if private and noise is None else None,
       expert_layer,
       _model_options(
           config, phases, sparse_layers, expert_layer, shared_experts
