@@ -11,6 +11,7 @@ counts before reading the numbers.
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -105,14 +106,175 @@ def markdown(rows) -> str:
           f"| {cond} | {eps} | raptor - {other} | {len(diffs)}{flag} |"
           f" {mean:+.2f} [{low:+.2f}, {high:+.2f}] |"
       )
+  lines += _ablations(rows) + _corollary1(rows) + _lambda_table(rows)
   return "\n".join(lines) + "\n"
+
+
+ABLATION_CELL = ("r100_bal", "1")
+
+
+def _flag(count: int) -> str:
+  return "" if count >= SEEDS_PER_CELL else " (PARTIAL)"
+
+
+def _ablations(rows) -> list[str]:
+  """Tab. 5 at the ablation cell: RAPTOR - each variant, paired by seed."""
+  cond, eps = ABLATION_CELL
+  lines = [
+      "",
+      f"## Ablations at {cond}, epsilon {eps} (Tab. 5): RAPTOR - variant",
+      "",
+      "| variant | pairs | RAPTOR - variant, points [95% CI] |",
+      "|---|---|---|",
+  ]
+  for variant in METHOD_ORDER[5:]:
+    diffs = paired(rows, cond, eps, variant)
+    if diffs:
+      mean, low, high = paired_interval(diffs)
+      lines.append(
+          f"| {variant} | {len(diffs)}{_flag(len(diffs))} |"
+          f" {mean:+.2f} [{low:+.2f}, {high:+.2f}] |"
+      )
+  return lines
+
+
+def _corollary1(rows) -> list[str]:
+  """Corollary 1: is the gain over baseline_a larger at epsilon 0.5 than 8?
+
+  Per condition and seed, (RAPTOR - baseline_a at 0.5) - (the same at 8);
+  the seeds pair both epsilons (same initialisation).
+  """
+  lines = [
+      "",
+      "## Corollary 1: gain at epsilon 0.5 minus gain at epsilon 8",
+      "",
+      "Gain = RAPTOR - baseline_a (points), per seed; the difference of the"
+      " two gains is paired over seeds.",
+      "",
+      "| condition | pairs | gain(0.5) - gain(8) [95% CI] |",
+      "|---|---|---|",
+  ]
+
+  def gains(cond, eps):
+    by = defaultdict(dict)
+    for r in rows:
+      if r["condition"] == cond and r["epsilon"] == eps:
+        by[r["method"]][int(r["seed"])] = 100 * float(r["accuracy"])
+    seeds = set(by["raptor"]) & set(by["baseline_a"])
+    return {s: by["raptor"][s] - by["baseline_a"][s] for s in seeds}
+
+  for cond in sorted({r["condition"] for r in rows}):
+    tight, loose = gains(cond, "0.5"), gains(cond, "8")
+    seeds = sorted(set(tight) & set(loose))
+    if not seeds:
+      continue
+    mean, low, high = paired_interval([tight[s] - loose[s] for s in seeds])
+    lines.append(
+        f"| {cond} | {len(seeds)}{_flag(len(seeds))} |"
+        f" {mean:+.2f} [{low:+.2f}, {high:+.2f}] |"
+    )
+  return lines
+
+
+def _lambda_table(rows) -> list[str]:
+  """App. G's noise-injection sensitivities as measured by the grid's runs."""
+  lines = [
+      "",
+      "## Noise-injection sensitivity measured in the grid (App. G)",
+      "",
+      "Per condition, over every private and non-private run: the share of"
+      " runs with a positive lambda_s and lambda_e, their medians, and the"
+      " median lambda_e / lambda_s over the runs where lambda_s > 0.",
+      "",
+      "| condition | runs | lambda_s > 0 | lambda_e > 0 | median lambda_s |"
+      " median lambda_e | median ratio |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  by = defaultdict(list)
+  for r in rows:
+    if r["method"] in METHOD_ORDER[:5]:
+      by[r["condition"]].append((float(r["lambda_s"]), float(r["lambda_e"])))
+  for cond in sorted(by):
+    ls, le = np.asarray(by[cond]).T
+    ratio = le[ls > 0] / ls[ls > 0]
+    median = f"{np.median(ratio):.3g}" if ratio.size else "undefined"
+    lines.append(
+        f"| {cond} | {len(ls)} | {np.mean(ls > 0):.2f} | {np.mean(le > 0):.2f}"
+        f" | {np.median(ls):.3g} | {np.median(le):.3g} | {median} |"
+    )
+  return lines
+
+
+def predictors(rows, owners: dict, scan: list) -> list[str]:
+  """Spearman rho over the (condition, epsilon) cells of the mean gain
+  (RAPTOR - baseline_a) with quantities measurable without private data:
+  the public corpus's owner entropy and the relevance scan's lambda ratio.
+  """
+  lines = [
+      "",
+      "## Predictors without private data (Spearman over cells)",
+      "",
+  ]
+  cells = sorted(
+      {(r["condition"], r["epsilon"]) for r in rows if r["epsilon"] != "inf"}
+  )
+  gain, entropy, ratio = [], [], []
+  scan_ratio = {float(s["relevance"]): s["lambda_ratio"] for s in scan}
+  for cond, eps in cells:
+    diffs = paired(rows, cond, eps, "baseline_a")
+    if len(diffs) < SEEDS_PER_CELL or cond not in owners:
+      continue
+    gain.append(float(np.mean(diffs)))
+    entropy.append(owners[cond]["public_owner_entropy"])
+    ratio.append(scan_ratio.get(owners[cond]["relevance"]))
+  lines.append(f"Complete cells: {len(gain)}.")
+  lines.append("")
+  if len(gain) >= 3:
+    if len(set(entropy)) < 2:
+      lines.append(
+          "* public owner entropy H/log E: not computable (one value over"
+          " the complete cells)"
+      )
+    else:
+      rho, p = stats.spearmanr(entropy, gain)
+      lines.append(
+          f"* public owner entropy H/log E: rho = {rho:+.2f} (p = {p:.2g})"
+      )
+    defined = [(g, x) for g, x in zip(gain, ratio) if x is not None]
+    if len({x for _, x in defined}) >= 3:
+      rho, p = stats.spearmanr([x for _, x in defined], [g for g, _ in defined])
+      lines.append(
+          f"* relevance-scan lambda_e / lambda_s: rho = {rho:+.2f} (p = {p:.2g})"
+      )
+    else:
+      lines.append(
+          "* relevance-scan lambda_e / lambda_s: not computable (the ratio is"
+          f" defined, with distinct values, at {len({x for _, x in defined})}"
+          " relevance level(s) of the grid)"
+      )
+  return lines
 
 
 def write(results_dir: Path, plot: bool = True) -> Path:
   """Rebuilds `results.md` (and with `plot`, the phase diagram) from `results.csv`."""
   rows = read_rows(Path(results_dir) / "results.csv")
   path = Path(results_dir) / "results.md"
-  path.write_text(markdown(rows))
+  text = markdown(rows)
+  owners, scan = (
+      Path(results_dir) / f for f in ("owners.json", "relevance_scan.json")
+  )
+  if owners.exists() and scan.exists():
+    text += (
+        "\n".join(
+            predictors(
+                rows,
+                json.loads(owners.read_text()),
+                json.loads(scan.read_text()),
+            )
+        )
+        + "\n"
+    )
+  path.write_text(text)
   if rows and plot:
     plot_phase_diagram(rows, Path(results_dir) / "phase_diagram.png")
   return path
