@@ -10,6 +10,10 @@ stderr is private operator output, like the workdir: its log lines carry
 absl timestamps (how long cycles take depends on the realised Poisson sample
 sizes), so keep it with the workdir and never publish it. What to publish is
 launch/export.py's directory, which holds no timing.
+
+python launch/main.py --help_config lists every config field with its default
+and meaning, the config files with their presets, and the methods; --help
+lists them briefly below.
 """
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -73,6 +77,12 @@ _DRY_RUN = flags.DEFINE_bool(
     "noise, print the run header and the resolved config, then exit without "
     "training or writing anything.",
 )
+flags.DEFINE_bool(
+    "help_config",
+    False,
+    "Print every config field with its default and meaning, the config files"
+    " with their presets, and the methods; then exit.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 # ml_collections' "Did you mean" for an unknown config key.
@@ -109,8 +119,30 @@ def _config_error(error: Exception, argv) -> str:
   return re.sub(r"^\w*(Error|Exception): ", "", line)
 
 
+_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull")
+_CONFIGS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "configs"
+)
+
+
+def _with_config_help(argv) -> None:
+  """--help_config prints the config reference and exits; --help gets the
+  short one (methods, presets, fields) after this module's docstring."""
+  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train import config_help
+
+  if "--help_config" in argv[1:]:
+    print(config_help.reference(_CONFIGS), end="")
+    sys.exit(0)
+  if any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
+    sys.modules["__main__"].__doc__ = (__doc__ or "") + config_help.summary(
+        _CONFIGS
+    )
+
+
 def _parse_flags(argv):
   """absl's flag parsing, with a bad --config as ONE line, not a traceback."""
+  _with_config_help(argv)
   try:
     return flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, ValueError) as e:

@@ -1,10 +1,12 @@
 """configs/glue.py and its aliases configs/{switch,olmoe,deepseek}_{task}.py."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 
-from helpers import load_config_module
+from helpers import ROOT, load_config_module
 from raptor_jax import data
 from raptor_jax.train import config as config_lib
 
@@ -123,3 +125,56 @@ def test_parse_arg():
   assert config_lib.parse_arg("", a="1", b="") == {"a": "1", "b": ""}
   assert config_lib.parse_arg("b=x, a=2", a="1", b="") == {"a": "2", "b": "x"}
   assert config_lib.parse_arg("b=", a="1", b="y") == {"a": "1", "b": ""}
+
+
+def test_the_config_reference_covers_every_field_preset_and_method():
+  """launch/main.py --help_config: built from base_config, config.py's
+  comments, the presets each config file accepts, and methods.METHODS."""
+  from raptor_jax.train import config_help, methods
+  from raptor_jax.train.config import base_config
+
+  rows = config_help.fields()
+  leaves = set(base_config().to_dict())  # top-level keys and sections
+  assert {dotted.split(".")[0] for dotted, _, _ in rows} == leaves
+  assert all(comment for _, _, comment in rows), [
+      d for d, _, c in rows if not c
+  ]
+  assert ("privacy.epsilon", "8.0", "target epsilon of the whole run") in rows
+  text = config_help.reference(ROOT / "configs")
+  assert "    epsilon = 8.0      target epsilon of the whole run" in text
+  assert "  configs/custom.py  presets: (none) | :cpu | :small" in text
+  assert (
+      "  configs/switch_sst2.py  presets: (none) | :tiny | :cpu | :small"
+      in (text)
+  )
+  assert "configs/glue.py  presets: (none) | :preset=tiny |" in text
+  assert "pretrain_" not in text  # launch/pretrain.py's configs
+  assert all(f"\n  {m}\n" in text for m in methods.METHODS)
+
+
+@pytest.mark.slow
+def test_main_help_lists_methods_presets_and_fields():
+  """`--help` itself shows the short reference; `--help_config` the full
+  one, without the required --config and --workdir."""
+  run = lambda *flags: subprocess.run(
+      [sys.executable, "launch/main.py", *flags],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  shown = run("--help")
+  assert "--help_config" in shown.stdout and "--workdir" in shown.stdout
+  assert "Methods (--config.method=...): raptor, baseline_a," in shown.stdout
+  assert "  configs/deepseek_sst2.py  (none) | :tiny | :cpu | :small" in (
+      shown.stdout
+  )
+  assert "  privacy: clip_expert=1.0 clip_shared=1.0 delta=0.0 epsilon=8.0" in (
+      shown.stdout
+  )
+  full = run("--help_config")
+  assert full.returncode == 0, full.stderr
+  assert full.stdout.startswith("Methods (--config.method=...):\n  raptor\n")
+  assert "    secret_seed = -1   seed of Poisson samples and noise" in (
+      full.stdout
+  )
