@@ -22,10 +22,11 @@ White-box audit of the DP transforms themselves (no config, about a minute):
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
-from raptor_jax import host_memory
+from raptor_jax import host_memory, process  # pylint: disable=g-multiple-import
 
-# First of all, before any library starts a thread (raptor_jax/host_memory.py).
-host_memory.keep_unless_disabled(sys.argv)
+# First of all, before any library starts a thread: kept host memory on CPU
+# hosts (raptor_jax/process.py); one XLA device, as before.
+process.setup(argv=sys.argv, cpu_devices=1)
 
 import json
 import logging

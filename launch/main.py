@@ -19,10 +19,12 @@ lists them briefly below.
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
-from raptor_jax import host_memory
+from raptor_jax import _validate, host_memory, process  # pylint: disable=g-multiple-import
 
-# First of all, before any library starts a thread (raptor_jax/host_memory.py).
-host_memory.keep_unless_disabled(sys.argv)
+# First of all, before any library starts a thread: kept host memory and one
+# XLA device per core (--cpu_devices), on CPU hosts (raptor_jax/process.py).
+with _validate.errors_exit_in_one_line():
+  process.setup(argv=sys.argv)
 
 import logging
 import os
@@ -31,7 +33,6 @@ import re
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
-from raptor_jax import _validate, host_devices  # pylint: disable=g-multiple-import
 from raptor_jax.train import parallel, preemption, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -63,7 +64,8 @@ _DIAGNOSTICS = flags.DEFINE_bool(
     "diagnostics of the dev split to <workdir>/diagnostics.json.",
 )
 flags.DEFINE_bool("keep_host_memory", True, host_memory.FLAG_HELP)
-_CPU_DEVICES = flags.DEFINE_integer(
+# Read from the command line by process.setup, before the imports.
+flags.DEFINE_integer(
     "cpu_devices",
     0,
     "On CPU, split the host into this many XLA devices and the microbatches "
@@ -156,8 +158,6 @@ def _parse_flags(argv):
 
 def main(argv):
   del argv
-  with _validate.errors_exit_in_one_line():
-    host_devices.one_device_per_core(_CPU_DEVICES.value)
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax/jax chatter
   logging.getLogger("raptor_jax").setLevel(logging.INFO)
   with _validate.errors_exit_in_one_line():
