@@ -2,7 +2,7 @@
 
 Three diagnostics of how a method's DP mechanism treats the roles of an MoE:
 
-* Role mismatch (Eq. 37): M_role = 1/2 sum_r |s_r^norm - s_r^param| over the
+* Role mismatch (Eq. 37): ``M_role = 1/2 sum_r |s_r^norm - s_r^param|`` over the
   trainable roles r in {shared, router, head, experts}. s_r^param is the
   role's share of the trainable parameters; s_r^norm its share of the squared
   per-record gradient norm, summed over records, of the gradient the mechanism

@@ -2,7 +2,7 @@
 
 Parameters are addressed by their flat path in the classifier's tree, e.g.
 `backbone/block_3/mlp/experts/wi/lora_a` or `head/kernel`. Every leaf has
-exactly one role:
+exactly one role::
 
   attention_adapter      LoRA factors of the attention projections (q, k, v, o;
                          MLA's q_a, q_b, kv_a, kv_b) of any block

@@ -17,7 +17,7 @@ match the right side within its standard error. `monte_carlo` computes the
 left side with the library's own `transforms.owner_dp_aggregate` on samples
 from `sampling.poisson_sample`, so the check covers the code that trains.
 
-It also reports the realised-count denominator sum / max(|B_e|, 1), which is
+It also reports the realised-count denominator ``sum / max(|B_e|, 1)``, which is
 a NON-PRIVATE ORACLE: it divides by a private count, so it is not a DP
 release and no method here may use it; it shows what the public denominator
 costs relative to knowing the counts.

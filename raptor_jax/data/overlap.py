@@ -8,7 +8,7 @@ public texts of layer selection that overlap the private train split
 private data: that would make the corpus, l* and the vocabulary functions
 of D. Matching is on a normalised form (lowercase letters and
 digits only), so tokenisation differences (SST-2's PTB style ``does n't``
-against ``doesn't``, WikiText's `` @-@ ``) do not hide a copy. Texts shorter
+against ``doesn't``, WikiText's ``@-@``) do not hide a copy. Texts shorter
 than `min_chars` normalised characters are not matched: SST-2 train holds
 phrases such as "good" that occur in almost every document without it being
 a copy.

@@ -70,7 +70,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 def load_tensors(
     model_dir: Path, keep: Callable[[str], bool]
 ) -> dict[str, np.ndarray]:
-  """Reads the float32 tensors whose names pass `keep` from *.safetensors."""
+  """Reads the float32 tensors whose names pass `keep` from `*.safetensors`."""
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
 
   files = sorted(model_dir.glob("*.safetensors"))
@@ -782,7 +782,7 @@ def from_pretrained(
 
   Args:
     path_or_hub_id: a directory written by `save_pretrained` (config.json +
-      *.safetensors) or a Hub id such as "google/switch-base-8" or
+      ``*.safetensors``) or a Hub id such as "google/switch-base-8" or
       "allenai/OLMoE-1B-7B-0924"; `model_type` in config.json selects the
       backbone (SwitchEncoder, OlmoeDecoder or DeepseekDecoder; for
       "deepseek_vl_v2", e.g. "deepseek-ai/deepseek-vl2-tiny", the

@@ -4,7 +4,7 @@ A `Plan` lists the phases of a training cycle. Each phase draws its own
 Poisson sample (every record in with probability q) and makes one noisy
 update of its parts. A part is a set of parameters with a clip norm, a noise
 multiplier and a public denominator; an `owner` part holds the experts of
-layer l*, where every record trains its owner's slice only.
+layer l*, where every record trains its owner's slice only::
 
   raptor           shared phase {attention adapters + shared-expert adapters +
                    head}, then expert phase {owner slices of l*'s routed

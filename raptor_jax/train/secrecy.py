@@ -4,7 +4,7 @@ Privacy amplification by sampling and the Gaussian noise both assume the
 adversary cannot reproduce the randomness. A fresh run draws a 256-bit secret
 from the operating system (`os.urandom`); every random stream derives from
 it through a keyed BLAKE2b with one label per purpose (domain separation), so
-knowing one stream's seed reveals nothing about another's:
+knowing one stream's seed reveals nothing about another's::
 
   'poisson'         the seed of every Poisson sample (numpy's SeedSequence
                     takes the whole 256-bit integer)

@@ -422,6 +422,8 @@ class StepState(NamedTuple):
 class PhaseStep:
   """One phase's DP step, exactly as the trainer runs it.
 
+  Usage::
+
       phase = run.plan.phases[0]   # or methods.Phase(name=..., stream=..., parts=(...))
       dp = PhaseStep(model, phase, key=jax.random.key(0), learning_rate=1e-3)
       state = dp.init(params)      # the classifier's full parameter tree
