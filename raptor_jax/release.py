@@ -14,16 +14,19 @@ The export directory:
   config.json, model.safetensors   the backbone in `save_pretrained` format,
       every LoRA adapter merged into its kernel (W + (alpha / r) A B), so
       `transformers` loads it as `SwitchTransformersEncoderModel` (Switch),
-      `OlmoeModel` (OLMoE) or `DeepseekV2Model` (DeepSeek, MLA attention);
+      `OlmoeModel` (OLMoE) or `DeepseekV2ForSequenceClassification`
+      (DeepSeek, MLA attention: the whole classifier, head included, so
+      `AutoModelForSequenceClassification` and `pipeline` load it);
       `id2label` names the classes.
   tokenizer files                  the tokenizer the run used (a pretrained
       one, the synthetic task's generated vocabulary or the public corpus's
       words: never built from private records).
-  classification_head.safetensors  `weight` [num_labels, D] and `bias`
-      [num_labels] (torch `nn.Linear` layout); its metadata names the
-      `pooling`: 'mean' (masked mean of the final hidden states, encoders) or
-      'last' (the last non-padding token, decoders; right padding).
-      transformers 5 has no sequence-classification class for either family.
+  classification_head.safetensors  Switch and OLMoE (transformers 5 has no
+      sequence-classification class for either), and DeepSeek with mean
+      pooling: `weight` [num_labels, D] and `bias` [num_labels] (torch
+      `nn.Linear` layout); its metadata names the `pooling`: 'mean' (masked
+      mean of the final hidden states, encoders) or 'last' (the last
+      non-padding token, decoders; right padding).
   README.md                        the model card: base model, task, labels,
       the guarantee in words, the privacy unit, the library version and an
       inference snippet (`INFERENCE`, plain transformers + torch).
@@ -57,7 +60,7 @@ import numpy as np
 
 from raptor_jax import models
 from raptor_jax.models import export as hf_export
-from raptor_jax.models import lora
+from raptor_jax.models import hf, lora
 from raptor_jax.train import step
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import Run, build_run
@@ -100,6 +103,21 @@ def predict(texts):
     pooled = hidden[np.arange(len(texts)), last]
   logits = pooled @ weight.T + bias
   return [config.id2label[int(i)] for i in logits.argmax(-1)]
+
+
+print(predict({examples!r}))
+"""
+# The same for an export in a transformers sequence-classification class.
+INFERENCE_CLASSIFIER = """\
+import transformers
+
+DIR = {directory!r}  # this directory
+classifier = transformers.pipeline("text-classification", model=DIR)
+
+
+def predict(texts):
+  return [out["label"] for out in classifier(texts, truncation=True,
+                                             max_length={max_length})]
 
 
 print(predict({examples!r}))
@@ -266,22 +284,35 @@ def write_model(
   backbone = model.backbone
   config = backbone.config
   merged = lora.merge(params["backbone"], config.lora_alpha, config.lora_rank)
+  classifier = hf.sequence_classification_class(backbone, model.pooling)
+  extra = dict(
+      architectures=[classifier or _ARCHITECTURES[type(backbone)]],
+      id2label={i: str(name) for i, name in enumerate(label_names)},
+      label2id={str(name): i for i, name in enumerate(label_names)},
+  )
+  if classifier is not None:
+    if "bias" in params["head"]:
+      raise ValueError(
+          f"head: {classifier} has a bias-free score, but this head has a"
+          " bias (trained before raptor_jax dropped it); retrain to export"
+      )
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+      # transformers pools the last token that is not padding.
+      extra["pad_token_id"] = int(tokenizer.pad_token_id)
   hf_export.save_pretrained(
       backbone,
       merged,
       directory,
+      score=None if classifier is None else params["head"]["kernel"],
       tokenizer=tokenizer,
-      hf_config_extra=dict(
-          architectures=[_ARCHITECTURES[type(backbone)]],
-          id2label={i: str(name) for i, name in enumerate(label_names)},
-          label2id={str(name): i for i, name in enumerate(label_names)},
-      ),
+      hf_config_extra=extra,
   )
-  save_file(
-      _head_tensors(params),
-      str(directory / HEAD),
-      metadata={"format": "pt", "pooling": model.pooling},
-  )
+  if classifier is None:
+    save_file(
+        _head_tensors(params),
+        str(directory / HEAD),
+        metadata={"format": "pt", "pooling": model.pooling},
+    )
   return directory
 
 
@@ -321,7 +352,10 @@ def model_card(card: dict, run: Run, directory: Path) -> str:
   source = config.data.get("hub_dataset") or (
       "a local file" if config.data.train_path else task.hub_id or "generated"
   )
-  code = INFERENCE.format(
+  classifier = hf.sequence_classification_class(
+      run.model.backbone, run.model.pooling
+  )
+  code = (INFERENCE if classifier is None else INFERENCE_CLASSIFIER).format(
       directory=str(directory),
       max_length=int(config.data.max_length),
       examples=["an example text", "another example text"],
@@ -341,18 +375,34 @@ def model_card(card: dict, run: Run, directory: Path) -> str:
 
 ## Use it
 
-The backbone loads in `transformers` ({config_architecture(run)}); the
-classification head is `classification_head.safetensors` (weight
-[num_labels, hidden], bias [num_labels]) over the backbone's final hidden
-states, pooled as its metadata says.
+{_use_it(run, classifier)}
 
 ```python
 {code}```
 """
 
 
+def _use_it(run: Run, classifier: str | None) -> str:
+  if classifier is not None:
+    return (
+        f"The whole classifier loads in `transformers` ({classifier}):"
+        " `AutoModelForSequenceClassification.from_pretrained` or"
+        " `pipeline('text-classification')` on this directory."
+    )
+  return (
+      f"The backbone loads in `transformers` ({config_architecture(run)}); the"
+      " classification head is `classification_head.safetensors` (weight"
+      " [num_labels, hidden], bias [num_labels]) over the backbone's final"
+      " hidden states, pooled as its metadata says."
+  )
+
+
 def config_architecture(run: Run) -> str:
-  return _ARCHITECTURES[type(run.model.backbone)]
+  backbone = run.model.backbone
+  return (
+      hf.sequence_classification_class(backbone, run.model.pooling)
+      or _ARCHITECTURES[type(backbone)]
+  )
 
 
 def export(workdir: str | os.PathLike, out: str | os.PathLike) -> Path:

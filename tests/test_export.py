@@ -24,7 +24,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from raptor_jax import models, release
+from raptor_jax import data, models, release
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.models import hf, lora
 from raptor_jax.train import loop, methods, step, train_and_evaluate
@@ -179,6 +179,110 @@ def test_olmoe_classifier_export_agrees_with_transformers(tmp_path):
   pooled = hidden[np.arange(3), np.asarray(mask).sum(1) - 1]
   hf_logits = pooled @ head["weight"].T + head["bias"]
   np.testing.assert_allclose(hf_logits, flax_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_deepseek_exports_as_transformers_sequence_classifier(tmp_path):
+  """DeepSeek has a transformers classifier class: the export is a
+  DeepseekV2ForSequenceClassification (head as its bias-free `score`,
+  last non-padding token) that AutoModelForSequenceClassification and
+  pipeline('text-classification') load, with the Flax model's logits."""
+  from raptor_jax.data import synthetic
+
+  tokenizer = synthetic.build_tokenizer(16)
+  backbone = models.DeepseekDecoder(
+      models.DeepseekConfig(
+          vocab_size=len(tokenizer),
+          hidden_size=16,
+          intermediate_size=24,
+          moe_intermediate_size=8,
+          num_hidden_layers=2,
+          num_attention_heads=2,
+          num_key_value_heads=2,
+          kv_lora_rank=8,
+          qk_nope_head_dim=8,
+          qk_rope_head_dim=4,
+          v_head_dim=8,
+          n_routed_experts=4,
+          n_shared_experts=1,
+          num_experts_per_tok=2,
+          lora_rank=2,
+          attention_lora=True,
+          expert_lora_layers=(1,),
+      )
+  )
+  params = backbone.init(jax.random.PRNGKey(0), *hf.example_inputs())
+  model, params = hf.with_head(backbone, params["params"], 3)
+  assert model.pooling == "last" and set(params["head"]) == {"kernel"}
+  flat = flax.traverse_util.flatten_dict(params, sep="/")
+  keys = iter(jax.random.split(jax.random.PRNGKey(1), len(flat)))
+  params = flax.traverse_util.unflatten_dict(
+      {  # "trained" adapters and head
+          p: 0.3 * jax.random.normal(next(keys), v.shape)
+          if p.endswith("lora_b") or p.startswith("head/")
+          else v
+          for p, v in flat.items()
+      },
+      sep="/",
+  )
+  out = release.write_model(tmp_path / "m", model, params, tokenizer, "abc")
+  assert not (out / release.HEAD).exists()
+  config = json.loads((out / "config.json").read_text())
+  assert config["architectures"] == ["DeepseekV2ForSequenceClassification"]
+  assert config["pad_token_id"] == tokenizer.pad_token_id
+  texts = [
+      "the movie was great",
+      "a bad dull film",
+      "great acting and a fine plot that we liked a lot",
+  ]
+  ids, mask = data.tokenize(tokenizer, texts, max_length=16)
+  assert len(set(np.asarray(mask).sum(1))) > 1  # padded to different lengths
+  flax_logits, _ = model.apply({"params": params}, ids, mask)
+  hf_model, info = (
+      transformers.AutoModelForSequenceClassification.from_pretrained(
+          out, output_loading_info=True
+      )
+  )
+  assert type(hf_model).__name__ == "DeepseekV2ForSequenceClassification"
+  assert not info["missing_keys"] and not info["unexpected_keys"], info
+  with torch.no_grad():
+    hf_logits = hf_model.eval()(
+        input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
+        attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
+    ).logits.numpy()
+  np.testing.assert_allclose(hf_logits, flax_logits, atol=1e-4, rtol=1e-4)
+  classify = transformers.pipeline("text-classification", model=str(out))
+  scored = classify(texts, function_to_apply="none", top_k=None)
+  by_label = np.array(
+      [
+          [{s["label"]: s["score"] for s in row}[l] for l in "abc"]
+          for row in scored
+      ]
+  )
+  np.testing.assert_allclose(by_label, flax_logits, atol=1e-4, rtol=1e-4)
+  # The model card's snippet for such an export predicts the same labels.
+  code = release.INFERENCE_CLASSIFIER.format(
+      directory=str(out), max_length=16, examples=texts
+  )
+  namespace = {}
+  exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  want = ["abc"[i] for i in np.argmax(flax_logits, -1)]
+  assert namespace["predict"](texts) == want
+  # raptor_jax reads the backbone back (the score is the head's, not its).
+  _, loaded = hf.from_pretrained(out)
+  assert "score" not in loaded
+  # Mean pooling has no transformers class: backbone + head file, bias kept.
+  mean_model, mean_params = hf.with_head(
+      backbone, params["backbone"], 3, pooling="mean"
+  )
+  assert set(mean_params["head"]) == {"kernel", "bias"}
+  mean_out = release.write_model(
+      tmp_path / "mean", mean_model, mean_params, tokenizer, "abc"
+  )
+  assert (mean_out / release.HEAD).exists()
+  assert json.loads((mean_out / "config.json").read_text())[
+      "architectures"
+  ] == ["DeepseekV2Model"]
 
 
 @pytest.mark.slow
@@ -434,6 +538,14 @@ def _transformers_logits(out, ids, mask):
       out, output_loading_info=True
   )
   assert not info["missing_keys"] and not info["unexpected_keys"], info
+  if arch.endswith("ForSequenceClassification"):  # the head is in the model
+    assert not (out / release.HEAD).exists()
+    with torch.no_grad():
+      logits = model.eval()(
+          input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
+          attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
+      ).logits
+    return arch, logits.float().numpy()
   with torch.no_grad():
     hidden = (
         model.eval()(
@@ -485,7 +597,7 @@ def test_every_family_exports_and_loads_in_transformers(
       == {
           "switch": "SwitchTransformersEncoderModel",
           "olmoe": "OlmoeModel",
-          "deepseek": "DeepseekV2Model",
+          "deepseek": "DeepseekV2ForSequenceClassification",
       }[family]
   )
   np.testing.assert_allclose(hf_logits, flax_logits, atol=1e-4, rtol=1e-4)

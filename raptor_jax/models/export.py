@@ -4,7 +4,8 @@ The inverse of `hf.from_pretrained`: writes `config.json` (through the
 transformers config class, so transformers reads it as its own) and
 `model.safetensors` in the layout `save_pretrained` uses, so that both
 `transformers` (`SwitchTransformersEncoderModel`, `OlmoeForCausalLM`,
-`DeepseekV2ForCausalLM`) and `models.from_pretrained` load the directory.
+`DeepseekV2ForCausalLM`, or `DeepseekV2ForSequenceClassification` with a
+`score`) and `models.from_pretrained` load the directory.
 Adapters are not exported: merge or drop them first.
 """
 
@@ -263,6 +264,7 @@ def save_pretrained(
     directory: str | os.PathLike,
     *,
     lm_head: np.ndarray | None = None,
+    score: np.ndarray | None = None,
     tokenizer=None,
     hf_config_extra: Mapping[str, Any] | None = None,
 ) -> Path:
@@ -275,6 +277,9 @@ def save_pretrained(
     directory: created if needed; existing files are overwritten.
     lm_head: decoders only: the output projection, Flax layout [D, V]
       (`lm_head.weight`). Switch's masked-LM head is tied to the embedding.
+    score: DeepSeek only: a classifier's bias-free head, Flax layout [D, K]
+      (`score.weight` of `DeepseekV2ForSequenceClassification`; name that
+      class in `hf_config_extra['architectures']`).
     tokenizer: saved into the same directory when given.
     hf_config_extra: extra fields of the transformers config (token ids,
       router loss coefficients, ...).
@@ -303,6 +308,13 @@ def save_pretrained(
       tensors = _hf_tensors(params, _DEEPSEEK_RULES, _DEEPSEEK_EXPERT)
     if lm_head is not None:
       tensors["lm_head.weight"] = _T(lm_head)
+    if score is not None:
+      if not isinstance(module, deepseek.DeepseekDecoder):
+        raise ValueError(
+            "score: only a DeepseekDecoder exports a sequence-classification"
+            " head (transformers has no such class for OLMoE); pass none"
+        )
+      tensors["score.weight"] = _T(score)
   else:
     raise ValueError(
         f"cannot export {type(module).__name__}; export a SwitchEncoder, an "

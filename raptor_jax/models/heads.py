@@ -33,12 +33,15 @@ POOLING = {"mean": masked_mean, "last": last_token}
 class SequenceClassifier(nn.Module):
   """Backbone -> pooling -> linear head (float32 logits).
 
-  Parameters live under `backbone/...` and `head/{kernel,bias}`.
+  Parameters live under `backbone/...` and `head/{kernel,bias}` (`head/kernel`
+  only with `head_bias=False`: the bias-free `score` of transformers'
+  sequence-classification classes, `hf.sequence_classification_class`).
   """
 
   backbone: nn.Module
   num_labels: int
   pooling: str = "mean"
+  head_bias: bool = True
 
   @nn.compact
   def __call__(self, input_ids, attention_mask, owner_override=None):
@@ -54,6 +57,10 @@ class SequenceClassifier(nn.Module):
     )
     pooled = POOLING[self.pooling](out.hidden_states, attention_mask)
     logits = nn.Dense(
-        self.num_labels, dtype=jnp.float32, param_dtype=jnp.float32, name="head"
+        self.num_labels,
+        use_bias=self.head_bias,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        name="head",
     )(pooled)
     return logits, out

@@ -651,7 +651,7 @@ class Family:
   params_from_hf: Callable[
       [Mapping[str, np.ndarray], Any], dict
   ]  # (tensors, config)
-  ignored_prefix: str  # checkpoint tensors the backbone does not use
+  ignored_prefix: str | tuple[str, ...]  # tensors the backbone does not use
   prefix: str = ""  # where the backbone's tensors sit ('' = everywhere)
   extra_options: tuple[str, ...] = ()  # family-only fine-tuning options
 
@@ -674,7 +674,8 @@ FAMILIES = {
         deepseek.DeepseekDecoder,
         deepseek_config_from_hf,
         deepseek_params_from_hf,
-        ignored_prefix="lm_head.",
+        # lm_head: a causal LM's; score: an exported classifier's head
+        ignored_prefix=("lm_head.", "score."),
         extra_options=("shared_expert_lora",),
     ),
     # DeepSeek-VL2 holds its DeepSeekMoE language model under `language.`;
@@ -829,6 +830,24 @@ def from_pretrained(
   return module, params
 
 
+# Backbones whose classifier transformers has a class for: last-token
+# pooling (the last token that is not `pad_token_id`) and a bias-free linear
+# `score` over the final hidden states. Their heads have no bias either, so
+# that the export is that class, computing the same logits.
+SEQUENCE_CLASSIFICATION = {
+    deepseek.DeepseekDecoder: "DeepseekV2ForSequenceClassification",
+}
+
+
+def sequence_classification_class(
+    backbone: nn.Module, pooling: str
+) -> str | None:
+  """The transformers class of `backbone`'s classifier with `pooling`, or
+  None (no such class: the export is the backbone plus a head file)."""
+  name = SEQUENCE_CLASSIFICATION.get(type(backbone))
+  return name if pooling == "last" else None
+
+
 def with_head(
     backbone: nn.Module,
     backbone_params: Params,
@@ -842,6 +861,8 @@ def with_head(
   The head is initialised from `PRNGKey(seed + 1)`, as the trainer does; only
   the head is new (anything else missing is an error). `pooling` '' picks
   mean pooling for encoders (Switch) and the last token for decoders (OLMoE).
+  A head whose transformers class has no bias (DeepSeek with last-token
+  pooling, `SEQUENCE_CLASSIFICATION`) has none (`head/kernel` only).
 
       model, params = models.from_pretrained("google/switch-base-8", num_labels=2)
       logits, aux = model.apply({"params": params}, input_ids, attention_mask)
@@ -849,7 +870,12 @@ def with_head(
   pooling = pooling or (
       "mean" if isinstance(backbone, switch.SwitchEncoder) else "last"
   )
-  clf = heads.SequenceClassifier(backbone, num_labels, pooling=pooling)
+  clf = heads.SequenceClassifier(
+      backbone,
+      num_labels,
+      pooling=pooling,
+      head_bias=sequence_classification_class(backbone, pooling) is None,
+  )
   params = init_missing(
       clf,
       {"backbone": backbone_params},
