@@ -384,9 +384,10 @@ def test_bench_parallel_toy():
   assert _load("bench_parallel").MULTI_HOST_COMMAND in out
 
 
-def test_bench_parallel_prints_the_readme_command():
-  readme = (_ROOT / "README.md").read_text()
-  assert _load("bench_parallel").MULTI_HOST_COMMAND in readme
+@pytest.mark.parametrize("page", ["README.md", "docs/training.md"])
+def test_bench_parallel_prints_the_readme_command(page):
+  text = (_ROOT / page).read_text()
+  assert _load("bench_parallel").MULTI_HOST_COMMAND in text
 
 
 def test_scripts_define_flags_only_when_run():

@@ -195,19 +195,21 @@ def test_missing_extras_name_the_install_command():
   ), out.stderr[-2000:]
 
 
-def _readme_blocks():
-  readme = (ROOT / "README.md").read_text()
-  section = readme.split("## Use the DP transforms in your own JAX project")[1]
+def _readme_blocks(path="README.md"):
+  """The python blocks of the page's 'Use the DP transforms ...' section."""
+  text = (ROOT / path).read_text()
+  section = text.split("DP transforms in your own JAX project")[1]
   section = section.split("\n## ")[0]
   return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
-def test_the_readme_snippets_run_as_written(capsys):
-  blocks = _readme_blocks()
+@pytest.mark.parametrize("path", ["README.md", "docs/transforms.md"])
+def test_the_readme_snippets_run_as_written(capsys, path):
+  blocks = _readme_blocks(path)
   assert len(blocks) == 3
   namespace = {}
   for block in blocks:  # each continues the one before
-    exec(compile(block, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+    exec(compile(block, path, "exec"), namespace)  # pylint: disable=exec-used
   printed = capsys.readouterr().out
   assert re.fullmatch(
       r"sigma \d+\.\d\d over 50 steps: epsilon (1\.99|2\.00) at delta 1e-5\n",
