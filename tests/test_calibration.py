@@ -1,0 +1,77 @@
+"""calibration: our noise search against dp_accounting's own calibration."""
+
+import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
+import pytest
+
+from raptor_jax import accounting, calibration
+
+
+def _pld_epsilon(event, delta):
+  accountant = pld_privacy_accountant.PLDAccountant(
+      value_discretization_interval=accounting.VALUE_DISCRETIZATION_INTERVAL
+  )
+  return accountant.compose(event).get_epsilon(delta)
+
+
+@pytest.mark.parametrize(
+    "q, steps, eps", [(0.01, 300, 1.0), (0.05, 60, 8.0), (0.2, 20, 0.5)]
+)
+def test_dpsgd_matches_dp_accountings_calibration(q, steps, eps):
+  delta = 1e-5
+  ours = calibration.calibrate_dpsgd(
+      target_epsilon=eps, delta=delta, sample_rate=q, steps=steps
+  )
+  event = lambda sigma: accounting.dpsgd_event(
+      noise_multiplier=sigma, sample_rate=q, steps=steps
+  )
+  theirs = dp_accounting.calibrate_dp_mechanism(
+      lambda: pld_privacy_accountant.PLDAccountant(
+          value_discretization_interval=accounting.VALUE_DISCRETIZATION_INTERVAL
+      ),
+      event,
+      eps,
+      delta,
+      bracket_interval=dp_accounting.ExplicitBracketInterval(0.2, 100.0),
+      tol=1e-5,
+  )
+  # dp_accounting returns (up to tol) the least sigma within the target; ours
+  # spends between (1 - rtol) * target and the target, so it is at least
+  # that sigma and close to it.
+  assert theirs - 1e-5 <= ours <= theirs * (1 + 2 * accounting.CALIBRATION_RTOL)
+  spent = _pld_epsilon(event(ours), delta)
+  assert (1 - accounting.CALIBRATION_RTOL) * eps <= spent <= eps
+
+
+def test_raptor_spends_the_target_in_dp_accountings_pld():
+  q, steps, eps, delta, rho = 0.05, 40, 2.0, 1e-5, 0.9
+  shared, expert = calibration.calibrate_raptor(
+      target_epsilon=eps, delta=delta, sample_rate=q, steps=steps, rho=rho
+  )
+  event = accounting.raptor_event(
+      sigma_shared=shared,
+      sigma_expert=expert,
+      sample_rate=q,
+      steps_shared=steps,
+      steps_expert=steps,
+  )
+  spent = _pld_epsilon(event, delta)
+  assert (1 - accounting.CALIBRATION_RTOL) * eps <= spent <= eps
+  # The budget split: each stream alone at delta / 2 spends rho : 1 - rho.
+  alone = [
+      _pld_epsilon(
+          accounting.dpsgd_event(
+              noise_multiplier=s, sample_rate=q, steps=steps
+          ),
+          delta / 2,
+      )
+      for s in (shared, expert)
+  ]
+  assert alone[0] / alone[1] == pytest.approx(rho / (1 - rho), rel=5e-3)
+
+
+def test_the_stable_names_still_reach_calibration():
+  assert accounting.calibrate_dpsgd is calibration.calibrate_dpsgd
+  assert accounting.calibrate_raptor is calibration.calibrate_raptor
+  with pytest.raises(AttributeError):
+    accounting.calibrate_nothing  # pylint: disable=pointless-statement
