@@ -18,7 +18,7 @@ callers catch one exception type, and returns the value in its canonical
 Python type (``float`` or ``int``).
 
 Validators never clamp, round or replace a value: a privacy parameter that is
-out of range is refused, never silently moved into range (SPEC, DESIGN
+out of range is refused, never silently moved into range (docs/method.md, DESIGN
 "Errors"). ``bool`` is refused wherever a number is expected (``True`` is an
 ``int`` to Python, never a meant epsilon or step count).
 

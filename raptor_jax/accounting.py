@@ -9,7 +9,7 @@ and compose them with privacy loss distributions (PLD, the same object as the
 PRV composition of Gopi et al., 2021, used by the paper):
 
 * Monolithic DP-SGD / DP-Adam: ``dpsgd_event`` (one stream).
-* Alternating RAPTOR (SPEC 1.6): the shared and the expert stream draw
+* Alternating RAPTOR (docs/method.md §1.6): the shared and the expert stream draw
   independent Poisson samples, so the run is the sequential composition of two
   self-composed subsampled Gaussians (``raptor_event``). The ``E`` per-expert
   mechanisms of the expert stream act on disjoint owner groups and compose in
@@ -101,7 +101,7 @@ def validate_delta(delta: float, n: int | None = None) -> None:
 
 
 def steps_per_epoch(sample_rate: float) -> int:
-  """Cycles in one epoch, ``ceil(1 / sample_rate)`` (SPEC 1.8).
+  """Cycles in one epoch, ``ceil(1 / sample_rate)`` (docs/method.md §1.8).
 
   ``1 / sample_rate`` is rounded to 9 decimals first so that a rate computed
   as ``B / n`` with ``n`` a multiple of ``B`` gives exactly ``n / B``.
@@ -197,7 +197,7 @@ def raptor_event(
     steps_expert: int,
     joint: bool = False,
 ) -> dp_accounting.DpEvent:
-  """The DpEvent of a RAPTOR run (SPEC 1.6).
+  """The DpEvent of a RAPTOR run (docs/method.md §1.6).
 
   Alternating (default): each cycle draws independent Poisson samples for the
   shared and the expert stream, so the streams compose sequentially. The

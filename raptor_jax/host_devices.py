@@ -3,7 +3,7 @@
 XLA:CPU runs one operation at a time and parallelises inside it. The large
 matrix products of a training step use every core that way, but many of the
 step's operations do not: the per-head batched products of attention (128
-products of 128 x 64 x 128 at microbatch 32 of the issue-16 benchmark) run
+products of 128 x 64 x 128 at microbatch 32 of the fixed-shape Switch benchmark (launch/bench/vs_opacus.py)) run
 on one core at the same speed as on two, and so do most small elementwise
 fusions. Splitting the host into one XLA device per core and the microbatch
 across them (the trainer's data parallelism, `raptor_jax.train.parallel`)

@@ -19,7 +19,7 @@ each thread that allocates before the call an arena of its own, and XLA's
 threads, started later, may share such an arena, from which large requests
 are always mapped afresh. pyarrow (imported by `datasets`, so by
 `raptor_jax.train`) is one: imported before the call, the DP step of the
-issue-16 benchmark at microbatch 32 took 38,838 faults per step and 1.17x
+fixed-shape Switch benchmark (launch/bench/vs_opacus.py) at microbatch 32 took 38,838 faults per step and 1.17x
 the time (0 faults when the call comes first). Entry points therefore call
 `keep_unless_disabled(sys.argv)` before their other imports.
 """

@@ -143,7 +143,7 @@ class PrivacyLedger:
   def stream_epsilon(self, stream: str, delta: float) -> float:
     """Epsilon of ``stream``'s releases alone at ``delta`` (0 if none).
 
-    SPEC 1.7 reports each stream's epsilon at delta/2 next to the composed
+    docs/method.md §1.7 reports each stream's epsilon at delta/2 next to the composed
     one: pass ``delta / 2`` for that.
     """
     alone = PrivacyLedger(e for e in self.entries if e.stream == stream)

@@ -1,4 +1,4 @@
-"""Which parameter belongs to which role (App. C, SPEC 1.5).
+"""Which parameter belongs to which role (App. C, docs/method.md §1.5).
 
 Parameters are addressed by their flat path in the classifier's tree, e.g.
 `backbone/block_3/mlp/experts/wi/lora_a` or `head/kernel`. Every leaf has

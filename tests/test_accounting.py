@@ -204,7 +204,7 @@ def test_calibrate_raptor_round_trip(target, rho, joint):
       **_raptor_kwargs(*sigmas, q, steps), delta=delta, joint=joint
   )
   assert (1 - _RTOL) * target <= eps <= target
-  # SPEC 1.7: each stream alone spends its share of one scale t at delta/2.
+  # docs/method.md §1.7: each stream alone spends its share of one scale t at delta/2.
   own = [
       accounting.dpsgd_epsilon(
           noise_multiplier=s, sample_rate=q, steps=steps, delta=delta / 2

@@ -672,7 +672,7 @@ def test_the_run_uses_the_public_corpus_as_loaded_overlap_or_not(tmp_path):
 def test_nothing_before_the_mechanism_moves_when_a_record_copies_a_public_text(
     tmp_path,
 ):
-  """SPEC invariant: l*, the vocabulary and every file written before the
+  """Invariant (docs/method.md §3): l*, the vocabulary and every file written before the
   mechanism are identical for D and for D plus a record that copies a public
   text (under add/remove adjacency such a neighbour is always possible)."""
   from raptor_jax.train import loop

@@ -190,7 +190,7 @@ def test_low_rank_linear_forward_is_the_split_form_bit_for_bit():
 
   A forward through kernel + scale a b rounds the effective weights once for
   every record: a shared perturbation that moved the mean gradient of the
-  issue-16 benchmark 25x further from float64 PyTorch (see the docstring).
+  fixed-shape Switch benchmark (launch/bench/vs_opacus.py) 25x further from float64 PyTorch (see the docstring).
   """
   keys = jax.random.split(jax.random.key(5), 4)
   x = jax.random.normal(keys[0], (64, 32))

@@ -1,4 +1,4 @@
-"""Methods, baselines and ablations: what each trains, clips and accounts (SPEC 2)."""
+"""Methods, baselines and ablations: what each trains, clips and accounts (docs/method.md §2)."""
 
 import dataclasses
 import functools

@@ -290,7 +290,7 @@ def test_build_corpus_reports_and_removes_contamination(tmp_path):
 def test_the_pretraining_corpus_is_the_same_for_d_and_d_plus_a_record(
     tmp_path, monkeypatch
 ):
-  """SPEC invariant: the public starting point is no function of D. The
+  """Invariant (docs/method.md §3): the public starting point is no function of D. The
   neighbour adds a record that copies a public document; the corpus is
   decontaminated against the task's dev split only (here served as from the
   Hub, as the default config reads it), never against its train split."""

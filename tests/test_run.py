@@ -46,7 +46,7 @@ def test_a_bad_config_fails_before_any_data_or_model_is_loaded(
 
 
 # Fields the generated task of :tiny ignores: set, they are refused, naming the
-# field and the preset that reads them (issue 14, 9b).
+# field and the preset that reads them.
 IGNORED_BY_TINY = [
     ("data.train_path", "/nonexistent/train.tsv"),
     ("data.dev_path", "dev.tsv"),

@@ -39,7 +39,7 @@ def _library_modules():
 
 
 def test_no_library_function_is_longer_than_80_lines():
-  """Small functions (issue 13): every def in raptor_jax/ spans <= 80 lines."""
+  """Small functions: every def in raptor_jax/ spans <= 80 lines."""
   long = []
   for path in _library_modules():
     tree = ast.parse(path.read_text(), filename=str(path))

@@ -79,7 +79,8 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
 
 def test_every_step_function_compiles_once_per_run(tmp_path, caplog):
   """Fixed shapes: 3 cycles with different realised sample sizes, one compilation
-  of each phase's microbatch step and update (SPEC invariant)."""
+  of each phase's microbatch step and update (an invariant of docs/method.md §3).
+  """
   with caplog.at_level("WARNING"), jax.log_compiles():
     train_and_evaluate(micro_config(stop_after_cycles=3), str(tmp_path))
   compiled = [

@@ -18,7 +18,7 @@ base.
 
 Steps: raptor (non-private), raptor_dp (shared DP), raptor_expert (the
 expert stream). Both commits must have `launch/bench/vs_opacus.py`.
-Run under `taskset -c 0-1` for the 2-core setting of the issue-16 table;
+Run under `taskset -c 0-1` for the 2-core setting of the fixed-shape table;
 workers take turns, so they never compete for the cores.
 """
 

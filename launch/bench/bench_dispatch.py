@@ -20,7 +20,7 @@ every token), with the dispatches of the config's `dispatch` field:
 For top-k > 1 the dense dispatch repeats each token's work k times, so the
 top-k families also run "all": every expert on every TOKEN, outputs mixed by the
 top-k gate weights (work ~ tokens x E), what the authors' reference code does
-(SPEC section 4) and the fair all-experts baseline (for top-1, dense is that).
+(docs/method.md §4) and the fair all-experts baseline (for top-1, dense is that).
 
 All variants share the router (and capacity), so their outputs must agree; the
 table shows the largest difference from the grouped output. Prints two

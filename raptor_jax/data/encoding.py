@@ -2,7 +2,7 @@
 
 Every task, real or generated, ends as a :class:`TextClassificationData`:
 ``int32`` arrays padded on the right to one fixed length, so each jitted step
-sees a single shape and compiles once (SPEC invariant), and the attention mask
+sees a single shape and compiles once (an invariant of docs/method.md §3), and the attention mask
 tells the model, the owner map and the pooling which positions are real.
 """
 

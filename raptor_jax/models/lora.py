@@ -96,7 +96,7 @@ def low_rank_linear(
   Why not fold the forward too (it would halve the forward): the merged kernel
   rounds the effective weights kernel + scale a b to float32 once, a
   perturbation shared by every record that does not average out. In the
-  issue-16 benchmark (the mean gradient of 128 records, whose gradients
+  fixed-shape Switch benchmark (launch/bench/vs_opacus.py) (the mean gradient of 128 records, whose gradients
   nearly cancel) it alone moved the exact float64 gradient by 1e-3 and put
   raptor_jax 2.5e-3 from float64 PyTorch, against 1e-4 with this form. A
   folded backward only rounds the linear map applied to dy: 1e-4 as well.

@@ -2,7 +2,7 @@
 
 Everything here has *per-record semantics*: routing and expert capacity are
 computed per sequence and every expert computation is row-wise, so a record's
-output never depends on another record in the batch (the SPEC invariant that
+output never depends on another record in the batch (the invariant of docs/method.md §3 that
 makes per-record gradients, and therefore DP clipping, meaningful).
 
 Expert dispatch

@@ -48,7 +48,7 @@ variant (one sample, one clip C_s over both streams, one sigma from DP-SGD
 calibration): sweep variant `raptor_full_clip_one_sample`.
 
 Shared experts (DeepSeek-MoE) see every token, so they belong to the shared
-stream wherever it trains (SPEC 1.5); only routed experts have owners. Only
+stream wherever it trains (docs/method.md §1.5); only routed experts have owners. Only
 RAPTOR's expert stream (raptor, its ablations, baseline_c) trains owner
 slices. Routers never train except in the full-weight monolithic baselines,
 which treat the model as one dense block like the paper's DP-Adam baseline.

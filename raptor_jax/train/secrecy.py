@@ -97,7 +97,8 @@ def sampler_seed(secret: bytes) -> int:
   return int.from_bytes(derive(secret, "poisson"), "little")
 
 
-NOISE_KEY_BITS = 128  # SPEC: the noise secret has at least 128 bits
+# docs/method.md §3: the noise secret has at least 128 bits.
+NOISE_KEY_BITS = 128
 
 
 def noise_key(secret: bytes, phase_index: int) -> jax.Array:

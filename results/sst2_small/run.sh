@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces results/sst2_small from the repository root (issue 12).
+# Reproduces results/sst2_small from the repository root.
 # 1. Pretrain the small Switch on public text (~30 min on 2 CPU cores; resumes):
 #      python launch/pretrain.py --config=configs/pretrain_switch.py --workdir=runs/pretrain_switch \
 #        --config.corpus.local_dir=../shared/data/pretrain \
