@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax import _validate
+from raptor_jax import _validate, length_buckets
 from raptor_jax.models import moe
 
 WEIGHTINGS = ("count", "prob")
@@ -111,6 +111,7 @@ def owners_per_layer(
     weighting: str = "count",
     normalize: bool = False,
     groups: tuple[int, int] | None = None,
+    buckets: tuple[int, ...] = (),
 ) -> np.ndarray:
   """Owners of every record at every sparse layer of a frozen model.
 
@@ -121,35 +122,32 @@ def owners_per_layer(
     input_ids, attention_mask: [N, S] records.
     batch_size: records per call.
     top_k, weighting, normalize, groups: see `owners`.
+    buckets: length buckets (`length_buckets`): records run in batches of
+      the smallest bucket length that holds them (`router_fn` compiles once
+      per bucket); `()`: every batch at the records' full width, in order.
+      Right padding never votes, so the owners are the same either way.
 
   Returns:
     int32 [num_sparse_layers, N].
   """
-  n = input_ids.shape[0]
-  if n == 0:
+  if input_ids.shape[0] == 0:
     raise ValueError("no records to compute owners for")
-  chunks = []
-  for start in range(0, n, batch_size):
-    ids, mask = (
-        input_ids[start : start + batch_size],
-        attention_mask[start : start + batch_size],
-    )
-    real = ids.shape[0]
-    if real < batch_size:
-      pad = ((0, batch_size - real), (0, 0))
-      ids, mask = np.pad(ids, pad), np.pad(mask, pad)
+
+  def batch_owners(ids, mask):  # int32 [batch, num_sparse_layers]
     logits = router_fn(jnp.asarray(ids), jnp.asarray(mask))
-    chunks.append(
-        np.stack(
-            [
-                np.asarray(
-                    owners(l, mask, top_k, weighting, normalize, groups)
-                )[:real]
-                for l in logits
-            ]
-        )
+    return np.stack(
+        [
+            np.asarray(owners(l, mask, top_k, weighting, normalize, groups))
+            for l in logits
+        ],
+        axis=1,
     )
-  return np.concatenate(chunks, axis=1)
+
+  return np.ascontiguousarray(
+      length_buckets.map_split(
+          batch_owners, input_ids, attention_mask, buckets, batch_size
+      ).T
+  )
 
 
 def layer_table(
@@ -283,6 +281,7 @@ def select_expert_layer(
         ids,
         mask,
         batch_size=config.eval_batch_size,
+        buckets=length_buckets.from_config(config),
         **owner_rule(bc, config.raptor.owner_weighting),
     )
     table = layer_table(public_owners, bc.sparse_layers, bc.num_experts)
@@ -296,6 +295,8 @@ def private_owner_map(
 
   Computed from the frozen pretrained model. For private records the result
   is private: never log, save or return it outside the process (SPEC 1.2).
+  With `data.length_buckets` the records run by length bucket: the same
+  owners (padding never votes), a layout that only the process sees.
   """
   bc = backbone.config
   position = bc.sparse_layers.index(layer)
@@ -304,6 +305,7 @@ def private_owner_map(
       records.input_ids,
       records.attention_mask,
       batch_size=config.eval_batch_size,
+      buckets=length_buckets.from_config(config),
       **owner_rule(bc, config.raptor.owner_weighting),
   )
   return result[0]

@@ -1,6 +1,12 @@
 """Length buckets: every sampled record once, in a bucket that holds it, and
 a record's gradient independent of how far its bucket pads it."""
 
+import collections
+import dataclasses
+import difflib
+import json
+import logging
+import re
 import types
 
 import jax
@@ -8,8 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raptor_jax import length_buckets, models
+from raptor_jax import length_buckets, models, ownership, sampling
 from raptor_jax.models import hf
+from raptor_jax.train import loop, metrics, parallel, setup, step
+from raptor_jax.train import train_and_evaluate
+from raptor_jax.train.run import build_run, validate
+
+from helpers import latest_state, load_config_module, micro_config
 
 
 def test_default_buckets_and_bad_buckets_get_one_line():
@@ -113,3 +124,297 @@ def test_padding_inside_a_bucket_never_changes_a_records_gradient(family):
     np.testing.assert_allclose(logits, logits16, rtol=1e-5, atol=1e-6)
     for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(grads16)):
       np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-6)
+
+
+# -- wired into the trainer ----------------------------------------------------
+
+BUCKETS = (16, 32)  # the micro task's records: 10 to 22 of 32 tokens
+FAMILIES = {
+    "switch": {},
+    "olmoe": {
+        "model.random.family": "olmoe",
+        "model.random.num_experts": 4,
+        "model.random.top_k": 2,
+        "model.random.num_kv_heads": 1,
+    },
+    "deepseek": {
+        "model.random.family": "deepseek",
+        "model.random.num_experts": 4,
+        "model.random.top_k": 2,
+        "model.random.num_layers": 2,
+        "model.random.first_k_dense": 1,
+        "model.random.num_shared_experts": 2,
+        "model.random.kv_lora_rank": 16,
+    },
+}
+
+
+def _config(family="switch", buckets=BUCKETS, **overrides):
+  return micro_config(
+      **FAMILIES[family], **{"data.length_buckets": buckets}, **overrides
+  )
+
+
+def _unbucketed(run):
+  config = run.config.copy_and_resolve_references()
+  config.data.length_buckets = ()
+  return dataclasses.replace(run, config=config)
+
+
+def test_the_config_default_follows_the_task_and_max_length():
+  config = micro_config()
+  assert config.data.length_buckets is None  # the base config's default
+  assert length_buckets.from_config(config) == ()  # the synthetic task
+  glue = load_config_module("glue").get_config("task=sst2,preset=small")
+  assert length_buckets.from_config(glue) == (16, 32, 64)
+  glue.data.max_length = 128
+  assert length_buckets.from_config(glue) == (16, 32, 64, 128)
+  custom = load_config_module("custom").get_config("cpu")
+  assert length_buckets.from_config(custom) == (16, 32, 64)
+  assert length_buckets.from_config(_config()) == BUCKETS
+  with pytest.raises(ValueError, match="data.length_buckets"):
+    validate(_config(buckets=(8, 16)))  # before any data is loaded
+
+
+def _sums(fns, run, trainable, frozen, sample, mesh, buckets):
+  """A phase's clipped sums of `sample`, by the trainer's microbatches."""
+  lengths = length_buckets.record_lengths(run.data.train.attention_mask)
+  sums = fns.zero_sums(trainable)
+  for length, mb in loop._microbatches(
+      sample, run.config.microbatch_size, buckets, lengths
+  ):
+    batch, mask = parallel.shard_records(
+        (loop._batch(run.data.train, run.owners, mb.indices, length), mb.mask),
+        mesh,
+    )
+    assert batch["input_ids"].shape[1] == (length or 32)
+    sums = fns.accumulate(trainable, frozen, sums, batch, mask)
+  return sums
+
+
+def _assert_close(a, b, rtol=1e-5):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    np.testing.assert_allclose(
+        x, y, rtol=rtol, atol=rtol * max(np.abs(y).max(), 1e-6)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["switch", "olmoe", "deepseek"])
+def test_bucketed_update_equals_the_unbucketed_one(family):
+  """Per record (padding inside a bucket changes no record's clipped,
+  residual-weighted gradient: bucket length vs max_length) and per step
+  (the clipped sums without noise, and the noisy update with a fixed noise
+  key) for every phase of RAPTOR."""
+  run = build_run(_config(family))
+  mesh = parallel.make_mesh(1)
+  secret = bytes(32)
+  phase_fns = loop._phase_functions(run, mesh, secret)
+  state, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
+  trainable = state.trainable
+  lengths = length_buckets.record_lengths(run.data.train.attention_mask)
+  for phase, fns in zip(run.plan.phases, phase_fns):
+    sample = sampling.poisson_sample(
+        run.n, run.plan.sample_rate, seed=1, stream=phase.stream, step=0
+    )
+    # Per record: every record of the sample, at its bucket and at 32.
+    per_record = jax.jit(fns.released_per_record)
+    for length, mb in loop._microbatches(
+        sample, run.config.microbatch_size, BUCKETS, lengths
+    ):
+      short = loop._batch(run.data.train, run.owners, mb.indices, length)
+      full = loop._batch(run.data.train, run.owners, mb.indices)
+      _assert_close(
+          per_record(trainable, frozen, short, mb.mask),
+          per_record(trainable, frozen, full, mb.mask),
+          rtol=2e-5,
+      )
+    # Per step, noise off: the clipped sums.
+    bucketed = _sums(fns, run, trainable, frozen, sample, mesh, BUCKETS)
+    plain = _sums(fns, run, trainable, frozen, sample, mesh, ())
+    _assert_close(bucketed, plain)
+    assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(plain))
+  # Per step, noise on (the run's noise keys): a whole cycle of both phases.
+  writer = metrics.MetricWriter(None, just_logging=True)
+  got = loop._train_cycle(run, phase_fns, mesh, state, frozen, secret, writer)
+  want = loop._train_cycle(
+      _unbucketed(run), phase_fns, mesh, state, frozen, secret, writer
+  )
+  _assert_close(got.trainable, want.trainable)
+  assert got.ledger.to_dict() == want.ledger.to_dict()
+
+
+def test_one_compile_per_phase_and_bucket_and_the_same_cycles(monkeypatch):
+  """Several cycles trace each phase's accumulate once per bucket that ran,
+  at that bucket's length, and never again; the cycles (noisy updates from
+  the run's fixed noise keys) equal those without buckets (whose
+  max_length microbatches share the last bucket's compilation)."""
+  traces = collections.Counter()
+  accumulate = step.PhaseFunctions._accumulate
+
+  def counted(self, trainable, frozen, sums, batch, mask):
+    traces[self.phase.name, batch["input_ids"].shape[1]] += 1
+    return accumulate(self, trainable, frozen, sums, batch, mask)
+
+  monkeypatch.setattr(step.PhaseFunctions, "_accumulate", counted)
+  run = build_run(_config())
+  mesh = parallel.make_mesh(1)
+  secret = bytes(32)
+  phase_fns = loop._phase_functions(run, mesh, secret)
+  start, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
+  writer = metrics.MetricWriter(None, just_logging=True)
+  states = {}
+  for name, r in (("bucketed", run), ("plain", _unbucketed(run))):
+    state = start
+    for _ in range(3):
+      state = loop._train_cycle(
+          r, phase_fns, mesh, state, frozen, secret, writer
+      )
+    states[name] = state
+  assert states["bucketed"].cycle == 3
+  assert set(traces.values()) == {1}, traces
+  assert {name for name, _ in traces} == {p.name for p in run.plan.phases}
+  assert {length for _, length in traces} == set(BUCKETS)  # both ran
+  _assert_close(states["bucketed"].trainable, states["plain"].trainable)
+  assert states["bucketed"].ledger.to_dict() == states["plain"].ledger.to_dict()
+
+
+def test_evaluation_layer_selection_and_owner_map_use_the_buckets():
+  """The same metrics, layer table and owners as at max_length, from
+  batches of each bucket's length."""
+  config = _config()
+  plain = _config(buckets=())
+  run_data = setup.load_run_data(config)
+  backbone, params = setup.load_backbone(config, run_data)
+  widths = []
+  router = ownership._router_fn(backbone, params)
+  spy = lambda ids, mask: widths.append(ids.shape[1]) or router(ids, mask)
+  args = (run_data.train.input_ids, run_data.train.attention_mask)
+  rule = ownership.owner_rule(backbone.config, "count")
+  got = ownership.owners_per_layer(
+      spy, *args, batch_size=64, buckets=BUCKETS, **rule
+  )
+  np.testing.assert_array_equal(
+      got, ownership.owners_per_layer(router, *args, batch_size=64, **rule)
+  )
+  assert set(widths) == set(BUCKETS)
+  layer, table = ownership.select_expert_layer(
+      config, backbone, params, run_data
+  )
+  assert (layer, table) == ownership.select_expert_layer(
+      plain, backbone, params, run_data
+  )
+  np.testing.assert_array_equal(
+      ownership.private_owner_map(
+          config, backbone, params, run_data.train, layer
+      ),
+      ownership.private_owner_map(
+          plain, backbone, params, run_data.train, layer
+      ),
+  )
+  model = models.SequenceClassifier(backbone, 2, pooling="mean")
+  head = model.init(jax.random.PRNGKey(0), *(jnp.asarray(a[:2]) for a in args))[
+      "params"
+  ]
+  logits = jax.jit(lambda i, m: model.apply({"params": head}, i, m)[0])
+  dev = run_data.dev
+  evaluated = [
+      metrics.evaluate(
+          logits,
+          dev.input_ids,
+          dev.attention_mask,
+          dev.labels,
+          ("accuracy", "f1"),
+          16,
+          buckets=b,
+      )
+      for b in (BUCKETS, ())
+  ]
+  assert evaluated[0] == evaluated[1]
+
+
+def _shape(value):
+  """A JSON value with every number replaced by its type (structure only)."""
+  if isinstance(value, dict):
+    return {k: _shape(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_shape(v) for v in value]
+  return type(value).__name__ if isinstance(value, (int, float)) else value
+
+
+def _public_outputs(workdir, log_text):
+  """{name: what a run logs and writes publicly}, numbers masked, paths cut."""
+  # (the fixed-seed warning is given once per process: left out)
+  lines = [l for l in log_text.splitlines() if "secret_seed is fixed" not in l]
+  text = "\n".join(lines).replace(str(workdir), "W")
+  outputs = {"log": re.sub(r"\d+(\.\d+)?", "#", text)}
+  for name in ("results.json", "privacy_report.json", "layer_selection.json"):
+    outputs[name] = _shape(json.loads((workdir / name).read_text()))
+  outputs["metrics.jsonl"] = [
+      _shape(json.loads(line))
+      for line in (workdir / "metrics.jsonl").read_text().splitlines()
+  ]
+  return outputs
+
+
+@pytest.mark.slow
+def test_the_trainer_by_length_reaches_the_padded_result(tmp_path, caplog):
+  """The trainer end to end (fixed secret seed): the same dev metrics and
+  parameters up to float rounding, and no trace of the buckets in what it
+  logs or writes: the log, metrics.jsonl, TensorBoard and the reports hold
+  the same fields as without buckets (no per-bucket counts), and only
+  config.json names them."""
+  results, outputs = {}, {}
+  for name, buckets in (("a", ()), ("b", BUCKETS)):
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="raptor_jax"):
+      results[name] = train_and_evaluate(
+          _config(buckets=buckets), str(tmp_path / name)
+      )
+    outputs[name] = _public_outputs(tmp_path / name, caplog.text)
+    for path in (tmp_path / name).rglob("*"):
+      if path.is_file() and path.name != "config.json":
+        assert b"bucket" not in path.read_bytes().lower(), path
+    assert "bucket" not in caplog.text.lower()
+  assert results["b"]["accuracy"] == results["a"]["accuracy"]
+  _, got, _ = latest_state(tmp_path / "b")
+  _, want, _ = latest_state(tmp_path / "a")
+  _assert_close(got["trainable"], want["trainable"], rtol=1e-4)
+  diff = list(
+      difflib.unified_diff(
+          outputs["a"].pop("log").splitlines(),
+          outputs["b"].pop("log").splitlines(),
+      )
+  )
+  assert not diff, "\n".join(diff)
+  assert outputs["b"] == outputs["a"]
+
+
+@pytest.mark.slow
+def test_two_processes_with_buckets_agree_with_one(tmp_path):
+  """jax.distributed with two processes (each holding its own records and
+  their lengths only; the hosts agree on the microbatches per bucket): the
+  same parameters and ledger as one process, with and without buckets."""
+  from test_parallel import _assert_same_state, _free_port, _run
+
+  bucketed = {"stop_after_cycles": 1, "data.length_buckets": list(BUCKETS)}
+  _run(tmp_path / "one", {**bucketed, "num_devices": 1}, devices=1)
+  _run(
+      tmp_path / "plain", {"stop_after_cycles": 1, "num_devices": 1}, devices=1
+  )
+  coordinator = f"127.0.0.1:{_free_port()}"
+  procs = [
+      _run(
+          tmp_path / "multi",
+          bucketed,
+          devices=1,
+          process=(pid, 2, coordinator),
+      )
+      for pid in range(2)
+  ]
+  for proc in procs:
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+  _assert_same_state(tmp_path / "one", tmp_path / "multi")
+  _assert_same_state(tmp_path / "one", tmp_path / "plain")

@@ -46,8 +46,13 @@ def fingerprint(
   checkpoint, and the seed must not reach any file, not even hashed.
   """
   values = config.to_dict()
-  for key in insensitive:
-    values.pop(key, None)
+  for key in insensitive:  # a top-level field, or a dotted one
+    *parents, leaf = key.split(".")
+    section = values
+    for parent in parents:
+      section = section.get(parent) if isinstance(section, dict) else None
+    if isinstance(section, dict):
+      section.pop(leaf, None)
   values.get("privacy", {}).pop("secret_seed", None)
   return hashlib.sha256(
       json.dumps(values, sort_keys=True, default=str).encode()

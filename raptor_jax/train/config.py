@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
 from raptor_jax import _validate, data
 
@@ -61,6 +62,12 @@ def _data_config() -> ml_collections.ConfigDict:
   d.text_fields = ()  # override the text column(s)
   d.label_field = ""  # override the label column
   d.max_length = 128  # tokens per record, right padding
+  # Length buckets (`raptor_jax.length_buckets`): records run padded to the
+  # smallest of these lengths that holds them (one compile per bucket).
+  # None = powers of two from 16 up to max_length (none for the synthetic
+  # and controlled tasks); () = off (everything padded to max_length); or
+  # increasing lengths ending at max_length, e.g. '(16,32,64)'.
+  d.length_buckets = config_dict.placeholder(tuple)
   d.train_limit = 0  # use only the first N train records (0 = all)
   d.dev_limit = 0  # use only the first N dev records (0 = all)
   d.holdout = 0  # N train-file records after the first train_limit, never trained on (0 = none)
@@ -351,4 +358,7 @@ RESUME_INSENSITIVE = (
     "progress_bar",
     "microbatch_size",
     "num_devices",
+    # the computation's layout only (as microbatch_size): the same update
+    # up to float summation order
+    "data.length_buckets",
 )

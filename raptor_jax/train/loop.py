@@ -6,6 +6,15 @@ run's secret: `secrecy`), accumulates clipped per-record gradient sums over
 fixed-size microbatches, and makes ONE noisy DP-Adam update; the ledger
 records the release in the same immutable `TrainState`. The realised sample size only
 decides how many microbatches run; nothing reads, branches on or logs it.
+
+Length buckets (`data.length_buckets`, `raptor_jax.length_buckets`): each
+sample's records run in fixed-shape microbatches of the smallest bucket
+length that holds them, so each phase's step compiles once per bucket; the
+clipped sums of every bucket add into the phase's one noisy update, the same
+function of the sample as unbucketed (up to float summation order). Which
+bucket a record lands in depends on its private length, so it changes the
+layout and the wall time only; no bucket, count of records per bucket or
+microbatches per bucket reaches a log, metric, progress bar or file.
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from raptor_jax import _validate, accounting, data, ownership, roles, sampling
+from raptor_jax import _validate, accounting, data, length_buckets, ownership
+from raptor_jax import roles, sampling
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.train import methods, metrics, parallel, preemption, secrecy, step
 from raptor_jax.train.checkpoint import Checkpointer
@@ -47,13 +57,39 @@ def _write_json(path: Path, payload: dict) -> None:
 
 
 def _batch(
-    train: data.TextClassificationData, owners: np.ndarray, indices: np.ndarray
+    train: data.TextClassificationData,
+    owners: np.ndarray,
+    indices: np.ndarray,
+    length: int | None = None,
 ):
+  """The records `indices`, their tokens cut to `length` (None: max_length).
+
+  Records are right padded, so cutting a record to a bucket that holds it
+  drops padding only (a padding row, mask 0, may lose tokens: its weight is
+  zero whatever it holds).
+  """
   return dict(
-      input_ids=train.input_ids[indices],
-      attention_mask=train.attention_mask[indices],
+      input_ids=train.input_ids[indices, :length],
+      attention_mask=train.attention_mask[indices, :length],
       labels=train.labels[indices],
       owners=owners[indices],
+  )
+
+
+def _microbatches(sample, local_size, buckets, lengths):
+  """[(length or None, Microbatch)]: this host's microbatches of `sample`.
+
+  No buckets: `parallel.local_microbatches` (every record at max_length).
+  Buckets: `parallel.local_bucketed_microbatches`, bucket by bucket. The
+  layout is private (it follows the records' lengths and the realised
+  sample); it is iterated over, never logged or counted anywhere public.
+  """
+  if not buckets:
+    return [
+        (None, mb) for mb in parallel.local_microbatches(sample, local_size)
+    ]
+  return list(
+      parallel.local_bucketed_microbatches(sample, lengths, buckets, local_size)
   )
 
 
@@ -195,16 +231,22 @@ def _train_cycle(
     frozen,
     secret: bytes,
     writer: metrics.MetricWriter,
+    lengths: np.ndarray | None = None,
 ) -> TrainState:
   """Runs every phase of one cycle and returns the committed next state.
 
   Each phase draws its own Poisson sample, sums clipped gradients over
-  fixed-size microbatches and makes one noisy update. The new state (and the
-  ledger entry of every private phase) only exists once all phases ran, so an
-  interruption leaves the previous state consistent.
+  fixed-size microbatches (by length bucket with `data.length_buckets`;
+  `lengths`: this host's record lengths, computed here when None) and makes
+  one noisy update. The new state (and the ledger entry of every private
+  phase) only exists once all phases ran, so an interruption leaves the
+  previous state consistent.
   """
   config, plan, cycle = run.config, run.plan, state.cycle
   local_microbatch = config.microbatch_size * len(mesh.local_devices)
+  buckets = length_buckets.from_config(config)
+  if buckets and lengths is None:
+    lengths = length_buckets.record_lengths(run.data.train.attention_mask)
   trainable, opt_states = state.trainable, state.opt_states
   seed = secrecy.sampler_seed(secret)
   for phase, fns in zip(plan.phases, phase_fns):
@@ -212,9 +254,10 @@ def _train_cycle(
         run.n, plan.sample_rate, seed=seed, stream=phase.stream, step=cycle
     )
     sums, loss_sum = fns.zero_sums(trainable), 0.0
-    for mb in parallel.local_microbatches(sample, local_microbatch):
+    for length, mb in _microbatches(sample, local_microbatch, buckets, lengths):
       batch, mask = parallel.shard_records(
-          (_batch(run.data.train, run.owners, mb.indices), mb.mask), mesh
+          (_batch(run.data.train, run.owners, mb.indices, length), mb.mask),
+          mesh,
       )
       if config.log_private_stats:
         loss_sum += float(fns.loss_sum(trainable, frozen, batch, mask))
@@ -441,6 +484,14 @@ class _Session:
         wall_time=config.log_wall_time,
     )
     self.logits_fn = step.make_eval_fn(run.model)
+    # Length buckets and this host's record lengths (private: the layout
+    # of each cycle's microbatches only, never logged or saved).
+    self.buckets = length_buckets.from_config(config)
+    self.lengths = (
+        length_buckets.record_lengths(run.data.train.attention_mask)
+        if self.buckets
+        else None
+    )
     self.cycles_per_epoch = accounting.steps_per_epoch(run.plan.sample_rate)
     self.last_saved = self.state.cycle
     self.clock = preemption.CheckpointClock(
@@ -476,6 +527,7 @@ class _Session:
         dev.labels,
         self.run.data.task.metrics,
         self.run.config.eval_batch_size,
+        buckets=self.buckets,
     )
 
   def save(self, stopping: bool = False) -> None:
@@ -572,6 +624,7 @@ class _Session:
             self.frozen,
             self.secret,
             self.writer,
+            self.lengths,
         )
         self.log_cycle(progress)
         if self._checkpoint_due():
@@ -688,6 +741,7 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:
       for key in set(then) | set(now)
       if then.get(key) != now.get(key)
       and key.split(".")[0] not in RESUME_INSENSITIVE
+      and key not in RESUME_INSENSITIVE
   )
   if differ:
     shown = ", ".join(

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from raptor_jax import _validate, sampling
+from raptor_jax import _validate, length_buckets, sampling
 
 AXIS = "data"
 
@@ -188,3 +188,45 @@ def local_microbatches(
       np.zeros(local_size, np.int64), np.zeros(local_size, np.float32)
   )
   return mine + [padding] * (count - len(mine))
+
+
+def local_bucketed_microbatches(
+    sample: np.ndarray,
+    local_lengths: np.ndarray,
+    buckets: tuple[int, ...],
+    local_size: int,
+) -> list[length_buckets.BucketMicrobatch]:
+  """This host's fixed-shape microbatches of a global sample, by length bucket.
+
+  As `local_microbatches`, but each record runs in the smallest bucket that
+  holds it (`length_buckets`): `BucketMicrobatch(length, microbatch)`
+  items, shortest bucket first, the same sequence of lengths on every host.
+
+  Args:
+    sample: sorted global indices of the step's Poisson sample (the same on
+      every host).
+    local_lengths: int [this host's records]: each record's length
+      (`length_buckets.record_lengths`).
+    buckets: `length_buckets.check_buckets`' lengths.
+    local_size: records per microbatch on this host.
+
+  Privacy: a host only knows its own records' lengths, so with several
+  processes the hosts agree on the microbatches per bucket (the maximum)
+  through one allgather inside the job; those counts are private and only
+  decide the layout (never logged or saved, see `length_buckets`).
+  """
+  processes, me = jax.process_count(), jax.process_index()
+  mine = sample[sample % processes == me] // processes
+  counts = length_buckets.bucket_counts(
+      mine, local_lengths, buckets, local_size
+  )
+  if processes > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+    counts = np.max(
+        np.asarray(multihost_utils.process_allgather(counts.astype(np.int32))),
+        axis=0,
+    )
+  return length_buckets.host_bucketed_microbatches(
+      mine, local_lengths, buckets, local_size, counts
+  )

@@ -17,7 +17,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from raptor_jax import _validate, data, models, ownership, roles, sampling
+from raptor_jax import _validate, data, length_buckets, models, ownership
+from raptor_jax import roles, sampling
 from raptor_jax.models import hf
 from raptor_jax.train import canaries as canaries_lib
 from raptor_jax.train import methods, parallel, setup
@@ -44,6 +45,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   setup.check_eval_split(config.data)
   setup.check_data_fields(config)
   sampling.check_microbatch_size(config.microbatch_size)
+  length_buckets.from_config(config)  # data.length_buckets
   _validate.positive_int(
       "checkpoint_every_cycles",
       config.checkpoint_every_cycles,

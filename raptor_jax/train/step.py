@@ -3,7 +3,9 @@
 Parameters travel as flat dicts `{path: array}` (see `roles.flatten`):
 `trainable[part_name]` holds what a part trains (for an owner part, the
 stacked [E, ...] expert leaves of layer l*), `frozen` everything else. Every
-function has fixed input shapes, so each compiles once per run.
+function has fixed input shapes, so each compiles once per run: once per
+sequence length with length buckets (`data.length_buckets`; a microbatch
+of bucket b is [microbatch rows, b] tokens), never per step.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ class PhaseFunctions:
   the clipped gradients of its records, `psum` combines the sums, and the
   result is replicated. `update` then runs replicated: one noise draw per
   step from one PRNG state, identical parameters on every device.
+
+  Length buckets: `accumulate` (and `loss_sum`) take microbatches of any
+  fixed sequence length; jit compiles one executable per length (per
+  (phase, bucket)), and the sums of every bucket's microbatches add up
+  before the one `update`, so the release is the same function of the
+  sample as with every record at max_length.
   """
 
   def __init__(
