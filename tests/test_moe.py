@@ -16,7 +16,9 @@ import pytest
 
 from raptor_jax import models
 from raptor_jax.models import lora as lora_lib
+from raptor_jax.models import dispatch as dispatch_lib
 from raptor_jax.models import moe
+from raptor_jax.models import ragged
 from raptor_jax.models import olmoe
 from raptor_jax.models import switch
 
@@ -354,7 +356,7 @@ def test_dispatch_plan_gives_every_expert_a_block_and_fixed_work(routing):
   experts = np.where(rng.rand(rows) < 0.1, num_experts, experts)
   dest, block_expert, num_blocks = jax.tree.map(
       np.asarray,
-      jax.jit(moe._dispatch_plan, static_argnums=(1, 2))(  # pylint: disable=protected-access
+      jax.jit(dispatch_lib._dispatch_plan, static_argnums=(1, 2))(  # pylint: disable=protected-access
           jnp.asarray(experts, jnp.int32), num_experts, block
       ),
   )
@@ -376,7 +378,7 @@ def test_tokamax_without_the_package_gives_one_line_with_the_install(
 ):
   monkeypatch.setitem(sys.modules, "tokamax", None)  # import fails
   monkeypatch.setattr(
-      moe, "_tokamax_dispatch", moe._tokamax_dispatch.__wrapped__
+      ragged, "_tokamax_dispatch", ragged._tokamax_dispatch.__wrapped__
   )
   x, experts, w, a, b = _inputs(3, 4)
   with pytest.raises(ImportError, match=r"raptor_jax\[gpu\]") as err:

@@ -5,7 +5,7 @@ can carry a trainable low-rank update  (alpha / r) * x @ lora_a @ lora_b,
 `lora_b` initialised to zero so a fresh adapter leaves the model unchanged.
 `ExpertLinear` is the same for E stacked experts (`kernel` [E, d_in, d_out],
 `lora_a` [E, d_in, r], `lora_b` [E, r, d_out]) applied row by row through the
-MoE dispatch of `moe.py`.
+MoE dispatch of `dispatch.py` and `ragged.py`.
 
 Parameter names are chosen so that roles are easy to select by path: every
 adapter leaf is called `lora_a` or `lora_b`, expert weights live under
