@@ -1,0 +1,145 @@
+"""The trainer's DP step is the public transforms on brute-force gradients.
+
+Users are told to reuse `transforms.dp_aggregate` and
+`transforms.owner_dp_aggregate`; the trainer builds its step from
+`grads` and `transforms.privatize_sums`. This checks that one trainer step
+of each RAPTOR phase (noise included, from the run's own keys) equals
+those public transforms chained with Adam, applied to per-record gradients
+computed one record at a time by plain `jax.grad` of the model's loss (the
+expert stream: the full stacked-expert gradient, row `owner`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from raptor_jax import roles, transforms
+from raptor_jax.train import loop, parallel, secrecy, step
+from raptor_jax.train.run import build_run
+
+from helpers import micro_config
+
+ROWS, PADDING = 32, 3  # one microbatch; its last rows are padding
+
+
+def _record_loss(run, flat, record):
+  logits, _ = run.model.apply(
+      {"params": roles.unflatten(flat)},
+      record["input_ids"][None],
+      record["attention_mask"][None],
+  )
+  return step.cross_entropy(logits[0], record["labels"])
+
+
+def _residual_weight(run, flat, record):
+  """w = (1 - p(y | shared-only model)) ** gamma: l*'s LoRA B factors zeroed."""
+  prefix = roles.expert_prefix(run.expert_layer)
+  shared_only = {
+      p: jnp.zeros_like(v)
+      if p.startswith(prefix) and p.endswith("lora_b")
+      else v
+      for p, v in flat.items()
+  }
+  logits, _ = run.model.apply(
+      {"params": roles.unflatten(shared_only)},
+      record["input_ids"][None],
+      record["attention_mask"][None],
+  )
+  p_true = jax.nn.softmax(logits[0].astype(jnp.float32))[record["labels"]]
+  return (1.0 - p_true) ** run.config.raptor.residual_gamma
+
+
+def _brute_force(run, trainable, frozen, batch, part):
+  """Each record's gradient for `part`, one `jax.grad` per record."""
+  rows = []
+  for i in range(ROWS):
+    record = jax.tree.map(lambda a: a[i], batch)
+    flat = {
+        **frozen,
+        **{p: v for t in trainable.values() for p, v in t.items()},
+    }
+
+    def loss(values):
+      return _record_loss(run, {**flat, **values}, record)
+
+    g = jax.grad(loss)(dict(trainable[part.name]))
+    if part.owner:  # the owner's row of the stacked [E, ...] gradient
+      g = {p: v[int(record["owners"])] for p, v in g.items()}
+    if part.residual:
+      weight = _residual_weight(run, flat, record)
+      g = jax.tree.map(lambda v: v * weight, g)
+    rows.append(g)
+  return jax.tree.map(lambda *r: jnp.stack(r), *rows)
+
+
+def _assert_close(got, want, where):
+  for path, value in want.items():
+    np.testing.assert_allclose(
+        np.asarray(got[path]),
+        np.asarray(value),
+        rtol=1e-5,
+        atol=1e-6,
+        err_msg=f"{where}/{path}",
+    )
+
+
+def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads():
+  run = build_run(micro_config())
+  mesh = parallel.make_mesh(1)
+  secret = bytes(range(32))
+  phase_fns = loop._phase_functions(run, mesh, secret)
+  state, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
+  batch = loop._batch(run.data.train, run.owners, np.arange(ROWS))
+  mask = jnp.asarray(np.r_[np.ones(ROWS - PADDING), np.zeros(PADDING)])
+  assert [p.name for p in run.plan.phases] == ["shared", "expert"]
+  for phase_index, (phase, fns) in enumerate(zip(run.plan.phases, phase_fns)):
+    assert not phase.joint_clip and not phase.clip_with
+    sums = fns.accumulate(
+        state.trainable, frozen, fns.zero_sums(state.trainable), batch, mask
+    )
+    got, _ = fns.update(state.trainable, state.opt_states, sums)
+    for part_index, part in enumerate(phase.parts):
+      key = transforms.fold_in(
+          secrecy.noise_key(secret, phase_index), part_index
+      )
+      if part.owner:
+        make = lambda sigma, k: transforms.owner_dp_aggregate(
+            part.l2_clip, sigma, run.num_experts, part.denominator, k
+        )
+        extra = dict(owners=batch["owners"], mask=mask)
+      else:
+        make = lambda sigma, k: transforms.dp_aggregate(
+            part.l2_clip, sigma, part.denominator, k
+        )
+        extra = dict(mask=mask)
+      aggregate = make(part.noise_multiplier, key)
+      params = dict(state.trainable[part.name])
+      per_record = _brute_force(run, state.trainable, frozen, batch, part)
+      assert part.noise_multiplier > 0
+      # The release (noisy sum / public denominator), before Adam: Adam's
+      # first step is about lr * sign(release), so compare the release too.
+      privatizer = fns.privatizers[part.name]
+      released, _ = privatizer.update(sums[part.name], privatizer.init(params))
+      want_release, _ = aggregate.update(
+          per_record, aggregate.init(params), params, **extra
+      )
+      _assert_close(released, want_release, f"{phase.name}/{part.name}")
+      # Without noise: the clipped sums themselves, tightly.
+      noiseless = make(0.0, key)
+      want_sums, _ = noiseless.update(
+          per_record, noiseless.init(params), params, **extra
+      )
+      _assert_close(
+          jax.tree.map(lambda v: v / part.denominator, sums[part.name]),
+          want_sums,
+          f"{phase.name}/{part.name} (noiseless)",
+      )
+      # The whole step: the public transform chained with Adam.
+      tx = optax.chain(aggregate, optax.adam(run.config.learning_rate))
+      updates, _ = tx.update(per_record, tx.init(params), params, **extra)
+      want = optax.apply_updates(params, updates)
+      _assert_close(got[part.name], want, f"{phase.name}/{part.name}")
+      for path, value in want.items():
+        # The step moved the parameter (a test that cannot fail otherwise).
+        assert not np.allclose(np.asarray(value), np.asarray(params[path]))
