@@ -21,9 +21,9 @@ from raptor_jax.train import loop, preemption
 
 from helpers import ROOT, latest_state, micro_config
 
-# The micro run of `helpers.micro_config` on the command line, 10 epochs
-# (60 cycles) so that a signal lands mid-run.
-_CYCLES = 60
+# The micro run of `helpers.micro_config` on the command line, 5 epochs
+# (30 cycles) so that two signals land mid-run.
+_CYCLES = 30
 _MICRO_FLAGS = [
     "--config=configs/switch_sst2.py:tiny",
     "--config.data.synthetic.n_train=300",
@@ -36,7 +36,7 @@ _MICRO_FLAGS = [
     "--config.model.random.num_layers=2",
     "--config.batch_size=50",
     "--config.microbatch_size=32",
-    "--config.epochs=10",
+    "--config.epochs=5",
     "--config.eval_batch_size=64",
     "--config.eval_every_epochs=100",
     "--config.progress_bar=False",
