@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from raptor_jax.train import loop
+from raptor_jax.train import outputs
 from raptor_jax.train.run import build_run
 
 from helpers import ROOT, micro_config
@@ -19,7 +19,7 @@ def run():
 
 
 def test_the_header_says_what_the_run_will_do_before_it_trains(run):
-  header = loop.run_header(run, Path("/w")).splitlines()
+  header = outputs.run_header(run, Path("/w")).splitlines()
   sigma = {p.name: p.noise_multiplier for p in run.plan.parts}
   assert header[0] == (
       "raptor on synthetic: n = 300 training records, expected batch B = 50,"
@@ -40,7 +40,7 @@ def test_the_header_says_what_the_run_will_do_before_it_trains(run):
 
 def test_the_run_ends_with_a_table_and_the_export_command(run):
   results = dict(cycles=6, finished=True, epsilon=1.5)
-  summary = loop.run_summary(run, results, {"accuracy": 0.75}, Path("/w"))
+  summary = outputs.run_summary(run, results, {"accuracy": 0.75}, Path("/w"))
   assert summary.splitlines() == [
       "run finished:",
       "  cycles         6 of 6",

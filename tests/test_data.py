@@ -675,7 +675,7 @@ def test_nothing_before_the_mechanism_moves_when_a_record_copies_a_public_text(
   """Invariant (docs/method.md §3): l*, the vocabulary and every file written before the
   mechanism are identical for D and for D plus a record that copies a public
   text (under add/remove adjacency such a neighbour is always possible)."""
-  from raptor_jax.train import loop
+  from raptor_jax.train import outputs as run_outputs
   from raptor_jax.train.run import build_run
 
   public = [
@@ -698,7 +698,7 @@ def test_nothing_before_the_mechanism_moves_when_a_record_copies_a_public_text(
     run = build_run(config)
     workdir = tmp_path / f"run_{len(private)}"
     workdir.mkdir()
-    loop.write_layer_selection(workdir, run)
+    run_outputs.write_layer_selection(workdir, run)
     run.data.tokenizer.save_pretrained(workdir / "tokenizer")
     files = {
         str(p.relative_to(workdir)): p.read_bytes()

@@ -28,6 +28,7 @@ from raptor_jax import data, models, release
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.models import hf, lora
 from raptor_jax.train import loop, methods, step, train_and_evaluate
+from raptor_jax.train import outputs
 from raptor_jax.train.run import build_run
 
 from helpers import ROOT, latest_state, micro_config
@@ -510,7 +511,7 @@ def _planned_report(method):
       )
   run = types.SimpleNamespace(config=config, plan=plan, expert_layer=1, n=300)
   state = loop.TrainState({}, {}, ledger, plan.cycles)
-  return loop.privacy_report(run, state, dict(source="generated"))
+  return outputs.privacy_report(run, state, dict(source="generated"))
 
 
 @pytest.mark.parametrize("method", methods.METHODS)

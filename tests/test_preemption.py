@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from raptor_jax.train import loop, preemption
+from raptor_jax.train import workdir as workdir_lib
 
 from helpers import ROOT, latest_state, micro_config
 
@@ -291,7 +292,7 @@ def test_logs_of_a_run_that_died_before_its_first_checkpoint_move_aside(
   (tmp_path / "config.json").write_text("{}")
   (tmp_path / "checkpoints").mkdir()
   (tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1").mkdir()  # uncommitted
-  loop._start_fresh(tmp_path)
+  workdir_lib.start_fresh(tmp_path)
   aside = tmp_path / "stopped_before_checkpoint.0"
   assert sorted(p.name for p in aside.iterdir()) == [
       "config.json",
@@ -300,11 +301,11 @@ def test_logs_of_a_run_that_died_before_its_first_checkpoint_move_aside(
   ]
   assert not (tmp_path / "metrics.jsonl").exists()
   (tmp_path / "metrics.jsonl").write_text("")
-  loop._start_fresh(tmp_path)
+  workdir_lib.start_fresh(tmp_path)
   assert (tmp_path / "stopped_before_checkpoint.1" / "metrics.jsonl").exists()
   (tmp_path / "metrics.jsonl").write_text("")
   (tmp_path / "checkpoints" / "4").mkdir()  # a committed checkpoint: resume
-  loop._start_fresh(tmp_path)
+  workdir_lib.start_fresh(tmp_path)
   assert (tmp_path / "metrics.jsonl").exists()
 
 
@@ -313,10 +314,10 @@ def test_a_workdir_of_another_config_is_refused_naming_the_fields(tmp_path):
   (tmp_path / "config.json").write_text(
       loop.secrecy.public_config(micro_config(batch_size=60, **{"seed": 3}))
   )
-  loop.check_workdir(config, tmp_path)  # no checkpoint: a fresh start
+  workdir_lib.check_workdir(config, tmp_path)  # no checkpoint: a fresh start
   (tmp_path / "checkpoints" / "2").mkdir(parents=True)
   with pytest.raises(ValueError) as error:
-    loop.check_workdir(config, tmp_path)
+    workdir_lib.check_workdir(config, tmp_path)
   assert str(error.value) == (
       f"{tmp_path} holds a run of another config: batch_size (then 60, now"
       " 50), seed (then 3, now 0); use another --workdir, or rerun with the"
@@ -324,7 +325,7 @@ def test_a_workdir_of_another_config_is_refused_naming_the_fields(tmp_path):
   )
   resume_insensitive = micro_config(checkpoint_every_minutes=5.0)
   (tmp_path / "config.json").write_text(loop.secrecy.public_config(config))
-  loop.check_workdir(resume_insensitive, tmp_path)
+  workdir_lib.check_workdir(resume_insensitive, tmp_path)
 
 
 def test_checkpoint_every_minutes_is_validated():

@@ -11,6 +11,7 @@ import pytest
 from raptor_jax import accounting, sampling
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.train import loop, methods, parallel, secrecy, sweep
+from raptor_jax.train import outputs
 from raptor_jax.transforms import DpAggregateState
 
 from helpers import micro_config
@@ -170,7 +171,7 @@ def _plan_of(*phases):
 
 def test_a_state_with_more_updates_than_its_ledger_is_refused():
   plan = _plan_of(("shared", ["shared"]), ("expert", ["expert"]))
-  loop.check_consistent(
+  outputs.check_consistent(
       plan,
       _state({"shared": 3, "expert": 3}, {"shared": 3, "expert": 3}, 3),
       "ck",
@@ -182,11 +183,11 @@ def test_a_state_with_more_updates_than_its_ledger_is_refused():
     with pytest.raises(
         ValueError, match=r"ck: the parameters hold \d noisy"
     ) as e:
-      loop.check_consistent(plan, _state(counts, steps, 3), "ck")
+      outputs.check_consistent(plan, _state(counts, steps, 3), "ck")
     assert "\n" not in str(e.value)
   joint = _plan_of(("joint", ["shared", "expert"]))
   with pytest.raises(ValueError, match="different noise step counts"):
-    loop.check_consistent(
+    outputs.check_consistent(
         joint, _state({"shared": 3, "expert": 2}, {"joint": 3}, 3), "ck"
     )
 
@@ -222,7 +223,7 @@ def _report(method, sigmas):
       )
   run = types.SimpleNamespace(config=config, plan=plan, expert_layer=1, n=300)
   state = loop.TrainState({}, {}, ledger, plan.cycles)
-  return plan, loop.privacy_report(run, state, dict(source="generated"))
+  return plan, outputs.privacy_report(run, state, dict(source="generated"))
 
 
 def test_report_carries_each_streams_epsilon_at_half_delta():

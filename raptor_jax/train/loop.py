@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
@@ -32,28 +31,14 @@ import ml_collections
 import numpy as np
 
 from raptor_jax import _validate, accounting, data, length_buckets, ownership
-from raptor_jax import roles, sampling
+from raptor_jax import sampling
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.train import methods, metrics, parallel, preemption, secrecy, step
+from raptor_jax.train import outputs, workdir as workdir_lib
 from raptor_jax.train.checkpoint import Checkpointer
-from raptor_jax.train.config import RESUME_INSENSITIVE
 from raptor_jax.train.run import Run, build_run, validate
 
 log = logging.getLogger("raptor_jax")
-
-
-def _is_writer() -> bool:
-  """Whether this process writes the (shared) workdir's files: process 0 only."""
-  return jax.process_index() == 0
-
-
-def _write_json(path: Path, payload: dict) -> None:
-  """Writes `payload` atomically, from process 0 only."""
-  if not _is_writer():
-    return
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=float))
-  tmp.replace(path)
 
 
 def _batch(
@@ -111,50 +96,6 @@ class TrainState:
   cycle: int
 
 
-def noise_counts(plan: methods.Plan, opt_states: dict) -> dict[str, int]:
-  """Per phase (ledger stream name): noisy updates its noise transforms applied.
-
-  Every part of a phase is updated once per cycle, so its `privatize_sums`
-  state (the first element of its `optax.chain` state) counts the phase's
-  updates; parts of one phase that disagree raise.
-  """
-  counts = {}
-  for phase in plan.phases:
-    seen = {int(opt_states[part.name][0].count) for part in phase.parts}
-    if len(seen) != 1:
-      raise ValueError(
-          f"the parts of phase {phase.name!r} hold different noise step counts"
-          f" {sorted(seen)}; the checkpoint is inconsistent"
-      )
-    counts[phase.name] = seen.pop()
-  return counts
-
-
-def check_consistent(plan: methods.Plan, state: TrainState, where) -> None:
-  """Refuses a state whose applied and accounted noisy updates disagree.
-
-  Applied: each phase's noise step count (the parameters hold exactly that
-  many noisy updates of the phase). Accounted: the ledger's steps of the
-  phase's stream (private phases; every phase runs once per cycle).
-
-  Raises:
-    ValueError: one line naming `where` (the checkpoint) and the counts.
-  """
-  applied = noise_counts(plan, state.opt_states)
-  for phase in plan.phases:
-    accounted = state.ledger.steps(phase.name) if phase.private else None
-    if applied[phase.name] != state.cycle or accounted not in (
-        None,
-        state.cycle,
-    ):
-      raise ValueError(
-          f"{where}: the parameters hold {applied[phase.name]} noisy updates of"
-          f" stream {phase.name!r} but the ledger accounts {accounted} at cycle"
-          f" {state.cycle}; this checkpoint under-reports its privacy cost: do"
-          " not resume or release it, train again in a new --workdir"
-      )
-
-
 def _phase_functions(
     run: Run, mesh, secret: bytes
 ) -> list[step.PhaseFunctions]:
@@ -197,7 +138,7 @@ def _initial_state(
         PrivacyLedger.from_json(meta["ledger"]),
         int(meta["cycle"]),
     )
-    check_consistent(run.plan, state, checkpointer.latest_path())
+    outputs.check_consistent(run.plan, state, checkpointer.latest_path())
     log.info("resumed from cycle %d of %d", state.cycle, run.plan.cycles)
   return state, frozen
 
@@ -269,31 +210,12 @@ def _train_cycle(
           {f"private/{phase.name}_train_loss": loss_sum / max(len(sample), 1)},
       )
   return TrainState(
-      trainable, opt_states, _accounted(plan, state.ledger), cycle + 1
+      trainable, opt_states, outputs.accounted(plan, state.ledger), cycle + 1
   )
 
 
-def _accounted(plan: methods.Plan, ledger: PrivacyLedger) -> PrivacyLedger:
-  """A new ledger: `ledger` plus one release of every private phase."""
-  ledger = PrivacyLedger(ledger.entries)  # a copy: the old state is unchanged
-  for phase in plan.phases:
-    if phase.private:
-      ledger.record(
-          phase.name,
-          sample_rate=plan.sample_rate,
-          noise_multiplier=phase.noise_multiplier,
-      )
-  return ledger
-
-
-def _epsilon_spent(plan: methods.Plan, state: TrainState) -> float | None:
-  if not methods.is_private(plan):
-    return None  # no privacy guarantee at all
-  return state.ledger.epsilon(plan.delta) if state.cycle else 0.0
-
-
 def _progress_bar(config, plan: methods.Plan, cycle: int):
-  if not config.progress_bar or not _is_writer():
+  if not config.progress_bar or not outputs.is_writer():
     return None
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
@@ -309,156 +231,6 @@ def _progress_bar(config, plan: methods.Plan, cycle: int):
   )
 
 
-def _streams(plan: methods.Plan, state: TrainState) -> dict[str, dict]:
-  """Per stream (phase): sigma, steps run and, when the plan has several
-  private streams, the stream's own epsilon at delta/2 (SPEC 1.7)."""
-  several = sum(p.private for p in plan.phases) > 1
-  streams = {}
-  for phase in plan.phases:
-    entry = dict(noise_multiplier=phase.noise_multiplier, steps=state.cycle)
-    if phase.private and several:
-      entry["epsilon_at_half_delta"] = (
-          state.ledger.stream_epsilon(phase.name, plan.delta / 2)
-          if state.cycle
-          else 0.0
-      )
-    streams[phase.name] = entry
-  return streams
-
-
-def privacy_report(
-    run: Run, state: TrainState, data_digest: dict | None = None
-) -> dict[str, Any]:
-  """privacy_report.json: public; a field that does not apply is absent.
-
-  `target_epsilon` only for private methods; `rho` only where it splits the
-  budget (alternating or unjoint RAPTOR); `sigma_<part>` and `steps_<part>`
-  only for the parts 'shared' and 'expert' the plan trains; `streams` per
-  ledger stream, with each stream's own epsilon at delta/2 when there are
-  several.
-  """
-  config, plan, cycle = run.config, run.plan, state.cycle
-  private = methods.is_private(plan)
-  noise = methods.noise_summary(plan)
-  report = dict(
-      method=plan.method,
-      epsilon=_epsilon_spent(plan, state),
-      delta=plan.delta,
-      sample_rate=plan.sample_rate,
-      cycles=cycle,
-      planned_cycles=plan.cycles,
-      finished=cycle >= plan.cycles,
-      private=private,
-      accountant="PLD (dp_accounting.pld.PLDAccountant, add/remove adjacency, Poisson sampling)",
-      parts=noise,
-      streams=_streams(plan, state),
-      ledger=state.ledger.to_dict(),
-      expert_layer=run.expert_layer,
-      batch_size=config.batch_size,
-      n=run.n,
-  )
-  if private:
-    report["target_epsilon"] = plan.target_epsilon
-  rc = config.raptor
-  if plan.method == "raptor" and not (rc.joint_clip and not rc.alternate):
-    report["rho"] = config.privacy.rho  # it splits the budget between streams
-  for name in ("shared", "expert"):
-    if name in noise:
-      report[f"sigma_{name}"] = noise[name]["noise_multiplier"]
-      report[f"steps_{name}"] = cycle
-  if data_digest is not None:
-    report["data"] = data_digest
-  return report
-
-
-def write_reports(
-    workdir: Path,
-    run: Run,
-    state: TrainState,
-    frozen,
-    dev: dict[str, float],
-    wall_time_s: float,
-    session_s: float,
-    data_digest: dict | None = None,
-) -> dict[str, Any]:
-  """Writes privacy_report.json and results.json (public quantities only); returns results."""
-  config, plan, cycle = run.config, run.plan, state.cycle
-  finished = cycle >= plan.cycles
-  report = privacy_report(run, state, data_digest)
-  _write_json(workdir / "privacy_report.json", report)
-  results = dict(
-      method=plan.method,
-      task=run.data.task.name,
-      eval_split=config.data.eval_split,
-      finished=finished,
-      cycles=cycle,
-      epsilon=report["epsilon"],
-      trainable_parameters={
-          part.name: int(
-              sum(np.size(v) for v in state.trainable[part.name].values())
-          )
-          for part in plan.parts
-      },
-      parameters_by_role=roles.count_by_role(
-          step.merged_params(frozen, state.trainable)
-      ),
-      expert_layer=run.expert_layer,
-      **{f"dev_{k}": v for k, v in dev.items()},
-      **dev,
-  )
-  if config.log_wall_time:  # opted in, warned: a non-private quantity
-    results["wall_time_s"] = wall_time_s  # every segment of the run
-    results["wall_time_this_session_s"] = session_s
-  _write_json(workdir / "results.json", results)
-  return results
-
-
-def _secret(
-    config, meta: dict | None, data_fingerprint: dict, checkpointer
-) -> bytes:
-  """The run's secret: fresh (agreed by every process) or the checkpoint's.
-
-  Raises:
-    ValueError: the checkpoint was trained on other data than the config
-      names now (resuming would mix two datasets under one ledger), or the
-      workdir reports an earlier run but has no checkpoint (a fresh start
-      would hide that run's releases).
-  """
-  if not meta:
-    report = checkpointer.directory.parent / "privacy_report.json"
-    if report.exists():  # never restart from scratch under an old ledger
-      raise ValueError(
-          f"{report} reports an earlier run but {checkpointer.directory} holds"
-          " no checkpoint of it; train in a new --workdir"
-      )
-    return parallel.agree_bytes(secrecy.draw_secret(config))
-  secret = bytes.fromhex(meta["secret"])
-  if meta.get("data") != data_fingerprint:
-    raise ValueError(
-        f"the training data changed since {checkpointer.latest_path()} was"
-        f" written (now {_describe(data_fingerprint, secret)}, then"
-        f" {_describe(meta.get('data'), secret)}); restore the data the run"
-        " started on, or train in a new --workdir"
-    )
-  return secret
-
-
-def _describe(fingerprint: dict | None, secret: bytes) -> str:
-  """A description of a data fingerprint safe for error messages.
-
-  A file's size and plain sha256 are functions of every record (an
-  adversary who knows all records but one could test candidates against
-  them), so a file is described by its digest keyed by the run's secret
-  (the `keyed_sha256` of privacy_report.json) only; a hub or generated
-  source by its public name.
-  """
-  if not fingerprint:
-    return "unknown"
-  if fingerprint.get("source") != "file":
-    return f"{fingerprint.get('source')} {fingerprint.get('task')}"
-  return f"keyed sha256 {secrecy.keyed_digest(secret, fingerprint)}"
-
-
 class _Session:
   """One training session of a run: its mesh, jitted steps, state, writers."""
 
@@ -468,19 +240,21 @@ class _Session:
     self.checkpointer = Checkpointer(workdir, config)
     meta = self.checkpointer.restore_meta()
     self.data = secrecy.data_fingerprint(config)
-    self.secret = _secret(config, meta, self.data, self.checkpointer)
+    self.secret = workdir_lib.run_secret(
+        config, meta, self.data, self.checkpointer
+    )
     self.phase_fns = _phase_functions(run, mesh, self.secret)
     self.state, self.frozen = _initial_state(
         run, self.phase_fns, mesh, self.checkpointer, meta
     )
     # Wall time of earlier segments of a resumed run (0 for a fresh one).
     self.earlier_wall_s = float(meta.get("wall_time_s", 0.0)) if meta else 0.0
-    if not meta and _is_writer():
+    if not meta and outputs.is_writer():
       (workdir / "config.json").write_text(secrecy.public_config(config))
     _warn_if_not_private(config)
     self.writer = metrics.MetricWriter(
         workdir,
-        just_logging=not _is_writer(),
+        just_logging=not outputs.is_writer(),
         wall_time=config.log_wall_time,
     )
     self.logits_fn = step.make_eval_fn(run.model)
@@ -569,7 +343,7 @@ class _Session:
       progress.update(1)
     end_of_epoch = cycle % self.cycles_per_epoch == 0 or cycle == plan.cycles
     if cycle % config.log_every_cycles == 0 or end_of_epoch:
-      eps = _epsilon_spent(plan, self.state)
+      eps = outputs.epsilon_spent(plan, self.state)
       self.writer.write(
           cycle,
           {
@@ -587,7 +361,7 @@ class _Session:
     ):
       dev = self.evaluate()
       self.writer.write(cycle, {f"dev/{k}": v for k, v in dev.items()})
-      eps = _epsilon_spent(plan, self.state)
+      eps = outputs.epsilon_spent(plan, self.state)
       line = f"cycle {cycle}: dev " + ", ".join(
           f"{k} {v:.4f}" for k, v in dev.items()
       )
@@ -643,23 +417,6 @@ class _Session:
     self.checkpointer.close()
 
 
-def write_layer_selection(workdir: Path, run: Run) -> None:
-  """layer_selection.json: l*, its rule and the public corpus's statistics.
-
-  Public: every field is a function of the public corpus (used as loaded)
-  and the frozen model, computed before the mechanism, so the file is the
-  same for D and for every neighbour of D.
-  """
-  _write_json(
-      workdir / "layer_selection.json",
-      dict(
-          selected_layer=run.expert_layer,
-          rule=str(run.config.raptor.layer),
-          public_corpus=run.layer_table,
-      ),
-  )
-
-
 def train_and_evaluate(
     config: ml_collections.ConfigDict,
     workdir: str,
@@ -704,7 +461,7 @@ def train_and_evaluate(
   workdir.mkdir(parents=True, exist_ok=True)
   lock = (
       preemption.WorkdirLock(workdir)
-      if _is_writer()
+      if outputs.is_writer()
       else contextlib.nullcontext()
   )
   with lock, preemption.stop_on_signals():
@@ -717,72 +474,14 @@ def train_and_evaluate(
       raise
 
 
-def check_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:
-  """Refuses a workdir of another config before anything is loaded.
-
-  The workdir's config.json (public) against `config`, every field that
-  changes what the run computes; the checkpoint's fingerprint stays the
-  authority (`Checkpointer.restore_meta`). A workdir without a checkpoint
-  passes: `_start_fresh` handles it.
-
-  Raises:
-    ValueError: one line naming the fields that differ.
-  """
-  saved = workdir / "config.json"
-  if preemption.latest_checkpoint(workdir) is None or not saved.exists():
-    return
-  try:
-    then = _flat(json.loads(saved.read_text()))
-  except ValueError:
-    return  # unreadable: the checkpoint's fingerprint decides
-  now = _flat(json.loads(secrecy.public_config(config)))
-  differ = sorted(
-      key
-      for key in set(then) | set(now)
-      if then.get(key) != now.get(key)
-      and key.split(".")[0] not in RESUME_INSENSITIVE
-      and key not in RESUME_INSENSITIVE
-  )
-  if differ:
-    shown = ", ".join(
-        f"{key} (then {then.get(key)!r}, now {now.get(key)!r})"
-        for key in differ[:5]
-    )
-    more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
-    raise ValueError(
-        f"{workdir} holds a run of another config: {shown}{more}; use another"
-        " --workdir, or rerun with the config in its config.json"
-    )
-
-
-def _flat(values: dict, prefix: str = "") -> dict:
-  flat = {}
-  for key, value in values.items():
-    if isinstance(value, dict):
-      flat.update(_flat(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
-
-
-def _start_fresh(workdir: Path) -> None:
-  """A workdir with no checkpoint and no report: the outputs of a run that
-  died before its first checkpoint (if any) are moved aside."""
-  if (
-      preemption.latest_checkpoint(workdir) is None
-      and not (workdir / "privacy_report.json").exists()
-  ):
-    preemption.move_aside_unfinished_logs(workdir)
-
-
 def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
   """`train_and_evaluate` inside the workdir lock and the stop signals."""
-  check_workdir(config, workdir)
-  if _is_writer() and not dry_run:
-    _start_fresh(workdir)
+  workdir_lib.check_workdir(config, workdir)
+  if outputs.is_writer() and not dry_run:
+    workdir_lib.start_fresh(workdir)
   # This host tokenises and keeps only its records (i % P == p); n counts all.
   if run is None:
-    if _is_writer():
+    if outputs.is_writer():
       log.info(
           "loading the data, the public corpus and the model (%s)...",
           config.model.name,
@@ -796,24 +495,24 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
         "pass run=None to build it here",
     )
   if dry_run:
-    if _is_writer():
-      log.info("%s", run_header(run, workdir))
+    if outputs.is_writer():
+      log.info("%s", outputs.run_header(run, workdir))
       log.info(
           "config (dry run: nothing trained, no output written):\n%s", config
       )
     return {}
-  write_layer_selection(workdir, run)
+  outputs.write_layer_selection(workdir, run)
   if run.layer_table:
     log.info(
         "layer selection:\n%s",
         ownership.format_layer_table(run.layer_table, run.expert_layer),
     )
-  if _is_writer():
-    log.info("%s", run_header(run, workdir))
+  if outputs.is_writer():
+    log.info("%s", outputs.run_header(run, workdir))
   session = _Session(run, mesh, workdir, start_time)
   session.train()
   dev = session.evaluate()
-  results = write_reports(
+  results = outputs.write_reports(
       workdir,
       run,
       session.state,
@@ -827,75 +526,6 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
       session.state.cycle, {f"final/dev_{k}": v for k, v in dev.items()}
   )
   session.writer.close()
-  if _is_writer():
-    log.info("%s", run_summary(run, results, dev, workdir))
+  if outputs.is_writer():
+    log.info("%s", outputs.run_summary(run, results, dev, workdir))
   return results
-
-
-def run_header(run: Run, workdir: Path) -> str:
-  """What a run will do, printed before it trains: public quantities only.
-
-  The method, n (public: the sample rate is a function of it), the sample
-  rate, the cycles, delta and the target epsilon, sigma and the clip norm of
-  every stream with its trainable parameter count, and where outputs go.
-  """
-  plan, config = run.plan, run.config
-  lines = [
-      f"{plan.method} on {run.data.task.name}: n = {run.n} training records,"
-      f" expected batch B = {config.batch_size}, sample rate q ="
-      f" {plan.sample_rate:.4g}, {plan.cycles} cycles ({config.epochs} epochs)",
-      (
-          f"privacy: target epsilon {plan.target_epsilon:g} at delta"
-          f" {plan.delta:.3g} (PLD accountant, Poisson sampling)"
-          if methods.is_private(plan)
-          else "privacy: NONE (this method trains without differential privacy)"
-      ),
-  ]
-  for phase in plan.phases:
-    for part in phase.parts:
-      count = sum(int(np.size(v)) for v in run.trainable[part.name].values())
-      noise = (
-          f"sigma {part.noise_multiplier:.4g}, clip {part.l2_clip:.3g}"
-          if phase.private
-          else "no noise"
-      )
-      lines.append(
-          f"  stream {phase.name}, part {part.name}: {noise},"
-          f" {count:,} trainable parameters"
-      )
-  lines.append(
-      f"outputs: {workdir} (checkpoints/, metrics.jsonl, tensorboard/;"
-      " at the end privacy_report.json and results.json)"
-  )
-  return "\n".join(lines)
-
-
-def run_summary(run: Run, results: dict, dev: dict, workdir: Path) -> str:
-  """The run's last lines: a table of the public results and the export
-  command."""
-  rows = [
-      ("cycles", f"{results['cycles']} of {run.plan.cycles}"),
-      (
-          "epsilon spent",
-          "n/a (not private)"
-          if results["epsilon"] is None
-          else f"{results['epsilon']:.4g} at delta {run.plan.delta:.3g}",
-      ),
-      *(
-          (f"{run.config.data.eval_split} {k}", f"{v:.4f}")
-          for k, v in dev.items()
-      ),
-      ("reports", f"{workdir}/privacy_report.json, results.json"),
-  ]
-  width = max(len(name) for name, _ in rows)
-  done = "finished" if results["finished"] else "stopped (stop_after_cycles)"
-  lines = [f"run {done}:"]
-  lines += [f"  {name:<{width}}  {value}" for name, value in rows]
-  if results["finished"]:
-    lines.append(
-        f"export: python launch/export.py --workdir={workdir}"
-        f" --out={workdir}_model"
-    )
-  else:
-    lines.append("resume: rerun the same command")
-  return "\n".join(lines)

@@ -1,0 +1,297 @@
+"""A run's privacy bookkeeping and its public outputs.
+
+* Bookkeeping: the ledger gets one release per private phase per cycle
+  (`accounted`), and a state whose applied noisy updates (the noise
+  transforms' step counts) disagree with its ledger is refused
+  (`check_consistent`): a checkpoint never under-reports its privacy cost.
+* Reports: `privacy_report.json`, `results.json` and `layer_selection.json`,
+  and the console's run header and summary. Every field is public: the
+  plan (a function of the config, n and the public corpus), the ledger, the
+  noisy parameters and dev metrics; nothing derived from the private data
+  without noise (no training loss, owner map, realised or per-bucket count).
+  In a multi-host run only process 0 writes (`is_writer`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from raptor_jax import roles
+from raptor_jax.ledger import PrivacyLedger
+from raptor_jax.train import methods, step
+
+if TYPE_CHECKING:
+  from raptor_jax.train.loop import TrainState
+  from raptor_jax.train.run import Run
+
+
+def is_writer() -> bool:
+  """Whether this process writes the (shared) workdir's files: process 0 only."""
+  return jax.process_index() == 0
+
+
+def write_json(path: Path, payload: dict) -> None:
+  """Writes `payload` atomically, from process 0 only."""
+  if not is_writer():
+    return
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=float))
+  tmp.replace(path)
+
+
+def noise_counts(plan: methods.Plan, opt_states: dict) -> dict[str, int]:
+  """Per phase (ledger stream name): noisy updates its noise transforms applied.
+
+  Every part of a phase is updated once per cycle, so its `privatize_sums`
+  state (the first element of its `optax.chain` state) counts the phase's
+  updates; parts of one phase that disagree raise.
+  """
+  counts = {}
+  for phase in plan.phases:
+    seen = {int(opt_states[part.name][0].count) for part in phase.parts}
+    if len(seen) != 1:
+      raise ValueError(
+          f"the parts of phase {phase.name!r} hold different noise step counts"
+          f" {sorted(seen)}; the checkpoint is inconsistent"
+      )
+    counts[phase.name] = seen.pop()
+  return counts
+
+
+def check_consistent(plan: methods.Plan, state: TrainState, where) -> None:
+  """Refuses a state whose applied and accounted noisy updates disagree.
+
+  Applied: each phase's noise step count (the parameters hold exactly that
+  many noisy updates of the phase). Accounted: the ledger's steps of the
+  phase's stream (private phases; every phase runs once per cycle).
+
+  Raises:
+    ValueError: one line naming `where` (the checkpoint) and the counts.
+  """
+  applied = noise_counts(plan, state.opt_states)
+  for phase in plan.phases:
+    accounted = state.ledger.steps(phase.name) if phase.private else None
+    if applied[phase.name] != state.cycle or accounted not in (
+        None,
+        state.cycle,
+    ):
+      raise ValueError(
+          f"{where}: the parameters hold {applied[phase.name]} noisy updates of"
+          f" stream {phase.name!r} but the ledger accounts {accounted} at cycle"
+          f" {state.cycle}; this checkpoint under-reports its privacy cost: do"
+          " not resume or release it, train again in a new --workdir"
+      )
+
+
+def accounted(plan: methods.Plan, ledger: PrivacyLedger) -> PrivacyLedger:
+  """A new ledger: `ledger` plus one release of every private phase."""
+  ledger = PrivacyLedger(ledger.entries)  # a copy: the old state is unchanged
+  for phase in plan.phases:
+    if phase.private:
+      ledger.record(
+          phase.name,
+          sample_rate=plan.sample_rate,
+          noise_multiplier=phase.noise_multiplier,
+      )
+  return ledger
+
+
+def epsilon_spent(plan: methods.Plan, state: TrainState) -> float | None:
+  if not methods.is_private(plan):
+    return None  # no privacy guarantee at all
+  return state.ledger.epsilon(plan.delta) if state.cycle else 0.0
+
+
+def streams(plan: methods.Plan, state: TrainState) -> dict[str, dict]:
+  """Per stream (phase): sigma, steps run and, when the plan has several
+  private streams, the stream's own epsilon at delta/2 (docs/method.md §1.7)."""
+  several = sum(p.private for p in plan.phases) > 1
+  streams = {}
+  for phase in plan.phases:
+    entry = dict(noise_multiplier=phase.noise_multiplier, steps=state.cycle)
+    if phase.private and several:
+      entry["epsilon_at_half_delta"] = (
+          state.ledger.stream_epsilon(phase.name, plan.delta / 2)
+          if state.cycle
+          else 0.0
+      )
+    streams[phase.name] = entry
+  return streams
+
+
+def privacy_report(
+    run: Run, state: TrainState, data_digest: dict | None = None
+) -> dict[str, Any]:
+  """privacy_report.json: public; a field that does not apply is absent.
+
+  `target_epsilon` only for private methods; `rho` only where it splits the
+  budget (alternating or unjoint RAPTOR); `sigma_<part>` and `steps_<part>`
+  only for the parts 'shared' and 'expert' the plan trains; `streams` per
+  ledger stream, with each stream's own epsilon at delta/2 when there are
+  several.
+  """
+  config, plan, cycle = run.config, run.plan, state.cycle
+  private = methods.is_private(plan)
+  noise = methods.noise_summary(plan)
+  report = dict(
+      method=plan.method,
+      epsilon=epsilon_spent(plan, state),
+      delta=plan.delta,
+      sample_rate=plan.sample_rate,
+      cycles=cycle,
+      planned_cycles=plan.cycles,
+      finished=cycle >= plan.cycles,
+      private=private,
+      accountant="PLD (dp_accounting.pld.PLDAccountant, add/remove adjacency, Poisson sampling)",
+      parts=noise,
+      streams=streams(plan, state),
+      ledger=state.ledger.to_dict(),
+      expert_layer=run.expert_layer,
+      batch_size=config.batch_size,
+      n=run.n,
+  )
+  if private:
+    report["target_epsilon"] = plan.target_epsilon
+  rc = config.raptor
+  if plan.method == "raptor" and not (rc.joint_clip and not rc.alternate):
+    report["rho"] = config.privacy.rho  # it splits the budget between streams
+  for name in ("shared", "expert"):
+    if name in noise:
+      report[f"sigma_{name}"] = noise[name]["noise_multiplier"]
+      report[f"steps_{name}"] = cycle
+  if data_digest is not None:
+    report["data"] = data_digest
+  return report
+
+
+def write_reports(
+    workdir: Path,
+    run: Run,
+    state: TrainState,
+    frozen,
+    dev: dict[str, float],
+    wall_time_s: float,
+    session_s: float,
+    data_digest: dict | None = None,
+) -> dict[str, Any]:
+  """Writes privacy_report.json and results.json (public quantities only); returns results."""
+  config, plan, cycle = run.config, run.plan, state.cycle
+  finished = cycle >= plan.cycles
+  report = privacy_report(run, state, data_digest)
+  write_json(workdir / "privacy_report.json", report)
+  results = dict(
+      method=plan.method,
+      task=run.data.task.name,
+      eval_split=config.data.eval_split,
+      finished=finished,
+      cycles=cycle,
+      epsilon=report["epsilon"],
+      trainable_parameters={
+          part.name: int(
+              sum(np.size(v) for v in state.trainable[part.name].values())
+          )
+          for part in plan.parts
+      },
+      parameters_by_role=roles.count_by_role(
+          step.merged_params(frozen, state.trainable)
+      ),
+      expert_layer=run.expert_layer,
+      **{f"dev_{k}": v for k, v in dev.items()},
+      **dev,
+  )
+  if config.log_wall_time:  # opted in, warned: a non-private quantity
+    results["wall_time_s"] = wall_time_s  # every segment of the run
+    results["wall_time_this_session_s"] = session_s
+  write_json(workdir / "results.json", results)
+  return results
+
+
+def write_layer_selection(workdir: Path, run: Run) -> None:
+  """layer_selection.json: l*, its rule and the public corpus's statistics.
+
+  Public: every field is a function of the public corpus (used as loaded)
+  and the frozen model, computed before the mechanism, so the file is the
+  same for D and for every neighbour of D.
+  """
+  write_json(
+      workdir / "layer_selection.json",
+      dict(
+          selected_layer=run.expert_layer,
+          rule=str(run.config.raptor.layer),
+          public_corpus=run.layer_table,
+      ),
+  )
+
+
+def run_header(run: Run, workdir: Path) -> str:
+  """What a run will do, printed before it trains: public quantities only.
+
+  The method, n (public: the sample rate is a function of it), the sample
+  rate, the cycles, delta and the target epsilon, sigma and the clip norm of
+  every stream with its trainable parameter count, and where outputs go.
+  """
+  plan, config = run.plan, run.config
+  lines = [
+      f"{plan.method} on {run.data.task.name}: n = {run.n} training records,"
+      f" expected batch B = {config.batch_size}, sample rate q ="
+      f" {plan.sample_rate:.4g}, {plan.cycles} cycles ({config.epochs} epochs)",
+      (
+          f"privacy: target epsilon {plan.target_epsilon:g} at delta"
+          f" {plan.delta:.3g} (PLD accountant, Poisson sampling)"
+          if methods.is_private(plan)
+          else "privacy: NONE (this method trains without differential privacy)"
+      ),
+  ]
+  for phase in plan.phases:
+    for part in phase.parts:
+      count = sum(int(np.size(v)) for v in run.trainable[part.name].values())
+      noise = (
+          f"sigma {part.noise_multiplier:.4g}, clip {part.l2_clip:.3g}"
+          if phase.private
+          else "no noise"
+      )
+      lines.append(
+          f"  stream {phase.name}, part {part.name}: {noise},"
+          f" {count:,} trainable parameters"
+      )
+  lines.append(
+      f"outputs: {workdir} (checkpoints/, metrics.jsonl, tensorboard/;"
+      " at the end privacy_report.json and results.json)"
+  )
+  return "\n".join(lines)
+
+
+def run_summary(run: Run, results: dict, dev: dict, workdir: Path) -> str:
+  """The run's last lines: a table of the public results and the export
+  command."""
+  rows = [
+      ("cycles", f"{results['cycles']} of {run.plan.cycles}"),
+      (
+          "epsilon spent",
+          "n/a (not private)"
+          if results["epsilon"] is None
+          else f"{results['epsilon']:.4g} at delta {run.plan.delta:.3g}",
+      ),
+      *(
+          (f"{run.config.data.eval_split} {k}", f"{v:.4f}")
+          for k, v in dev.items()
+      ),
+      ("reports", f"{workdir}/privacy_report.json, results.json"),
+  ]
+  width = max(len(name) for name, _ in rows)
+  done = "finished" if results["finished"] else "stopped (stop_after_cycles)"
+  lines = [f"run {done}:"]
+  lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+  if results["finished"]:
+    lines.append(
+        f"export: python launch/export.py --workdir={workdir}"
+        f" --out={workdir}_model"
+    )
+  else:
+    lines.append("resume: rerun the same command")
+  return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""The workdir: whose run it holds, and whether this config may continue it.
+
+`check_workdir` refuses a workdir of another config before anything is
+loaded, `start_fresh` moves aside the logs of a run that died before its
+first checkpoint, and `run_secret` returns the run's secret (fresh, or the
+checkpoint's after checking that the training data did not change). Error
+messages describe private data only by a digest keyed by the run's secret.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_collections
+
+from raptor_jax.train import parallel, preemption, secrecy
+from raptor_jax.train.config import RESUME_INSENSITIVE
+
+
+def run_secret(
+    config, meta: dict | None, data_fingerprint: dict, checkpointer
+) -> bytes:
+  """The run's secret: fresh (agreed by every process) or the checkpoint's.
+
+  Raises:
+    ValueError: the checkpoint was trained on other data than the config
+      names now (resuming would mix two datasets under one ledger), or the
+      workdir reports an earlier run but has no checkpoint (a fresh start
+      would hide that run's releases).
+  """
+  if not meta:
+    report = checkpointer.directory.parent / "privacy_report.json"
+    if report.exists():  # never restart from scratch under an old ledger
+      raise ValueError(
+          f"{report} reports an earlier run but {checkpointer.directory} holds"
+          " no checkpoint of it; train in a new --workdir"
+      )
+    return parallel.agree_bytes(secrecy.draw_secret(config))
+  secret = bytes.fromhex(meta["secret"])
+  if meta.get("data") != data_fingerprint:
+    raise ValueError(
+        f"the training data changed since {checkpointer.latest_path()} was"
+        f" written (now {_describe(data_fingerprint, secret)}, then"
+        f" {_describe(meta.get('data'), secret)}); restore the data the run"
+        " started on, or train in a new --workdir"
+    )
+  return secret
+
+
+def _describe(fingerprint: dict | None, secret: bytes) -> str:
+  """A description of a data fingerprint safe for error messages.
+
+  A file's size and plain sha256 are functions of every record (an
+  adversary who knows all records but one could test candidates against
+  them), so a file is described by its digest keyed by the run's secret
+  (the `keyed_sha256` of privacy_report.json) only; a hub or generated
+  source by its public name.
+  """
+  if not fingerprint:
+    return "unknown"
+  if fingerprint.get("source") != "file":
+    return f"{fingerprint.get('source')} {fingerprint.get('task')}"
+  return f"keyed sha256 {secrecy.keyed_digest(secret, fingerprint)}"
+
+
+def check_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:
+  """Refuses a workdir of another config before anything is loaded.
+
+  The workdir's config.json (public) against `config`, every field that
+  changes what the run computes; the checkpoint's fingerprint stays the
+  authority (`Checkpointer.restore_meta`). A workdir without a checkpoint
+  passes: `start_fresh` handles it.
+
+  Raises:
+    ValueError: one line naming the fields that differ.
+  """
+  saved = workdir / "config.json"
+  if preemption.latest_checkpoint(workdir) is None or not saved.exists():
+    return
+  try:
+    then = _flat(json.loads(saved.read_text()))
+  except ValueError:
+    return  # unreadable: the checkpoint's fingerprint decides
+  now = _flat(json.loads(secrecy.public_config(config)))
+  differ = sorted(
+      key
+      for key in set(then) | set(now)
+      if then.get(key) != now.get(key)
+      and key.split(".")[0] not in RESUME_INSENSITIVE
+      and key not in RESUME_INSENSITIVE
+  )
+  if differ:
+    shown = ", ".join(
+        f"{key} (then {then.get(key)!r}, now {now.get(key)!r})"
+        for key in differ[:5]
+    )
+    more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+    raise ValueError(
+        f"{workdir} holds a run of another config: {shown}{more}; use another"
+        " --workdir, or rerun with the config in its config.json"
+    )
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in values.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def start_fresh(workdir: Path) -> None:
+  """A workdir with no checkpoint and no report: the outputs of a run that
+  died before its first checkpoint (if any) are moved aside."""
+  if (
+      preemption.latest_checkpoint(workdir) is None
+      and not (workdir / "privacy_report.json").exists()
+  ):
+    preemption.move_aside_unfinished_logs(workdir)
