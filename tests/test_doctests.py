@@ -12,6 +12,7 @@ DP_CORE = (
     'accounting',
     'ledger',
     'length_buckets',
+    'private',
 )
 
 
