@@ -153,8 +153,7 @@ def make_private(
     microbatch_size: int = 32,
     num_experts: int | None = None,
 ) -> PrivateTraining:
-  """DP-SGD in one call, calibrated to a budget (as Opacus's
-  ``make_private_with_epsilon``).
+  """DP-SGD in one call, calibrated to a budget (Opacus's ``make_private_with_epsilon``).
 
   Guarantee: if every step's input to ``tx.update`` is the sum over that
   step's microbatches of per-record gradients clipped to ``l2_clip``
@@ -162,10 +161,9 @@ def make_private(
   released parameters after all ``steps`` steps are
   ``(target_epsilon, delta)``-DP under add/remove of one record: each step
   is a Poisson-subsampled Gaussian mechanism (rate ``q = batch_size / n``,
-  noise multiplier calibrated by the PLD accountant,
-  ``accounting.calibrate_dpsgd``) and the accountant composes them. The
-  Poisson seed and the 128-bit noise key are derived from ``secret``: keep
-  it secret (whoever has it can redraw the samples and the noise).
+  noise multiplier calibrated by ``accounting.calibrate_dpsgd``) and the
+  accountant composes them. The Poisson seed and the 128-bit noise key derive
+  from ``secret``: whoever has it can redraw the samples and the noise.
 
   Args:
     optimizer: applied to the privatized update (``optax.adam(1e-3)``).

@@ -20,7 +20,6 @@ microbatches per bucket reaches a log, metric, progress bar or file.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from raptor_jax import sampling
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.train import methods, metrics, parallel, preemption, secrecy, step
 from raptor_jax.train import outputs, workdir as workdir_lib
+from raptor_jax.train.outputs import TrainState
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import Run, build_run, validate
 
@@ -76,24 +76,6 @@ def _microbatches(sample, local_size, buckets, lengths):
   return list(
       parallel.local_bucketed_microbatches(sample, lengths, buckets, local_size)
   )
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-  """Everything a cycle changes, as ONE immutable value.
-
-  The parameters, the optimizer states (whose noise transforms count the
-  noisy updates applied), the ledger (which counts the updates accounted) and
-  the cycle counter are built together by `_train_cycle` and swapped in by a
-  single assignment, so no interrupt (KeyboardInterrupt, SIGTERM) can leave a
-  state whose parameters hold more noisy updates than its ledger counts: the
-  checkpoint saved by the error handler is always a completed cycle.
-  """
-
-  trainable: dict
-  opt_states: dict
-  ledger: PrivacyLedger
-  cycle: int
 
 
 def _phase_functions(

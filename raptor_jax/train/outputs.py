@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,8 +27,25 @@ from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.train import methods, step
 
 if TYPE_CHECKING:
-  from raptor_jax.train.loop import TrainState
   from raptor_jax.train.run import Run
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """Everything a cycle changes, as ONE immutable value.
+
+  The parameters, the optimizer states (whose noise transforms count the
+  noisy updates applied), the ledger (which counts the updates accounted) and
+  the cycle counter are built together by `_train_cycle` and swapped in by a
+  single assignment, so no interrupt (KeyboardInterrupt, SIGTERM) can leave a
+  state whose parameters hold more noisy updates than its ledger counts: the
+  checkpoint saved by the error handler is always a completed cycle.
+  """
+
+  trainable: dict
+  opt_states: dict
+  ledger: PrivacyLedger
+  cycle: int
 
 
 def is_writer() -> bool:

@@ -3,7 +3,7 @@
 SIGTERM (what SLURM and Kubernetes send before they kill a job) and SIGINT
 (Ctrl-C) take ONE path: the signal raises `Stopped` in the main thread, the
 trainer's error handler checkpoints the last completed cycle (a cycle's
-state is one value, `loop.TrainState`, so that checkpoint holds exactly the
+state is one value, `outputs.TrainState`, so that checkpoint holds exactly the
 noisy updates its ledger counts), and `launch/main.py` exits with one line.
 Rerunning the same command resumes on the same Poisson samples and noise,
 so the resumed run ends in the uninterrupted run's state, bit for bit.
