@@ -51,25 +51,27 @@ def _residual_weight(run, flat, record):
 
 
 def _brute_force(run, trainable, frozen, batch, part):
-  """Each record's gradient for `part`, one `jax.grad` per record."""
-  rows = []
-  for i in range(ROWS):
-    record = jax.tree.map(lambda a: a[i], batch)
-    flat = {
-        **frozen,
-        **{p: v for t in trainable.values() for p, v in t.items()},
-    }
+  """Each record's gradient for `part`, one `jax.grad` per record (a Python
+  loop over records; the per-record function is jitted once)."""
+  flat = {**frozen, **{p: v for t in trainable.values() for p, v in t.items()}}
 
+  @jax.jit
+  def record_grad(flat, record):
     def loss(values):
       return _record_loss(run, {**flat, **values}, record)
 
-    g = jax.grad(loss)(dict(trainable[part.name]))
+    g = jax.grad(loss)({p: flat[p] for p in trainable[part.name]})
     if part.owner:  # the owner's row of the stacked [E, ...] gradient
-      g = {p: v[int(record["owners"])] for p, v in g.items()}
+      g = {p: v[record["owners"]] for p, v in g.items()}
     if part.residual:
       weight = _residual_weight(run, flat, record)
       g = jax.tree.map(lambda v: v * weight, g)
-    rows.append(g)
+    return g
+
+  rows = [
+      record_grad(flat, jax.tree.map(lambda a: a[i], batch))
+      for i in range(ROWS)
+  ]
   return jax.tree.map(lambda *r: jnp.stack(r), *rows)
 
 
