@@ -95,6 +95,7 @@ SIZES = types.SimpleNamespace(
 )
 
 
+@pytest.mark.slow  # ~25 s per family; the README's test command stays < 6 min
 @pytest.mark.parametrize("family", ["switch", "olmoe", "deepseek"])
 def test_padding_inside_a_bucket_never_changes_a_records_gradient(family):
   """One 12-token record padded to 16 and 40 tokens: the same logits
