@@ -648,3 +648,30 @@ def test_deepseek_pretraining_exports_a_causal_lm(tmp_path):
         input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)
     ).logits.numpy()
   np.testing.assert_allclose(ours[:, :5], theirs[:, :5], atol=1e-4, rtol=1e-4)
+
+
+def test_several_tasks_dev_splits_are_all_decontaminated_against(tmp_path):
+  """decontaminate.task='sst2,qnli' (one model for both studies) reads each
+  task's dev file, in order; a path list of the wrong length is one line."""
+  sst2 = tmp_path / "sst2.tsv"
+  sst2.write_text("sentence\tlabel\nan sst2 dev sentence , long enough .\t0\n")
+  qnli = tmp_path / "qnli.tsv"
+  qnli.write_text(
+      "index\tquestion\tsentence\tlabel\n"
+      "0\ta qnli question , long enough ?\ta qnli answer , long enough .\t"
+      "entailment\n"
+  )
+  texts = corpus.tasks_texts("sst2,qnli", dev_paths=f"{sst2},{qnli}")
+  assert texts == [
+      "an sst2 dev sentence , long enough .",
+      "a qnli question , long enough ?",
+      "a qnli answer , long enough .",
+  ]
+  assert corpus.tasks_texts("sst2", dev_paths=str(sst2)) == texts[:1]
+  assert corpus.tasks_texts("") == []
+  with pytest.raises(ValueError, match=r"^decontaminate.dev_path: must be"):
+    corpus.tasks_texts("sst2,qnli", dev_paths=str(sst2))
+  with pytest.raises(ValueError, match=r"^decontaminate.text_fields"):
+    corpus.tasks_texts(
+        "sst2,qnli", dev_paths=f"{sst2},{qnli}", text_fields="sentence"
+    )

@@ -234,6 +234,59 @@ def task_texts(
   return texts
 
 
+def tasks_texts(
+    tasks_csv: str,
+    *,
+    dev_paths: str = "",
+    train_paths: str = "",
+    seed: int = 0,
+    text_fields: Sequence[str] | str = (),
+) -> list[str]:
+  """`task_texts` of several tasks: `decontaminate.task='sst2,qnli'`.
+
+  One pretrained model may serve several fine-tuning tasks; its corpus is
+  then decontaminated against each of their dev splits. `dev_paths` (and
+  the opt-in `train_paths`) are comma lists in the order of the tasks; an
+  empty entry, or an empty list, reads that task's split from the Hub.
+  `text_fields` applies to a single task only.
+
+  Privacy: as `task_texts`, for every task.
+  """
+  names = [t for t in tasks_csv.split(",") if t]
+
+  def per_task(option: str, value: str) -> list[str]:
+    paths = value.split(",") if value else [""] * len(names)
+    _validate.check(
+        len(paths) == len(names),
+        f"decontaminate.{option}",
+        f"one path per task of decontaminate.task ({len(names)})",
+        value,
+        _validate.config_fix(f"decontaminate.{option}", "a.tsv,b.tsv"),
+    )
+    return paths
+
+  devs, trains = per_task("dev_path", dev_paths), per_task(
+      "train_path", train_paths
+  )
+  if len(names) > 1 and text_fields:
+    raise ValueError(
+        "decontaminate.text_fields: names one task's columns, but"
+        f" decontaminate.task lists {len(names)}; unset it or decontaminate"
+        " one task"
+    )
+  return [
+      text
+      for name, dev, train in zip(names, devs, trains)
+      for text in task_texts(
+          name,
+          train_path=train,
+          dev_path=dev,
+          seed=seed,
+          text_fields=text_fields,
+      )
+  ]
+
+
 def heldout_bucket(text: str) -> float:
   """A uniform number in [0, 1) from the text's hash (order independent)."""
   return (

@@ -147,16 +147,12 @@ def prepare_data(
         **arrays,
     )
   cc, dc = config.corpus, config.decontaminate
-  contaminants = (
-      corpus_lib.task_texts(
-          dc.task,
-          train_path=dc.train_path,
-          dev_path=dc.dev_path,
-          seed=dc.seed,
-          text_fields=tuple(dc.get("text_fields", ())),
-      )
-      if dc.task
-      else []
+  contaminants = corpus_lib.tasks_texts(
+      dc.task,
+      train_paths=dc.train_path,
+      dev_paths=dc.dev_path,
+      seed=dc.seed,
+      text_fields=tuple(dc.get("text_fields", ())),
   )
   sources = [s for s in cc.sources.split(",") if s]
   texts = corpus_lib.build_corpus(
