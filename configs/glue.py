@@ -15,7 +15,8 @@ The argument is comma-separated key=value pairs (big_vision style):
   preset  empty (default; paper scale) | tiny (embedded offline task, a small
           random model; CPU, minutes) | cpu (the tiny model size on the real
           task's files) | small (a small pretrained model from
-          launch/pretrain.py on the real task's files)
+          launch/pretrain.py on the real task's files; for qnli: max
+          length 128, the first 8,000 train records, the last 1,999 held out)
 
 Paper scale (GPU; downloads the model and GLUE through Hugging Face):
 

@@ -80,13 +80,19 @@ def test_glue_fields():
       "paws",
       "public-words",
   )
-  small = glue.get_config("task=qnli,preset=small")
+  small = glue.get_config("task=sst2,preset=small")
   assert (
       small.model.name == ""
       and small.data.train_limit == 16000
       and small.data.holdout == 2000
+      and small.data.max_length == 64
   )
-  assert small.data.public_corpus == "squad"
+  # QNLI's :small: pairs up to 128 tokens, 8,000 + 1,999 of its 9,999-row
+  # train sample, SQuAD contexts as the public corpus.
+  qnli = glue.get_config("task=qnli,preset=small")
+  assert (qnli.data.train_limit, qnli.data.holdout) == (8000, 1999)
+  assert (qnli.data.max_length, qnli.data.public_corpus) == (128, "squad")
+  assert qnli.batch_size == small.batch_size == 500
 
 
 @pytest.mark.parametrize(
