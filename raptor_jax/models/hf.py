@@ -1,20 +1,21 @@
 """Hugging Face checkpoints -> Flax modules and parameters, without torch.
 
-Reads `config.json` and `*.safetensors` from a local directory or a Hub
-snapshot, maps the tensor names onto the Flax parameter tree (Switch decoder,
-decoder lm_head and DeepSeek-VL2 vision weights are ignored) and returns
-`(module, params)`.
+The family-independent front door: reads `config.json` and `*.safetensors`
+from a local directory or a Hub snapshot, picks the family by `model_type`
+(`FAMILIES`) and maps the tensors through that family's name table (Switch
+decoder, decoder lm_head and DeepSeek-VL2 vision weights are ignored),
+returning `(module, params)`. Each family's config reader, name table and
+size builder live with its backbone (`switch`, `olmoe`, `deepseek`); the
+names below that carry a family's prefix are kept for their callers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
-import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import flax
 import flax.linen as nn
@@ -24,6 +25,7 @@ import numpy as np
 
 from raptor_jax import roles
 from raptor_jax.models import common, deepseek, heads, olmoe, switch
+from raptor_jax.models import family as family_lib
 
 Params = Mapping[str, Any]
 
@@ -152,543 +154,33 @@ def init_missing(
   )
 
 
-def _map_tensors(
-    named_tensors: Iterable[tuple[str, np.ndarray]],
-    rules,
-    expert_rule,
-    num_experts: int,
-    family: str,
-) -> dict[str, np.ndarray]:
-  """Flat Flax parameters from (HF name, tensor) pairs.
-
-  Args:
-    named_tensors: the checkpoint's tensors, names already normalised.
-    rules: (regex, convert) pairs; convert(match, tensor) -> [(flat path, value)].
-    expert_rule: regex matching one expert's weight, groups (block, expert,
-      matrix); these are stacked along a leading expert axis.
-    num_experts: E (every expert 0..E-1 must be present).
-    family: model family name for error messages.
-
-  Raises:
-    ValueError: an unknown tensor, a missing expert, or both per-expert and
-      fused expert weights.
-  """
-  flat: dict[str, np.ndarray] = {}
-  experts: dict[str, dict[int, np.ndarray]] = {}
-  for name, w in named_tensors:
-    if m := expert_rule.fullmatch(name):
-      path = f"block_{m[1]}/mlp/experts/{m[3]}/kernel"
-      experts.setdefault(path, {})[int(m[2])] = _torch_linear(w)
-      continue
-    for pattern, convert in rules:
-      if m := re.fullmatch(pattern, name):
-        flat.update(convert(m, w))
-        break
-    else:
-      raise ValueError(f"unexpected tensor {name} in the {family} checkpoint")
-  for path, per_expert in experts.items():
-    if path in flat:
-      raise ValueError(
-          f"{path}: the checkpoint holds both per-expert and fused weights"
-      )
-    if sorted(per_expert) != list(range(num_experts)):
-      raise ValueError(
-          f"{path}: found experts {sorted(per_expert)}, "
-          f"expected 0..{num_experts - 1}"
-      )
-    flat[path] = np.stack([per_expert[e] for e in range(num_experts)])
-  return flat
-
-
 # ---------------------------------------------------------------------------
-# Switch Transformers.
-
-_SWITCH_ARCH_KEYS = (
-    "vocab_size",
-    "d_model",
-    "d_kv",
-    "d_ff",
-    "num_layers",
-    "num_heads",
-    "num_experts",
-    "expert_capacity",
-    "relative_attention_num_buckets",
-    "relative_attention_max_distance",
-    "layer_norm_epsilon",
-    "dense_act_fn",
-    "router_bias",
-)
-
-
-def switch_config_from_hf(
-    hf: Mapping[str, Any], **options
-) -> switch.SwitchConfig:
-  """SwitchConfig from an HF config.json dict, plus fine-tuning options."""
-  arch = {k: hf[k] for k in _SWITCH_ARCH_KEYS if k in hf}
-  step = hf.get("encoder_sparse_step")
-  if step is None:  # HF derives the step when config.json does not store it.
-    num_sparse = hf.get("num_sparse_encoder_layers", 3)
-    num_layers = hf.get("num_layers", 12)
-    step = num_layers // num_sparse if num_sparse > 0 else num_layers
-  return switch.SwitchConfig(**arch, sparse_step=step, **options)
-
-
-def _torch_linear(w: np.ndarray) -> np.ndarray:
-  return np.ascontiguousarray(
-      w.T
-  )  # torch Linear [out, in] -> Flax kernel [in, out]
-
-
-def switch_params_from_hf(
-    tensors: Mapping[str, np.ndarray], config: switch.SwitchConfig
-) -> dict:
-  """Maps HF Switch encoder tensor names onto the Flax parameter tree."""
-  flat: dict[str, np.ndarray] = {}
-  embedding = tensors.get(
-      "shared.weight", tensors.get("encoder.embed_tokens.weight")
-  )
-  if embedding is None:
-    raise ValueError(
-        "checkpoint has neither shared.weight nor encoder.embed_tokens.weight"
-    )
-  flat["embed_tokens/embedding"] = embedding
-  rules = [
-      (
-          r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.([qkvo])\.weight",
-          lambda m, w: [
-              (f"block_{m[1]}/attention/{m[2]}/kernel", _torch_linear(w))
-          ],
-      ),
-      (
-          r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.weight",
-          lambda m, w: [
-              (f"block_{m[1]}/attention/relative_attention_bias/embedding", w)
-          ],
-      ),
-      (
-          r"encoder\.block\.(\d+)\.layer\.0\.layer_norm\.weight",
-          lambda m, w: [(f"block_{m[1]}/attention_norm/scale", w)],
-      ),
-      (
-          r"encoder\.block\.(\d+)\.layer\.1\.layer_norm\.weight",
-          lambda m, w: [(f"block_{m[1]}/mlp_norm/scale", w)],
-      ),
-      (
-          r"encoder\.block\.(\d+)\.layer\.1\.mlp\.(wi|wo)\.weight",
-          lambda m, w: [(f"block_{m[1]}/mlp/{m[2]}/kernel", _torch_linear(w))],
-      ),
-      (
-          r"encoder\.block\.(\d+)\.layer\.1\.mlp\.router\.classifier\.(weight|bias)",
-          lambda m, w: [
-              (
-                  f"block_{m[1]}/mlp/router/"
-                  + ("kernel" if m[2] == "weight" else "bias"),
-                  _torch_linear(w) if m[2] == "weight" else w,
-              )
-          ],
-      ),
-      (
-          r"encoder\.final_layer_norm\.weight",
-          lambda m, w: [("final_layer_norm/scale", w)],
-      ),
-  ]
-  expert_rule = re.compile(
-      r"encoder\.block\.(\d+)\.layer\.1\.mlp\.experts\.expert_(\d+)\.(wi|wo)\.weight"
-  )
-  encoder = (
-      (name, w)
-      for name, w in tensors.items()
-      if name.startswith("encoder.") and name != "encoder.embed_tokens.weight"
-  )
-  flat.update(
-      _map_tensors(encoder, rules, expert_rule, config.num_experts, "Switch")
-  )
-  return flax.traverse_util.unflatten_dict(flat, sep="/")
-
-
-# ---------------------------------------------------------------------------
-# OLMoE.
-
-_OLMOE_ARCH_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_experts",
-    "num_experts_per_tok",
-    "norm_topk_prob",
-    "rms_norm_eps",
-    "clip_qkv",
-    "hidden_act",
-)
-
-
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-  """RoPE base from v5 `rope_parameters` or v4 `rope_theta`/`rope_scaling`."""
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type != "default":
-    raise ValueError(
-        f"unsupported RoPE type {rope_type!r} in config.json; only default "
-        "RoPE (no scaling) is ported"
-    )
-  return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def olmoe_config_from_hf(hf: Mapping[str, Any], **options) -> olmoe.OlmoeConfig:
-  """OlmoeConfig from an HF config.json dict, plus fine-tuning options."""
-  if hf.get("attention_bias"):
-    raise ValueError(
-        "OLMoE checkpoints with attention_bias=true are not supported "
-        "(the port's attention projections are bias-free, as in OLMoE)"
-    )
-  arch = {k: hf[k] for k in _OLMOE_ARCH_KEYS if hf.get(k) is not None}
-  if "num_experts" not in arch and "num_local_experts" in hf:
-    arch["num_experts"] = hf["num_local_experts"]
-  arch.setdefault(
-      "num_key_value_heads",
-      arch.get("num_attention_heads", olmoe.OlmoeConfig.num_attention_heads),
-  )
-  if "clip_qkv" in arch:
-    arch["clip_qkv"] = float(arch["clip_qkv"])
-  return olmoe.OlmoeConfig(**arch, rope_theta=_rope_theta(hf), **options)
-
-
-def _split_gate_up(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Fused torch [E, 2I, D] (gate rows first) -> Flax kernels [E, D, I] each."""
-  gate, up = np.split(gate_up, 2, axis=1)
-  return (
-      np.ascontiguousarray(gate.transpose(0, 2, 1)),
-      np.ascontiguousarray(up.transpose(0, 2, 1)),
-  )
-
-
-def olmoe_params_from_hf(
-    tensors: Mapping[str, np.ndarray], config: olmoe.OlmoeConfig
-) -> dict:
-  """Maps HF OLMoE decoder tensor names onto the Flax parameter tree.
-
-  Accepts the per-expert layout that `save_pretrained` and the Hub use
-  (`mlp.experts.{j}.{gate,up,down}_proj.weight`) and the fused in-memory
-  layout of transformers v5 (`mlp.experts.gate_up_proj` [E, 2I, D],
-  `mlp.experts.down_proj` [E, D, I]); names with or without the `model.`
-  prefix (OlmoeForCausalLM or OlmoeModel). `lm_head` must already be
-  filtered out.
-  """
-  layer = r"layers\.(\d+)\."
-  rules = [
-      (r"embed_tokens\.weight", lambda m, w: [("embed_tokens/embedding", w)]),
-      (
-          layer + r"self_attn\.([qkvo])_proj\.weight",
-          lambda m, w: [
-              (f"block_{m[1]}/attention/{m[2]}/kernel", _torch_linear(w))
-          ],
-      ),
-      (
-          layer + r"self_attn\.([qk])_norm\.weight",
-          lambda m, w: [(f"block_{m[1]}/attention/{m[2]}_norm/scale", w)],
-      ),
-      (
-          layer + r"input_layernorm\.weight",
-          lambda m, w: [(f"block_{m[1]}/attention_norm/scale", w)],
-      ),
-      (
-          layer + r"post_attention_layernorm\.weight",
-          lambda m, w: [(f"block_{m[1]}/mlp_norm/scale", w)],
-      ),
-      (
-          layer + r"mlp\.gate\.weight",
-          lambda m, w: [(f"block_{m[1]}/mlp/router/kernel", _torch_linear(w))],
-      ),
-      (
-          layer + r"mlp\.experts\.gate_up_proj",
-          lambda m, w: list(
-              zip(
-                  (
-                      f"block_{m[1]}/mlp/experts/gate/kernel",
-                      f"block_{m[1]}/mlp/experts/up/kernel",
-                  ),
-                  _split_gate_up(w),
-              )
-          ),
-      ),
-      (
-          layer + r"mlp\.experts\.down_proj",
-          lambda m, w: [
-              (
-                  f"block_{m[1]}/mlp/experts/down/kernel",
-                  np.ascontiguousarray(w.transpose(0, 2, 1)),
-              )
-          ],
-      ),
-      (r"norm\.weight", lambda m, w: [("final_layer_norm/scale", w)]),
-  ]
-  expert_rule = re.compile(
-      layer + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight"
-  )
-  named = (
-      (name.removeprefix("model."), w)
-      for name, w in tensors.items()
-      if not name.endswith("rotary_emb.inv_freq")
-  )  # a buffer old checkpoints stored
-  flat = _map_tensors(named, rules, expert_rule, config.num_experts, "OLMoE")
-  return flax.traverse_util.unflatten_dict(flat, sep="/")
-
-
-# ---------------------------------------------------------------------------
-# DeepSeek-MoE (DeepSeek-V2 layout).
-
-_DEEPSEEK_ARCH_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "use_mla",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "n_routed_experts",
-    "n_shared_experts",
-    "num_experts_per_tok",
-    "first_k_dense_replace",
-    "topk_method",
-    "n_group",
-    "topk_group",
-    "routed_scaling_factor",
-    "rms_norm_eps",
-    "hidden_act",
-)
-_MLA_KEYS = (
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-)
-
-
-def deepseek_config_from_hf(
-    hf: Mapping[str, Any], **options
-) -> deepseek.DeepseekConfig:
-  """DeepseekConfig from an HF config.json dict (DeepSeek-V2 keys), plus options.
-
-  `use_mla: false` (DeepSeek's own config key, e.g. DeepSeek-VL2-Tiny's
-  language model) selects plain multi-head attention; the MLA fields are
-  then ignored.
-  """
-  unsupported = {
-      "attention_bias": hf.get("attention_bias", False),
-      "mlp_bias": hf.get("mlp_bias", False),
-      "scoring_func": hf.get("scoring_func", "softmax") != "softmax",
-      "moe_layer_freq": hf.get("moe_layer_freq", 1) != 1,
-  }
-  bad = sorted(k for k, v in unsupported.items() if v)
-  if bad:
-    raise ValueError(
-        f"config.json: DeepSeek checkpoints with {bad} set are not supported;"
-        " the port has bias-free projections, softmax routing and every block"
-        " after first_k_dense_replace sparse"
-    )
-  arch = {k: hf[k] for k in _DEEPSEEK_ARCH_KEYS if hf.get(k) is not None}
-  if not arch.get("use_mla", True):
-    for key in _MLA_KEYS:
-      arch.pop(key, None)
-  arch.setdefault(
-      "num_key_value_heads",
-      arch.get(
-          "num_attention_heads", deepseek.DeepseekConfig.num_attention_heads
-      ),
-  )
-  if hf.get("norm_topk_prob") and hf.get("num_experts_per_tok", 1) > 1:
-    logging.getLogger("raptor_jax").warning(
-        "norm_topk_prob=true is ignored, as transformers' DeepseekV2 ignores"
-        " it; DeepSeek's original code renormalises the top-k weights, so a"
-        " model trained with that code mixes its experts differently here"
-    )
-  return deepseek.DeepseekConfig(**arch, rope_theta=_rope_theta(hf), **options)
-
-
-def deepseek_vl2_config_from_hf(
-    hf: Mapping[str, Any], **options
-) -> deepseek.DeepseekConfig:
-  """The DeepseekConfig of a DeepSeek-VL2 checkpoint's language model."""
-  return deepseek_config_from_hf(hf["language_config"], **options)
-
-
-# HF attention projection name -> Flax module name (MLA and the MHA variant).
-DEEPSEEK_ATTENTION = {
-    "q_proj": "q",
-    "k_proj": "k",
-    "v_proj": "v",
-    "o_proj": "o",
-    "q_a_proj": "q_a",
-    "q_b_proj": "q_b",
-    "kv_a_proj_with_mqa": "kv_a",
-    "kv_b_proj": "kv_b",
-}
-
-
-def _deepseek_rules() -> list:
-  """(regex, convert) of every non-routed-expert DeepSeek-V2 tensor."""
-  layer = r"layers\.(\d+)\."
-  attention = "|".join(DEEPSEEK_ATTENTION)
-  block = lambda m: f"block_{m[1]}"
-  linear = lambda path: lambda m, w: [(path(m), _torch_linear(w))]
-  scale = lambda path: lambda m, w: [(path(m), w)]
-  return [
-      (r"embed_tokens\.weight", scale(lambda m: "embed_tokens/embedding")),
-      (
-          layer + rf"self_attn\.({attention})\.weight",
-          linear(
-              lambda m: f"{block(m)}/attention/{DEEPSEEK_ATTENTION[m[2]]}/kernel"
-          ),
-      ),
-      (
-          layer + r"self_attn\.(q_a|kv_a)_layernorm\.weight",
-          scale(lambda m: f"{block(m)}/attention/{m[2]}_norm/scale"),
-      ),
-      (
-          layer + r"input_layernorm\.weight",
-          scale(lambda m: f"{block(m)}/attention_norm/scale"),
-      ),
-      (
-          layer + r"post_attention_layernorm\.weight",
-          scale(lambda m: f"{block(m)}/mlp_norm/scale"),
-      ),
-      (
-          layer + r"mlp\.(gate|up|down)_proj\.weight",
-          linear(lambda m: f"{block(m)}/mlp/{m[2]}/kernel"),
-      ),
-      (
-          layer + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight",
-          linear(lambda m: f"{block(m)}/mlp/shared_experts/{m[2]}/kernel"),
-      ),
-      (
-          layer + r"mlp\.gate\.weight",
-          linear(lambda m: f"{block(m)}/mlp/router/kernel"),
-      ),
-      (
-          layer + r"mlp\.experts\.gate_up_proj",
-          lambda m, w: list(
-              zip(
-                  (
-                      f"{block(m)}/mlp/experts/gate/kernel",
-                      f"{block(m)}/mlp/experts/up/kernel",
-                  ),
-                  _split_gate_up(w),
-              )
-          ),
-      ),
-      (
-          layer + r"mlp\.experts\.down_proj",
-          lambda m, w: [
-              (
-                  f"{block(m)}/mlp/experts/down/kernel",
-                  np.ascontiguousarray(w.transpose(0, 2, 1)),
-              )
-          ],
-      ),
-      (r"norm\.weight", scale(lambda m: "final_layer_norm/scale")),
-  ]
-
-
-def deepseek_params_from_hf(
-    tensors: Mapping[str, np.ndarray], config: deepseek.DeepseekConfig
-) -> dict:
-  """Maps HF DeepSeek-V2 decoder tensor names onto the Flax parameter tree.
-
-  Accepts the per-expert layout of `save_pretrained` and the Hub
-  (`mlp.experts.{j}.{gate,up,down}_proj.weight`) and transformers v5's fused
-  in-memory layout (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`);
-  names with or without the `model.` prefix. `lm_head` must already be
-  filtered out. Shared experts map to `block_i/mlp/shared_experts/...`,
-  dense blocks' MLPs to `block_i/mlp/{gate,up,down}`.
-  """
-  expert_rule = re.compile(
-      r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight"
-  )
-  named = (
-      (name.removeprefix("model."), w)
-      for name, w in tensors.items()
-      if not name.endswith("rotary_emb.inv_freq")
-  )
-  flat = _map_tensors(
-      named, _deepseek_rules(), expert_rule, config.num_experts, "DeepSeek"
-  )
-  return flax.traverse_util.unflatten_dict(flat, sep="/")
-
-
-def deepseek_vl2_params_from_hf(
-    tensors: Mapping[str, np.ndarray], config: deepseek.DeepseekConfig
-) -> dict:
-  """The language model's parameters of a DeepSeek-VL2 checkpoint."""
-  return deepseek_params_from_hf(
-      {n.removeprefix("language."): w for n, w in tensors.items()}, config
-  )
-
-
-# ---------------------------------------------------------------------------
-# Entry point.
+# The families.
 
 FINE_TUNING_OPTIONS = common.FINE_TUNING_OPTIONS
+Family = family_lib.Family
 
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-  """How `from_pretrained` reads one HF `model_type`."""
-
-  backbone: type[nn.Module]  # built from the config: Backbone(config)
-  config_from_hf: Callable[
-      ..., common.FineTuningOptions
-  ]  # (hf dict, **options)
-  params_from_hf: Callable[
-      [Mapping[str, np.ndarray], Any], dict
-  ]  # (tensors, config)
-  ignored_prefix: str | tuple[str, ...]  # tensors the backbone does not use
-  prefix: str = ""  # where the backbone's tensors sit ('' = everywhere)
-  extra_options: tuple[str, ...] = ()  # family-only fine-tuning options
-
-
-# A new family adds its entry here, next to its name table above.
-FAMILIES = {
-    "switch_transformers": Family(
-        switch.SwitchEncoder,
-        switch_config_from_hf,
-        switch_params_from_hf,
-        ignored_prefix="decoder.",
-    ),
-    "olmoe": Family(
-        olmoe.OlmoeDecoder,
-        olmoe_config_from_hf,
-        olmoe_params_from_hf,
-        ignored_prefix="lm_head.",
-    ),
-    "deepseek_v2": Family(
-        deepseek.DeepseekDecoder,
-        deepseek_config_from_hf,
-        deepseek_params_from_hf,
-        # lm_head: a causal LM's; score: an exported classifier's head
-        ignored_prefix=("lm_head.", "score."),
-        extra_options=("shared_expert_lora",),
-    ),
-    # DeepSeek-VL2 holds its DeepSeekMoE language model under `language.`;
-    # the vision tower and projector are not loaded (text-only fine-tuning).
-    "deepseek_vl_v2": Family(
-        deepseek.DeepseekDecoder,
-        deepseek_vl2_config_from_hf,
-        deepseek_vl2_params_from_hf,
-        ignored_prefix="language.lm_head.",
-        prefix="language.",
-        extra_options=("shared_expert_lora",),
-    ),
+# Every family by its short name (the trainer's `model=`, the size configs'
+# `family`). A new family adds its module here: its `HF_FAMILIES` entries
+# join `FAMILIES`, its `from_sizes` serves `backbone_from_sizes`.
+FAMILY_MODULES = {"switch": switch, "olmoe": olmoe, "deepseek": deepseek}
+# HF `model_type` -> how `from_pretrained` reads it (and export writes it).
+FAMILIES: dict[str, Family] = {
+    model_type: entry
+    for module in FAMILY_MODULES.values()
+    for model_type, entry in module.HF_FAMILIES.items()
 }
+
+# The families' config readers and name tables under their old names.
+switch_config_from_hf = switch.config_from_hf
+switch_params_from_hf = switch.params_from_hf
+olmoe_config_from_hf = olmoe.config_from_hf
+olmoe_params_from_hf = olmoe.params_from_hf
+deepseek_config_from_hf = deepseek.config_from_hf
+deepseek_vl2_config_from_hf = deepseek.vl2_config_from_hf
+deepseek_params_from_hf = deepseek.params_from_hf
+deepseek_vl2_params_from_hf = deepseek.vl2_params_from_hf
+DEEPSEEK_ATTENTION = deepseek.DEEPSEEK_ATTENTION
 
 
 def backbone_from_sizes(
@@ -701,58 +193,16 @@ def backbone_from_sizes(
   num_layers, num_heads, num_experts, and per family expert_capacity and
   sparse_step ('switch'), num_kv_heads, top_k and norm_topk_prob ('olmoe')
   or top_k, num_shared_experts, first_k_dense and kv_lora_rank ('deepseek',
-  see `deepseek.sized_config`). `options` go to the family's config (e.g. `dispatch='grouped_train'`).
+  see `deepseek.sized_config`); each family's `from_sizes` reads them.
+  `options` go to the family's config (e.g. `dispatch='grouped_train'`).
   """
-  if family == "switch":
-    return switch.SwitchEncoder(
-        switch.SwitchConfig(
-            vocab_size=vocab_size,
-            d_model=sizes.d_model,
-            d_kv=sizes.d_kv,
-            d_ff=sizes.d_ff,
-            num_layers=sizes.num_layers,
-            num_heads=sizes.num_heads,
-            num_experts=sizes.num_experts,
-            expert_capacity=sizes.expert_capacity,
-            sparse_step=sizes.sparse_step,
-            **options,
-        )
+  module = FAMILY_MODULES.get(family)
+  if module is None:
+    raise ValueError(
+        f"family: must be one of {', '.join(map(repr, FAMILY_MODULES))}, got"
+        f" {family!r}"
     )
-  if family == "olmoe":
-    return olmoe.OlmoeDecoder(
-        olmoe.OlmoeConfig(
-            vocab_size=vocab_size,
-            hidden_size=sizes.d_model,
-            intermediate_size=sizes.d_ff,
-            num_hidden_layers=sizes.num_layers,
-            num_attention_heads=sizes.num_heads,
-            num_key_value_heads=sizes.num_kv_heads,
-            num_experts=sizes.num_experts,
-            num_experts_per_tok=sizes.top_k,
-            norm_topk_prob=sizes.norm_topk_prob,
-            **options,
-        )
-    )
-  if family == "deepseek":
-    return deepseek.DeepseekDecoder(
-        deepseek.sized_config(
-            vocab_size=vocab_size,
-            d_model=sizes.d_model,
-            d_ff=sizes.d_ff,
-            num_layers=sizes.num_layers,
-            num_heads=sizes.num_heads,
-            d_kv=sizes.d_kv,
-            num_experts=sizes.num_experts,
-            top_k=sizes.top_k,
-            num_shared_experts=sizes.num_shared_experts,
-            first_k_dense=sizes.first_k_dense,
-            kv_lora_rank=sizes.kv_lora_rank,
-            **options,
-        )
-    )
-  raise ValueError(
-      f"family: must be one of 'switch', 'olmoe', 'deepseek', got {family!r}"
-  )
+  return module.from_sizes(sizes, vocab_size, **options)
 
 
 def _check_options(
@@ -835,7 +285,9 @@ def from_pretrained(
 # `score` over the final hidden states. Their heads have no bias either, so
 # that the export is that class, computing the same logits.
 SEQUENCE_CLASSIFICATION = {
-    deepseek.DeepseekDecoder: "DeepseekV2ForSequenceClassification",
+    f.backbone: f.sequence_classification
+    for f in FAMILIES.values()
+    if f.sequence_classification
 }
 
 
@@ -867,9 +319,8 @@ def with_head(
       model, params = models.from_pretrained("google/switch-base-8", num_labels=2)
       logits, aux = model.apply({"params": params}, input_ids, attention_mask)
   """
-  pooling = pooling or (
-      "mean" if isinstance(backbone, switch.SwitchEncoder) else "last"
-  )
+  entry = family_lib.find(FAMILIES.values(), backbone)
+  pooling = pooling or (entry.pooling if entry else "last")
   clf = heads.SequenceClassifier(
       backbone,
       num_labels,

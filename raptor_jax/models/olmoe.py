@@ -22,15 +22,18 @@ Routing is per token, so a record never affects another.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from raptor_jax.models import attention, common, moe
+from raptor_jax.models import attention, common, family, moe
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
-from raptor_jax.models.lora import ExpertLinear, LoRADense
+from raptor_jax.models.family import COPY, Rule
+from raptor_jax.models.layers import GatedExperts, RMSNorm, apply_rotary, rotary_tables
+from raptor_jax.models.lora import LoRADense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,44 +93,6 @@ class OlmoeConfig(FineTuningOptions):
     return tuple(range(self.num_hidden_layers))
 
 
-class RMSNorm(nn.Module):
-  """Scale-only RMS norm (HF OlmoeRMSNorm): statistics in float32."""
-
-  eps: float = 1e-5
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-    # On flat rows: see `moe.combine` (a size-1 batch axis under vmap slowed
-    # the fused reductions of the backward on CPU).
-    x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])
-    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
-    return (scale.astype(self.dtype) * normed).reshape(x.shape)
-
-
-def rotary_tables(
-    seq_len: int, head_dim: int, theta: float, dtype: Any
-) -> tuple[jax.Array, jax.Array]:
-  """cos and sin [S, head_dim] of default RoPE (HF OlmoeRotaryEmbedding)."""
-  inv_freq = 1.0 / (
-      theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  )
-  freqs = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
-
-
-def apply_rotary(
-    x_BxSxHxD: jax.Array, cos_SxD: jax.Array, sin_SxD: jax.Array
-) -> jax.Array:
-  """x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)."""
-  x1, x2 = jnp.split(x_BxSxHxD, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return x_BxSxHxD * cos_SxD[:, None, :] + rotated * sin_SxD[:, None, :]
-
-
 class OlmoeAttention(nn.Module):
   """Causal grouped-query attention with q/k RMS norms, clipping and RoPE."""
 
@@ -176,44 +141,6 @@ class OlmoeAttention(nn.Module):
         kernels=cfg.kernels,
     )
     return proj("o", cfg.hidden_size)(out)
-
-
-class GatedExperts(nn.Module):
-  """E stacked gated experts  down(act(gate(x)) * up(x)), applied to routed rows.
-
-  Shared by the top-k families (OLMoE, DeepSeek-MoE): parameters
-  `{gate, up, down}/{kernel, lora_a, lora_b}` with a leading expert axis.
-  """
-
-  num_experts: int
-  features: int  # each expert's intermediate width
-  rank: int = 0
-  alpha: float = 16.0
-  dispatch: str = "grouped"
-  dtype: Any = jnp.float32
-  act: str = "silu"
-  kernels: str = "auto"  # see kernels.py
-
-  @nn.compact
-  def __call__(self, rows, experts, owner=None, owner_params=None):
-    owner_params = owner_params or {}
-
-    def linear(name, features, x):
-      layer = ExpertLinear(
-          self.num_experts,
-          features,
-          rank=self.rank,
-          alpha=self.alpha,
-          dispatch=self.dispatch,
-          dtype=self.dtype,
-          kernels=self.kernels,
-          name=name,
-      )
-      return layer(x, experts, owner, owner_params.get(name))
-
-    gate = linear("gate", self.features, rows)
-    up = linear("up", self.features, rows)
-    return linear("down", rows.shape[-1], moe.ACTIVATIONS[self.act](gate) * up)
 
 
 class OlmoeSparseMLP(nn.Module):
@@ -320,3 +247,163 @@ class OlmoeDecoder(nn.Module):
       router_logits.append(logits)
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
     return BackboneOutput(x, tuple(router_logits))
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face: config.json, the name table, sizes.
+
+_ARCH_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "rms_norm_eps",
+    "clip_qkv",
+    "hidden_act",
+)
+
+
+def config_from_hf(hf: Mapping[str, Any], **options) -> OlmoeConfig:
+  """OlmoeConfig from an HF config.json dict, plus fine-tuning options."""
+  if hf.get("attention_bias"):
+    raise ValueError(
+        "OLMoE checkpoints with attention_bias=true are not supported "
+        "(the port's attention projections are bias-free, as in OLMoE)"
+    )
+  arch = {k: hf[k] for k in _ARCH_KEYS if hf.get(k) is not None}
+  if "num_experts" not in arch and "num_local_experts" in hf:
+    arch["num_experts"] = hf["num_local_experts"]
+  arch.setdefault(
+      "num_key_value_heads",
+      arch.get("num_attention_heads", OlmoeConfig.num_attention_heads),
+  )
+  if "clip_qkv" in arch:
+    arch["clip_qkv"] = float(arch["clip_qkv"])
+  return OlmoeConfig(**arch, rope_theta=family.rope_theta(hf), **options)
+
+
+_BLOCK, _LAYER = "block_{i}/", "layers.{i}."
+# Names with or without `model.` (OlmoeForCausalLM or OlmoeModel); routed
+# experts per expert as `save_pretrained` and the Hub store them, or fused as
+# transformers v5 holds them in memory (load only).
+HF_NAMES = family.NameTable(
+    "OLMoE",
+    (
+        Rule("embed_tokens/embedding", "embed_tokens.weight", COPY),
+        Rule(
+            _BLOCK + "attention/{p:q|k|v|o}/kernel",
+            _LAYER + "self_attn.{p}_proj.weight",
+        ),
+        Rule(
+            _BLOCK + "attention/{p:q|k}_norm/scale",
+            _LAYER + "self_attn.{p}_norm.weight",
+            COPY,
+        ),
+        Rule(
+            _BLOCK + "attention_norm/scale",
+            _LAYER + "input_layernorm.weight",
+            COPY,
+        ),
+        Rule(
+            _BLOCK + "mlp_norm/scale",
+            _LAYER + "post_attention_layernorm.weight",
+            COPY,
+        ),
+        Rule(_BLOCK + "mlp/router/kernel", _LAYER + "mlp.gate.weight"),
+        Rule(
+            _BLOCK + "mlp/experts/{p:gate|up|down}/kernel",
+            _LAYER + "mlp.experts.{e}.{p}_proj.weight",
+            family.EXPERTS,
+        ),
+        Rule(
+            (
+                _BLOCK + "mlp/experts/gate/kernel",
+                _BLOCK + "mlp/experts/up/kernel",
+            ),
+            _LAYER + "mlp.experts.gate_up_proj",
+            family.FUSED_HALVES,
+            load_only=True,
+        ),
+        Rule(
+            _BLOCK + "mlp/experts/down/kernel",
+            _LAYER + "mlp.experts.down_proj",
+            family.STACKED_LINEAR,
+            load_only=True,
+        ),
+        Rule("final_layer_norm/scale", "norm.weight", COPY),
+    ),
+    prefix="model.",
+    ignore=("rotary_emb.inv_freq",),  # a buffer old checkpoints stored
+)
+
+
+def params_from_hf(
+    tensors: Mapping[str, np.ndarray], config: OlmoeConfig
+) -> dict:
+  """Maps HF OLMoE decoder tensor names onto the Flax tree (`HF_NAMES`).
+
+  `lm_head` must already be filtered out.
+  """
+  return HF_NAMES.to_flax(tensors, config.num_experts)
+
+
+def hf_config(config: OlmoeConfig, **extra):
+  """A `transformers.OlmoeConfig` of the decoder."""
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  return transformers.OlmoeConfig(
+      vocab_size=config.vocab_size,
+      hidden_size=config.hidden_size,
+      intermediate_size=config.intermediate_size,
+      num_hidden_layers=config.num_hidden_layers,
+      num_attention_heads=config.num_attention_heads,
+      num_key_value_heads=config.num_key_value_heads,
+      num_experts=config.num_experts,
+      num_experts_per_tok=config.num_experts_per_tok,
+      norm_topk_prob=config.norm_topk_prob,
+      rms_norm_eps=config.rms_norm_eps,
+      clip_qkv=config.clip_qkv,
+      hidden_act=config.hidden_act,
+      rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+      tie_word_embeddings=False,
+      **{"architectures": ["OlmoeForCausalLM"], **extra},
+  )
+
+
+def from_sizes(sizes: Any, vocab_size: int, **options) -> OlmoeDecoder:
+  """A random OLMoE from generic sizes (`hf.backbone_from_sizes`)."""
+  return OlmoeDecoder(
+      OlmoeConfig(
+          vocab_size=vocab_size,
+          hidden_size=sizes.d_model,
+          intermediate_size=sizes.d_ff,
+          num_hidden_layers=sizes.num_layers,
+          num_attention_heads=sizes.num_heads,
+          num_key_value_heads=sizes.num_kv_heads,
+          num_experts=sizes.num_experts,
+          num_experts_per_tok=sizes.top_k,
+          norm_topk_prob=sizes.norm_topk_prob,
+          **options,
+      )
+  )
+
+
+# This family's entries in `hf.FAMILIES`, by the checkpoint's `model_type`.
+HF_FAMILIES = {
+    "olmoe": family.Family(
+        OlmoeDecoder,
+        config_from_hf,
+        params_from_hf,
+        ignored_prefix="lm_head.",
+        names=HF_NAMES,
+        hf_config=hf_config,
+        heads=("lm_head",),
+        head_note="transformers has no sequence-classification class for"
+        " OLMoE",
+    ),
+}

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from raptor_jax.models import attention, common, moe
+from raptor_jax.models import attention, common, family, moe
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
+from raptor_jax.models.family import COPY, Rule
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 
 
@@ -310,3 +312,159 @@ class SwitchEncoder(nn.Module):
         x
     )
     return BackboneOutput(x, tuple(router_logits))
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face: config.json, the name table, sizes.
+
+_ARCH_KEYS = (
+    "vocab_size",
+    "d_model",
+    "d_kv",
+    "d_ff",
+    "num_layers",
+    "num_heads",
+    "num_experts",
+    "expert_capacity",
+    "relative_attention_num_buckets",
+    "relative_attention_max_distance",
+    "layer_norm_epsilon",
+    "dense_act_fn",
+    "router_bias",
+)
+
+
+def config_from_hf(hf: Mapping[str, Any], **options) -> SwitchConfig:
+  """SwitchConfig from an HF config.json dict, plus fine-tuning options."""
+  arch = {k: hf[k] for k in _ARCH_KEYS if k in hf}
+  step = hf.get("encoder_sparse_step")
+  if step is None:  # HF derives the step when config.json does not store it.
+    num_sparse = hf.get("num_sparse_encoder_layers", 3)
+    num_layers = hf.get("num_layers", 12)
+    step = num_layers // num_sparse if num_sparse > 0 else num_layers
+  return SwitchConfig(**arch, sparse_step=step, **options)
+
+
+_BLOCK, _LAYER = "block_{i}/", "encoder.block.{i}.layer."
+# The encoder's tensors (the decoder and lm_head are not read); the
+# embedding is `shared.weight`, or its tied copy in an encoder-only save.
+HF_NAMES = family.NameTable(
+    "Switch",
+    (
+        Rule("embed_tokens/embedding", "shared.weight", COPY),
+        Rule(
+            "embed_tokens/embedding",
+            "encoder.embed_tokens.weight",
+            COPY,
+            load_only=True,
+            tied=True,
+        ),
+        Rule(
+            _BLOCK + "attention/{p:q|k|v|o}/kernel",
+            _LAYER + "0.SelfAttention.{p}.weight",
+        ),
+        Rule(
+            _BLOCK + "attention/relative_attention_bias/embedding",
+            _LAYER + "0.SelfAttention.relative_attention_bias.weight",
+            COPY,
+        ),
+        Rule(
+            _BLOCK + "attention_norm/scale",
+            _LAYER + "0.layer_norm.weight",
+            COPY,
+        ),
+        Rule(_BLOCK + "mlp_norm/scale", _LAYER + "1.layer_norm.weight", COPY),
+        Rule(_BLOCK + "mlp/{p:wi|wo}/kernel", _LAYER + "1.mlp.{p}.weight"),
+        Rule(
+            _BLOCK + "mlp/router/kernel",
+            _LAYER + "1.mlp.router.classifier.weight",
+        ),
+        Rule(
+            _BLOCK + "mlp/router/bias",
+            _LAYER + "1.mlp.router.classifier.bias",
+            COPY,
+        ),
+        Rule(
+            _BLOCK + "mlp/experts/{p:wi|wo}/kernel",
+            _LAYER + "1.mlp.experts.expert_{e}.{p}.weight",
+            family.EXPERTS,
+        ),
+        Rule("final_layer_norm/scale", "encoder.final_layer_norm.weight", COPY),
+    ),
+    scope=("encoder.", "shared."),
+)
+
+
+def params_from_hf(
+    tensors: Mapping[str, np.ndarray], config: SwitchConfig
+) -> dict:
+  """Maps HF Switch encoder tensor names onto the Flax tree (`HF_NAMES`)."""
+  if not {"shared.weight", "encoder.embed_tokens.weight"} & set(tensors):
+    raise ValueError(
+        "checkpoint has neither shared.weight nor encoder.embed_tokens.weight"
+    )
+  return HF_NAMES.to_flax(tensors, config.num_experts)
+
+
+def hf_config(config: SwitchConfig, **extra):
+  """A `transformers.SwitchTransformersConfig` of the encoder (decoder sized alike)."""
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  num_sparse = len(config.sparse_layers)
+  if num_sparse and config.num_layers // num_sparse != config.sparse_step:
+    raise ValueError(
+        f"sparse_step {config.sparse_step} with {config.num_layers} layers has no "
+        "Hugging Face equivalent (it derives the step as layers // sparse layers)"
+    )
+  return transformers.SwitchTransformersConfig(
+      vocab_size=config.vocab_size,
+      d_model=config.d_model,
+      d_kv=config.d_kv,
+      d_ff=config.d_ff,
+      num_layers=config.num_layers,
+      num_decoder_layers=config.num_layers,
+      num_heads=config.num_heads,
+      num_experts=config.num_experts,
+      num_sparse_encoder_layers=num_sparse,
+      num_sparse_decoder_layers=num_sparse,
+      expert_capacity=config.expert_capacity,
+      router_bias=config.router_bias,
+      relative_attention_num_buckets=config.relative_attention_num_buckets,
+      relative_attention_max_distance=config.relative_attention_max_distance,
+      layer_norm_epsilon=config.layer_norm_epsilon,
+      dense_act_fn=config.dense_act_fn,
+      **{"architectures": ["SwitchTransformersEncoderModel"], **extra},
+  )
+
+
+def from_sizes(sizes: Any, vocab_size: int, **options) -> SwitchEncoder:
+  """A random Switch encoder from generic sizes (`hf.backbone_from_sizes`)."""
+  return SwitchEncoder(
+      SwitchConfig(
+          vocab_size=vocab_size,
+          d_model=sizes.d_model,
+          d_kv=sizes.d_kv,
+          d_ff=sizes.d_ff,
+          num_layers=sizes.num_layers,
+          num_heads=sizes.num_heads,
+          num_experts=sizes.num_experts,
+          expert_capacity=sizes.expert_capacity,
+          sparse_step=sizes.sparse_step,
+          **options,
+      )
+  )
+
+
+# This family's entries in `hf.FAMILIES`, by the checkpoint's `model_type`.
+HF_FAMILIES = {
+    "switch_transformers": family.Family(
+        SwitchEncoder,
+        config_from_hf,
+        params_from_hf,
+        ignored_prefix="decoder.",
+        names=HF_NAMES,
+        hf_config=hf_config,
+        head_note="Switch's masked-LM head is tied to the embedding",
+        pooling="mean",
+    ),
+}

@@ -1,36 +1,4 @@
-"""DeepSeek-MoE decoder (DeepSeek-V2, DeepSeek-VL2's language model) as flax.linen modules.
-
-A faithful port of `transformers.DeepseekV2Model` (transformers 5.x, eager
-attention, eval mode), plus the plain multi-head attention variant that
-DeepSeek's own code selects with `use_mla: false` (DeepSeek-VL2-Tiny):
-
-* Llama-style RMS norm (float32 statistics). The two latent norms of MLA use
-  eps 1e-6 whatever `rms_norm_eps` says, as Hugging Face builds them.
-* Multi-head latent attention (MLA): queries from `q` (or the low-rank
-  `q_a` -> norm -> `q_b` when `q_lora_rank` is set); keys and values from a
-  compressed latent `kv_a` -> norm -> `kv_b`; each head's query/key splits
-  into a `qk_nope_head_dim` part without position and a `qk_rope_head_dim`
-  part with RoPE, whose key is one vector shared by all heads; values have
-  `v_head_dim`; scores scaled by (nope + rope)^-1/2. RoPE rotates adjacent
-  pairs (x[2i], x[2i+1]), Hugging Face's complex form.
-* `use_mla=False`: `transformers.LlamaAttention` (q, k, v, o; grouped key /
-  value heads; rotate-half RoPE over head_dim = hidden / heads), the class
-  DeepSeek's code maps `mha_eager` to.
-* The first `first_k_dense_replace` blocks have a dense SwiGLU MLP; every
-  later block is sparse: a float32 softmax router over the routed experts,
-  top-k (`greedy`, or `group_limited_greedy`: only the `topk_group` best of
-  `n_group` expert groups compete), weights times `routed_scaling_factor`,
-  routed SwiGLU experts in the grouped dispatch (tokens x k work), plus
-  `n_shared_experts` always-active shared experts run as ONE dense SwiGLU MLP
-  of width n_shared_experts x moe_intermediate_size (tokens x 1 work).
-* `norm_topk_prob` is ignored, as transformers 5.x's DeepseekV2 ignores it
-  (DeepSeek's original code renormalises the top-k weights when it is set).
-
-Routing is per token, so a record never affects another. RAPTOR's roles:
-shared experts see every token, so they join the shared stream (role
-`shared_expert_*`, see `roles.py`); only the routed experts' gates decide
-ownership and layer selection.
-"""
+"""DeepSeek-MoE's config and decoder modules (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -45,7 +13,7 @@ from raptor_jax import _validate
 from raptor_jax.models import attention, common, moe
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import LoRADense
-from raptor_jax.models.olmoe import GatedExperts, RMSNorm, apply_rotary, rotary_tables
+from raptor_jax.models.layers import GatedExperts, RMSNorm, apply_rotary, rotary_tables
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 # HF builds q_a_layernorm / kv_a_layernorm with the default eps.
@@ -197,53 +165,6 @@ class DeepseekConfig(FineTuningOptions):
   def sparse_layers(self) -> tuple[int, ...]:
     """Indices of the sparse (MoE) blocks: every block after the dense ones."""
     return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
-
-
-def sized_config(
-    *,
-    vocab_size: int,
-    d_model: int,
-    d_ff: int,
-    num_layers: int,
-    num_heads: int,
-    d_kv: int,
-    num_experts: int,
-    top_k: int,
-    num_shared_experts: int,
-    first_k_dense: int,
-    kv_lora_rank: int,
-    **options,
-) -> DeepseekConfig:
-  """A small DeepSeek-MoE from generic sizes (random and pretraining models).
-
-  Routed experts have width d_ff, the dense blocks 2 d_ff. MLA heads split
-  d_kv into a position-free part of d_kv and a rotary part of d_kv / 2
-  (DeepSeek-V2's 128 / 64), values of d_kv, latent rank `kv_lora_rank`;
-  `kv_lora_rank=0` gives plain multi-head attention (as DeepSeek-VL2-Tiny).
-  """
-  mla = dict(
-      qk_nope_head_dim=d_kv,
-      qk_rope_head_dim=d_kv // 2,
-      v_head_dim=d_kv,
-      kv_lora_rank=kv_lora_rank,
-      q_lora_rank=None,
-  )
-  return DeepseekConfig(
-      vocab_size=vocab_size,
-      hidden_size=d_model,
-      intermediate_size=2 * d_ff,
-      moe_intermediate_size=d_ff,
-      num_hidden_layers=num_layers,
-      num_attention_heads=num_heads,
-      num_key_value_heads=num_heads,
-      n_routed_experts=num_experts,
-      n_shared_experts=num_shared_experts,
-      num_experts_per_tok=top_k,
-      first_k_dense_replace=first_k_dense,
-      use_mla=kv_lora_rank > 0,
-      **(mla if kv_lora_rank > 0 else {}),
-      **options,
-  )
 
 
 def interleaved_rotary_tables(
