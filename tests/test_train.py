@@ -1,5 +1,6 @@
 """The training loop: reports, resume equality, privacy hygiene, errors."""
 
+import collections
 import json
 
 import jax
@@ -8,18 +9,56 @@ import numpy as np
 import pytest
 
 from raptor_jax import data, roles
-from raptor_jax.train import parallel, setup, step
+from raptor_jax.train import loop, methods, parallel, setup, step
+from raptor_jax.train import run as run_lib
 from raptor_jax.train import train_and_evaluate
 from raptor_jax.train.run import build_run
 
 from helpers import latest_state, micro_config, micro_model
 
+_FULL_RUN_VALIDATIONS = collections.Counter()  # by validator
+
+
+def _count_validations(patch, counts):
+  """Counts the calls of the config validator (`run.validate`) and of the
+  method checks it runs (`methods.check_config`; `build_plan` runs it too)."""
+
+  def counting(name, validator):
+    def counted(config):
+      counts[name] += 1
+      return validator(config)
+
+    return counted
+
+  validate = counting("validate", run_lib.validate)
+  patch.setattr(run_lib, "validate", validate)
+  patch.setattr(loop, "validate", validate)
+  patch.setattr(
+      methods, "check_config", counting("check_config", methods.check_config)
+  )
+
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("full")
-  results = train_and_evaluate(micro_config(), str(workdir))
+  with pytest.MonkeyPatch.context() as patch:
+    _count_validations(patch, _FULL_RUN_VALIDATIONS)
+    results = train_and_evaluate(micro_config(), str(workdir))
   return workdir, results
+
+
+def test_a_run_validates_its_config_once(full_run, monkeypatch, tmp_path):
+  """launch/main.py's run (`train_and_evaluate(config, workdir)`): validated
+  at its start, before anything loads, and never again (build_run and
+  build_plan are told); the audit's (a prebuilt `build_run(config)`) too."""
+  del full_run
+  assert _FULL_RUN_VALIDATIONS == {"validate": 1, "check_config": 1}
+  counts = collections.Counter()
+  _count_validations(monkeypatch, counts)
+  config = micro_config()
+  run = build_run(config)
+  train_and_evaluate(config, str(tmp_path), run=run, dry_run=True)
+  assert counts == {"validate": 1, "check_config": 1}
 
 
 def test_full_run_reports(full_run):

@@ -418,7 +418,8 @@ def train_and_evaluate(
     config: the run's config.
     workdir: where the run writes (and resumes from).
     run: optionally, the single-process `build_run(config)` already built
-      by the caller (the audit reads its canaries); saves building it twice.
+      by the caller (the audit reads its canaries); saves building it twice
+      (and validating `config` twice: `build_run` did).
     dry_run: validate, check the workdir, build the run (data, model, noise
       calibration), log the run header and the resolved config, and return
       {} without training or writing a file.
@@ -437,7 +438,8 @@ def train_and_evaluate(
       another config (one line).
   """
   start_time = time.time()
-  validate(config)  # before any data or model is loaded
+  if run is None or not run.validated:
+    validate(config)  # before any data or model is loaded; once per run
   mesh = parallel.make_mesh(config.num_devices)
   workdir = Path(workdir).expanduser().resolve()
   workdir.mkdir(parents=True, exist_ok=True)
@@ -468,7 +470,7 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
           "loading the data, the public corpus and the model (%s)...",
           config.model.name,
       )
-    run = build_run(config, host=parallel.host_shard())
+    run = build_run(config, host=parallel.host_shard(), validated=True)
   elif run.config is not config or jax.process_count() > 1:
     _validate.fail(
         "run",

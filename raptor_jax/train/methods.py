@@ -414,6 +414,7 @@ def build_plan(
     expert_layer: int,
     shared_experts: bool = False,
     noise: Mapping[str, float] | None = None,
+    validated: bool = False,
 ) -> Plan:
   """Turns a config into phases with calibrated noise.
 
@@ -432,11 +433,14 @@ def build_plan(
       calibrating them to `privacy.epsilon` (launch/privacy.py's reverse
       mode: the epsilon that given noise spends); the plan's
       `target_epsilon` is then None.
+    validated: the caller has checked `config` already (`run.validate`, which
+      runs `check_config`, as `run.build_run` does); skip the check here.
 
   Returns:
     The Plan.
   """
-  check_config(config)
+  if not validated:
+    check_config(config)
   q = config.batch_size / n
   sampling.check_sample_rate(q)
   cycles = config.epochs * accounting.steps_per_epoch(q)

@@ -78,6 +78,8 @@ class Run:
       `raptor_jax.train.canaries`): the included ones are the last records
       of `data.train` and are counted in `n`. None for every other run.
       PRIVATE (the auditor's secret).
+    validated: `validate(config)` passed before the run was built (True for
+      `build_run`'s runs: `train_and_evaluate(run=...)` does not check again).
   """
 
   config: ml_collections.ConfigDict
@@ -93,6 +95,7 @@ class Run:
   canaries: canaries_lib.Canaries | None = dataclasses.field(
       default=None, repr=False
   )
+  validated: bool = False
 
   @property
   def expert_layer(self) -> int:
@@ -108,6 +111,7 @@ def build_run(
     *,
     host: tuple[int, int] = (0, 1),
     owner_records: str = "train",
+    validated: bool = False,
 ) -> Run:
   """Validates `config`, then loads and assembles its run as the trainer does.
 
@@ -118,6 +122,9 @@ def build_run(
       the records of every host.
     owner_records: 'train' (the trainer) or 'dev' (diagnostics): whose
       owner map `Run.owners` holds.
+    validated: the caller has just run `validate(config)` (as
+      `train_and_evaluate` does at its start); skip it here. A run validates
+      its config once.
 
   A config with an ``audit`` section builds an audit run: the included
   canaries join the private records before the plan, so n counts them.
@@ -125,7 +132,8 @@ def build_run(
   Returns:
     The frozen `Run`.
   """
-  validate(config)
+  if not validated:
+    validate(config)
   _validate.one_of("owner_records", owner_records, ("train", "dev"))
   run_data = setup.load_run_data(config, host=host)
   n = (
@@ -153,6 +161,7 @@ def build_run(
       sparse_layers=bc.sparse_layers,
       expert_layer=expert_layer,
       shared_experts=roles.has_shared_experts(backbone_params),
+      validated=True,  # `validate` ran `methods.check_config`
   )
   records = run_data.train if owner_records == "train" else run_data.dev
   needs_owners = any(part.owner for part in plan.parts)
@@ -177,7 +186,17 @@ def build_run(
   del backbone_params
   split = setup.partition(params, plan.parts)  # (trainable, frozen)
   return Run(
-      config, run_data, n, plan, table, model, *split, owners, bc, canaries
+      config,
+      run_data,
+      n,
+      plan,
+      table,
+      model,
+      *split,
+      owners,
+      bc,
+      canaries,
+      validated=True,
   )
 
 
