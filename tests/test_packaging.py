@@ -25,6 +25,15 @@ def test_core_dependencies_are_declared():
   assert "flax" in str(project["optional-dependencies"]["train"])
 
 
+def test_core_floors_are_pinned_for_ci():
+  """requirements-floors.txt (which .ci/run tests) pins pyproject's floors."""
+  project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+  floors = dict(d.split(">=") for d in project["dependencies"])
+  lines = (_ROOT / "requirements-floors.txt").read_text().splitlines()
+  pins = dict(l.split("==") for l in lines if l and not l.startswith("#"))
+  assert pins == {**floors, "jaxlib": floors["jax"]}
+
+
 def test_dp_core_and_example_import_without_the_train_extra():
   blocked = {
       "flax",
