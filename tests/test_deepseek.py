@@ -1,13 +1,8 @@
-"""DeepSeek-MoE decoder: parity with Hugging Face, per-record semantics, LoRA, owners.
+"""DeepSeek-MoE decoder: config, routing, layouts, LoRA, owners, DeepSeek-VL2.
 
-The reference for MLA is `transformers.DeepseekV2Model` (eager attention).
-transformers has no plain multi-head attention variant of DeepSeek-V2, so the
-reference for `use_mla: false` (DeepSeek-VL2-Tiny's language model) is the
-same HF model with every attention replaced by `transformers.LlamaAttention`
-and its rotary embedding by `LlamaRotaryEmbedding`, exactly what DeepSeek's
-own code does for `mha_eager`. Parity is checked on every position of padded
-batches (right padding: padding queries still see the real tokens before
-them, so their states are well defined).
+Parity with Hugging Face (MLA and the plain multi-head variant), a batch of
+one, padding and the grouped dispatch: tests/test_backbones.py; the
+references (and how the MHA one is built): tests/hf_references.py.
 """
 
 import functools
@@ -21,156 +16,29 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
-from transformers.models.llama import modeling_llama
 
 from raptor_jax import models, ownership
 from raptor_jax.models import hf as hf_lib
 
-VOCAB, SEQ, LAYERS = 60, 11, 3
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=4,
-    kv_lora_rank=8,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=6,
-    pad_token_id=0,
-    eos_token_id=None,
-    bos_token_id=None,
-    initializer_range=0.2,
-)
-# The grid of the issue: greedy / group-limited routing, q_lora_rank None / set,
-# first_k_dense_replace 0 / 1, n_shared_experts 1 / 2, norm_topk_prob on / off.
-CONFIGS = {
-    "greedy_q_dense1_s1": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        q_lora_rank=None,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        norm_topk_prob=False,
-    ),
-    "group_qlora_dense0_s2_norm": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        q_lora_rank=12,
-        first_k_dense_replace=0,
-        n_shared_experts=2,
-        norm_topk_prob=True,
-        topk_method="group_limited_greedy",
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-    ),
-    "greedy_qlora_dense1_s2_norm": dict(
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        q_lora_rank=12,
-        first_k_dense_replace=1,
-        n_shared_experts=2,
-        norm_topk_prob=True,
-    ),
-    "group_q_dense0_s1": dict(
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        q_lora_rank=None,
-        first_k_dense_replace=0,
-        n_shared_experts=1,
-        topk_method="group_limited_greedy",
-        n_group=4,
-        topk_group=2,
-    ),
-}
-MHA_CONFIGS = {
-    "mha_dense1_s2": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        n_shared_experts=2,
-        num_key_value_heads=4,
-    ),
-    "mha_gqa_dense0_s1": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        first_k_dense_replace=0,
-        n_shared_experts=1,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-    ),
-}
+import hf_references as refs
+
+VOCAB, SEQ, LAYERS = refs.VOCAB, refs.SEQ, refs.DEEPSEEK_LAYERS
+CONFIGS, MHA_CONFIGS = refs.DEEPSEEK_CONFIGS, refs.DEEPSEEK_MHA_CONFIGS
+_batch, _hf_outputs, _rel_err = refs.batch, refs.deepseek_outputs, refs.rel_err
 
 _jit = functools.partial(
     jax.jit, compiler_options={"xla_backend_optimization_level": 0}
 )
 
 
-def _save_mla(path, seed, **kwargs):
-  torch.manual_seed(seed)
-  model = transformers.DeepseekV2ForCausalLM(
-      transformers.DeepseekV2Config(**BASE, **kwargs)
-  )
-  model.save_pretrained(path)
-  return transformers.DeepseekV2Model.from_pretrained(
-      path, attn_implementation="eager"
-  ).eval()
-
-
-def _save_mha(path, seed, num_key_value_heads, **kwargs):
-  """A DeepSeek-MoE with LlamaAttention (DeepSeek's `use_mla: false`), saved as DeepSeek's
-  code would: q/k/v/o_proj tensors and `use_mla: false` in config.json."""
-  torch.manual_seed(seed)
-  config = transformers.DeepseekV2Config(**BASE, q_lora_rank=None, **kwargs)
-  config._attn_implementation = "eager"
-  model = transformers.DeepseekV2Model(config)
-  llama = transformers.LlamaConfig(
-      hidden_size=config.hidden_size,
-      num_attention_heads=config.num_attention_heads,
-      num_key_value_heads=num_key_value_heads,
-      rope_parameters=config.rope_parameters,
-      max_position_embeddings=config.max_position_embeddings,
-  )
-  llama._attn_implementation = "eager"
-  for i, layer in enumerate(model.layers):
-    layer.self_attn = modeling_llama.LlamaAttention(llama, i)
-  model.rotary_emb = modeling_llama.LlamaRotaryEmbedding(llama)
-  model.eval()
-  path.mkdir(parents=True)
-  state = {k: v.contiguous() for k, v in model.state_dict().items()}
-  safetensors.torch.save_file(state, str(path / "model.safetensors"))
-  hf_config = dict(
-      config.to_dict(),
-      use_mla=False,
-      num_key_value_heads=num_key_value_heads,
-      kv_lora_rank=None,
-      qk_nope_head_dim=0,
-      qk_rope_head_dim=0,
-      v_head_dim=0,
-  )
-  (path / "config.json").write_text(json.dumps(hf_config))
-  return model
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
   """name -> (checkpoint dir, the HF reference model in eval mode)."""
   root = tmp_path_factory.mktemp("deepseek")
-  refs = {
-      name: (root / name, _save_mla(root / name, i, **kw))
-      for i, (name, kw) in enumerate(CONFIGS.items())
+  return {
+      name: refs.save_deepseek(root / name, name)
+      for name in list(CONFIGS) + list(MHA_CONFIGS)
   }
-  refs.update(
-      {
-          name: (root / name, _save_mha(root / name, 10 + i, **kw))
-          for i, (name, kw) in enumerate(MHA_CONFIGS.items())
-      }
-  )
-  return refs
 
 
 @pytest.fixture(scope="module")
@@ -188,50 +56,6 @@ def loaded(references):
   return load
 
 
-def _batch(seed=0, batch=4):
-  rng = np.random.RandomState(seed)
-  ids = rng.randint(1, VOCAB, (batch, SEQ))
-  mask = np.ones((batch, SEQ), np.int64)
-  mask[1, 7:] = 0
-  mask[2, 3:] = 0
-  ids[mask == 0] = 0
-  return ids, mask
-
-
-def _hf_outputs(model, ids, mask):
-  with torch.no_grad():
-    out = model(
-        input_ids=torch.tensor(ids),
-        attention_mask=torch.tensor(mask),
-        output_router_logits=True,
-    )
-  num_experts = model.config.n_routed_experts
-  return out.last_hidden_state.numpy(), [
-      r.numpy().reshape(ids.shape + (num_experts,)) for r in out.router_logits
-  ]
-
-
-def _rel_err(a, b):
-  return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
-
-
-@pytest.mark.parametrize("name", list(CONFIGS) + list(MHA_CONFIGS))
-def test_parity_with_hugging_face(references, loaded, name):
-  ids, mask = _batch()
-  module, params, apply = loaded(name)
-  want_h, want_logits = _hf_outputs(references[name][1], ids, mask)
-  out = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
-  cfg = module.config
-  assert len(out.router_logits) == len(want_logits) == len(cfg.sparse_layers)
-  assert cfg.sparse_layers == tuple(range(cfg.first_k_dense_replace, LAYERS))
-  errors = [_rel_err(out.hidden_states, want_h)]
-  for got, want in zip(out.router_logits, want_logits):
-    assert got.dtype == jnp.float32 and got.shape == want.shape
-    errors.append(_rel_err(got, want))
-  print(f"{name}: hidden {errors[0]:.2e}, router logits {max(errors[1:]):.2e}")
-  assert max(errors) < 1e-4
-
-
 def test_config_from_checkpoint(loaded):
   cfg = loaded("group_qlora_dense0_s2_norm")[0].config
   assert (
@@ -246,7 +70,9 @@ def test_config_from_checkpoint(loaded):
       cfg.rope_theta,
       cfg.use_mla,
   ) == (12, 2, 500.0, True)
-  assert loaded("greedy_q_dense1_s1")[0].config.routing_groups is None
+  assert cfg.sparse_layers == (0, 1, 2)  # first_k_dense_replace=0
+  dense1 = loaded("greedy_q_dense1_s1")[0].config
+  assert dense1.routing_groups is None and dense1.sparse_layers == (1, 2)
   mha = loaded("mha_gqa_dense0_s1")[0].config
   assert (mha.use_mla, mha.num_key_value_heads, mha.head_dim) == (False, 2, 8)
   # DeepSeek-VL2-Tiny's language config values (MHA, 64 routed + 2 shared, top-6).
@@ -346,39 +172,6 @@ def test_fused_and_base_model_layouts_load_the_same_params(
   )  # 2 x 16
   assert flat["block_1/mlp/experts/gate/kernel"].shape == (16, 32, 16)
   assert not any("lm_head" in p for p in flat)
-
-
-@pytest.mark.parametrize(
-    "name", ["group_qlora_dense0_s2_norm", "mha_dense1_s2"]
-)
-def test_batch_of_one_equals_its_row(loaded, name):
-  ids, mask = _batch()
-  _, params, apply = loaded(name)
-  full = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
-  for row in range(ids.shape[0]):
-    one = apply(
-        {"params": params},
-        jnp.asarray(ids[row : row + 1]),
-        jnp.asarray(mask[row : row + 1]),
-    )
-    np.testing.assert_allclose(
-        one.hidden_states[0], full.hidden_states[row], rtol=1e-5, atol=1e-5
-    )
-    for a, b in zip(one.router_logits, full.router_logits):
-      np.testing.assert_allclose(a[0], b[row], rtol=1e-5, atol=1e-5)
-
-
-def test_grouped_dispatch_equals_dense(loaded):
-  ids, mask = _batch()
-  _, params, grouped = loaded("group_q_dense0_s1")
-  _, _, dense = loaded("group_q_dense0_s1", dispatch="dense")
-  a = grouped(
-      {"params": params}, jnp.asarray(ids), jnp.asarray(mask)
-  ).hidden_states
-  b = dense(
-      {"params": params}, jnp.asarray(ids), jnp.asarray(mask)
-  ).hidden_states
-  assert _rel_err(a, np.asarray(b)) < 1e-5
 
 
 def test_owners_follow_the_routed_gates_hf_uses(references, loaded):

@@ -1,9 +1,7 @@
-"""OLMoE decoder: parity with Hugging Face, per-record semantics, LoRA, owner slices.
+"""OLMoE decoder: clipping, RoPE, config and layouts, LoRA, owner slices.
 
-Padding: with right padding HF's eager mask is "causal AND key not padding",
-so a padding query still attends to every real token before it and its state
-is well defined; parity is therefore checked on every position, padding
-included. Real tokens never see padding (it comes after them).
+Parity with Hugging Face, a batch of one, padding and the grouped dispatch:
+tests/test_backbones.py (references: tests/hf_references.py).
 """
 
 import functools
@@ -22,36 +20,15 @@ import transformers
 from raptor_jax import models
 from raptor_jax.models import hf as hf_lib
 
-# Tiny random configs; grouped kv heads everywhere (4 query heads, 2 or 1 kv).
-CONFIGS = {
-    "e8k2_norm_clip": dict(
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        clip_qkv=2.0,
-        num_key_value_heads=2,
-    ),
-    "e8k2_theta500": dict(
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        num_key_value_heads=2,
-    ),
-    "e16k4_norm": dict(
-        num_experts=16,
-        num_experts_per_tok=4,
-        norm_topk_prob=True,
-        num_key_value_heads=2,
-    ),
-    "e16k4_mqa": dict(
-        num_experts=16,
-        num_experts_per_tok=4,
-        norm_topk_prob=False,
-        num_key_value_heads=1,
-    ),
-}
-VOCAB, SEQ, LAYERS = 60, 11, 2
+import hf_references as refs
+
+CONFIGS = refs.OLMOE_CONFIGS
+VOCAB, LAYERS = refs.VOCAB, refs.OLMOE_LAYERS
+_hf_outputs, _rel_err, _assert_close = (
+    refs.olmoe_outputs,
+    refs.rel_err,
+    refs.assert_close,
+)
 
 # Tiny shapes: XLA's LLVM backend optimisation dominates the test time and
 # buys nothing here, so skip it (HLO-level semantics are unchanged).
@@ -60,33 +37,11 @@ _jit = functools.partial(
 )
 
 
-def _hf_config(**kwargs):
-  # initializer_range 0.2 (HF default 0.02) so that attention, experts and
-  # the router visibly move the hidden states and routing is decisive.
-  return transformers.OlmoeConfig(
-      vocab_size=VOCAB,
-      hidden_size=32,
-      intermediate_size=16,
-      num_hidden_layers=LAYERS,
-      num_attention_heads=4,
-      pad_token_id=0,
-      eos_token_id=None,
-      initializer_range=0.2,
-      **kwargs,
-  )
-
-
-def _save_hf(path, seed, **kwargs):
-  torch.manual_seed(seed)
-  transformers.OlmoeForCausalLM(_hf_config(**kwargs)).save_pretrained(path)
-  return path
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   root = tmp_path_factory.mktemp("olmoe")
   return {
-      name: _save_hf(root / name, i, **kw)
+      name: refs.save_olmoe(root / name, i, **kw)
       for i, (name, kw) in enumerate(CONFIGS.items())
   }
 
@@ -107,62 +62,7 @@ def loaded(checkpoints):
   return load
 
 
-def _batch(seed=0, batch=4):
-  rng = np.random.RandomState(seed)
-  ids = rng.randint(1, VOCAB, (batch, SEQ))
-  mask = np.ones((batch, SEQ), np.int64)
-  mask[1, 7:] = 0
-  mask[2, 3:] = 0
-  ids[mask == 0] = 0
-  return ids, mask
-
-
-def _hf_outputs(path, ids, mask):
-  model = transformers.OlmoeModel.from_pretrained(
-      path, attn_implementation="eager"
-  ).eval()
-  with torch.no_grad():
-    out = model(
-        input_ids=torch.tensor(ids),
-        attention_mask=torch.tensor(mask),
-        output_router_logits=True,
-    )
-  num_experts = model.config.num_experts
-  # HF returns each layer's logits flattened to [B * S, E].
-  return out.last_hidden_state.numpy(), [
-      r.numpy().reshape(ids.shape + (num_experts,)) for r in out.router_logits
-  ]
-
-
-def _rel_err(a, b):
-  return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
-
-
-def _assert_close(a, b, tol=1e-4):
-  """max |a - b| <= tol * max |b| (float32 noise scales with the array, not the entry)."""
-  b = np.asarray(b)
-  assert np.max(np.abs(np.asarray(a) - b)) <= tol * max(
-      np.max(np.abs(b)), 1e-12
-  )
-
-
-# Every config with the default dispatch; two (E=8 top-2, E=16 top-4) also
-# with dispatch='ragged' (grouped GEMMs).
-@pytest.mark.parametrize(
-    "name,dispatch",
-    [(name, "auto") for name in CONFIGS]
-    + [(name, "ragged") for name in ["e8k2_norm_clip", "e16k4_mqa"]],
-)
-def test_parity_with_hugging_face(checkpoints, loaded, name, dispatch):
-  ids, mask = _batch()
-  _, params, apply = loaded(name, dispatch)
-  want_h, want_logits = _hf_outputs(checkpoints[name], ids, mask)
-  out = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
-  assert len(out.router_logits) == len(want_logits) == LAYERS
-  assert _rel_err(out.hidden_states, want_h) < 1e-4
-  for got, want in zip(out.router_logits, want_logits):
-    assert got.dtype == jnp.float32 and got.shape == want.shape
-    assert _rel_err(got, want) < 1e-4
+_batch = refs.batch
 
 
 def test_clip_qkv_config_really_clips(checkpoints):
@@ -246,32 +146,6 @@ def test_fused_and_base_model_layouts_load_the_same_params(
   assert not any(
       "lm_head" in p for p in flax.traverse_util.flatten_dict(want, sep="/")
   )
-
-
-def test_batch_of_one_equals_its_row(loaded):
-  ids, mask = _batch()
-  _, params, apply = loaded("e8k2_norm_clip")
-  full = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
-  for row in range(ids.shape[0]):
-    one = apply(
-        {"params": params},
-        jnp.asarray(ids[row : row + 1]),
-        jnp.asarray(mask[row : row + 1]),
-    )
-    np.testing.assert_allclose(
-        one.hidden_states[0], full.hidden_states[row], rtol=1e-5, atol=1e-5
-    )
-    for a, b in zip(one.router_logits, full.router_logits):
-      np.testing.assert_allclose(a[0], b[row], rtol=1e-5, atol=1e-5)
-
-
-def test_grouped_dispatch_equals_dense(checkpoints, loaded):
-  ids, mask = _batch()
-  _, params, grouped = loaded("e16k4_mqa")
-  dense, _ = models.from_pretrained(checkpoints["e16k4_mqa"], dispatch="dense")
-  a = grouped({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
-  b = _jit(dense.apply)({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
-  _assert_close(a.hidden_states, b.hidden_states, tol=1e-5)
 
 
 def _lora_model(path, **options):

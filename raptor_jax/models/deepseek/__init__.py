@@ -36,6 +36,7 @@ The family in two modules: `backbone` (the config and the decoder) and
 everything public is importable from this package.
 """
 
+from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.deepseek.backbone import (
     LATENT_NORM_EPS,
     TOPK_METHODS,

@@ -1,0 +1,332 @@
+"""Tiny random Hugging Face checkpoints of every family and their PyTorch outputs.
+
+The references of the backbone tests (tests/test_backbones.py) and of each
+family's own tests (tests/test_<family>.py): one place for the configs, the
+checkpoints `save_pretrained` writes and the transformers models' outputs.
+
+DeepSeek: the reference for MLA is `transformers.DeepseekV2Model` (eager
+attention). transformers has no plain multi-head attention variant of
+DeepSeek-V2, so the reference for `use_mla: false` (DeepSeek-VL2-Tiny's
+language model) is the same HF model with every attention replaced by
+`transformers.LlamaAttention` and its rotary embedding by
+`LlamaRotaryEmbedding`, exactly what DeepSeek's own code does for
+`mha_eager`.
+"""
+
+import json
+
+import numpy as np
+import safetensors.torch
+import torch
+import transformers
+from transformers.models.llama import modeling_llama
+
+VOCAB, SEQ = 60, 11
+
+
+def batch(seed=0, batch=4, low=1):
+  """int64 (ids, mask) [batch, SEQ], rows 1 and 2 right-padded with id 0."""
+  rng = np.random.RandomState(seed)
+  ids = rng.randint(low, VOCAB, (batch, SEQ))
+  mask = np.ones((batch, SEQ), np.int64)
+  mask[1, 7:] = 0
+  mask[2, 3:] = 0
+  ids[mask == 0] = 0
+  return ids, mask
+
+
+def rel_err(a, b):
+  return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+
+def assert_close(a, b, tol=1e-4):
+  """max |a - b| <= tol * max |b| (float32 noise scales with the array, not the entry)."""
+  b = np.asarray(b)
+  assert np.max(np.abs(np.asarray(a) - b)) <= tol * max(
+      np.max(np.abs(b)), 1e-12
+  )
+
+
+def _outputs(model, ids, mask, num_experts):
+  """(last hidden state, router logits [B, S, E] per sparse layer) in eval mode."""
+  with torch.no_grad():
+    out = model(
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.tensor(mask),
+        output_router_logits=True,
+    )
+  # OLMoE and DeepSeek return each layer's logits flattened to [B * S, E].
+  return out.last_hidden_state.numpy(), [
+      r.numpy().reshape(ids.shape + (num_experts,)) for r in out.router_logits
+  ]
+
+
+# ---------------------------------------------------------------------------
+# Switch Transformers.
+
+SWITCH_CONFIGS = {
+    "e2_step2": dict(
+        d_model=16,
+        d_kv=4,
+        num_heads=2,
+        d_ff=24,
+        num_layers=4,
+        num_experts=2,
+        expert_capacity=64,
+        num_sparse_encoder_layers=2,
+    ),
+    "e4_step1_drop": dict(
+        d_model=24,
+        d_kv=6,
+        num_heads=3,
+        d_ff=32,
+        num_layers=3,
+        num_experts=4,
+        expert_capacity=2,
+        num_sparse_encoder_layers=3,
+    ),
+    "e8_step2_drop": dict(
+        d_model=32,
+        d_kv=8,
+        num_heads=4,
+        d_ff=16,
+        num_layers=4,
+        num_experts=8,
+        expert_capacity=1,
+        num_sparse_encoder_layers=2,
+    ),
+}
+
+
+def save_switch(path, seed, **kwargs):
+  torch.manual_seed(seed)
+  config = transformers.SwitchTransformersConfig(
+      vocab_size=VOCAB,
+      num_decoder_layers=1,
+      relative_attention_num_buckets=8,
+      relative_attention_max_distance=20,
+      **kwargs,
+  )
+  model = transformers.SwitchTransformersForConditionalGeneration(config)
+  model.save_pretrained(path)
+  return path
+
+
+def switch_outputs(path, ids, mask):
+  model = transformers.SwitchTransformersEncoderModel.from_pretrained(
+      path
+  ).eval()
+  return _outputs(model, ids, mask, model.config.num_experts)
+
+
+# ---------------------------------------------------------------------------
+# OLMoE: tiny random configs, grouped kv heads everywhere (4 query heads, 2
+# or 1 kv).
+
+OLMOE_LAYERS = 2
+OLMOE_CONFIGS = {
+    "e8k2_norm_clip": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        clip_qkv=2.0,
+        num_key_value_heads=2,
+    ),
+    "e8k2_theta500": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        num_key_value_heads=2,
+    ),
+    "e16k4_norm": dict(
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        num_key_value_heads=2,
+    ),
+    "e16k4_mqa": dict(
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        num_key_value_heads=1,
+    ),
+}
+
+
+def olmoe_hf_config(**kwargs):
+  # initializer_range 0.2 (HF default 0.02) so that attention, experts and
+  # the router visibly move the hidden states and routing is decisive.
+  return transformers.OlmoeConfig(
+      vocab_size=VOCAB,
+      hidden_size=32,
+      intermediate_size=16,
+      num_hidden_layers=OLMOE_LAYERS,
+      num_attention_heads=4,
+      pad_token_id=0,
+      eos_token_id=None,
+      initializer_range=0.2,
+      **kwargs,
+  )
+
+
+def save_olmoe(path, seed, **kwargs):
+  torch.manual_seed(seed)
+  transformers.OlmoeForCausalLM(olmoe_hf_config(**kwargs)).save_pretrained(path)
+  return path
+
+
+def olmoe_model(path):
+  return transformers.OlmoeModel.from_pretrained(
+      path, attn_implementation="eager"
+  ).eval()
+
+
+def olmoe_outputs(path, ids, mask):
+  model = olmoe_model(path)
+  return _outputs(model, ids, mask, model.config.num_experts)
+
+
+# ---------------------------------------------------------------------------
+# DeepSeek-MoE.
+
+DEEPSEEK_LAYERS = 3
+DEEPSEEK_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=DEEPSEEK_LAYERS,
+    num_attention_heads=4,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    pad_token_id=0,
+    eos_token_id=None,
+    bos_token_id=None,
+    initializer_range=0.2,
+)
+# The grid of the issue: greedy / group-limited routing, q_lora_rank None / set,
+# first_k_dense_replace 0 / 1, n_shared_experts 1 / 2, norm_topk_prob on / off.
+DEEPSEEK_CONFIGS = {
+    "greedy_q_dense1_s1": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        q_lora_rank=None,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        norm_topk_prob=False,
+    ),
+    "group_qlora_dense0_s2_norm": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        q_lora_rank=12,
+        first_k_dense_replace=0,
+        n_shared_experts=2,
+        norm_topk_prob=True,
+        topk_method="group_limited_greedy",
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    ),
+    "greedy_qlora_dense1_s2_norm": dict(
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        q_lora_rank=12,
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+        norm_topk_prob=True,
+    ),
+    "group_q_dense0_s1": dict(
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        q_lora_rank=None,
+        first_k_dense_replace=0,
+        n_shared_experts=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+    ),
+}
+DEEPSEEK_MHA_CONFIGS = {
+    "mha_dense1_s2": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+        num_key_value_heads=4,
+    ),
+    "mha_gqa_dense0_s1": dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        first_k_dense_replace=0,
+        n_shared_experts=1,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+    ),
+}
+
+
+def save_deepseek_mla(path, seed, **kwargs):
+  """Saves a DeepseekV2ForCausalLM; returns the reference DeepseekV2Model."""
+  torch.manual_seed(seed)
+  model = transformers.DeepseekV2ForCausalLM(
+      transformers.DeepseekV2Config(**DEEPSEEK_BASE, **kwargs)
+  )
+  model.save_pretrained(path)
+  return transformers.DeepseekV2Model.from_pretrained(
+      path, attn_implementation="eager"
+  ).eval()
+
+
+def save_deepseek_mha(path, seed, num_key_value_heads, **kwargs):
+  """A DeepSeek-MoE with LlamaAttention (DeepSeek's `use_mla: false`), saved as DeepSeek's
+  code would: q/k/v/o_proj tensors and `use_mla: false` in config.json."""
+  torch.manual_seed(seed)
+  config = transformers.DeepseekV2Config(
+      **DEEPSEEK_BASE, q_lora_rank=None, **kwargs
+  )
+  config._attn_implementation = "eager"
+  model = transformers.DeepseekV2Model(config)
+  llama = transformers.LlamaConfig(
+      hidden_size=config.hidden_size,
+      num_attention_heads=config.num_attention_heads,
+      num_key_value_heads=num_key_value_heads,
+      rope_parameters=config.rope_parameters,
+      max_position_embeddings=config.max_position_embeddings,
+  )
+  llama._attn_implementation = "eager"
+  for i, layer in enumerate(model.layers):
+    layer.self_attn = modeling_llama.LlamaAttention(llama, i)
+  model.rotary_emb = modeling_llama.LlamaRotaryEmbedding(llama)
+  model.eval()
+  path.mkdir(parents=True)
+  state = {k: v.contiguous() for k, v in model.state_dict().items()}
+  safetensors.torch.save_file(state, str(path / "model.safetensors"))
+  hf_config = dict(
+      config.to_dict(),
+      use_mla=False,
+      num_key_value_heads=num_key_value_heads,
+      kv_lora_rank=None,
+      qk_nope_head_dim=0,
+      qk_rope_head_dim=0,
+      v_head_dim=0,
+  )
+  (path / "config.json").write_text(json.dumps(hf_config))
+  return model
+
+
+def save_deepseek(path, name):
+  """(checkpoint dir, reference model) of DeepSeek config `name`."""
+  if name in DEEPSEEK_CONFIGS:
+    seed = list(DEEPSEEK_CONFIGS).index(name)
+    return path, save_deepseek_mla(path, seed, **DEEPSEEK_CONFIGS[name])
+  seed = 10 + list(DEEPSEEK_MHA_CONFIGS).index(name)
+  return path, save_deepseek_mha(path, seed, **DEEPSEEK_MHA_CONFIGS[name])
+
+
+def deepseek_outputs(model, ids, mask):
+  return _outputs(model, ids, mask, model.config.n_routed_experts)
