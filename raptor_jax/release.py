@@ -124,9 +124,9 @@ print(predict({examples!r}))
 """
 # The transformers class of each backbone (the head is exported apart).
 _ARCHITECTURES = {
-    models.SwitchEncoder: "SwitchTransformersEncoderModel",
-    models.OlmoeDecoder: "OlmoeModel",
-    models.DeepseekDecoder: "DeepseekV2Model",
+    f.backbone: f.hf_backbone_class
+    for f in hf.FAMILIES.values()
+    if f.hf_backbone_class
 }
 # What the card says about n (see the module docstring).
 RECORD_COUNT = (

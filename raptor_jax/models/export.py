@@ -86,7 +86,7 @@ def save_pretrained(
           f"{head}: a {type(module).__name__} exports no {head} head"
           f" ({entry.head_note}); pass none"
       )
-    tensors[f"{head}.weight"] = family_lib.torch_linear(kernel)
+    tensors[f"{head}.weight"] = family_lib.LINEAR.save(kernel)
   hf_config.save_pretrained(directory)
   tmp = directory / "model.safetensors.tmp"
   save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -28,16 +28,12 @@ ADAPTER_LEAVES = ("lora_a", "lora_b")
 
 def torch_linear(w: np.ndarray) -> np.ndarray:
   """torch Linear [out, in] <-> Flax kernel [in, out] (its own inverse)."""
-  return np.ascontiguousarray(np.asarray(w, np.float32).T)
-
-
-def _copy(w: np.ndarray) -> np.ndarray:
-  return np.ascontiguousarray(np.asarray(w, np.float32))
+  return np.ascontiguousarray(np.asarray(w).T)
 
 
 def _stacked_linear(w: np.ndarray) -> np.ndarray:
   """torch [E, out, in] <-> Flax [E, in, out] (its own inverse)."""
-  return np.ascontiguousarray(np.asarray(w, np.float32).transpose(0, 2, 1))
+  return np.ascontiguousarray(np.asarray(w).transpose(0, 2, 1))
 
 
 def _split_halves(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -49,12 +45,17 @@ def _join_halves(first: np.ndarray, second: np.ndarray) -> np.ndarray:
   return np.concatenate([_stacked_linear(first), _stacked_linear(second)], 1)
 
 
+def float32(convert: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+  """`convert` writing float32 (what the export stores)."""
+  return lambda *ws: convert(*(np.asarray(w, np.float32) for w in ws))
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """How one tensor changes between the two sides, stated both ways.
 
-  `load` maps the HF tensor to one Flax value per `Rule.ours` template,
-  `save` maps those values back. `per_expert`: the HF side holds one tensor
+  `load` maps the HF tensor to one Flax value per `Rule.ours` template (its
+  dtype kept), `save` maps those values back (as float32). `per_expert`: the HF side holds one tensor
   per expert (field `{e}`), the Flax side one array stacked along a leading
   expert axis; `load` and `save` then apply to each expert's tensor.
   """
@@ -64,11 +65,15 @@ class Layout:
   per_expert: bool = False
 
 
-COPY = Layout(lambda w: (_copy(w),), _copy)
-LINEAR = Layout(lambda w: (torch_linear(w),), torch_linear)
-EXPERTS = Layout(lambda w: (torch_linear(w),), torch_linear, per_expert=True)
-STACKED_LINEAR = Layout(lambda w: (_stacked_linear(w),), _stacked_linear)
-FUSED_HALVES = Layout(_split_halves, _join_halves)
+COPY = Layout(lambda w: (w,), float32(np.ascontiguousarray))
+LINEAR = Layout(lambda w: (torch_linear(w),), float32(torch_linear))
+EXPERTS = Layout(
+    lambda w: (torch_linear(w),), float32(torch_linear), per_expert=True
+)
+STACKED_LINEAR = Layout(
+    lambda w: (_stacked_linear(w),), float32(_stacked_linear)
+)
+FUSED_HALVES = Layout(_split_halves, float32(_join_halves))
 
 _FIELD = re.compile(r"\{(\w+)(?::([^}]*))?\}")
 _DIGITS = ("i", "e")  # block and expert indices; other fields list choices
@@ -249,8 +254,8 @@ class Family:
 
   Attributes:
     backbone: the Flax backbone class, built as `backbone(config)`.
-    config_from_hf: (config.json dict, **options) -> the family's config.
-    params_from_hf: (tensors, config) -> the Flax parameter tree.
+    config_from_hf: `(config.json dict, **options)` -> the family's config.
+    params_from_hf: `(tensors, config)` -> the Flax parameter tree.
     ignored_prefix: tensors the backbone does not use (an LM head, a
       decoder).
     prefix: where the backbone's tensors sit ('' = everywhere).
@@ -264,6 +269,8 @@ class Family:
     pooling: a classifier's default pooling ('mean' or 'last').
     sequence_classification: the transformers class of the classifier
       with last-token pooling and a bias-free `score`, if there is one.
+    hf_backbone_class: the transformers class of the bare backbone (the
+      `architectures` of an exported classifier without such a class).
   """
 
   backbone: type[nn.Module]
@@ -278,6 +285,7 @@ class Family:
   head_note: str = ""
   pooling: str = "last"
   sequence_classification: str | None = None
+  hf_backbone_class: str = ""
 
 
 def find(families: Iterable[Family], module: nn.Module) -> Family | None:

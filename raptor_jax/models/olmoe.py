@@ -402,6 +402,7 @@ HF_FAMILIES = {
         ignored_prefix="lm_head.",
         names=HF_NAMES,
         hf_config=hf_config,
+        hf_backbone_class="OlmoeModel",
         heads=("lm_head",),
         head_note="transformers has no sequence-classification class for"
         " OLMoE",

@@ -464,6 +464,7 @@ HF_FAMILIES = {
         ignored_prefix="decoder.",
         names=HF_NAMES,
         hf_config=hf_config,
+        hf_backbone_class="SwitchTransformersEncoderModel",
         head_note="Switch's masked-LM head is tied to the embedding",
         pooling="mean",
     ),

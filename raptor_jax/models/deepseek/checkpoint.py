@@ -283,6 +283,7 @@ HF_FAMILIES = {
         extra_options=_OPTIONS,
         names=HF_NAMES,
         hf_config=hf_config,
+        hf_backbone_class="DeepseekV2Model",
         heads=("lm_head", "score"),
         sequence_classification="DeepseekV2ForSequenceClassification",
     ),
