@@ -164,14 +164,7 @@ def build_run(
       validated=True,  # `validate` ran `methods.check_config`
   )
   records = run_data.train if owner_records == "train" else run_data.dev
-  needs_owners = any(part.owner for part in plan.parts)
-  owners = (
-      ownership.private_owner_map(
-          config, backbone, backbone_params, records, expert_layer
-      )
-      if needs_owners
-      else np.zeros((len(records),), np.int32)
-  )
+  owners = _owners(config, backbone, backbone_params, plan, records)
   backbone, backbone_params = hf.with_options(
       backbone,
       backbone_params,
@@ -185,18 +178,16 @@ def build_run(
   )
   del backbone_params
   split = setup.partition(params, plan.parts)  # (trainable, frozen)
-  return Run(
-      config,
-      run_data,
-      n,
-      plan,
-      table,
-      model,
-      *split,
-      owners,
-      bc,
-      canaries,
-      validated=True,
+  built = (config, run_data, n, plan, table, model, *split, owners, bc)
+  return Run(*built, canaries, validated=True)
+
+
+def _owners(config, backbone, params, plan, records) -> np.ndarray:
+  """The owner map of `records` at l* (zeros when no part needs owners)."""
+  if not any(part.owner for part in plan.parts):
+    return np.zeros((len(records),), np.int32)
+  return ownership.private_owner_map(
+      config, backbone, params, records, plan.expert_layer
   )
 
 
