@@ -54,7 +54,9 @@ def _data(c: ml_collections.ConfigDict) -> None:
   c.decontaminate = ml_collections.ConfigDict()
   c.decontaminate.task = "sst2"  # fine-tuning task(s) whose dev texts are removed (GLUE tasks, synthetic, custom; comma list, e.g. sst2,qnli); '' = none
   c.decontaminate.train_path = ""  # opt-in: also remove its private train texts (the corpus then depends on D, outside the DP guarantee); '' = never
-  c.decontaminate.dev_path = ""  # its local dev file (comma list, one per task); '' = the Hub
+  c.decontaminate.dev_path = (
+      ""  # its local dev file (comma list, one per task); '' = the Hub
+  )
   c.decontaminate.text_fields = ()  # its text column(s), as data.text_fields (custom: required; GLUE: () = its own)
   c.decontaminate.seed = 0  # synthetic task only: the task's seed
 
