@@ -58,9 +58,13 @@ import sys
 
 if __name__ == '__main__':  # first, before any library starts a thread
   if '--serve=torch' in sys.argv:
+    import os as _os
+
     from raptor_jax import host_memory as _host_memory
 
     _host_memory.keep_unless_disabled(sys.argv, default=False)
+    # As vs_opacus's default: stable when other work shares the cores.
+    _os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
   else:  # the parent and the raptor_jax worker: the trainer's set-up
     from raptor_jax import process as _process
 
@@ -114,6 +118,7 @@ def define_flags() -> None:
       'streams', list(STREAMS), 'Streams, from: ' + ', '.join(STREAMS)
   )
   flags.DEFINE_list('modes', ['hooks', 'ew'], 'Opacus grad_sample_modes.')
+  flags.DEFINE_integer('threads', 2, 'torch.set_num_threads.')
   flags.DEFINE_float('tolerance', 1e-2, 'Largest relative update difference.')
   flags.DEFINE_string('out', '', 'Also write the tables to this file.')
   flags.DEFINE_enum('serve', '', ['', 'raptor', 'torch'], 'Internal: worker.')
@@ -559,6 +564,9 @@ def serve(side: str, workdir: str) -> None:
     calls, warmup = _raptor_calls(*args, spec['batch_size'])
     harness.serve(calls, warmup=warmup)
   else:
+    import torch  # pylint: disable=import-outside-toplevel
+
+    torch.set_num_threads(spec['threads'])
     calls, failed = _torch_calls(*args, spec['modes'])
     harness.serve(calls, failed, warmup=lambda: [c(0) for c in calls.values()])
 
@@ -584,6 +592,7 @@ def time_task(
     modes,
     tolerance,
     vocab,
+    threads=2,
 ):
   """One task's row: token counts, the check, the interleaved timings."""
   sizes = _sizes(np.shape(data[0])[1], vocab, quick)
@@ -605,6 +614,7 @@ def time_task(
       steps=timed,
       batch_size=batch_size,
       modes=list(modes),
+      threads=threads,
   )
   with open(os.path.join(workdir, 'spec.json'), 'w') as f:
     json.dump(spec, f)
@@ -776,11 +786,13 @@ def main(argv) -> None:
               modes=f.modes,
               tolerance=f.tolerance,
               vocab=vocab,
+              threads=f.threads,
               **options,
           )
       )
+      print(tables(rows[-1:]), flush=True)  # each task as it finishes
   out = tables(rows)
-  print(out)
+  print('\nAll tasks\n' + out)
   if f.out:
     with open(f.out, 'w') as fh:
       fh.write(out + '\n')

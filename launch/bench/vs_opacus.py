@@ -50,8 +50,9 @@ default tolerances. At the --quick sizes everything agrees to ~1e-6.
 
 Processes (`--isolate`, the default): the checks run in this process; the
 timing runs in worker processes, each this script with `--serve`: one for
-raptor_jax, run as launch/main.py runs (host memory kept, set before any
-import, and one XLA CPU device per core, `raptor_jax.host_devices`), and
+raptor_jax, whose first lines make the public set-up call a user's program
+makes, `raptor_jax.process.setup` (the trainer's: host memory kept, set
+before any import, and one XLA CPU device per core), and
 one torch worker per `--torch_host_memory` setting: 'glibc' (the defaults,
 as torch users run it) and 'keep' (`keep_freed_memory`, the same setting as
 raptor_jax). The parent asks the workers for one step at a time, column
@@ -84,9 +85,14 @@ from __future__ import annotations
 import sys
 
 if __name__ == '__main__':  # first, before any library starts a thread
-  from raptor_jax import host_memory as _host_memory
+  if '--serve=raptor' in sys.argv:  # the public set-up call, as a user's
+    from raptor_jax import process as _process  # program makes it
 
-  _host_memory.keep_unless_disabled(sys.argv, default=False)
+    _process.setup(argv=sys.argv)
+  else:
+    from raptor_jax import host_memory as _host_memory
+
+    _host_memory.keep_unless_disabled(sys.argv, default=False)
 
 import dataclasses
 import os
