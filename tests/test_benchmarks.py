@@ -648,3 +648,86 @@ def test_gpu_check_names_missing_modules_in_one_line(tmp_path):
       "error: missing Python modules: ml_collections; carry their wheels in"
       " .whl/ (see the device notes) and rerun"
   ]
+
+
+def _epoch(n=300, max_length=32, batch_size=60, microbatch=10):
+  bench = _load("epoch_time")
+  data = bench.generated_records(n, max_length, 50, seed=1)
+  return bench, bench.make_epoch(
+      "generated",
+      data,
+      batch_size=batch_size,
+      microbatch=microbatch,
+      num_experts=4,
+  )
+
+
+def test_epoch_time_layouts_hold_every_sampled_record_once():
+  """Every column's microbatches of a step hold exactly its Poisson sample:
+  raptor's buckets in fixed [m, b] shapes (b holds each record), the
+  unbucketed column at max_length, torch padded to each chunk's longest."""
+  bench, epoch = _epoch()
+  assert len(epoch.samples) == 5 and epoch.buckets == (16, 32)
+  for step in range(len(epoch.samples)):
+    sample = np.sort(epoch.samples[step])
+    for column in ("raptor", "raptor unbucketed", "torch"):
+      layout = epoch.layout(column, step)
+      real = np.concatenate([i[m > 0] for _, i, m in layout])
+      np.testing.assert_array_equal(np.sort(real), sample)
+      for length, idx, mask in layout:
+        assert epoch.lengths[idx[mask > 0]].max(initial=0) <= length
+        if column == "torch":
+          assert length == epoch.lengths[idx].max()
+        else:
+          assert len(idx) == epoch.microbatch
+          assert length == 32 or column == "raptor"
+  real, padded = epoch.tokens("raptor")
+  assert real == sum(int(epoch.lengths[s].sum()) for s in epoch.samples)
+  assert real < padded < epoch.tokens("raptor unbucketed")[1]
+  assert epoch.timed_steps(2) == [0, 4]
+
+
+def test_epoch_time_useful_flops_count_real_tokens_only():
+  """2 x the forward matmul FLOPs, brute force per record: a padded token
+  adds nothing, attention grows with each record's own length."""
+  bench, epoch = _epoch()
+  sizes = bench._sizes(32, 50, quick=True)  # pylint: disable=protected-access
+  d, h, f = sizes.d_model, sizes.num_heads * sizes.d_kv, sizes.d_ff
+  expected = 0.0
+  for s in epoch.samples:
+    for length in epoch.lengths[s]:
+      per_block = length * (8 * d * h + 4 * d * f) + 4 * h * length**2
+      routers = (sizes.num_layers // 2) * 2 * d * sizes.num_experts * length
+      expected += 2 * (sizes.num_layers * per_block + routers)
+  assert bench.useful_flops(epoch, sizes) == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_epoch_time_quick_checks_the_updates_and_times_every_column():
+  """--quick: generated records, the noise-off checks against torch and
+  Opacus, then every column timed in its worker."""
+  out = _run_module(
+      "launch.bench.epoch_time",
+      "--quick",
+      "--modes=hooks",
+      own_xla_flags=True,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = out.stdout
+  for stream, theirs in (
+      ("nonprivate", "torch"),
+      ("shared", "opacus hooks"),
+      ("expert", "opacus hooks"),
+  ):
+    for column in ("raptor", "raptor unbucketed", theirs):
+      assert f"{stream}  {column} " in text or f"{stream}  {column}\n" in text
+    assert f"{stream}: raptor vs torch" in text
+  assert "measured matmul peak" in text and "useful FLOPs / peak" in text
+
+
+def test_epoch_time_without_a_tokenizer_is_one_line():
+  out = _run_module("launch.bench.epoch_time", "--tasks=sst2")
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      "error: --tokenizer is required"
+  )

@@ -50,8 +50,9 @@ default tolerances. At the --quick sizes everything agrees to ~1e-6.
 
 Processes (`--isolate`, the default): the checks run in this process; the
 timing runs in worker processes, each this script with `--serve`: one for
-raptor_jax, run as launch/main.py runs (host memory kept, set before any
-import, and one XLA CPU device per core, `raptor_jax.host_devices`), and
+raptor_jax, whose first lines make the public set-up call a user's program
+makes, `raptor_jax.process.setup` (the trainer's: host memory kept, set
+before any import, and one XLA CPU device per core), and
 one torch worker per `--torch_host_memory` setting: 'glibc' (the defaults,
 as torch users run it) and 'keep' (`keep_freed_memory`, the same setting as
 raptor_jax). The parent asks the workers for one step at a time, column
@@ -84,16 +85,18 @@ from __future__ import annotations
 import sys
 
 if __name__ == '__main__':  # first, before any library starts a thread
-  from raptor_jax import host_memory as _host_memory
+  if '--serve=raptor' in sys.argv:  # the public set-up call, as a user's
+    from raptor_jax import process as _process  # program makes it
 
-  _host_memory.keep_unless_disabled(sys.argv, default=False)
+    _process.setup(argv=sys.argv)
+  else:
+    from raptor_jax import host_memory as _host_memory
+
+    _host_memory.keep_unless_disabled(sys.argv, default=False)
 
 import dataclasses
-import json
 import os
-import subprocess
 import tempfile
-import time
 
 from absl import app
 from absl import flags
@@ -102,6 +105,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from launch.bench import benchmark
+from launch.bench import harness
 from launch.bench import profiling
 from raptor_jax import host_devices, models, roles
 from raptor_jax.train import parallel
@@ -570,31 +574,22 @@ def raptor_nonprivate(module, params, batch):
   return raptor_dp(module, params, batch, None, None, 'nonprivate')
 
 
-def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
-  """(step, update with noise off) of the trainer's PhaseStep for `stream`.
+def phase_step(module, params, sizes: Sizes, stream: str, batch_size: float):
+  """(PhaseStep, its state): the trainer's step for `stream` on every device.
 
-  `stream` is 'shared' or 'expert' (the DP steps) or 'nonprivate'. The step
-  is `accumulate` (per-record clipped sums, or the summed gradient) then
-  `update` (noise once, public denominator, Adam), as the trainer runs one
-  microbatch, on a mesh of every device (one per core on CPU, see
-  `raptor_jax.host_devices`); the update without noise is accumulate's
-  sums over the denominator.
+  `stream` is 'shared' or 'expert' (the DP steps, clip L2_CLIP) or
+  'nonprivate'; `batch_size` is the expected batch (the public denominator
+  is it, or it over E for the expert stream), on a mesh of every device
+  (one per core on CPU, see `raptor_jax.host_devices`).
   """
   from raptor_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
 
-  m = len(batch[2])
-  mesh = parallel.make_mesh(0)
-  if m % mesh.size:
-    raise ValueError(
-        f'microbatch {m} is not a multiple of the {mesh.size} devices; '
-        'choose --microbatch_sizes divisible by it (or --cpu_devices=1)'
-    )
   extra = {}
   if stream == 'expert':
     phase = benchmark.one_part_phase(
         'expert',
         roles.EXPERT_ROLES,
-        denominator=m / sizes.num_experts,
+        denominator=batch_size / sizes.num_experts,
         blocks=(sizes.expert_layer,),
         owner=True,
         residual=True,
@@ -602,7 +597,7 @@ def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
     extra = dict(expert_layer=sizes.expert_layer, residual='shared')
   else:
     phase = benchmark.one_part_phase(
-        'shared', roles.SHARED_ROLES, denominator=float(m)
+        'shared', roles.SHARED_ROLES, denominator=float(batch_size)
     )
   private = stream != 'nonprivate'
   phase = dataclasses.replace(
@@ -622,19 +617,42 @@ def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
       phase,
       key=jax.random.key(0),
       learning_rate=benchmark.LEARNING_RATE,
-      mesh=mesh,
+      mesh=parallel.make_mesh(0),
       **extra,
   )
-  state = dp.init(params)
-  ids, mask, labels = batch
-  host = {
+  return dp, dp.init(params)
+
+
+def host_batch(ids, mask, labels, owners=None) -> dict:
+  """The trainer's host batch of one microbatch (owners zero when unused)."""
+  return {
       'input_ids': ids,
       'attention_mask': mask,
       'labels': labels,
       'owners': jnp.zeros_like(labels) if owners is None else owners,
   }
+
+
+def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
+  """(step, update with noise off) of the trainer's PhaseStep for `stream`.
+
+  One microbatch of m records is the whole expected batch (`phase_step`
+  with batch size m). The step is `accumulate` (per-record clipped sums, or
+  the summed gradient) then `update` (noise once, public denominator,
+  Adam), as the trainer runs one microbatch; the update without noise is
+  accumulate's sums over the denominator.
+  """
+  m = len(batch[2])
+  devices = parallel.make_mesh(0).size
+  if m % devices:
+    raise ValueError(
+        f'microbatch {m} is not a multiple of the {devices} devices; '
+        'choose --microbatch_sizes divisible by it (or --cpu_devices=1)'
+    )
+  dp, state = phase_step(module, params, sizes, stream, m)
+  host = host_batch(*batch, owners)
   sums = dp.accumulate(state, dp.zero_sums(state), host)
-  (part,) = phase.parts
+  (part,) = dp.phase.parts
   update = {
       p: np.asarray(v) / part.denominator for p, v in sums[part.name].items()
   }
@@ -694,23 +712,9 @@ def side_calls(side: str, path: str, sizes: Sizes, m: int, modes):
 
 
 def serve(side: str, path: str, sizes: Sizes, m: int, modes) -> None:
-  """Worker loop: builds and warms up `side_calls`, then times on request.
-
-  Prints one JSON line {'ready': [columns], 'failed': {...}}; then each
-  input line 'column' is answered with the seconds one call of that step
-  took (outputs waited for).
-  """
-
+  """Worker loop (`harness.serve`) of one side's `side_calls`."""
   calls, failed = side_calls(side, path, sizes, m, modes)
-  for call in calls.values():  # compile and warm up
-    jax.block_until_ready(call())
-    jax.block_until_ready(call())
-  print(json.dumps({'ready': sorted(calls), 'failed': failed}), flush=True)
-  for line in sys.stdin:
-    call = calls[line.strip()]
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    print(time.perf_counter() - start, flush=True)
+  harness.serve({c: (lambda r, f=f: f()) for c, f in calls.items()}, failed)
 
 
 def tagged(column: str, tag: str) -> str:
@@ -726,55 +730,27 @@ def worker_times(path: str, m: int, workers, *, repeats: int, flag_args):
 
   `workers`: (side, host_memory) pairs, host_memory 'keep' or 'glibc'. Each
   worker is this script with `--serve`, building its side from the saved
-  checkpoint at `path` (`flag_args`: the sizes, modes, threading flags).
-  Rounds call every column of every worker once, in turns, so no two steps
-  ever run at once and all see the same machine state. torch workers'
-  columns are tagged with a 'keep' setting (`tagged`); the raptor_jax
-  worker always keeps host memory, as launch/main.py does.
+  checkpoint at `path` (`flag_args`: the sizes, modes, threading flags),
+  timed by `harness.worker_times`. torch workers' columns are tagged with a
+  'keep' setting (`tagged`); the raptor_jax worker always keeps host
+  memory, as launch/main.py does.
   """
-
-  procs, order, failed = [], [], {}
-  try:
-    for side, memory in workers:
-      keep = side == 'raptor' or memory == 'keep'
-      proc = subprocess.Popen(
-          [
-              sys.executable,
-              '-m',
-              'launch.bench.vs_opacus',
-              f'--serve={side}',
-              f'--model_path={path}',
-              f'--microbatch_sizes={m}',
-              '--keep_host_memory' if keep else '--nokeep_host_memory',
-              *flag_args,
-          ],
-          stdin=subprocess.PIPE,
-          stdout=subprocess.PIPE,
-          text=True,
-      )
-      procs.append(proc)
-      ready = None
-      for line in proc.stdout:  # anything a library prints before the JSON
-        if line.startswith('{"ready"'):
-          ready = json.loads(line)
-          break
-      if ready is None:
-        raise RuntimeError(f'the {side} timing worker failed (see stderr)')
-      tag = 'keep' if side == 'torch' and keep else ''
-      failed.update({tagged(c, tag): e for c, e in ready['failed'].items()})
-      order += [(proc, c, tagged(c, tag)) for c in ready['ready']]
-    times = {name: [] for _, _, name in order}
-    for _ in range(repeats):
-      for proc, column, name in order:
-        proc.stdin.write(column + '\n')
-        proc.stdin.flush()
-        times[name].append(float(proc.stdout.readline()))
-    return times, failed
-  finally:
-    for proc in procs:
-      if proc.stdin:
-        proc.stdin.close()
-      proc.wait()
+  commands = []
+  for side, memory in workers:
+    keep = side == 'raptor' or memory == 'keep'
+    argv = [
+        sys.executable,
+        '-m',
+        'launch.bench.vs_opacus',
+        f'--serve={side}',
+        f'--model_path={path}',
+        f'--microbatch_sizes={m}',
+        '--keep_host_memory' if keep else '--nokeep_host_memory',
+        *flag_args,
+    ]
+    tag = 'keep' if side == 'torch' and keep else ''
+    commands.append((argv, lambda c, tag=tag: tagged(c, tag)))
+  return harness.worker_times(commands, repeats=repeats)
 
 
 # ---------------------------------------------------------------------------

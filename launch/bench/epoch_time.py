@@ -1,0 +1,803 @@
+r"""One epoch of real text: raptor_jax with and without length buckets
+against PyTorch + Opacus with dynamic padding.
+
+The question a user asks is wall time per epoch on their data, not per
+fixed-shape step. One command takes SST-2 train and the QNLI train sample
+(`../shared/data`), tokenised with the given WordPiece tokenizer at
+`:small`'s lengths (64 and 128), and the `:small` model shape with random
+weights (`vs_opacus.save_switch`: the same weights on both sides), and
+times one epoch of Poisson steps at expected batch B in microbatches of m:
+
+  raptor            the trainer's `PhaseStep` with length buckets: a step's
+                    records run in fixed-shape [m, b] microbatches, b the
+                    smallest bucket that holds them (`raptor_jax.length_buckets`).
+  raptor unbucketed the same step with every record padded to max_length.
+  torch / opacus    PyTorch (non-private) and Opacus (DP, the fastest of
+                    --modes) on the same records in the sample's order, m at
+                    a time, each microbatch padded to its longest record as
+                    `transformers.DataCollatorWithPadding` pads; Opacus's
+                    physical batches as `BatchMemoryManager` runs them (clip
+                    and accumulate each, noise and Adam once per step).
+
+for three streams: the non-private LoRA step, RAPTOR's shared DP step
+(attention LoRA + head) and its expert DP step (the last sparse block's
+expert LoRA, each record's gradient to its owner; Opacus: LoRA on every
+expert with masked dispatch, as in `vs_opacus`).
+
+Method. The epoch's N / B Poisson samples are drawn once (seed 0). Token
+counts are exact over the whole epoch: real tokens, and the tokens each
+column processes (rows x length, raptor's padding rows included). Timing
+takes --steps of the epoch's steps, evenly spaced; round r times step r in
+every column, in worker processes taking turns (`harness`), so every
+column sees the same samples and the same machine state. Seconds per epoch
+are the mean step time times N / B. Compilation (one per bucket and
+stream) is excluded, as it is paid once per run, not per epoch.
+
+Useful FLOPs are the matmul FLOPs of the real tokens only: twice the
+forward (forward, and the backward's input gradients through the frozen
+base; LoRA's own FLOPs are below 1%), attention at each record's own
+length. The peak is measured in the same run: the model's feed-forward
+GEMMs ([m * max_length, d] x [d, d_ff] and back) jitted in the raptor_jax
+worker, timed as a column like the others. Fraction = useful FLOPs / (epoch
+seconds x peak).
+
+Before timing, the first timed step is checked with the noise off in this
+process: raptor's bucketed sums against its unbucketed sums, and against
+torch's (non-private gradient sums; Opacus hooks' clipped sums,
+`p.summed_grad`; the expert stream's owner sums from Opacus's per-sample
+gradients, `vs_opacus.owner_reference`).
+
+  python -m launch.bench.epoch_time --tokenizer=<model or tokenizer dir>
+  python -m launch.bench.epoch_time --quick     # generated records, seconds
+"""
+
+from __future__ import annotations
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import sys
+
+if __name__ == '__main__':  # first, before any library starts a thread
+  if '--serve=torch' in sys.argv:
+    import os as _os
+
+    from raptor_jax import host_memory as _host_memory
+
+    _host_memory.keep_unless_disabled(sys.argv, default=False)
+    # As vs_opacus's default: stable when other work shares the cores.
+    _os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
+  else:  # the parent and the raptor_jax worker: the trainer's set-up
+    from raptor_jax import process as _process
+
+    _process.setup(argv=sys.argv)
+
+import dataclasses
+import json
+import os
+import tempfile
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from launch.bench import harness
+from launch.bench import vs_opacus
+from raptor_jax import length_buckets, sampling
+
+STREAMS = ('nonprivate', 'shared', 'expert')
+TASKS = {  # task: (train file under --data_dir, max_length)
+    'sst2': ('glue/sst2/train.tsv', 64),
+    'qnli': ('glue/qnli/train_sample.tsv', 128),
+}
+SMALL = dict(  # the `:small` model shape (configs/pretrain_switch.py)
+    d_model=128,
+    d_kv=32,
+    num_heads=4,
+    d_ff=512,
+    num_layers=4,
+    num_experts=8,
+    expert_capacity=64,
+    lora_rank=8,
+    lora_alpha=16.0,
+)
+
+
+def define_flags() -> None:
+  """Command-line flags (only when run as a script)."""
+  flags.DEFINE_bool(
+      'quick', False, 'Generated records, tiny model: a smoke test.'
+  )
+  flags.DEFINE_list('tasks', list(TASKS), 'Tasks, from: sst2, qnli.')
+  flags.DEFINE_string('data_dir', '../shared/data', 'GLUE files are under it.')
+  flags.DEFINE_string('tokenizer', '', 'A model or tokenizer directory.')
+  flags.DEFINE_integer('batch_size', 500, 'Expected batch B (Poisson).')
+  flags.DEFINE_integer('microbatch', 100, 'Records per microbatch m.')
+  flags.DEFINE_integer('steps', 4, 'Timed steps of the epoch (evenly spaced).')
+  flags.DEFINE_list(
+      'streams', list(STREAMS), 'Streams, from: ' + ', '.join(STREAMS)
+  )
+  flags.DEFINE_list('modes', ['hooks', 'ew'], 'Opacus grad_sample_modes.')
+  flags.DEFINE_integer('threads', 2, 'torch.set_num_threads.')
+  flags.DEFINE_float('tolerance', 1e-2, 'Largest relative update difference.')
+  flags.DEFINE_string('out', '', 'Also write the tables to this file.')
+  flags.DEFINE_enum('serve', '', ['', 'raptor', 'torch'], 'Internal: worker.')
+  flags.DEFINE_string('workdir', '', 'Internal: the worker inputs.')
+  flags.DEFINE_bool('keep_host_memory', True, 'Internal: see vs_opacus.')
+
+
+# ---------------------------------------------------------------------------
+# The epoch: records, Poisson samples, each column's microbatch layout.
+
+
+@dataclasses.dataclass
+class Epoch:
+  """One task's records and one epoch of Poisson samples."""
+
+  task: str
+  input_ids: np.ndarray  # int32 [n, max_length], right-padded
+  lengths: np.ndarray  # int64 [n]
+  labels: np.ndarray  # int32 [n]
+  owners: (
+      np.ndarray
+  )  # int32 [n] (random: the layout, not the owner map, is timed)
+  samples: list[np.ndarray]  # one sorted index array per step
+  buckets: tuple[int, ...]
+  microbatch: int
+
+  @property
+  def max_length(self) -> int:
+    return self.input_ids.shape[1]
+
+  def layout(
+      self, column: str, step: int
+  ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """[(length, indices, mask)]: the microbatches `column` runs for `step`.
+
+    'raptor': the trainer's bucketed layout (padding rows: index 0, mask 0);
+    'raptor unbucketed': every record at max_length; 'torch': the sample in
+    its order, m at a time, each padded to its longest record (no padding
+    rows).
+    """
+    sample, m = self.samples[step], self.microbatch
+    if column == 'raptor':
+      return [
+          (b, mb.indices, mb.mask)
+          for b, mb in length_buckets.bucketed_microbatches(
+              sample, self.lengths, self.buckets, m
+          )
+      ]
+    if column == 'raptor unbucketed':
+      return [
+          (self.max_length, mb.indices, mb.mask)
+          for mb in sampling.microbatches(sample, m)
+      ]
+    out = []
+    for start in range(0, len(sample), m):
+      chunk = sample[start : start + m]
+      out.append(
+          (
+              int(self.lengths[chunk].max()),
+              chunk,
+              np.ones(len(chunk), np.float32),
+          )
+      )
+    return out
+
+  def tokens(self, column: str) -> tuple[int, int]:
+    """(real, processed) tokens of the whole epoch in `column`'s layout."""
+    real = sum(int(self.lengths[s].sum()) for s in self.samples)
+    processed = sum(
+        length * len(indices)
+        for step in range(len(self.samples))
+        for length, indices, _ in self.layout(column, step)
+    )
+    return real, processed
+
+  def timed_steps(self, count: int) -> list[int]:
+    """`count` step indices spread evenly over the epoch."""
+    n = len(self.samples)
+    return sorted({int(i) for i in np.linspace(0, n - 1, max(count, 1))})
+
+
+def make_epoch(
+    task, data, *, batch_size, microbatch, num_experts, seed=0
+) -> Epoch:
+  """The epoch of `data` ((input_ids, attention_mask, labels)) at batch B."""
+  ids, mask, labels = (np.asarray(x) for x in data)
+  n = len(labels)
+  lengths = length_buckets.record_lengths(mask)
+  steps = max(n // batch_size, 1)
+  samples = [
+      sampling.poisson_sample(n, batch_size / n, seed=seed, stream=0, step=t)
+      for t in range(steps)
+  ]
+  owners = np.random.default_rng(seed).integers(0, num_experts, n)
+  return Epoch(
+      task=task,
+      input_ids=ids.astype(np.int32),
+      lengths=lengths,
+      labels=labels.astype(np.int32),
+      owners=owners.astype(np.int32),
+      samples=samples,
+      buckets=length_buckets.default_buckets(ids.shape[1]),
+      microbatch=microbatch,
+  )
+
+
+def load_records(task: str, data_dir: str, tokenizer: str):
+  """(input_ids, attention_mask, labels) of the task's train file."""
+  from raptor_jax.data import encoding, tasks  # pylint: disable=import-outside-toplevel
+
+  path, max_length = TASKS[task]
+  data = tasks.load_task_split(
+      task,
+      'train',
+      tokenizer=encoding.load_tokenizer(tokenizer),
+      path=os.path.join(data_dir, path),
+      max_length=max_length,
+  )
+  return data.input_ids, data.attention_mask, data.labels
+
+
+def generated_records(n: int, max_length: int, vocab: int, seed: int = 0):
+  """Records with lengths like real text's (short, a long tail): --quick."""
+  rng = np.random.default_rng(seed)
+  lengths = np.clip(rng.geometric(3.0 / max_length, n) + 2, 2, max_length)
+  mask = (np.arange(max_length)[None] < lengths[:, None]).astype(np.int32)
+  ids = rng.integers(1, vocab, (n, max_length)).astype(np.int32) * mask
+  return ids, mask, rng.integers(0, 2, n).astype(np.int32)
+
+
+def useful_flops(epoch: Epoch, sizes: vs_opacus.Sizes) -> float:
+  """2 x the forward matmul FLOPs of the epoch's real tokens (see module doc)."""
+  d, h = sizes.d_model, sizes.num_heads * sizes.d_kv
+  sparse = sizes.num_layers // 2
+  per_token = sizes.num_layers * (8 * d * h + 4 * d * sizes.d_ff)
+  per_token += sparse * 2 * d * sizes.num_experts  # routers
+  total = 0.0
+  for s in epoch.samples:
+    lengths = epoch.lengths[s].astype(np.float64)
+    total += per_token * lengths.sum()
+    total += sizes.num_layers * 4 * h * (lengths**2).sum()  # scores, values
+  return 2.0 * total
+
+
+# ---------------------------------------------------------------------------
+# One side's calls: run step r of the timed steps, one stream and layout.
+
+
+def _raptor_calls(epoch, sizes, path, streams, steps, batch_size):
+  """({column: call(r)}, warm-up) of raptor_jax, with the GEMM peak columns.
+
+  The warm-up compiles every (stream, bucket) shape the timed steps use,
+  once each, so no round pays a compilation.
+  """
+  module, params = vs_opacus.raptor_model(path, sizes)
+  calls, warm = {}, []
+  for stream in streams:
+    dp, state = vs_opacus.phase_step(
+        module, params, sizes, stream, float(batch_size)
+    )
+    for layout in ('raptor', 'raptor unbucketed'):
+      batches = [_host_batches(epoch, epoch.layout(layout, t)) for t in steps]
+      calls[f'{layout} {stream}'] = _raptor_step(dp, state, batches)
+      shapes = {b['input_ids'].shape: (b, m) for mbs in batches for b, m in mbs}
+      warm.append((dp, state, list(shapes.values())))
+  rows = epoch.microbatch * epoch.max_length
+  for name, (k, n) in {
+      'gemm wi': (sizes.d_model, sizes.d_ff),
+      'gemm wo': (sizes.d_ff, sizes.d_model),
+  }.items():
+    x = jnp.ones((rows, k), jnp.float32)
+    w = jnp.ones((k, n), jnp.float32) / k
+    calls[name] = lambda r, x=x, w=w: _gemm(x, w)
+
+  def warmup():
+    for _ in range(2):
+      for dp, state, shapes in warm:
+        sums = dp.zero_sums(state)
+        for batch, mask in shapes:
+          sums = dp.accumulate(state, sums, batch, mask)
+        jax.block_until_ready(dp.update(state, sums).trainable)
+      for name in ('gemm wi', 'gemm wo'):
+        jax.block_until_ready(calls[name](0))
+
+  return calls, warmup
+
+
+@jax.jit
+def _gemm(x, w):
+  return x @ w
+
+
+def _host_batches(epoch, layout):
+  out = []
+  for length, idx, mask in layout:
+    batch = vs_opacus.host_batch(
+        jnp.asarray(epoch.input_ids[idx, :length]),
+        jnp.asarray(
+            (np.arange(length)[None] < epoch.lengths[idx, None]).astype(
+                np.int32
+            )
+        ),
+        jnp.asarray(epoch.labels[idx]),
+        jnp.asarray(epoch.owners[idx]),
+    )
+    out.append((batch, jnp.asarray(mask, jnp.float32)))
+  return out
+
+
+def _raptor_step(dp, state, batches):
+  """call(r): step r's microbatches accumulated, then the one update."""
+  holder = [state]
+
+  def call(r):
+    sums = dp.zero_sums(holder[0])
+    for batch, mask in batches[r]:
+      sums = dp.accumulate(holder[0], sums, batch, mask)
+    holder[0] = dp.update(holder[0], sums)
+    return holder[0].trainable
+
+  return call
+
+
+def _torch_calls(epoch, sizes, path, streams, steps, modes):
+  """({column: call(r)}, {column: error}) of PyTorch and Opacus."""
+  import torch  # pylint: disable=import-outside-toplevel
+
+  _, params = vs_opacus.raptor_model(path, sizes)
+  batches = [_torch_batches(epoch, epoch.layout('torch', t)) for t in steps]
+  calls, failed = {}, {}
+  for stream in streams:
+    if stream == 'nonprivate':
+      model = vs_opacus.torch_model(path, sizes, params, 'shared')
+      calls['torch nonprivate'] = _torch_step(model, batches)
+      continue
+    for mode in modes:
+      column = f'opacus {mode} {stream}'
+      try:
+        model = vs_opacus.torch_model(path, sizes, params, stream)
+        dp_model, dp_opt = opacus_private(model, mode, len(epoch.samples[0]))
+        calls[column] = _opacus_step(dp_model, dp_opt, batches)
+      except Exception as e:  # pylint: disable=broad-except
+        failed[column] = f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'
+  del torch
+  return calls, failed
+
+
+def _torch_batches(epoch, layout):
+  import torch  # pylint: disable=import-outside-toplevel
+
+  out = []
+  for length, idx, _ in layout:
+    ids = torch.tensor(epoch.input_ids[idx, :length]).long()
+    mask = (
+        torch.arange(length)[None] < torch.tensor(epoch.lengths[idx])[:, None]
+    ).long()
+    out.append((ids, mask, torch.tensor(epoch.labels[idx]).long()))
+  return out
+
+
+def opacus_private(model, mode: str, expected_batch: int):
+  """(dp_model, dp_optimizer): Opacus DP-Adam, flat clip, mean loss."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from opacus import PrivacyEngine  # pylint: disable=import-outside-toplevel
+
+  trainable = [p for p in model.parameters() if p.requires_grad]
+  adam = torch.optim.Adam(trainable, lr=vs_opacus.benchmark.LEARNING_RATE)
+  loader = torch.utils.data.DataLoader(
+      torch.utils.data.TensorDataset(torch.zeros(expected_batch)),
+      batch_size=expected_batch,
+  )
+  dp_model, dp_opt, _ = PrivacyEngine(accountant='rdp').make_private(
+      module=model,
+      optimizer=adam,
+      data_loader=loader,
+      noise_multiplier=vs_opacus.benchmark.NOISE_MULTIPLIER,
+      max_grad_norm=vs_opacus.L2_CLIP,
+      loss_reduction='mean',
+      poisson_sampling=False,
+      grad_sample_mode=mode,
+  )
+  return dp_model, dp_opt
+
+
+def _opacus_step(dp_model, dp_opt, batches):
+  """call(r): step r as BatchMemoryManager runs it (skip all but the last)."""
+  import torch  # pylint: disable=import-outside-toplevel
+
+  def call(r):
+    mbs = batches[r]
+    for i, (ids, mask, labels) in enumerate(mbs):
+      dp_opt.zero_grad(set_to_none=True)
+      torch.nn.functional.cross_entropy(dp_model(ids, mask), labels).backward()
+      dp_opt.signal_skip_step(do_skip=i < len(mbs) - 1)
+      dp_opt.step()
+
+  return call
+
+
+def _torch_step(model, batches):
+  """call(r): gradient accumulation over step r's microbatches, then Adam."""
+  import torch  # pylint: disable=import-outside-toplevel
+
+  trainable = [p for p in model.parameters() if p.requires_grad]
+  adam = torch.optim.Adam(trainable, lr=vs_opacus.benchmark.LEARNING_RATE)
+
+  def call(r):
+    adam.zero_grad(set_to_none=True)
+    for ids, mask, labels in batches[r]:
+      loss = torch.nn.functional.cross_entropy(
+          model(ids, mask), labels, reduction='sum'
+      )
+      loss.backward()
+    adam.step()
+
+  return call
+
+
+# ---------------------------------------------------------------------------
+# The check (noise off), in this process.
+
+
+def _raptor_sums(
+    epoch, sizes, module, params, stream, layout, step, batch_size
+):
+  dp, state = vs_opacus.phase_step(
+      module, params, sizes, stream, float(batch_size)
+  )
+  sums = dp.zero_sums(state)
+  for batch, mask in _host_batches(epoch, epoch.layout(layout, step)):
+    sums = dp.accumulate(state, sums, batch, mask)
+  (part,) = dp.phase.parts
+  return {p: np.asarray(v) for p, v in sums[part.name].items()}
+
+
+def _torch_sums(epoch, sizes, path, params, stream, step, batch_size):
+  """Step `step`'s gradient sums on the torch side (noise off)."""
+  import torch  # pylint: disable=import-outside-toplevel
+
+  model = vs_opacus.torch_model(
+      path, sizes, params, 'expert' if stream == 'expert' else 'shared'
+  )
+  layout = epoch.layout('torch', step)
+  if stream == 'nonprivate':
+    for ids, mask, labels in _torch_batches(epoch, layout):
+      torch.nn.functional.cross_entropy(
+          model(ids, mask), labels, reduction='sum'
+      ).backward()
+    return vs_opacus.torch_grads(model)
+  dp_model, dp_opt = opacus_private(model, 'hooks', batch_size)
+  if stream == 'expert':
+    total = {}
+    for length, idx, _ in layout:
+      batch = (
+          epoch.input_ids[idx, :length],
+          (np.arange(length)[None] < epoch.lengths[idx, None]).astype(np.int32),
+          epoch.labels[idx],
+      )
+      ref = vs_opacus.owner_reference(
+          model, dp_model, batch, epoch.owners[idx], sizes
+      )
+      for p, v in ref.items():  # reference / (n / E) -> the owner sums
+        total[p] = total.get(p, 0.0) + v * len(idx) / sizes.num_experts
+    return total
+  dp_opt.noise_multiplier = 0.0
+  for ids, mask, labels in _torch_batches(epoch, layout):
+    dp_opt.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(dp_model(ids, mask), labels).backward()
+    dp_opt.signal_skip_step(do_skip=True)
+    dp_opt.step()  # clip and accumulate into p.summed_grad only
+  return {
+      vs_opacus._raptor_path(n): vs_opacus._raptor_layout(  # pylint: disable=protected-access
+          n, p.summed_grad.detach().numpy()
+      )
+      for n, p in model.named_parameters()
+      if p.requires_grad
+  }
+
+
+def check(epoch, sizes, path, step, streams, batch_size, tolerance):
+  """{pair: relative error} of step `step`'s sums (noise off); raises past
+  `tolerance`."""
+  module, params = vs_opacus.raptor_model(path, sizes)
+  errors = {}
+  for stream in streams:
+    args = (epoch, sizes, module, params, stream)
+    ours = _raptor_sums(*args, 'raptor', step, batch_size)
+    plain = _raptor_sums(*args, 'raptor unbucketed', step, batch_size)
+    theirs = _torch_sums(epoch, sizes, path, params, stream, step, batch_size)
+    for name, other in (('unbucketed', plain), ('torch', theirs)):
+      err = vs_opacus.relative_error(ours, other)
+      errors[f'{stream}: raptor vs {name}'] = err
+      if not err <= tolerance:
+        raise AssertionError(
+            f'{stream}: raptor_jax (buckets) and {name} sums differ by '
+            f'{err:.2e} (relative) > {tolerance:.0e}'
+        )
+  return errors
+
+
+# ---------------------------------------------------------------------------
+# Workers, the parent, the tables.
+
+
+def save_epoch(epoch: Epoch, path: str) -> None:
+  offsets = np.cumsum([0] + [len(s) for s in epoch.samples])
+  np.savez(
+      path,
+      input_ids=epoch.input_ids,
+      lengths=epoch.lengths,
+      labels=epoch.labels,
+      owners=epoch.owners,
+      samples=np.concatenate(epoch.samples),
+      offsets=offsets,
+      buckets=np.asarray(epoch.buckets),
+      microbatch=epoch.microbatch,
+      task=epoch.task,
+  )
+
+
+def load_epoch(path: str) -> Epoch:
+  z = np.load(path)
+  o = z['offsets']
+  return Epoch(
+      task=str(z['task']),
+      input_ids=z['input_ids'],
+      lengths=z['lengths'],
+      labels=z['labels'],
+      owners=z['owners'],
+      samples=[z['samples'][a:b] for a, b in zip(o[:-1], o[1:])],
+      buckets=tuple(int(b) for b in z['buckets']),
+      microbatch=int(z['microbatch']),
+  )
+
+
+def serve(side: str, workdir: str) -> None:
+  """A timing worker: one task's epoch and model from `workdir`."""
+  spec = json.loads(open(os.path.join(workdir, 'spec.json')).read())
+  epoch = load_epoch(os.path.join(workdir, 'epoch.npz'))
+  sizes = vs_opacus.Sizes(**spec['sizes'])
+  args = (epoch, sizes, spec['model'], spec['streams'], spec['steps'])
+  if side == 'raptor':
+    calls, warmup = _raptor_calls(*args, spec['batch_size'])
+    harness.serve(calls, warmup=warmup)
+  else:
+    import torch  # pylint: disable=import-outside-toplevel
+
+    torch.set_num_threads(spec['threads'])
+    calls, failed = _torch_calls(*args, spec['modes'])
+    harness.serve(calls, failed, warmup=lambda: [c(0) for c in calls.values()])
+
+
+def _sizes(max_length: int, vocab: int, quick: bool) -> vs_opacus.Sizes:
+  if quick:
+    return dataclasses.replace(vs_opacus.QUICK, seq_len=max_length)
+  return vs_opacus.Sizes(
+      **SMALL, vocab_size=vocab, seq_len=max_length, max_distance=128
+  )
+
+
+def time_task(
+    task,
+    data,
+    workdir,
+    *,
+    quick,
+    batch_size,
+    microbatch,
+    steps,
+    streams,
+    modes,
+    tolerance,
+    vocab,
+    threads=2,
+):
+  """One task's row: token counts, the check, the interleaved timings."""
+  sizes = _sizes(np.shape(data[0])[1], vocab, quick)
+  epoch = make_epoch(
+      task,
+      data,
+      batch_size=batch_size,
+      microbatch=microbatch,
+      num_experts=sizes.num_experts,
+  )
+  model = vs_opacus.save_switch(os.path.join(workdir, 'model'), sizes)
+  timed = epoch.timed_steps(steps)
+  errors = check(epoch, sizes, model, timed[0], streams, batch_size, tolerance)
+  save_epoch(epoch, os.path.join(workdir, 'epoch.npz'))
+  spec = dict(
+      sizes=dataclasses.asdict(sizes),
+      model=model,
+      streams=list(streams),
+      steps=timed,
+      batch_size=batch_size,
+      modes=list(modes),
+      threads=threads,
+  )
+  with open(os.path.join(workdir, 'spec.json'), 'w') as f:
+    json.dump(spec, f)
+  worker = lambda side, keep: [
+      sys.executable,
+      '-m',
+      'launch.bench.epoch_time',
+      f'--serve={side}',
+      f'--workdir={workdir}',
+      '--keep_host_memory' if keep else '--nokeep_host_memory',
+  ]
+  times, failed = harness.worker_times(
+      [(worker('raptor', True), str), (worker('torch', False), str)],
+      repeats=len(timed),
+  )
+  return dict(
+      task=task,
+      epoch=epoch,
+      sizes=sizes,
+      timed=timed,
+      times=times,
+      failed=failed,
+      errors=errors,
+      tokens={
+          c: epoch.tokens(c) for c in ('raptor', 'raptor unbucketed', 'torch')
+      },
+      useful=useful_flops(epoch, sizes),
+  )
+
+
+def _best(times, prefix: str, stream: str) -> str | None:
+  """The fastest column '<prefix>* <stream>' (summed over the timed steps)."""
+  columns = [
+      c
+      for c in times
+      if c.startswith(prefix)
+      and c.endswith(f' {stream}')
+      and 'unbucketed' not in c
+  ]
+  return min(columns, key=lambda c: sum(times[c])) if columns else None
+
+
+def tables(rows) -> str:
+  """Seconds per epoch, tokens, peak fractions and ratios of every row."""
+  main, ratios, checks, lines = [], [], [], []
+  for row in rows:
+    t, epoch, sizes = row['times'], row['epoch'], row['sizes']
+    n_steps = len(epoch.samples)
+    rows_mm = epoch.microbatch * epoch.max_length
+    peak = max(
+        2 * rows_mm * k * n / harness.median(t[name])
+        for name, (k, n) in {
+            'gemm wi': (sizes.d_model, sizes.d_ff),
+            'gemm wo': (sizes.d_ff, sizes.d_model),
+        }.items()
+    )
+    lines.append(
+        f"{row['task']}: {len(epoch.lengths)} records, {n_steps} steps of"
+        f' B={len(epoch.samples[0])} (expected), m={epoch.microbatch},'
+        f' buckets {epoch.buckets}, timed steps {row["timed"]};'
+        f' measured matmul peak {peak / 1e9:.1f} GFLOP/s'
+    )
+    streams = sorted(
+        {c.split()[-1] for c in t if not c.startswith('gemm')},
+        key=STREAMS.index,
+    )
+    for stream in streams:
+      theirs = _best(t, 'torch' if stream == 'nonprivate' else 'opacus', stream)
+      columns = [f'raptor {stream}', f'raptor unbucketed {stream}', theirs]
+      for c in filter(None, columns):
+        seconds = np.mean(t[c]) * n_steps
+        real, processed = row['tokens'][
+            'torch' if c == theirs else ' '.join(c.split()[:-1])
+        ]
+        main.append(
+            [
+                row['task'],
+                stream,
+                c.rsplit(' ', 1)[0],
+                f'{seconds:.1f}',
+                f'{real:,}',
+                f'{processed:,}',
+                f'{100 * (1 - real / processed):.0f}%',
+                f"{100 * row['useful'] / (seconds * peak):.1f}%",
+            ]
+        )
+      mine = sum(t[f'raptor {stream}'])
+      ratios.append(
+          [
+              row['task'],
+              stream,
+              f"{sum(t[f'raptor unbucketed {stream}']) / mine:.2f}",
+              f'{sum(t[theirs]) / mine:.2f}' if theirs else 'n/a',
+          ]
+      )
+    checks += [[row['task'], k, f'{v:.1e}'] for k, v in row['errors'].items()]
+    lines += [f"  {row['task']} {c}: {e}" for c, e in row['failed'].items()]
+  return '\n'.join(
+      [
+          *lines,
+          '\nOne epoch (seconds = mean timed step x steps per epoch)',
+          harness.format_table(
+              [
+                  'task',
+                  'stream',
+                  'column',
+                  's/epoch',
+                  'real tokens',
+                  'processed tokens',
+                  'padding',
+                  'useful FLOPs / peak',
+              ],
+              main,
+          ),
+          '\nEpoch-time ratios over raptor_jax with buckets (same steps)',
+          harness.format_table(
+              [
+                  'task',
+                  'stream',
+                  'unbucketed / buckets',
+                  'torch or Opacus / buckets',
+              ],
+              ratios,
+          ),
+          '\nUpdate checks, noise off, first timed step: ||a - b|| / ||b||',
+          harness.format_table(['task', 'pair', 'error'], checks),
+      ]
+  )
+
+
+def main(argv) -> None:
+  del argv
+  f = flags.FLAGS
+  if f.serve:
+    serve(f.serve, f.workdir)
+    return
+  if not f.quick and not f.tokenizer:
+    sys.exit(
+        'error: --tokenizer is required (a model or tokenizer directory, '
+        'e.g. results/glue_small/model), or run --quick'
+    )
+  quick_sizes = dict(batch_size=60, microbatch=10, steps=2)
+  options = (
+      dict(
+          batch_size=f.batch_size,
+          microbatch=f.microbatch,
+          steps=f.steps,
+      )
+      if not f.quick
+      else quick_sizes
+  )
+  rows = []
+  for task in f.tasks if not f.quick else ['generated']:
+    with tempfile.TemporaryDirectory() as workdir:
+      if f.quick:
+        data, vocab = generated_records(180, 24, vs_opacus.QUICK.vocab_size), 0
+      else:
+        from raptor_jax.data import encoding  # pylint: disable=import-outside-toplevel
+
+        vocab = len(encoding.load_tokenizer(f.tokenizer))
+        data = load_records(task, f.data_dir, f.tokenizer)
+      rows.append(
+          time_task(
+              task,
+              data,
+              workdir,
+              quick=f.quick,
+              streams=f.streams,
+              modes=f.modes,
+              tolerance=f.tolerance,
+              vocab=vocab,
+              threads=f.threads,
+              **options,
+          )
+      )
+      print(tables(rows[-1:]), flush=True)  # each task as it finishes
+  out = tables(rows)
+  print('\nAll tasks\n' + out)
+  if f.out:
+    with open(f.out, 'w') as fh:
+      fh.write(out + '\n')
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

@@ -1,0 +1,122 @@
+"""The benchmarks' one harness: worker processes taking turns, medians, ratios.
+
+Every side-by-side benchmark (`vs_opacus`, `epoch_time`) times each
+framework in its own worker process, as its users run it: one process, one
+allocator and one set-up per framework. The parent asks the workers for one
+call at a time, column after column, round after round, so no two calls
+ever run at once and every column sees the same machine state; a ratio is
+then the median over rounds of the paired per-round ratios
+(`profiling.paired_ratio`), robust to a slow round that hits every column.
+
+A worker is the benchmark's own script run with its `--serve` flag: it
+builds its calls, warms them up and then answers requests (`serve`). In a
+round `r`, each column's call gets `r`, so a benchmark may time a different
+input per round (`epoch_time` times step r of an epoch) while still pairing
+the columns on the same input.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+
+from launch.bench import profiling
+
+format_table = profiling.format_table
+interleaved_times = profiling.interleaved_times
+median = profiling.median
+paired_ratio = profiling.paired_ratio
+
+_READY = '{"ready"'
+
+
+def serve(
+    calls: Mapping[str, Callable[[int], Any]],
+    failed: Mapping[str, str] | None = None,
+    warmup: Callable[[], None] | None = None,
+) -> None:
+  """The worker loop: warm up, announce the columns, then time on request.
+
+  Prints one JSON line {'ready': [columns], 'failed': {column: error}};
+  then each input line 'column<TAB>round' is answered with the seconds one
+  call `calls[column](round)` took, outputs waited for.
+
+  Args:
+    calls: {column: call of the round index}.
+    failed: columns that could not be built, with a one-line error.
+    warmup: compiles and warms everything up (default: two calls of every
+      column with round 0).
+  """
+  if warmup is None:
+    for call in calls.values():
+      jax.block_until_ready(call(0))
+      jax.block_until_ready(call(0))
+  else:
+    warmup()
+  print(json.dumps({"ready": sorted(calls), "failed": dict(failed or {})}))
+  sys.stdout.flush()
+  for line in sys.stdin:
+    column, _, round_index = line.rstrip("\n").partition("\t")
+    start = time.perf_counter()
+    jax.block_until_ready(calls[column](int(round_index or 0)))
+    print(time.perf_counter() - start, flush=True)
+
+
+def worker_times(
+    workers: Sequence[tuple[Sequence[str], Callable[[str], str]]],
+    *,
+    repeats: int,
+) -> tuple[dict[str, list[float]], dict[str, str]]:
+  """({column: [seconds per round]}, {column: error}) from worker processes.
+
+  Args:
+    workers: (command line, name) pairs: each command runs `serve`; `name`
+      maps a worker's column to the table's column (e.g. a tag for its
+      process setting).
+    repeats: rounds; round r calls every column of every worker once, in
+      turns, with r.
+  """
+  procs, order, failed = [], [], {}
+  try:
+    for argv, name in workers:
+      proc = subprocess.Popen(
+          list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+      )
+      procs.append(proc)
+      ready = None
+      for line in proc.stdout:  # anything a library prints before the JSON
+        if line.startswith(_READY):
+          ready = json.loads(line)
+          break
+      if ready is None:
+        raise RuntimeError(f"a timing worker failed (see stderr): {argv}")
+      failed.update({name(c): e for c, e in ready["failed"].items()})
+      order += [(proc, c, name(c)) for c in ready["ready"]]
+    times = {name: [] for _, _, name in order}
+    for r in range(repeats):
+      for proc, column, name in order:
+        proc.stdin.write(f"{column}\t{r}\n")
+        proc.stdin.flush()
+        times[name].append(float(proc.stdout.readline()))
+    return times, failed
+  finally:
+    for proc in procs:
+      if proc.stdin:
+        proc.stdin.close()
+      proc.wait()
+
+
+def ratio_rows(
+    times: Mapping[str, list[float]], pairs: Sequence[tuple[str, str]]
+) -> list[list[str]]:
+  """[['a / b', 'x.xx'], ...]: the paired median ratio of each (a, b)."""
+  return [
+      [f"{a} / {b}", f"{paired_ratio(times[a], times[b]):.2f}"]
+      for a, b in pairs
+      if a in times and b in times
+  ]
