@@ -4,6 +4,7 @@ a record's gradient independent of how far its bucket pads it."""
 import collections
 import dataclasses
 import difflib
+import itertools
 import json
 import logging
 import re
@@ -59,15 +60,17 @@ def test_every_sampled_record_runs_once_in_a_bucket_that_holds_it(processes):
   assert layouts[0] == sorted(layouts[0])
   seen = []
   for p, items in enumerate(per_host):
+    carried = {b: 0 for b in buckets}
     for item in items:
       mb = item.microbatch
       assert mb.indices.shape == mb.mask.shape == (8,)
       real = mb.indices[mb.mask > 0] * processes + p  # global indices
       assert np.all(lengths[real] <= item.length)
       smaller = [b for b in buckets if b < item.length]
-      if smaller:  # the smallest bucket that holds it
-        assert np.all(lengths[real] > smaller[-1])
+      if smaller:  # above its own bucket: only a carried remainder
+        carried[item.length] += int(np.sum(lengths[real] <= smaller[-1]))
       seen += real.tolist()
+    assert all(c < 8 for c in carried.values()), carried
   assert sorted(seen) == sample.tolist()
   assert (
       length_buckets.bucketed_microbatches(
@@ -419,3 +422,41 @@ def test_two_processes_with_buckets_agree_with_one(tmp_path):
     assert proc.returncode == 0, err[-4000:]
   _assert_same_state(tmp_path / "one", tmp_path / "multi")
   _assert_same_state(tmp_path / "one", tmp_path / "plain")
+
+
+def _plan_tokens(sizes, buckets, m, carry):
+  """(tokens, microbatches) of one carry-or-not choice per boundary."""
+  tokens = count = moved = 0
+  for k, (n, length) in enumerate(zip(sizes, buckets)):
+    n += moved
+    moved = n % m if k < len(buckets) - 1 and carry[k] else 0
+    batches = -(-(n - moved) // m)
+    tokens, count = tokens + batches * m * length, count + batches
+  return tokens, count
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_carrying_remainders_up_is_the_cheapest_layout(seed):
+  """`carried_counts` processes the fewest tokens of all 2^(K-1) carry
+  choices (brute force), never more than every record in its own bucket,
+  and every record still runs in a bucket that holds it."""
+  rng = np.random.default_rng(seed)
+  buckets = tuple(sorted(rng.choice(np.arange(8, 129, 8), 4, replace=False)))
+  m = int(rng.integers(2, 40))
+  lengths = rng.integers(1, buckets[-1] + 1, int(rng.integers(0, 300)))
+  own = length_buckets.bucket_index(lengths, buckets)
+  sizes = np.bincount(own, minlength=len(buckets))
+  runs = length_buckets.carried_counts(sizes, buckets, m)
+  assert runs.sum() == len(lengths)
+  tokens = sum(-(-int(r) // m) * m * b for r, b in zip(runs, buckets))
+  brute = min(
+      _plan_tokens(sizes, buckets, m, carry)[0]
+      for carry in itertools.product((0, 1), repeat=len(buckets) - 1)
+  )
+  assert tokens == brute
+  assert tokens <= _plan_tokens(sizes, buckets, m, (0,) * 3)[0]
+  which = length_buckets.carried_buckets(lengths, buckets, m)
+  assert np.all(which >= own)  # only ever up: padding added, nothing cut
+  np.testing.assert_array_equal(
+      np.bincount(which, minlength=len(buckets)), runs
+  )
