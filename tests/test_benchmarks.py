@@ -728,6 +728,8 @@ def test_epoch_time_quick_checks_the_updates_and_times_every_column():
 def test_epoch_time_without_a_tokenizer_is_one_line():
   out = _run_module("launch.bench.epoch_time", "--tasks=sst2")
   assert out.returncode != 0
-  assert out.stderr.strip().splitlines()[-1].startswith(
-      "error: --tokenizer is required"
+  assert (
+      out.stderr.strip()
+      .splitlines()[-1]
+      .startswith("error: --tokenizer is required")
   )
