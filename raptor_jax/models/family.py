@@ -141,6 +141,35 @@ class Rule:
     return None if m is None else m.groupdict()
 
 
+def gated_moe_rules(block: str, layer: str) -> tuple[Rule, ...]:
+  """The Hugging Face layout of a Llama-style sparse MLP (OLMoE, DeepSeek).
+
+  The router, every expert's gate/up/down projection (one tensor per
+  expert, the export layout), and the fused layout of newer checkpoints
+  (`gate_up_proj` halves, a stacked `down_proj`), read on load only.
+  """
+  return (
+      Rule(block + "mlp/router/kernel", layer + "mlp.gate.weight"),
+      Rule(
+          block + "mlp/experts/{p:gate|up|down}/kernel",
+          layer + "mlp.experts.{e}.{p}_proj.weight",
+          EXPERTS,
+      ),
+      Rule(
+          (block + "mlp/experts/gate/kernel", block + "mlp/experts/up/kernel"),
+          layer + "mlp.experts.gate_up_proj",
+          FUSED_HALVES,
+          load_only=True,
+      ),
+      Rule(
+          block + "mlp/experts/down/kernel",
+          layer + "mlp.experts.down_proj",
+          STACKED_LINEAR,
+          load_only=True,
+      ),
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class NameTable:
   """A family's Hugging Face names <-> Flax paths, both directions.

@@ -139,27 +139,7 @@ HF_NAMES = family.NameTable(
             _BLOCK + f"mlp/shared_experts/{_GATED}/kernel",
             _LAYER + "mlp.shared_experts.{p}_proj.weight",
         ),
-        Rule(_BLOCK + "mlp/router/kernel", _LAYER + "mlp.gate.weight"),
-        Rule(
-            _BLOCK + f"mlp/experts/{_GATED}/kernel",
-            _LAYER + "mlp.experts.{e}.{p}_proj.weight",
-            family.EXPERTS,
-        ),
-        Rule(
-            (
-                _BLOCK + "mlp/experts/gate/kernel",
-                _BLOCK + "mlp/experts/up/kernel",
-            ),
-            _LAYER + "mlp.experts.gate_up_proj",
-            family.FUSED_HALVES,
-            load_only=True,
-        ),
-        Rule(
-            _BLOCK + "mlp/experts/down/kernel",
-            _LAYER + "mlp.experts.down_proj",
-            family.STACKED_LINEAR,
-            load_only=True,
-        ),
+        *family.gated_moe_rules(_BLOCK, _LAYER),
         Rule("final_layer_norm/scale", "norm.weight", COPY),
     ),
     prefix="model.",
