@@ -391,3 +391,23 @@ def test_launch_script_rebuilds_the_table(tmp_path):
       "| 8 | Ours, entropy-sel. | 90.00 |"
       in (tmp_path / "results.md").read_text()
   )
+
+
+def test_report_pairs_raptor_with_every_baseline_and_lists_every_cell(
+    tmp_path,
+):
+  for seed in range(2):
+    _fake_cell(tmp_path, "qnli", "raptor", 8.0, seed, 0.70)
+    _fake_cell(tmp_path, "qnli", "baseline_a", 8.0, seed, 0.68 - seed / 100)
+    _fake_cell(tmp_path, "qnli", "baseline_b", 8.0, seed, 0.71)
+  _fake_cell(tmp_path, "qnli", "nonprivate_lora", None, 0, 0.80)
+  paths = report.write(tmp_path)
+  text = (tmp_path / "results.md").read_text()
+  assert "Ours, entropy-sel. − Baseline A" in text
+  assert "| qnli | 8 | 2 | +2.00, +3.00 | +2.50 |" in text
+  assert "| qnli | 8 | 2 | -1.00, -1.00 | -1.00 |" in text  # vs baseline_b
+  assert "Monolith" not in text  # not run: no pair
+  cells = (tmp_path / "cells.csv").read_text().splitlines()
+  assert tmp_path / "cells.csv" in paths and len(cells) == 1 + 7
+  assert cells[1].startswith("qnli,baseline_a,8,0,0.680000")
+  assert cells[-1].startswith("qnli,nonprivate_lora,inf,0,0.800000")

@@ -60,6 +60,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             mean=float(values.mean()),
             std=float(values.std(ddof=1)) if len(values) > 1 else None,
             seeds=len(values),
+            values=values.tolist(),
             wall_time_s=_mean_wall_time(members),
             finished=all(m.get("finished", True) for m in members),
         )
@@ -178,8 +179,49 @@ def write_csv(entries: Sequence[dict[str, Any]], path: Path) -> None:
       writer.writerow(row)
 
 
+def write_cells_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
+  """cells.csv: one line per finished cell (task, variant, epsilon, seed).
+
+  Public quantities only: the dev accuracy, the accounted epsilon and the
+  wall time where the run logged it.
+  """
+  order = _order({row["variant"] for row in rows})
+  rows = sorted(
+      rows,
+      key=lambda r: (
+          r["task"],
+          _epsilon_key(r["target_epsilon"]),
+          order.index(r["variant"]),
+          r["seed"],
+      ),
+  )
+  with open(path, "w", newline="", encoding="utf-8") as f:
+    writer = csv.writer(f)
+    writer.writerow(
+        ["task", "variant", "target_epsilon", "seed", METRIC, "epsilon"]
+        + ["wall_time_s"]
+    )
+    for r in rows:
+      eps = r["target_epsilon"]
+      writer.writerow(
+          [
+              r["task"],
+              r["variant"],
+              "inf" if eps is None else f"{eps:g}",
+              r["seed"],
+              f"{r[METRIC]:.6f}",
+              "" if r.get("epsilon") is None else f"{r['epsilon']:.4f}",
+              _fmt_wall(r.get("wall_time_s"), ".1f", ""),
+          ]
+      )
+
+
 def plot_accuracy(entries: Sequence[dict[str, Any]], path: Path) -> None:
-  """Dev accuracy vs epsilon per variant (one panel per task); non-private as lines."""
+  """Dev accuracy vs epsilon per variant (one panel per task); non-private as lines.
+
+  Each private variant is drawn as its mean +- std and every seed's own
+  accuracy as a small point beside it, so that the spread is visible.
+  """
   import matplotlib  # pylint: disable=g-import-not-at-top
 
   matplotlib.use("Agg")
@@ -206,7 +248,7 @@ def plot_accuracy(entries: Sequence[dict[str, Any]], path: Path) -> None:
             color="gray",
         )
         continue
-      ax.errorbar(
+      line = ax.errorbar(
           [e["epsilon"] for e in points],
           [e["mean"] for e in points],
           yerr=[e["std"] or 0.0 for e in points],
@@ -214,6 +256,14 @@ def plot_accuracy(entries: Sequence[dict[str, Any]], path: Path) -> None:
           capsize=3,
           label=label,
       )
+      for e in points:
+        ax.scatter(
+            [e["epsilon"]] * len(e.get("values", ())),
+            e.get("values", ()),
+            s=8,
+            alpha=0.5,
+            color=line[0].get_color(),
+        )
     ax.set_xscale("log")
     ticks = sorted({e["epsilon"] for e in mine if e["epsilon"] is not None})
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
@@ -321,6 +371,10 @@ def diagnostics_markdown(rows: Sequence[dict[str, Any]]) -> str | None:
         f"{lam['shared']} | {lam['head']} | {lam['experts']} |"
     )
   return "\n".join(lines) + "\n"
+
+
+# RAPTOR is compared, seed by seed, with each of these that the sweep ran.
+PAIRED_BASELINES = ("monolithic_lora", "baseline_a", "baseline_b")
 
 
 def paired_differences(
@@ -433,7 +487,7 @@ def write(workdir: str | Path, out: str | Path | None = None) -> list[Path]:
 
   Returns:
     Paths of results.csv, results.md, accuracy_vs_epsilon.png,
-    routing_entropy.png and, if a cell has diagnostics.json, diagnostics.md.
+    routing_entropy.png, cells.csv (every seed) and, if a cell has diagnostics.json, diagnostics.md.
   """
   workdir = Path(workdir)
   rows = sweep.collect(workdir)
@@ -454,7 +508,12 @@ def write(workdir: str | Path, out: str | Path | None = None) -> list[Path]:
       )
   ]
   write_csv(entries, paths[0])
-  extra = [paired_markdown(paired_differences(rows)), tuning_markdown(workdir)]
+  paths.append(out / "cells.csv")
+  write_cells_csv(rows, paths[-1])
+  extra = [
+      paired_markdown(paired_differences(rows, b=baseline))
+      for baseline in PAIRED_BASELINES
+  ] + [tuning_markdown(workdir)]
   paths[1].write_text(
       "\n".join([markdown(entries)] + [e for e in extra if e]), encoding="utf-8"
   )
