@@ -18,6 +18,8 @@ fi
 ROWS=nonprivate_lora,monolithic_lora,baseline_a,baseline_b,raptor
 COMMON=(--workdir=runs/glue_small --results_dir=results/glue_small
   --config.model.name=$MODEL --config.progress_bar=False
+  # Wall time per run is reported (public data here; the trainer warns).
+  --config.log_wall_time=True
   --epsilons=1,8 --clip_grid=0.1,1,10 --tune_seed=100)
 QNLI=(--config=configs/switch_qnli.py:small --config.epochs=4
   --config.data.train_path=$D/glue/qnli/train_sample.tsv
