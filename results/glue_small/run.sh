@@ -36,3 +36,12 @@ for TASK in QNLI SST2; do
   python launch/sweep.py "${ARGS[@]}" "${COMMON[@]}" --variants=raptor --seeds=0 --diagnostics
   python launch/sweep.py "${ARGS[@]}" "${COMMON[@]}" --variants=$ROWS --seeds=0,1,2,3,4
 done
+
+# 3. The seed-0 diagnostics and layer selections, and the phase-diagram placement.
+mkdir -p results/glue_small/diagnostics
+for f in runs/glue_small/*/raptor/eps*/seed0/{diagnostics,layer_selection}.json; do
+  IFS=/ read -r _ _ task _ eps _ name <<<"$f"
+  cp "$f" "results/glue_small/diagnostics/${task}_${eps}_${name}"
+done
+python launch/phase_placement.py --workdir=runs/glue_small --controlled=results/controlled \
+  --out=results/glue_small/phase_placement.md
