@@ -120,3 +120,9 @@ def ratio_rows(
       for a, b in pairs
       if a in times and b in times
   ]
+
+
+def error_line(e: Exception) -> str:
+  """'Type: the first line of its message' (120 characters at most): how a
+  column that could not be built is reported."""
+  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
