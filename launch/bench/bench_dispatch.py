@@ -76,6 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch.bench import harness
 from launch.bench import profiling
 from raptor_jax.models import deepseek, moe, olmoe, switch
 
@@ -433,7 +434,10 @@ def run(
             v for v in references if ref_flops[v] <= max_dense_gflop * 1e9
         )
         calls = {v: functools.partial(compiled[v], *args[v]) for v in timed}
-        times = profiling.interleaved_times(calls, repeats=repeats)
+        pairs = [(v, 'grouped') for v in timed[2:]]
+        ms, ratios = harness.interleaved_medians(
+            calls, repeats=repeats, pairs=pairs + [('grouped', 'one_expert')]
+        )
         results[name] = {
             'E': e,
             'B': b,
@@ -446,22 +450,14 @@ def run(
             'grouped_gflop': grouped / 1e9,
             **{f'{v}_gflop': ref_flops[v] / 1e9 for v in references},
             **{
-                f'{v}_ms': profiling.median(times[v]) * 1e3
-                if v in times
-                else _NAN
+                f'{v}_ms': ms.get(v, _NAN)
                 for v in ('one_expert', 'grouped') + references
             },
             **{
-                f'{v}_over_grouped': (
-                    profiling.paired_ratio(times[v], times['grouped'])
-                    if v in times
-                    else _NAN
-                )
+                f'{v}_over_grouped': ratios.get((v, 'grouped'), _NAN)
                 for v in references
             },
-            'grouped_over_one_expert': profiling.paired_ratio(
-                times['grouped'], times['one_expert']
-            ),
+            'grouped_over_one_expert': ratios['grouped', 'one_expert'],
         }
         if i == 0:
           out = {v: calls[v]() for v in ('grouped',) + references if v in calls}
@@ -520,7 +516,7 @@ def flops_table(rows: list[dict]) -> str:
       ]
       for r in rows
   ]
-  return profiling.format_table(header, body)
+  return harness.format_table(header, body)
 
 
 def time_table(rows: list[dict]) -> str:
@@ -545,7 +541,7 @@ def time_table(rows: list[dict]) -> str:
       + [f"{r['grouped_over_one_expert']:.2f}", _fmt(r['max_abs_diff'], '.1e')]
       for r in rows
   ]
-  return profiling.format_table(header, body)
+  return harness.format_table(header, body)
 
 
 def main(argv: list[str]) -> None:

@@ -55,15 +55,16 @@ import functools
 
 from absl import app
 from absl import flags
-from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from launch.bench import harness
 from launch.bench import profiling
 from raptor_jax import models, roles
 from raptor_jax.train import methods, parallel
+from raptor_jax.train import setup as train_setup
 from raptor_jax.train import step as step_lib
 
 
@@ -179,27 +180,6 @@ def build(
   return module, params['params']
 
 
-def split(params, is_trainable):
-  """(trainable, frozen) nested dicts; `is_trainable(path_tuple)` decides."""
-  flat = traverse_util.flatten_dict(params)
-  pick = lambda keep: traverse_util.unflatten_dict(
-      {k: v for k, v in flat.items() if is_trainable(k) == keep}
-  )
-  return pick(True), pick(False)
-
-
-def merge(*trees):
-  flat = {}
-  for tree in trees:
-    flat.update(traverse_util.flatten_dict(tree))
-  return traverse_util.unflatten_dict(flat)
-
-
-def is_shared(path) -> bool:
-  """Shared stream (paper App. C, `roles.SHARED_ROLES`): attention LoRA + the head."""
-  return roles.role_of('/'.join(path)) in roles.SHARED_ROLES
-
-
 def batch(
     num_records: int,
     seq_len: int,
@@ -220,6 +200,16 @@ def batch(
   )
 
 
+def host_batch(ids, mask, labels, owners=None) -> dict:
+  """The trainer's host batch of one microbatch (owners zero when unused)."""
+  return {
+      'input_ids': ids,
+      'attention_mask': mask,
+      'labels': labels,
+      'owners': jnp.zeros_like(labels) if owners is None else owners,
+  }
+
+
 def _xent(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
@@ -231,7 +221,8 @@ def nonprivate_step(module):
   def step(trainable, opt_state, frozen, records):
     def mean_loss(trainable):
       ids, mask, labels = records
-      logits, _ = module.apply({'params': merge(frozen, trainable)}, ids, mask)
+      params = step_lib.merged_params(frozen, trainable)
+      logits, _ = module.apply({'params': params}, ids, mask)
       return jnp.mean(_xent(logits, labels))
 
     updates, opt_state = adam.update(
@@ -270,16 +261,41 @@ def one_part_phase(
   )
 
 
+def stream_phase(stream: str, denominator: float, layer=None):
+  """(phase, `PhaseStep` keywords) of RAPTOR's 'shared' stream (attention
+  LoRA + head) or 'expert' stream (owner slices of block `layer`'s expert
+  LoRA, the residual weight 'shared'), with the benchmark's clip and noise."""
+  if stream == 'expert':
+    phase = one_part_phase(
+        'expert',
+        roles.EXPERT_ROLES,
+        denominator=denominator,
+        blocks=(layer,),
+        owner=True,
+        residual=True,
+    )
+    return phase, dict(expert_layer=layer, residual='shared')
+  return (
+      one_part_phase('shared', roles.SHARED_ROLES, denominator=denominator),
+      {},
+  )
+
+
+def phase_step(module, phase, *, key, devices=1, **kwargs):
+  """The trainer's `PhaseStep` of `phase` on a mesh of `devices` (0: every
+  device); `kwargs` as `stream_phase`'s."""
+  return step_lib.PhaseStep(
+      module,
+      phase,
+      key=key,
+      learning_rate=LEARNING_RATE,
+      mesh=parallel.make_mesh(devices),
+      **kwargs,
+  )
+
+
 def dp_step(
-    module,
-    params,
-    phase: methods.Phase,
-    records,
-    owners,
-    *,
-    key,
-    expert_layer=None,
-    residual: str = 'none',
+    module, params, phase: methods.Phase, records, owners, *, key, **kwargs
 ):
   """The trainer's DP step through the public API (`train.step.PhaseStep`, 1 device).
 
@@ -288,25 +304,11 @@ def dp_step(
   does: zero sums, place the records, accumulate (vmap(grad) per record,
   clip, float32 sums), update (noise once, public denominator, Adam).
   """
-  dp = step_lib.PhaseStep(
-      module,
-      phase,
-      key=key,
-      learning_rate=LEARNING_RATE,
-      mesh=parallel.make_mesh(1),
-      expert_layer=expert_layer,
-      residual=residual,
-  )
+  dp = phase_step(module, phase, key=key, **kwargs)
   state = dp.init(params)
-  ids, mask, labels = records
-  batch = {
-      'input_ids': ids,
-      'attention_mask': mask,
-      'labels': labels,
-      'owners': owners,
-  }
+  batch = host_batch(*records, owners)
   placed = parallel.shard_records(
-      (batch, np.ones(len(labels), np.float32)), dp.mesh
+      (batch, np.ones(len(owners), np.float32)), dp.mesh
   )
   args = (state.trainable, state.frozen, dp.zero_sums(state), *placed)
   compiled = profiling.compile_timed(dp.functions.accumulate, *args)
@@ -338,7 +340,8 @@ def run_shared(
 ) -> list[dict]:
   """Non-private vs DP shared-stream step per microbatch size; one dict per m."""
   module, params = build(config, seq_len)
-  trainable, frozen = split(params, is_shared)
+  shared = lambda m: stream_phase('shared', float(m))[0]
+  trainable, frozen = train_setup.partition(params, shared(1).parts)
   rows = []
   for m in microbatch_sizes:
     records, owners = batch(
@@ -354,9 +357,8 @@ def run_shared(
     nonprivate = profiling.compile_timed(step, *args)
     calls['nonprivate'] = functools.partial(nonprivate.compiled, *args)
     row['nonprivate_compile_s'] = nonprivate.lower_s + nonprivate.compile_s
-    phase = one_part_phase('shared', roles.SHARED_ROLES, denominator=float(m))
     _, (_, compiled, _), update_s, calls['dp'] = dp_step(
-        module, params, phase, records, owners, key=jax.random.key(0)
+        module, params, shared(m), records, owners, key=jax.random.key(0)
     )
     row['dp_compile_s'] = compiled.lower_s + compiled.compile_s + update_s
     for name, program in (
@@ -365,12 +367,12 @@ def run_shared(
     ):
       stats = profiling.memory_stats(program)
       row[f'{name}_temp_mb'] = stats['temp'] / _MB if stats else float('nan')
-    times = profiling.interleaved_times(calls, repeats=repeats)
-    for name in calls:
-      row[f'{name}_ms'] = profiling.median(times[name]) * 1e3
-    row['dp_over_nonprivate'] = profiling.paired_ratio(
-        times['dp'], times['nonprivate']
+    pair = ('dp', 'nonprivate')
+    ms, ratios = harness.interleaved_medians(
+        calls, repeats=repeats, pairs=[pair]
     )
+    row.update({f'{name}_ms': v for name, v in ms.items()})
+    row['dp_over_nonprivate'] = ratios[pair]
     rows.append(row)
   return rows
 
@@ -395,23 +397,9 @@ def run_expert(
     layer = cfg.expert_lora_layers[0]
     module, params = build(cfg, seq_len)
     records, owners = batch(microbatch, seq_len, cfg.vocab_size, e, seed=e)
-    phase = one_part_phase(
-        'expert',
-        roles.EXPERT_ROLES,
-        denominator=microbatch / e,
-        blocks=(layer,),
-        owner=True,
-        residual=True,
-    )
+    phase, extra = stream_phase('expert', microbatch / e, layer)
     state, (accumulate, compiled, args), update_s, calls[e] = dp_step(
-        module,
-        params,
-        phase,
-        records,
-        owners,
-        key=jax.random.key(1),
-        expert_layer=layer,
-        residual='shared',
+        module, params, phase, records, owners, key=jax.random.key(1), **extra
     )
     stats = profiling.memory_stats(compiled.compiled) or {}
     _, step_flops = profiling.loop_corrected_flops(
@@ -434,14 +422,15 @@ def run_expert(
         }
     )
     buffers[e] = profiling.largest_buffers(compiled.compiled, num_buffers)
-  times = profiling.interleaved_times(calls, repeats=repeats)
+  first = num_experts[0]
+  ms, ratios = harness.interleaved_medians(
+      calls, repeats=repeats, pairs=[(e, first) for e in num_experts]
+  )
   for row in rows:
-    row['step_ms'] = profiling.median(times[row['E']]) * 1e3
+    row['step_ms'] = ms[row['E']]
     row['temp_over_first'] = row['temp_mb'] / rows[0]['temp_mb']
     row['flops_over_first'] = row['gflop'] / rows[0]['gflop']
-    row['time_over_first'] = profiling.paired_ratio(
-        times[row['E']], times[rows[0]['E']]
-    )
+    row['time_over_first'] = ratios[row['E'], first]
   return rows, buffers
 
 
@@ -465,7 +454,7 @@ def shared_table(rows: list[dict]) -> str:
       ]
       for r in rows
   ]
-  return profiling.format_table(header, body)
+  return harness.format_table(header, body)
 
 
 def expert_table(rows: list[dict]) -> str:
@@ -500,7 +489,7 @@ def expert_table(rows: list[dict]) -> str:
       ]
       for r in rows
   ]
-  return profiling.format_table(header, body)
+  return harness.format_table(header, body)
 
 
 def buffer_table(buffers: list[profiling.Buffer]) -> str:
@@ -513,7 +502,7 @@ def buffer_table(buffers: list[profiling.Buffer]) -> str:
       ]
       for b in buffers
   ]
-  return profiling.format_table(
+  return harness.format_table(
       ['MB', 'shape', 'HLO op', 'JAX op (last parts)'], body
   )
 

@@ -81,6 +81,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch.bench import benchmark
 from launch.bench import epochs
 from launch.bench import harness
 from launch.bench import raptor_side
@@ -175,7 +176,7 @@ def _host_batches(epoch, layout):
   """[(host batch, mask)]: the trainer's microbatches of `layout`."""
   return [
       (
-          raptor_side.host_batch(
+          benchmark.host_batch(
               *map(jnp.asarray, epoch.arrays(length, idx)),
               jnp.asarray(epoch.owners[idx]),
           ),

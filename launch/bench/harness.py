@@ -1,4 +1,8 @@
-"""The benchmarks' one harness: worker processes taking turns, medians, ratios.
+"""The benchmarks' one harness: calls taking turns, medians, ratios.
+
+In one process (`interleaved_medians`; `benchmark`, `bench_dispatch`): the
+jitted variants of one step are called in turns, round after round, and
+each column gets its median and each pair its paired ratio.
 
 Every side-by-side benchmark (`vs_opacus`, `epoch_time`) times each
 framework in its own worker process, as its users run it: one process, one
@@ -33,6 +37,23 @@ median = profiling.median
 paired_ratio = profiling.paired_ratio
 
 _READY = '{"ready"'
+
+
+def interleaved_medians(
+    calls: Mapping[str, Callable[[], Any]],
+    *,
+    repeats: int,
+    pairs: Sequence[tuple[str, str]] = (),
+) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+  """({column: median ms}, {(a, b): paired ratio a / b}) of in-process calls.
+
+  `calls` are timed in interleaved rounds after one warm-up round
+  (`profiling.interleaved_times`); a ratio is the median over rounds of
+  the per-round ratios (`paired_ratio`), for each pair in `pairs`.
+  """
+  times = interleaved_times(calls, repeats=repeats)
+  ms = {c: median(t) * 1e3 for c, t in times.items()}
+  return ms, {(a, b): paired_ratio(times[a], times[b]) for a, b in pairs}
 
 
 def serve(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from launch.bench import benchmark
@@ -134,23 +133,12 @@ def phase_step(module, params, sizes: Sizes, stream: str, batch_size: float):
   is it, or it over E for the expert stream), on a mesh of every device
   (one per core on CPU, see `raptor_jax.host_devices`).
   """
-  from raptor_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
-
-  extra = {}
   if stream == 'expert':
-    phase = benchmark.one_part_phase(
-        'expert',
-        roles.EXPERT_ROLES,
-        denominator=batch_size / sizes.num_experts,
-        blocks=(sizes.expert_layer,),
-        owner=True,
-        residual=True,
+    phase, extra = benchmark.stream_phase(
+        'expert', batch_size / sizes.num_experts, sizes.expert_layer
     )
-    extra = dict(expert_layer=sizes.expert_layer, residual='shared')
   else:
-    phase = benchmark.one_part_phase(
-        'shared', roles.SHARED_ROLES, denominator=float(batch_size)
-    )
+    phase, extra = benchmark.stream_phase('shared', float(batch_size))
   private = stream != 'nonprivate'
   phase = dataclasses.replace(
       phase,
@@ -164,25 +152,10 @@ def phase_step(module, params, sizes: Sizes, stream: str, batch_size: float):
           for p in phase.parts
       ),
   )
-  dp = step_lib.PhaseStep(
-      module,
-      phase,
-      key=jax.random.key(0),
-      learning_rate=benchmark.LEARNING_RATE,
-      mesh=parallel.make_mesh(0),
-      **extra,
+  dp = benchmark.phase_step(
+      module, phase, key=jax.random.key(0), devices=0, **extra
   )
   return dp, dp.init(params)
-
-
-def host_batch(ids, mask, labels, owners=None) -> dict:
-  """The trainer's host batch of one microbatch (owners zero when unused)."""
-  return {
-      'input_ids': ids,
-      'attention_mask': mask,
-      'labels': labels,
-      'owners': jnp.zeros_like(labels) if owners is None else owners,
-  }
 
 
 def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
@@ -202,7 +175,7 @@ def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
         'choose --microbatch_sizes divisible by it (or --cpu_devices=1)'
     )
   dp, state = phase_step(module, params, sizes, stream, m)
-  host = host_batch(*batch, owners)
+  host = benchmark.host_batch(*batch, owners)
   sums = dp.accumulate(state, dp.zero_sums(state), host)
   (part,) = dp.phase.parts
   update = {
