@@ -163,53 +163,55 @@ def define_flags() -> None:
 # Timing each side in its own process.
 
 
-def side_calls(side: str, path: str, sizes: raptor_side.Sizes, m: int, modes):
-  """({column: zero-argument step}, {column: error line}) of one side.
+def side_steps(side, path, sizes, module, params, m, modes, updates=False):
+  """({column: zero-argument step}, {column: update}, {column: error line})
+  of one side on `compare`'s records.
 
   'raptor': the trainer's non-private, shared DP and expert steps; 'torch':
   torch's non-private step and Opacus's shared and expert DP steps per mode
-  (a mode that fails is reported, not timed). Both build the same model and
-  records as `compare`.
+  (a mode that fails is reported, not timed). The updates have the noise
+  off: the non-private mean gradients, raptor_jax's DP updates and, with
+  `updates`, each Opacus mode's shared update.
   """
-  module, params = raptor_side.raptor_model(path, sizes)
   batch, owners = raptor_side.records(sizes, m, seed=m)
   if side == 'raptor':
-    calls = {
-        'raptor': raptor_side.raptor_nonprivate(module, params, batch)[0],
-        'raptor DP': raptor_side.raptor_dp(
-            module, params, batch, owners, sizes, 'shared'
-        )[0],
-        'raptor expert': raptor_side.raptor_dp(
-            module, params, batch, owners, sizes, 'expert'
-        )[0],
-    }
-    return calls, {}
-  calls = {
-      'torch': torch_side.torch_nonprivate(
-          torch_side.torch_model(path, sizes, params, 'shared'), batch
-      )[0]
-  }
-  failed = {}
+    steps = {'raptor': raptor_side.raptor_nonprivate(module, params, batch)}
+    for column, stream in (
+        ('raptor DP', 'shared'),
+        ('raptor expert', 'expert'),
+    ):
+      steps[column] = raptor_side.raptor_dp(
+          module, params, batch, owners, sizes, stream
+      )
+    return (
+        {c: step for c, (step, _) in steps.items()},
+        {c: update for c, (_, update) in steps.items()},
+        {},
+    )
+  calls, out, failed = {}, {}, {}
+  calls['torch'], out['torch'] = torch_side.torch_nonprivate(
+      torch_side.torch_model(path, sizes, params, 'shared'), batch
+  )
   for mode in modes:
     for stream in ('shared', 'expert'):
       column = f'opacus {mode}' + (' expert' if stream == 'expert' else '')
       try:
-        calls[column] = torch_side.opacus_dp(
-            torch_side.torch_model(path, sizes, params, stream),
-            batch,
-            mode,
-            benchmark.NOISE_MULTIPLIER,
-        )[0]
+        model = torch_side.torch_model(path, sizes, params, stream)
+        calls[column], no_noise, _ = torch_side.opacus_dp(
+            model, batch, mode, benchmark.NOISE_MULTIPLIER
+        )
+        if updates and stream == 'shared':
+          out[column] = no_noise()
       except Exception as e:  # pylint: disable=broad-except
         failed[column] = harness.error_line(e)
-  return calls, failed
+        calls.pop(column, None)
+  return calls, out, failed
 
 
-def serve(
-    side: str, path: str, sizes: raptor_side.Sizes, m: int, modes
-) -> None:
-  """Worker loop (`harness.serve`) of one side's `side_calls`."""
-  calls, failed = side_calls(side, path, sizes, m, modes)
+def serve(side: str, path: str, sizes: raptor_side.Sizes, m: int, modes):
+  """Worker loop (`harness.serve`) of one side's `side_steps`."""
+  module, params = raptor_side.raptor_model(path, sizes)
+  calls, _, failed = side_steps(side, path, sizes, module, params, m, modes)
   harness.serve({c: (lambda r, f=f: f()) for c, f in calls.items()}, failed)
 
 
@@ -290,49 +292,39 @@ def compare(
   'times': {column: [s per round]}, 'failed': {column: error line}}.
   """
   batch, owners = raptor_side.records(sizes, m, seed=m)
-  errors, calls, failed = {}, {}, {}
+  calls, ours, _ = side_steps('raptor', path, sizes, module, params, m, modes)
+  torch_calls, theirs, failed = side_steps(
+      'torch', path, sizes, module, params, m, modes, updates=True
+  )
+  calls.update(torch_calls)
+  errors = {}
   exact = lambda stream: torch_side.torch_model(
       path, sizes, params, stream
   ).double()
-  calls['raptor'], grads = raptor_side.raptor_nonprivate(module, params, batch)
-  calls['torch'], theirs = torch_side.torch_nonprivate(
-      torch_side.torch_model(path, sizes, params, 'shared'), batch
-  )
   _, grads64 = torch_side.torch_nonprivate(exact('shared'), batch)
   errors['torch float32 vs float64'] = torch_side.relative_error(
-      theirs, grads64
-  )
-  _check('non-private vs torch64', grads, grads64, tolerance, errors)
-  _check('non-private vs torch', grads, theirs, fp32_tolerance, errors)
-  calls['raptor DP'], update = raptor_side.raptor_dp(
-      module, params, batch, owners, sizes, 'shared'
+      theirs['torch'], grads64
   )
   _, no_noise64, _ = torch_side.opacus_dp(exact('shared'), batch, 'hooks', 0.0)
-  _check('DP vs opacus64', update, no_noise64(), tolerance, errors)
-  calls['raptor expert'], expert_update = raptor_side.raptor_dp(
-      module, params, batch, owners, sizes, 'expert'
-  )
   model64 = exact('expert')
   _, _, dp_model64 = torch_side.opacus_dp(model64, batch, 'hooks', 0.0)
-  reference = torch_side.owner_reference(
-      model64, dp_model64, batch, owners, sizes
-  )
-  _check('expert vs opacus64', expert_update, reference, tolerance, errors)
-  for mode in modes:
-    for stream in ('shared', 'expert'):
-      column = f'opacus {mode}' + (' expert' if stream == 'expert' else '')
-      try:
-        model = torch_side.torch_model(path, sizes, params, stream)
-        calls[column], no_noise, _ = torch_side.opacus_dp(
-            model, batch, mode, benchmark.NOISE_MULTIPLIER
-        )
-        if stream == 'shared':
-          _check(f'DP vs {column}', update, no_noise(), fp32_tolerance, errors)
-      except AssertionError:
-        raise
-      except Exception as e:  # pylint: disable=broad-except
-        failed[column] = harness.error_line(e)
-        calls.pop(column, None)
+  checks = [  # (pair, raptor_jax's column, the other update, tolerance)
+      ('non-private vs torch64', 'raptor', grads64, tolerance),
+      ('non-private vs torch', 'raptor', theirs['torch'], fp32_tolerance),
+      ('DP vs opacus64', 'raptor DP', no_noise64(), tolerance),
+      (
+          'expert vs opacus64',
+          'raptor expert',
+          torch_side.owner_reference(model64, dp_model64, batch, owners, sizes),
+          tolerance,
+      ),
+  ] + [
+      (f'DP vs {c}', 'raptor DP', update, fp32_tolerance)
+      for c, update in theirs.items()
+      if c.startswith('opacus')
+  ]
+  for pair, column, update, limit in checks:
+    _check(pair, ours[column], update, limit, errors)
   times = {}  # repeats=0: the checks only (no step is compiled or timed)
   if repeats and workers:
     del calls  # timed in the workers; free this process's buffers first
