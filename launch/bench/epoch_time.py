@@ -348,14 +348,9 @@ def time_task(
   )
   with open(os.path.join(workdir, 'spec.pkl'), 'wb') as f:
     pickle.dump(spec, f)
-  worker = lambda side, keep: [
-      sys.executable,
-      '-m',
-      'launch.bench.epoch_time',
-      f'--serve={side}',
-      f'--workdir={workdir}',
-      '--keep_host_memory' if keep else '--nokeep_host_memory',
-  ]
+  worker = lambda side, keep: harness.worker_command(
+      'launch.bench.epoch_time', side, keep, f'--workdir={workdir}'
+  )
   times, failed = harness.worker_times(
       [(worker('raptor', True), str), (worker('torch', False), str)],
       repeats=len(timed),

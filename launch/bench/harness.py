@@ -88,6 +88,13 @@ def serve(
     print(time.perf_counter() - start, flush=True)
 
 
+def worker_command(module: str, side: str, keep: bool, *args: str) -> list[str]:
+  """`python -m module --serve=side` with host memory kept or not
+  (`--[no]keep_host_memory`), then `args`: a timing worker's command."""
+  keep_flag = "--keep_host_memory" if keep else "--nokeep_host_memory"
+  return [sys.executable, "-m", module, f"--serve={side}", keep_flag, *args]
+
+
 def worker_times(
     workers: Sequence[tuple[Sequence[str], Callable[[str], str]]],
     *,

@@ -236,16 +236,14 @@ def worker_times(path: str, m: int, workers, *, repeats: int, flag_args):
   commands = []
   for side, memory in workers:
     keep = side == 'raptor' or memory == 'keep'
-    argv = [
-        sys.executable,
-        '-m',
+    argv = harness.worker_command(
         'launch.bench.vs_opacus',
-        f'--serve={side}',
+        side,
+        keep,
         f'--model_path={path}',
         f'--microbatch_sizes={m}',
-        '--keep_host_memory' if keep else '--nokeep_host_memory',
         *flag_args,
-    ]
+    )
     tag = 'keep' if side == 'torch' and keep else ''
     commands.append((argv, lambda c, tag=tag: tagged(c, tag)))
   return harness.worker_times(commands, repeats=repeats)
