@@ -434,62 +434,40 @@ def run_expert(
   return rows, buffers
 
 
+SHARED_COLUMNS = (  # (header, key or keys, format)
+    ('m', 'm', ''),
+    ('non-private ms', 'nonprivate_ms', '.1f'),
+    ('DP ms', 'dp_ms', '.1f'),
+    ('DP/non-private', 'dp_over_nonprivate', '.2f'),
+    (
+        'compile s (non-priv, DP)',
+        ('nonprivate_compile_s', 'dp_compile_s'),
+        '.1f',
+    ),
+    ('temp MB (non-priv, DP)', ('nonprivate_temp_mb', 'dp_temp_mb'), '.1f'),
+)
+EXPERT_COLUMNS = (
+    ('E', 'E', ''),
+    ('expert LoRA params', 'expert_lora_params', ''),
+    ('per-record grads MB', 'per_record_grad_mb', '.2f'),
+    ('temp MB', 'temp_mb', '.1f'),
+    ('temp / first', 'temp_over_first', '.2f'),
+    ('argument MB', 'argument_mb', '.1f'),
+    ('output MB', 'output_mb', '.2f'),
+    ('GF (loops x trips)', 'gflop', '.1f'),
+    ('GF / first', 'flops_over_first', '.2f'),
+    ('step ms', 'step_ms', '.1f'),
+    ('time / first', 'time_over_first', '.2f'),
+    ('compile s', 'compile_s', '.1f'),
+)
+
+
 def shared_table(rows: list[dict]) -> str:
-  header = [
-      'm',
-      'non-private ms',
-      'DP ms',
-      'DP/non-private',
-      'compile s (non-priv, DP)',
-      'temp MB (non-priv, DP)',
-  ]
-  body = [
-      [
-          r['m'],
-          f"{r['nonprivate_ms']:.1f}",
-          f"{r['dp_ms']:.1f}",
-          f"{r['dp_over_nonprivate']:.2f}",
-          f"{r['nonprivate_compile_s']:.1f}, {r['dp_compile_s']:.1f}",
-          f"{r['nonprivate_temp_mb']:.1f}, {r['dp_temp_mb']:.1f}",
-      ]
-      for r in rows
-  ]
-  return harness.format_table(header, body)
+  return harness.dict_table(SHARED_COLUMNS, rows)
 
 
 def expert_table(rows: list[dict]) -> str:
-  header = [
-      'E',
-      'expert LoRA params',
-      'per-record grads MB',
-      'temp MB',
-      'temp / first',
-      'argument MB',
-      'output MB',
-      'GF (loops x trips)',
-      'GF / first',
-      'step ms',
-      'time / first',
-      'compile s',
-  ]
-  body = [
-      [
-          r['E'],
-          r['expert_lora_params'],
-          f"{r['per_record_grad_mb']:.2f}",
-          f"{r['temp_mb']:.1f}",
-          f"{r['temp_over_first']:.2f}",
-          f"{r['argument_mb']:.1f}",
-          f"{r['output_mb']:.2f}",
-          f"{r['gflop']:.1f}",
-          f"{r['flops_over_first']:.2f}",
-          f"{r['step_ms']:.1f}",
-          f"{r['time_over_first']:.2f}",
-          f"{r['compile_s']:.1f}",
-      ]
-      for r in rows
-  ]
-  return harness.format_table(header, body)
+  return harness.dict_table(EXPERT_COLUMNS, rows)
 
 
 def buffer_table(buffers: list[profiling.Buffer]) -> str:

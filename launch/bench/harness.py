@@ -39,6 +39,20 @@ paired_ratio = profiling.paired_ratio
 _READY = '{"ready"'
 
 
+def dict_table(columns, rows: Sequence[Mapping[str, Any]]) -> str:
+  """`format_table` of dict rows: one column per (header, key, format spec);
+  a tuple of keys makes one cell of their values, 'a, b'."""
+
+  def cell(row, keys, spec):
+    keys = (keys,) if isinstance(keys, str) else keys
+    return ", ".join(format(row[k], spec) for k in keys)
+
+  return format_table(
+      [header for header, _, _ in columns],
+      [[cell(r, keys, spec) for _, keys, spec in columns] for r in rows],
+  )
+
+
 def interleaved_medians(
     calls: Mapping[str, Callable[[], Any]],
     *,
