@@ -45,7 +45,6 @@ import jax.numpy as jnp
 
 from launch.bench import benchmark
 from launch.bench import profiling
-from raptor_jax import roles
 
 SWITCH_BASE_8 = dict(
     vocab_size=32128,
@@ -151,16 +150,9 @@ def measure(
     )
     layer = config.sparse_layers[-1]
     phases = {
-        'shared': benchmark.one_part_phase(
-            'shared', roles.SHARED_ROLES, denominator=float(EXPECTED_BATCH)
-        ),
-        'expert': benchmark.one_part_phase(
-            'expert',
-            roles.EXPERT_ROLES,
-            denominator=EXPECTED_BATCH / config.num_experts,
-            blocks=(layer,),
-            owner=True,
-            residual=True,
+        'shared': benchmark.stream_phase('shared', float(EXPECTED_BATCH)),
+        'expert': benchmark.stream_phase(
+            'expert', EXPECTED_BATCH / config.num_experts, layer
         ),
     }
     peak = matmul_peak_tflops(
@@ -168,12 +160,7 @@ def measure(
     )
     row['matmul_tflops'] = peak
     microbatches = math.ceil(EXPECTED_BATCH / microbatch)
-    for stream, phase in phases.items():
-      extra = (
-          dict(expert_layer=layer, residual='shared')
-          if stream == 'expert'
-          else {}
-      )
+    for stream, (phase, extra) in phases.items():
       state, (accumulate, compiled, args), _, call = benchmark.dp_step(
           module,
           params,
