@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from launch.bench import harness
 from launch.bench import profiling
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,11 +49,11 @@ def test_loop_corrected_flops_counts_every_scan_iteration():
 
 
 def test_interleaved_times_and_ratio():
-  times = profiling.interleaved_times(
+  times = harness.interleaved_times(
       {"a": lambda: jnp.ones(3), "b": lambda: jnp.zeros(3)}, repeats=3
   )
   assert set(times) == {"a", "b"} and all(len(t) == 3 for t in times.values())
-  assert profiling.paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0
+  assert harness.paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0
 
 
 def test_memory_stats_and_largest_buffers():

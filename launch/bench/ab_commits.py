@@ -224,7 +224,7 @@ def main() -> None:
   bad = [s for s in f.steps if s not in STEPS]
   if bad:
     sys.exit(f'error: unknown --steps {bad}; choose from {list(STEPS)}')
-  from launch.bench import profiling  # pylint: disable=import-outside-toplevel
+  from launch.bench import harness  # pylint: disable=import-outside-toplevel
 
   if f.back_to_back < 1:
     sys.exit(f'error: --back_to_back must be >= 1, got {f.back_to_back}')
@@ -251,9 +251,9 @@ def main() -> None:
   )
   for step, (base, head) in times.items():
     print(
-        f'{step:14s} base {profiling.median(base) * 1e3:7.0f} ms  head '
-        f'{profiling.median(head) * 1e3:7.0f} ms  head/base '
-        f'{profiling.paired_ratio(head, base):.2f}'
+        f'{step:14s} base {harness.median(base) * 1e3:7.0f} ms  head '
+        f'{harness.median(head) * 1e3:7.0f} ms  head/base '
+        f'{harness.paired_ratio(head, base):.2f}'
     )
 
 

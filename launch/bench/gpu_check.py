@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from launch.bench import benchmark
+from launch.bench import harness
 from launch.bench import profiling
 
 SWITCH_BASE_8 = dict(
@@ -109,7 +110,7 @@ def matmul_peak_tflops(m: int, k: int, n: int, dtype: str, repeats: int):
     start = time.perf_counter()
     jax.block_until_ready(product(a, b))
     times.append(time.perf_counter() - start)
-  return 2 * m * k * n / profiling.median(times) / 1e12
+  return 2 * m * k * n / harness.median(times) / 1e12
 
 
 def _peak_bytes() -> int | None:
@@ -124,7 +125,7 @@ def _time(call, repeats: int) -> float:
     start = time.perf_counter()
     jax.block_until_ready(call())
     times.append(time.perf_counter() - start)
-  return profiling.median(times)
+  return harness.median(times)
 
 
 def measure(
@@ -250,7 +251,7 @@ def table(rows: list[dict], microbatch: int) -> str:
               '-' if fraction is None else f'{fraction:.1%}',
           ]
       )
-  return profiling.format_table(header, body)
+  return harness.format_table(header, body)
 
 
 # --quick: one row per dispatch family of code paths (a smoke test).
