@@ -233,52 +233,24 @@ def nonprivate_step(module):
   return step, adam
 
 
-def one_part_phase(
-    name: str,
-    part_roles,
-    *,
-    denominator: float,
-    blocks=None,
-    owner: bool = False,
-    residual: bool = False,
-) -> methods.Phase:
-  """A phase of one part with the benchmark's clip and noise multiplier."""
-  return methods.Phase(
-      name=name,
-      stream=0,
-      parts=(
-          methods.Part(
-              name=name,
-              roles=tuple(part_roles),
-              blocks=blocks,
-              owner=owner,
-              l2_clip=L2_CLIP,
-              noise_multiplier=NOISE_MULTIPLIER,
-              denominator=denominator,
-              residual=residual,
-          ),
-      ),
-  )
-
-
 def stream_phase(stream: str, denominator: float, layer=None):
   """(phase, `PhaseStep` keywords) of RAPTOR's 'shared' stream (attention
   LoRA + head) or 'expert' stream (owner slices of block `layer`'s expert
-  LoRA, the residual weight 'shared'), with the benchmark's clip and noise."""
-  if stream == 'expert':
-    phase = one_part_phase(
-        'expert',
-        roles.EXPERT_ROLES,
-        denominator=denominator,
-        blocks=(layer,),
-        owner=True,
-        residual=True,
-    )
-    return phase, dict(expert_layer=layer, residual='shared')
-  return (
-      one_part_phase('shared', roles.SHARED_ROLES, denominator=denominator),
-      {},
+  LoRA, the residual weight 'shared'): one part, the benchmark's clip and
+  noise multiplier."""
+  expert = stream == 'expert'
+  part = methods.Part(
+      name=stream,
+      roles=tuple(roles.EXPERT_ROLES if expert else roles.SHARED_ROLES),
+      blocks=(layer,) if expert else None,
+      owner=expert,
+      l2_clip=L2_CLIP,
+      noise_multiplier=NOISE_MULTIPLIER,
+      denominator=denominator,
+      residual=expert,
   )
+  extra = dict(expert_layer=layer, residual='shared') if expert else {}
+  return methods.Phase(name=stream, stream=0, parts=(part,)), extra
 
 
 def phase_step(module, phase, *, key, devices=1, **kwargs):
