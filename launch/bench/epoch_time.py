@@ -370,6 +370,15 @@ def time_task(
   )
 
 
+EPOCH_COLUMNS = (
+    'task|stream|column|s/epoch|real tokens|processed tokens|padding|'
+    'useful FLOPs / peak'
+).split('|')
+RATIO_COLUMNS = (
+    'task|stream|unbucketed / buckets|torch or Opacus / buckets'.split('|')
+)
+
+
 def _best(times, prefix: str, stream: str) -> str | None:
   """The fastest column '<prefix>* <stream>' (summed over the timed steps)."""
   columns = [
@@ -438,29 +447,9 @@ def tables(rows) -> str:
       [
           *lines,
           '\nOne epoch (seconds = mean timed step x steps per epoch)',
-          harness.format_table(
-              [
-                  'task',
-                  'stream',
-                  'column',
-                  's/epoch',
-                  'real tokens',
-                  'processed tokens',
-                  'padding',
-                  'useful FLOPs / peak',
-              ],
-              main,
-          ),
+          harness.format_table(EPOCH_COLUMNS, main),
           '\nEpoch-time ratios over raptor_jax with buckets (same steps)',
-          harness.format_table(
-              [
-                  'task',
-                  'stream',
-                  'unbucketed / buckets',
-                  'torch or Opacus / buckets',
-              ],
-              ratios,
-          ),
+          harness.format_table(RATIO_COLUMNS, ratios),
           '\nUpdate checks, noise off, first timed step: ||a - b|| / ||b||',
           harness.format_table(['task', 'pair', 'error'], checks),
       ]

@@ -380,19 +380,18 @@ def summary(row) -> dict:
   }
 
 
+MAIN_COLUMNS = (
+    'microbatch|torch non-private (setting)|Opacus shared DP (mode)|'
+    'raptor_jax non-private|raptor_jax shared DP|'
+    'Opacus expert stream (mode)|raptor_jax expert stream'
+).split('|')
+
+
 def tables(rows) -> str:
   """The main table, the ratios, every Opacus mode and the update checks."""
   s = [summary(r) for r in rows]
   main = harness.format_table(
-      [
-          'microbatch',
-          'torch non-private (setting)',
-          'Opacus shared DP (mode)',
-          'raptor_jax non-private',
-          'raptor_jax shared DP',
-          'Opacus expert stream (mode)',
-          'raptor_jax expert stream',
-      ],
+      MAIN_COLUMNS,
       [
           [
               r['m'],
