@@ -474,6 +474,9 @@ def run(
   return rows_out
 
 
+_KEYS = ('E', 'B', 'k', 'pass')  # the first columns of both tables
+
+
 def _fmt(value: float, spec: str) -> str:
   return '-' if np.isnan(value) else format(value, spec)
 
@@ -484,24 +487,14 @@ def _references(rows: list[dict]) -> tuple[str, ...]:
 
 def flops_table(rows: list[dict]) -> str:
   refs = _references(rows)
-  header = [
-      'E',
-      'B',
-      'k',
-      'pass',
-      'block x blocks',
-      'ideal GF',
-      'grouped XLA raw GF',
-      'grouped GF (loops x trips)',
-      'grouped/ideal',
-  ]
+  header = (
+      'E|B|k|pass|block x blocks|ideal GF|grouped XLA raw GF|'
+      'grouped GF (loops x trips)|grouped/ideal'
+  ).split('|')
   header += [h for v in refs for h in (f'{v} GF', f'{v}/ideal')]
   body = [
-      [
-          r['E'],
-          r['B'],
-          r['k'],
-          r['pass'],
+      [r[key] for key in _KEYS]
+      + [
           f"{r['block']} x {r['blocks']}",
           f"{r['ideal_gflop']:.2f}",
           f"{r['grouped_xla_gflop']:.3f}",
@@ -524,20 +517,15 @@ def flops_table(rows: list[dict]) -> str:
 def time_table(rows: list[dict]) -> str:
   refs = _references(rows)
   header = (
-      ['E', 'B', 'k', 'pass', '1-expert ms', 'grouped ms']
+      list(_KEYS)
+      + ['1-expert ms', 'grouped ms']
       + [f'{v} ms' for v in refs]
       + [f'{v}/grouped' for v in refs]
       + ['grouped/1-expert', 'max|grouped-' + '/'.join(refs) + '|']
   )
   body = [
-      [
-          r['E'],
-          r['B'],
-          r['k'],
-          r['pass'],
-          f"{r['one_expert_ms']:.1f}",
-          f"{r['grouped_ms']:.1f}",
-      ]
+      [r[key] for key in _KEYS]
+      + [f"{r['one_expert_ms']:.1f}", f"{r['grouped_ms']:.1f}"]
       + [_fmt(r[f'{v}_ms'], '.1f') for v in refs]
       + [_fmt(r[f'{v}_over_grouped'], '.2f') for v in refs]
       + [f"{r['grouped_over_one_expert']:.2f}", _fmt(r['max_abs_diff'], '.1e')]
