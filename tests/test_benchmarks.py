@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from launch.bench import harness
 from launch.bench import profiling
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,11 +49,11 @@ def test_loop_corrected_flops_counts_every_scan_iteration():
 
 
 def test_interleaved_times_and_ratio():
-  times = profiling.interleaved_times(
+  times = harness.interleaved_times(
       {"a": lambda: jnp.ones(3), "b": lambda: jnp.zeros(3)}, repeats=3
   )
   assert set(times) == {"a", "b"} and all(len(t) == 3 for t in times.values())
-  assert profiling.paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0
+  assert harness.paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0
 
 
 def test_memory_stats_and_largest_buffers():
@@ -408,7 +409,8 @@ def test_scripts_define_flags_only_when_run():
 def test_vs_opacus_quick_both_sides_compute_the_same_updates():
   """Tiny Switch saved by transformers: raptor_jax and torch/Opacus agree."""
   bench = _load("vs_opacus")
-  (row,) = bench.run(bench.QUICK, [3], modes=("hooks",), repeats=0)
+  quick = _load("raptor_side").QUICK
+  (row,) = bench.run(quick, [3], modes=("hooks",), repeats=0)
   assert not row["failed"], row["failed"]
   # Non-private gradients, Opacus's clipped mean (noise off) and the owner
   # sums rebuilt from Opacus's per-sample gradients, each against raptor_jax.
@@ -428,7 +430,7 @@ def test_vs_opacus_quick_both_sides_compute_the_same_updates():
 def test_vs_opacus_check_rejects_a_different_update():
   bench = _load("vs_opacus")
   ours = {"a": np.array([1.0, 0.0]), "b": np.array([2.0])}
-  assert bench.relative_error(ours, ours) == 0.0
+  assert _load("torch_side").relative_error(ours, ours) == 0.0
   errors = {}
   with pytest.raises(AssertionError, match="differ"):
     bench._check(
@@ -440,7 +442,7 @@ def test_vs_opacus_check_rejects_a_different_update():
     )
   assert errors["x"] == pytest.approx(0.1 / np.sqrt(5.0 + 0.01))
   with pytest.raises(ValueError, match="different leaves"):
-    bench.relative_error(ours, {"a": ours["a"]})
+    _load("torch_side").relative_error(ours, {"a": ours["a"]})
 
 
 def _run_module(module, *flags_, own_xla_flags=False):
@@ -652,7 +654,7 @@ def test_gpu_check_names_missing_modules_in_one_line(tmp_path):
 
 
 def _epoch(n=300, max_length=32, batch_size=60, microbatch=10):
-  bench = _load("epoch_time")
+  bench = _load("epochs")
   data = bench.generated_records(n, max_length, 50, seed=1)
   return bench, bench.make_epoch(
       "generated",
@@ -692,7 +694,7 @@ def test_epoch_time_useful_flops_count_real_tokens_only():
   """2 x the forward matmul FLOPs, brute force per record: a padded token
   adds nothing, attention grows with each record's own length."""
   bench, epoch = _epoch()
-  sizes = bench._sizes(32, 50, quick=True)  # pylint: disable=protected-access
+  sizes = bench.model_sizes(32, 50, quick=True)
   d, h, f = sizes.d_model, sizes.num_heads * sizes.d_kv, sizes.d_ff
   expected = 0.0
   for s in epoch.samples:

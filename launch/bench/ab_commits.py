@@ -17,7 +17,8 @@ base.
       --base_cpu_devices=1 --head_cpu_devices=2      # a setting, one commit
 
 Steps: raptor (non-private), raptor_dp (shared DP), raptor_expert (the
-expert stream). Both commits must have `launch/bench/vs_opacus.py`.
+expert stream). Both commits must have `launch/bench/raptor_side.py` (or,
+from before it, `vs_opacus.py`).
 Run under `taskset -c 0-1` for the 2-core setting of the fixed-shape table;
 workers take turns, so they never compete for the cores.
 """
@@ -34,10 +35,17 @@ import time
 STEPS = ('raptor', 'raptor_dp', 'raptor_expert')
 
 
-def _sizes(quick: bool):
-  from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
+def _model():
+  """This commit's module of the `vs_opacus` model and raptor_jax's steps."""
+  try:
+    from launch.bench import raptor_side as model  # pylint: disable=import-outside-toplevel
+  except ImportError:  # a commit from before it
+    from launch.bench import vs_opacus as model  # pylint: disable=import-outside-toplevel
+  return model
 
-  return vs_opacus.QUICK if quick else vs_opacus.Sizes()
+
+def _sizes(quick: bool):
+  return _model().QUICK if quick else _model().Sizes()
 
 
 def _worker(
@@ -65,23 +73,23 @@ def _worker(
     )
   import jax  # pylint: disable=import-outside-toplevel
   import raptor_jax  # pylint: disable=import-outside-toplevel
-  from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
 
-  for module in (raptor_jax, vs_opacus):  # this commit's code, not main's
+  model = _model()
+  for module in (raptor_jax, model):  # this commit's code, not main's
     if not os.path.abspath(module.__file__).startswith(os.getcwd() + os.sep):
       raise RuntimeError(
           f'worker imported {module.__file__}, not {os.getcwd()}'
       )
   sizes = _sizes(quick)
-  module, params = vs_opacus.raptor_model(model_path, sizes)
-  batch, owners = vs_opacus.records(sizes, m, seed=m)
+  module, params = model.raptor_model(model_path, sizes)
+  batch, owners = model.records(sizes, m, seed=m)
   calls = {}
   for step in steps:
     if step == 'raptor':
-      calls[step] = vs_opacus.raptor_nonprivate(module, params, batch)[0]
+      calls[step] = model.raptor_nonprivate(module, params, batch)[0]
     else:
       stream = 'shared' if step == 'raptor_dp' else 'expert'
-      calls[step] = vs_opacus.raptor_dp(
+      calls[step] = model.raptor_dp(
           module, params, batch, owners, sizes, stream
       )[0]
   for call in calls.values():  # compile and warm up
@@ -157,9 +165,7 @@ def compare(
       ['git', 'rev-parse', '--show-toplevel'], text=True
   ).strip()
   with tempfile.TemporaryDirectory() as tmp:
-    from launch.bench import vs_opacus  # pylint: disable=import-outside-toplevel
-
-    model_path = vs_opacus.save_switch(
+    model_path = _model().save_switch(
         os.path.join(tmp, 'switch'), _sizes(quick)
     )
     procs, trees = {}, []
@@ -202,7 +208,7 @@ def main() -> None:
       "loop's steady state rather than a step after an idle pause.",
   )
   flags.DEFINE_bool(
-      'quick', False, 'Tiny sizes (vs_opacus.QUICK): a smoke test.'
+      'quick', False, 'Tiny sizes (raptor_side.QUICK): a smoke test.'
   )
   flags.DEFINE_integer(
       'base_cpu_devices',
@@ -218,7 +224,7 @@ def main() -> None:
   bad = [s for s in f.steps if s not in STEPS]
   if bad:
     sys.exit(f'error: unknown --steps {bad}; choose from {list(STEPS)}')
-  from launch.bench import profiling  # pylint: disable=import-outside-toplevel
+  from launch.bench import harness  # pylint: disable=import-outside-toplevel
 
   if f.back_to_back < 1:
     sys.exit(f'error: --back_to_back must be >= 1, got {f.back_to_back}')
@@ -245,9 +251,9 @@ def main() -> None:
   )
   for step, (base, head) in times.items():
     print(
-        f'{step:14s} base {profiling.median(base) * 1e3:7.0f} ms  head '
-        f'{profiling.median(head) * 1e3:7.0f} ms  head/base '
-        f'{profiling.paired_ratio(head, base):.2f}'
+        f'{step:14s} base {harness.median(base) * 1e3:7.0f} ms  head '
+        f'{harness.median(head) * 1e3:7.0f} ms  head/base '
+        f'{harness.paired_ratio(head, base):.2f}'
     )
 
 

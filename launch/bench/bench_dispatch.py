@@ -76,6 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch.bench import harness
 from launch.bench import profiling
 from raptor_jax.models import deepseek, moe, olmoe, switch
 
@@ -230,12 +231,6 @@ def _sparse_layer(config):
   return switch.SwitchSparseMLP(config)
 
 
-def _shared_experts(config) -> int:
-  if isinstance(config, deepseek.DeepseekConfig):
-    return config.n_shared_experts
-  return 0
-
-
 def _expert_weights(params, matrices: tuple[str, ...]) -> tuple[jax.Array, ...]:
   """(router kernel, stacked expert kernels in `matrices` order) of one sparse layer."""
   p = params['params']
@@ -337,6 +332,54 @@ def _all_experts_fns(config):
   return forward, forward_backward
 
 
+def _variants(config, params, matrices, references):
+  """({variant: (forward, forward_backward)}, {variant: its weights})."""
+  w_router, *kernels = _expert_weights(params, matrices)
+  shared = _shared_weights(params)
+  fns = {
+      v: _layer_fns(dataclasses.replace(config, dispatch=v))
+      for v in ('grouped', 'ragged', 'dense')
+  }
+  weights = dict.fromkeys(fns, params)
+  fns['one_expert'] = _one_expert_fns(config)
+  weights['one_expert'] = ((w_router,) + tuple(w[0] for w in kernels), shared)
+  if 'all' in references:
+    fns['all'] = _all_experts_fns(config)
+    weights['all'] = ((w_router, *kernels), shared)
+  return fns, weights
+
+
+def _time_pass(fns, args, i, references, repeats, max_dense_gflop):
+  """(FLOP and time columns, {variant: call}) of pass `i` (0: forward, 1:
+  forward+backward) of every variant; a reference variant above
+  `max_dense_gflop` is not timed (NaN)."""
+  compiled = {v: jax.jit(fns[v][i]).lower(*args[v]).compile() for v in fns}
+  grouped_raw, grouped = profiling.loop_corrected_flops(
+      fns['grouped'][i], *args['grouped'], compiled=compiled['grouped']
+  )
+  ref_flops = {v: profiling.flops(compiled[v]) for v in references}
+  timed = ('one_expert', 'grouped') + tuple(
+      v for v in references if ref_flops[v] <= max_dense_gflop * 1e9
+  )
+  calls = {v: functools.partial(compiled[v], *args[v]) for v in timed}
+  pairs = [(v, 'grouped') for v in timed[2:]] + [('grouped', 'one_expert')]
+  ms, ratios = harness.interleaved_medians(calls, repeats=repeats, pairs=pairs)
+  return {
+      'grouped_xla_gflop': grouped_raw / 1e9,
+      'grouped_gflop': grouped / 1e9,
+      **{f'{v}_gflop': ref_flops[v] / 1e9 for v in references},
+      **{
+          f'{v}_ms': ms.get(v, _NAN)
+          for v in ('one_expert', 'grouped') + references
+      },
+      **{
+          f'{v}_over_grouped': ratios.get((v, 'grouped'), _NAN)
+          for v in references
+      },
+      'grouped_over_one_expert': ratios['grouped', 'one_expert'],
+  }, calls
+
+
 def run(
     *,
     family='switch',
@@ -388,25 +431,7 @@ def run(
       x = jax.random.normal(k_x, (b, seq_len, d_model), jnp.float32)
       cotangent = jax.random.normal(k_ct, x.shape, jnp.float32)
       params = jax.jit(_sparse_layer(config).init)(k_param, x)
-      w_router, *kernels = _expert_weights(params, spec['matrices'])
-      shared = _shared_weights(params)
-      fns = {
-          v: _layer_fns(dataclasses.replace(config, dispatch=v))
-          for v in ('grouped', 'ragged', 'dense')
-      }
-      fns['one_expert'] = _one_expert_fns(config)
-      weights = {
-          'grouped': params,
-          'ragged': params,
-          'dense': params,
-          'one_expert': (
-              (w_router,) + tuple(w[0] for w in kernels),
-              shared,
-          ),
-      }
-      if 'all' in references:
-        fns['all'] = _all_experts_fns(config)
-        weights['all'] = ((w_router, *kernels), shared)
+      fns, weights = _variants(config, params, spec['matrices'], references)
       tokens = b * seq_len
       block, blocks = grouped_blocks(tokens * top_k, e)
       ideal = ideal_flops(
@@ -416,53 +441,26 @@ def run(
           e,
           top_k,
           len(spec['matrices']),
-          _shared_experts(config),
+          shared_experts if family == 'deepseek' else 0,
       )
-      results = {}
-      out = {}
+      rows, out = [], {}
       for i, name in enumerate(PASSES):
         args = {v: (weights[v], x) + ((cotangent,) if i else ()) for v in fns}
-        compiled = {
-            v: jax.jit(fns[v][i]).lower(*args[v]).compile() for v in fns
-        }
-        grouped_raw, grouped = profiling.loop_corrected_flops(
-            fns['grouped'][i], *args['grouped'], compiled=compiled['grouped']
+        row, calls = _time_pass(
+            fns, args, i, references, repeats, max_dense_gflop
         )
-        ref_flops = {v: profiling.flops(compiled[v]) for v in references}
-        timed = ('one_expert', 'grouped') + tuple(
-            v for v in references if ref_flops[v] <= max_dense_gflop * 1e9
+        rows.append(
+            {
+                'E': e,
+                'B': b,
+                'k': top_k,
+                'pass': name,
+                'block': block,
+                'blocks': blocks,
+                'ideal_gflop': ideal * (i + 1) / 1e9,
+                **row,
+            }
         )
-        calls = {v: functools.partial(compiled[v], *args[v]) for v in timed}
-        times = profiling.interleaved_times(calls, repeats=repeats)
-        results[name] = {
-            'E': e,
-            'B': b,
-            'k': top_k,
-            'pass': name,
-            'block': block,
-            'blocks': blocks,
-            'ideal_gflop': ideal * (i + 1) / 1e9,
-            'grouped_xla_gflop': grouped_raw / 1e9,
-            'grouped_gflop': grouped / 1e9,
-            **{f'{v}_gflop': ref_flops[v] / 1e9 for v in references},
-            **{
-                f'{v}_ms': profiling.median(times[v]) * 1e3
-                if v in times
-                else _NAN
-                for v in ('one_expert', 'grouped') + references
-            },
-            **{
-                f'{v}_over_grouped': (
-                    profiling.paired_ratio(times[v], times['grouped'])
-                    if v in times
-                    else _NAN
-                )
-                for v in references
-            },
-            'grouped_over_one_expert': profiling.paired_ratio(
-                times['grouped'], times['one_expert']
-            ),
-        }
         if i == 0:
           out = {v: calls[v]() for v in ('grouped',) + references if v in calls}
       diffs = [
@@ -470,10 +468,13 @@ def run(
           for v in references
           if v in out
       ]
-      for name in PASSES:
-        results[name]['max_abs_diff'] = max(diffs) if diffs else _NAN
-        rows_out.append(results[name])
+      for row in rows:
+        row['max_abs_diff'] = max(diffs) if diffs else _NAN
+      rows_out += rows
   return rows_out
+
+
+_KEYS = ('E', 'B', 'k', 'pass')  # the first columns of both tables
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -486,24 +487,14 @@ def _references(rows: list[dict]) -> tuple[str, ...]:
 
 def flops_table(rows: list[dict]) -> str:
   refs = _references(rows)
-  header = [
-      'E',
-      'B',
-      'k',
-      'pass',
-      'block x blocks',
-      'ideal GF',
-      'grouped XLA raw GF',
-      'grouped GF (loops x trips)',
-      'grouped/ideal',
-  ]
+  header = (
+      'E|B|k|pass|block x blocks|ideal GF|grouped XLA raw GF|'
+      'grouped GF (loops x trips)|grouped/ideal'
+  ).split('|')
   header += [h for v in refs for h in (f'{v} GF', f'{v}/ideal')]
   body = [
-      [
-          r['E'],
-          r['B'],
-          r['k'],
-          r['pass'],
+      [r[key] for key in _KEYS]
+      + [
           f"{r['block']} x {r['blocks']}",
           f"{r['ideal_gflop']:.2f}",
           f"{r['grouped_xla_gflop']:.3f}",
@@ -520,32 +511,27 @@ def flops_table(rows: list[dict]) -> str:
       ]
       for r in rows
   ]
-  return profiling.format_table(header, body)
+  return harness.format_table(header, body)
 
 
 def time_table(rows: list[dict]) -> str:
   refs = _references(rows)
   header = (
-      ['E', 'B', 'k', 'pass', '1-expert ms', 'grouped ms']
+      list(_KEYS)
+      + ['1-expert ms', 'grouped ms']
       + [f'{v} ms' for v in refs]
       + [f'{v}/grouped' for v in refs]
       + ['grouped/1-expert', 'max|grouped-' + '/'.join(refs) + '|']
   )
   body = [
-      [
-          r['E'],
-          r['B'],
-          r['k'],
-          r['pass'],
-          f"{r['one_expert_ms']:.1f}",
-          f"{r['grouped_ms']:.1f}",
-      ]
+      [r[key] for key in _KEYS]
+      + [f"{r['one_expert_ms']:.1f}", f"{r['grouped_ms']:.1f}"]
       + [_fmt(r[f'{v}_ms'], '.1f') for v in refs]
       + [_fmt(r[f'{v}_over_grouped'], '.2f') for v in refs]
       + [f"{r['grouped_over_one_expert']:.2f}", _fmt(r['max_abs_diff'], '.1e')]
       for r in rows
   ]
-  return profiling.format_table(header, body)
+  return harness.format_table(header, body)
 
 
 def main(argv: list[str]) -> None:

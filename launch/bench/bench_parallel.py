@@ -37,7 +37,7 @@ from absl import flags
 import jax
 import numpy as np
 
-from launch.bench import profiling
+from launch.bench import harness
 from raptor_jax.train import config as train_config
 from raptor_jax.train import methods, parallel, step
 from raptor_jax.train import run as run_lib
@@ -181,7 +181,7 @@ def run(
       calls[f'{phase.name}/{d}'] = _phase_step(
           dp, dp.init(params), host_batches
       )
-  times = profiling.interleaved_times(calls, repeats=repeats)
+  times = harness.interleaved_times(calls, repeats=repeats)
   rows = []
   for phase in plan.phases:
     first = f'{phase.name}/{num_devices[0]}'
@@ -200,8 +200,8 @@ def run(
               'microbatch': microbatch,
               'per_device': microbatch // d,
               'microbatches': microbatches,
-              'step_ms': profiling.median(times[name]) * 1e3,
-              'over_first': profiling.paired_ratio(times[name], times[first]),
+              'step_ms': harness.median(times[name]) * 1e3,
+              'over_first': harness.paired_ratio(times[name], times[first]),
               'max_param_diff': diff,
           }
       )
@@ -228,7 +228,7 @@ def table(rows: list[dict]) -> str:
       ]
       for r in rows
   ]
-  return profiling.format_table(header, body)
+  return harness.format_table(header, body)
 
 
 def main(argv: list[str]) -> None:

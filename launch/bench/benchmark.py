@@ -55,15 +55,16 @@ import functools
 
 from absl import app
 from absl import flags
-from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from launch.bench import harness
 from launch.bench import profiling
 from raptor_jax import models, roles
 from raptor_jax.train import methods, parallel
+from raptor_jax.train import setup as train_setup
 from raptor_jax.train import step as step_lib
 
 
@@ -179,27 +180,6 @@ def build(
   return module, params['params']
 
 
-def split(params, is_trainable):
-  """(trainable, frozen) nested dicts; `is_trainable(path_tuple)` decides."""
-  flat = traverse_util.flatten_dict(params)
-  pick = lambda keep: traverse_util.unflatten_dict(
-      {k: v for k, v in flat.items() if is_trainable(k) == keep}
-  )
-  return pick(True), pick(False)
-
-
-def merge(*trees):
-  flat = {}
-  for tree in trees:
-    flat.update(traverse_util.flatten_dict(tree))
-  return traverse_util.unflatten_dict(flat)
-
-
-def is_shared(path) -> bool:
-  """Shared stream (paper App. C, `roles.SHARED_ROLES`): attention LoRA + the head."""
-  return roles.role_of('/'.join(path)) in roles.SHARED_ROLES
-
-
 def batch(
     num_records: int,
     seq_len: int,
@@ -220,6 +200,16 @@ def batch(
   )
 
 
+def host_batch(ids, mask, labels, owners=None) -> dict:
+  """The trainer's host batch of one microbatch (owners zero when unused)."""
+  return {
+      'input_ids': ids,
+      'attention_mask': mask,
+      'labels': labels,
+      'owners': jnp.zeros_like(labels) if owners is None else owners,
+  }
+
+
 def _xent(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
@@ -231,7 +221,8 @@ def nonprivate_step(module):
   def step(trainable, opt_state, frozen, records):
     def mean_loss(trainable):
       ids, mask, labels = records
-      logits, _ = module.apply({'params': merge(frozen, trainable)}, ids, mask)
+      params = step_lib.merged_params(frozen, trainable)
+      logits, _ = module.apply({'params': params}, ids, mask)
       return jnp.mean(_xent(logits, labels))
 
     updates, opt_state = adam.update(
@@ -242,44 +233,41 @@ def nonprivate_step(module):
   return step, adam
 
 
-def one_part_phase(
-    name: str,
-    part_roles,
-    *,
-    denominator: float,
-    blocks=None,
-    owner: bool = False,
-    residual: bool = False,
-) -> methods.Phase:
-  """A phase of one part with the benchmark's clip and noise multiplier."""
-  return methods.Phase(
-      name=name,
-      stream=0,
-      parts=(
-          methods.Part(
-              name=name,
-              roles=tuple(part_roles),
-              blocks=blocks,
-              owner=owner,
-              l2_clip=L2_CLIP,
-              noise_multiplier=NOISE_MULTIPLIER,
-              denominator=denominator,
-              residual=residual,
-          ),
-      ),
+def stream_phase(stream: str, denominator: float, layer=None):
+  """(phase, `PhaseStep` keywords) of RAPTOR's 'shared' stream (attention
+  LoRA + head) or 'expert' stream (owner slices of block `layer`'s expert
+  LoRA, the residual weight 'shared'): one part, the benchmark's clip and
+  noise multiplier."""
+  expert = stream == 'expert'
+  part = methods.Part(
+      name=stream,
+      roles=tuple(roles.EXPERT_ROLES if expert else roles.SHARED_ROLES),
+      blocks=(layer,) if expert else None,
+      owner=expert,
+      l2_clip=L2_CLIP,
+      noise_multiplier=NOISE_MULTIPLIER,
+      denominator=denominator,
+      residual=expert,
+  )
+  extra = dict(expert_layer=layer, residual='shared') if expert else {}
+  return methods.Phase(name=stream, stream=0, parts=(part,)), extra
+
+
+def phase_step(module, phase, *, key, devices=1, **kwargs):
+  """The trainer's `PhaseStep` of `phase` on a mesh of `devices` (0: every
+  device); `kwargs` as `stream_phase`'s."""
+  return step_lib.PhaseStep(
+      module,
+      phase,
+      key=key,
+      learning_rate=LEARNING_RATE,
+      mesh=parallel.make_mesh(devices),
+      **kwargs,
   )
 
 
 def dp_step(
-    module,
-    params,
-    phase: methods.Phase,
-    records,
-    owners,
-    *,
-    key,
-    expert_layer=None,
-    residual: str = 'none',
+    module, params, phase: methods.Phase, records, owners, *, key, **kwargs
 ):
   """The trainer's DP step through the public API (`train.step.PhaseStep`, 1 device).
 
@@ -288,25 +276,11 @@ def dp_step(
   does: zero sums, place the records, accumulate (vmap(grad) per record,
   clip, float32 sums), update (noise once, public denominator, Adam).
   """
-  dp = step_lib.PhaseStep(
-      module,
-      phase,
-      key=key,
-      learning_rate=LEARNING_RATE,
-      mesh=parallel.make_mesh(1),
-      expert_layer=expert_layer,
-      residual=residual,
-  )
+  dp = phase_step(module, phase, key=key, **kwargs)
   state = dp.init(params)
-  ids, mask, labels = records
-  batch = {
-      'input_ids': ids,
-      'attention_mask': mask,
-      'labels': labels,
-      'owners': owners,
-  }
+  batch = host_batch(*records, owners)
   placed = parallel.shard_records(
-      (batch, np.ones(len(labels), np.float32)), dp.mesh
+      (batch, np.ones(len(owners), np.float32)), dp.mesh
   )
   args = (state.trainable, state.frozen, dp.zero_sums(state), *placed)
   compiled = profiling.compile_timed(dp.functions.accumulate, *args)
@@ -338,7 +312,8 @@ def run_shared(
 ) -> list[dict]:
   """Non-private vs DP shared-stream step per microbatch size; one dict per m."""
   module, params = build(config, seq_len)
-  trainable, frozen = split(params, is_shared)
+  shared = lambda m: stream_phase('shared', float(m))[0]
+  trainable, frozen = train_setup.partition(params, shared(1).parts)
   rows = []
   for m in microbatch_sizes:
     records, owners = batch(
@@ -354,9 +329,8 @@ def run_shared(
     nonprivate = profiling.compile_timed(step, *args)
     calls['nonprivate'] = functools.partial(nonprivate.compiled, *args)
     row['nonprivate_compile_s'] = nonprivate.lower_s + nonprivate.compile_s
-    phase = one_part_phase('shared', roles.SHARED_ROLES, denominator=float(m))
     _, (_, compiled, _), update_s, calls['dp'] = dp_step(
-        module, params, phase, records, owners, key=jax.random.key(0)
+        module, params, shared(m), records, owners, key=jax.random.key(0)
     )
     row['dp_compile_s'] = compiled.lower_s + compiled.compile_s + update_s
     for name, program in (
@@ -365,12 +339,12 @@ def run_shared(
     ):
       stats = profiling.memory_stats(program)
       row[f'{name}_temp_mb'] = stats['temp'] / _MB if stats else float('nan')
-    times = profiling.interleaved_times(calls, repeats=repeats)
-    for name in calls:
-      row[f'{name}_ms'] = profiling.median(times[name]) * 1e3
-    row['dp_over_nonprivate'] = profiling.paired_ratio(
-        times['dp'], times['nonprivate']
+    pair = ('dp', 'nonprivate')
+    ms, ratios = harness.interleaved_medians(
+        calls, repeats=repeats, pairs=[pair]
     )
+    row.update({f'{name}_ms': v for name, v in ms.items()})
+    row['dp_over_nonprivate'] = ratios[pair]
     rows.append(row)
   return rows
 
@@ -395,23 +369,9 @@ def run_expert(
     layer = cfg.expert_lora_layers[0]
     module, params = build(cfg, seq_len)
     records, owners = batch(microbatch, seq_len, cfg.vocab_size, e, seed=e)
-    phase = one_part_phase(
-        'expert',
-        roles.EXPERT_ROLES,
-        denominator=microbatch / e,
-        blocks=(layer,),
-        owner=True,
-        residual=True,
-    )
+    phase, extra = stream_phase('expert', microbatch / e, layer)
     state, (accumulate, compiled, args), update_s, calls[e] = dp_step(
-        module,
-        params,
-        phase,
-        records,
-        owners,
-        key=jax.random.key(1),
-        expert_layer=layer,
-        residual='shared',
+        module, params, phase, records, owners, key=jax.random.key(1), **extra
     )
     stats = profiling.memory_stats(compiled.compiled) or {}
     _, step_flops = profiling.loop_corrected_flops(
@@ -434,73 +394,52 @@ def run_expert(
         }
     )
     buffers[e] = profiling.largest_buffers(compiled.compiled, num_buffers)
-  times = profiling.interleaved_times(calls, repeats=repeats)
+  first = num_experts[0]
+  ms, ratios = harness.interleaved_medians(
+      calls, repeats=repeats, pairs=[(e, first) for e in num_experts]
+  )
   for row in rows:
-    row['step_ms'] = profiling.median(times[row['E']]) * 1e3
+    row['step_ms'] = ms[row['E']]
     row['temp_over_first'] = row['temp_mb'] / rows[0]['temp_mb']
     row['flops_over_first'] = row['gflop'] / rows[0]['gflop']
-    row['time_over_first'] = profiling.paired_ratio(
-        times[row['E']], times[rows[0]['E']]
-    )
+    row['time_over_first'] = ratios[row['E'], first]
   return rows, buffers
 
 
+SHARED_COLUMNS = (  # (header, key or keys, format)
+    ('m', 'm', ''),
+    ('non-private ms', 'nonprivate_ms', '.1f'),
+    ('DP ms', 'dp_ms', '.1f'),
+    ('DP/non-private', 'dp_over_nonprivate', '.2f'),
+    (
+        'compile s (non-priv, DP)',
+        ('nonprivate_compile_s', 'dp_compile_s'),
+        '.1f',
+    ),
+    ('temp MB (non-priv, DP)', ('nonprivate_temp_mb', 'dp_temp_mb'), '.1f'),
+)
+EXPERT_COLUMNS = (
+    ('E', 'E', ''),
+    ('expert LoRA params', 'expert_lora_params', ''),
+    ('per-record grads MB', 'per_record_grad_mb', '.2f'),
+    ('temp MB', 'temp_mb', '.1f'),
+    ('temp / first', 'temp_over_first', '.2f'),
+    ('argument MB', 'argument_mb', '.1f'),
+    ('output MB', 'output_mb', '.2f'),
+    ('GF (loops x trips)', 'gflop', '.1f'),
+    ('GF / first', 'flops_over_first', '.2f'),
+    ('step ms', 'step_ms', '.1f'),
+    ('time / first', 'time_over_first', '.2f'),
+    ('compile s', 'compile_s', '.1f'),
+)
+
+
 def shared_table(rows: list[dict]) -> str:
-  header = [
-      'm',
-      'non-private ms',
-      'DP ms',
-      'DP/non-private',
-      'compile s (non-priv, DP)',
-      'temp MB (non-priv, DP)',
-  ]
-  body = [
-      [
-          r['m'],
-          f"{r['nonprivate_ms']:.1f}",
-          f"{r['dp_ms']:.1f}",
-          f"{r['dp_over_nonprivate']:.2f}",
-          f"{r['nonprivate_compile_s']:.1f}, {r['dp_compile_s']:.1f}",
-          f"{r['nonprivate_temp_mb']:.1f}, {r['dp_temp_mb']:.1f}",
-      ]
-      for r in rows
-  ]
-  return profiling.format_table(header, body)
+  return harness.dict_table(SHARED_COLUMNS, rows)
 
 
 def expert_table(rows: list[dict]) -> str:
-  header = [
-      'E',
-      'expert LoRA params',
-      'per-record grads MB',
-      'temp MB',
-      'temp / first',
-      'argument MB',
-      'output MB',
-      'GF (loops x trips)',
-      'GF / first',
-      'step ms',
-      'time / first',
-      'compile s',
-  ]
-  body = [
-      [
-          r['E'],
-          r['expert_lora_params'],
-          f"{r['per_record_grad_mb']:.2f}",
-          f"{r['temp_mb']:.1f}",
-          f"{r['temp_over_first']:.2f}",
-          f"{r['argument_mb']:.1f}",
-          f"{r['output_mb']:.2f}",
-          f"{r['gflop']:.1f}",
-          f"{r['flops_over_first']:.2f}",
-          f"{r['step_ms']:.1f}",
-          f"{r['time_over_first']:.2f}",
-          f"{r['compile_s']:.1f}",
-      ]
-      for r in rows
-  ]
-  return profiling.format_table(header, body)
+  return harness.dict_table(EXPERT_COLUMNS, rows)
 
 
 def buffer_table(buffers: list[profiling.Buffer]) -> str:
@@ -513,7 +452,7 @@ def buffer_table(buffers: list[profiling.Buffer]) -> str:
       ]
       for b in buffers
   ]
-  return profiling.format_table(
+  return harness.format_table(
       ['MB', 'shape', 'HLO op', 'JAX op (last parts)'], body
   )
 

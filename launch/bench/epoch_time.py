@@ -5,7 +5,7 @@ The question a user asks is wall time per epoch on their data, not per
 fixed-shape step. One command takes SST-2 train and the QNLI train sample
 (`../shared/data`), tokenised with the given WordPiece tokenizer at
 `:small`'s lengths (64 and 128), and the `:small` model shape with random
-weights (`vs_opacus.save_switch`: the same weights on both sides), and
+weights (`raptor_side.save_switch`: the same weights on both sides), and
 times one epoch of Poisson steps at expected batch B in microbatches of m:
 
   raptor            the trainer's `PhaseStep` with length buckets: a step's
@@ -45,7 +45,7 @@ Before timing, the first timed step is checked with the noise off in this
 process: raptor's bucketed sums against its unbucketed sums, and against
 torch's (non-private gradient sums; Opacus hooks' clipped sums,
 `p.summed_grad`; the expert stream's owner sums from Opacus's per-sample
-gradients, `vs_opacus.owner_reference`).
+gradients, `torch_side.owner_reference`).
 
   python -m launch.bench.epoch_time --tokenizer=<model or tokenizer dir>
   python -m launch.bench.epoch_time --quick     # generated records, seconds
@@ -71,8 +71,8 @@ if __name__ == '__main__':  # first, before any library starts a thread
     _process.setup(argv=sys.argv)
 
 import dataclasses
-import json
 import os
+import pickle
 import tempfile
 
 from absl import app
@@ -81,26 +81,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch.bench import benchmark
+from launch.bench import epochs
 from launch.bench import harness
-from launch.bench import vs_opacus
-from raptor_jax import length_buckets, sampling
+from launch.bench import raptor_side
+from launch.bench import torch_side
 
 STREAMS = ('nonprivate', 'shared', 'expert')
-TASKS = {  # task: (train file under --data_dir, max_length)
-    'sst2': ('glue/sst2/train.tsv', 64),
-    'qnli': ('glue/qnli/train_sample.tsv', 128),
-}
-SMALL = dict(  # the `:small` model shape (configs/pretrain_switch.py)
-    d_model=128,
-    d_kv=32,
-    num_heads=4,
-    d_ff=512,
-    num_layers=4,
-    num_experts=8,
-    expert_capacity=64,
-    lora_rank=8,
-    lora_alpha=16.0,
-)
 
 
 def define_flags() -> None:
@@ -108,7 +95,7 @@ def define_flags() -> None:
   flags.DEFINE_bool(
       'quick', False, 'Generated records, tiny model: a smoke test.'
   )
-  flags.DEFINE_list('tasks', list(TASKS), 'Tasks, from: sst2, qnli.')
+  flags.DEFINE_list('tasks', list(epochs.TASKS), 'Tasks, from: sst2, qnli.')
   flags.DEFINE_string('data_dir', '../shared/data', 'GLUE files are under it.')
   flags.DEFINE_string('tokenizer', '', 'A model or tokenizer directory.')
   flags.DEFINE_integer('batch_size', 500, 'Expected batch B (Poisson).')
@@ -127,143 +114,6 @@ def define_flags() -> None:
 
 
 # ---------------------------------------------------------------------------
-# The epoch: records, Poisson samples, each column's microbatch layout.
-
-
-@dataclasses.dataclass
-class Epoch:
-  """One task's records and one epoch of Poisson samples."""
-
-  task: str
-  input_ids: np.ndarray  # int32 [n, max_length], right-padded
-  lengths: np.ndarray  # int64 [n]
-  labels: np.ndarray  # int32 [n]
-  owners: (
-      np.ndarray
-  )  # int32 [n] (random: the layout, not the owner map, is timed)
-  samples: list[np.ndarray]  # one sorted index array per step
-  buckets: tuple[int, ...]
-  microbatch: int
-
-  @property
-  def max_length(self) -> int:
-    return self.input_ids.shape[1]
-
-  def layout(
-      self, column: str, step: int
-  ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """[(length, indices, mask)]: the microbatches `column` runs for `step`.
-
-    'raptor': the trainer's bucketed layout (padding rows: index 0, mask 0);
-    'raptor unbucketed': every record at max_length; 'torch': the sample in
-    its order, m at a time, each padded to its longest record (no padding
-    rows).
-    """
-    sample, m = self.samples[step], self.microbatch
-    if column == 'raptor':
-      return [
-          (b, mb.indices, mb.mask)
-          for b, mb in length_buckets.bucketed_microbatches(
-              sample, self.lengths, self.buckets, m
-          )
-      ]
-    if column == 'raptor unbucketed':
-      return [
-          (self.max_length, mb.indices, mb.mask)
-          for mb in sampling.microbatches(sample, m)
-      ]
-    out = []
-    for start in range(0, len(sample), m):
-      chunk = sample[start : start + m]
-      out.append(
-          (
-              int(self.lengths[chunk].max()),
-              chunk,
-              np.ones(len(chunk), np.float32),
-          )
-      )
-    return out
-
-  def tokens(self, column: str) -> tuple[int, int]:
-    """(real, processed) tokens of the whole epoch in `column`'s layout."""
-    real = sum(int(self.lengths[s].sum()) for s in self.samples)
-    processed = sum(
-        length * len(indices)
-        for step in range(len(self.samples))
-        for length, indices, _ in self.layout(column, step)
-    )
-    return real, processed
-
-  def timed_steps(self, count: int) -> list[int]:
-    """`count` step indices spread evenly over the epoch."""
-    n = len(self.samples)
-    return sorted({int(i) for i in np.linspace(0, n - 1, max(count, 1))})
-
-
-def make_epoch(
-    task, data, *, batch_size, microbatch, num_experts, seed=0
-) -> Epoch:
-  """The epoch of `data` ((input_ids, attention_mask, labels)) at batch B."""
-  ids, mask, labels = (np.asarray(x) for x in data)
-  n = len(labels)
-  lengths = length_buckets.record_lengths(mask)
-  steps = max(n // batch_size, 1)
-  samples = [
-      sampling.poisson_sample(n, batch_size / n, seed=seed, stream=0, step=t)
-      for t in range(steps)
-  ]
-  owners = np.random.default_rng(seed).integers(0, num_experts, n)
-  return Epoch(
-      task=task,
-      input_ids=ids.astype(np.int32),
-      lengths=lengths,
-      labels=labels.astype(np.int32),
-      owners=owners.astype(np.int32),
-      samples=samples,
-      buckets=length_buckets.default_buckets(ids.shape[1]),
-      microbatch=microbatch,
-  )
-
-
-def load_records(task: str, data_dir: str, tokenizer: str):
-  """(input_ids, attention_mask, labels) of the task's train file."""
-  from raptor_jax.data import encoding, tasks  # pylint: disable=import-outside-toplevel
-
-  path, max_length = TASKS[task]
-  data = tasks.load_task_split(
-      task,
-      'train',
-      tokenizer=encoding.load_tokenizer(tokenizer),
-      path=os.path.join(data_dir, path),
-      max_length=max_length,
-  )
-  return data.input_ids, data.attention_mask, data.labels
-
-
-def generated_records(n: int, max_length: int, vocab: int, seed: int = 0):
-  """Records with lengths like real text's (short, a long tail): --quick."""
-  rng = np.random.default_rng(seed)
-  lengths = np.clip(rng.geometric(3.0 / max_length, n) + 2, 2, max_length)
-  mask = (np.arange(max_length)[None] < lengths[:, None]).astype(np.int32)
-  ids = rng.integers(1, vocab, (n, max_length)).astype(np.int32) * mask
-  return ids, mask, rng.integers(0, 2, n).astype(np.int32)
-
-
-def useful_flops(epoch: Epoch, sizes: vs_opacus.Sizes) -> float:
-  """2 x the forward matmul FLOPs of the epoch's real tokens (see module doc)."""
-  d, h = sizes.d_model, sizes.num_heads * sizes.d_kv
-  sparse = sizes.num_layers // 2
-  per_token = sizes.num_layers * (8 * d * h + 4 * d * sizes.d_ff)
-  per_token += sparse * 2 * d * sizes.num_experts  # routers
-  total = 0.0
-  for s in epoch.samples:
-    lengths = epoch.lengths[s].astype(np.float64)
-    total += per_token * lengths.sum()
-    total += sizes.num_layers * 4 * h * (lengths**2).sum()  # scores, values
-  return 2.0 * total
-
-
-# ---------------------------------------------------------------------------
 # One side's calls: run step r of the timed steps, one stream and layout.
 
 
@@ -273,10 +123,10 @@ def _raptor_calls(epoch, sizes, path, streams, steps, batch_size):
   The warm-up compiles every (stream, bucket) shape the timed steps use,
   once each, so no round pays a compilation.
   """
-  module, params = vs_opacus.raptor_model(path, sizes)
+  module, params = raptor_side.raptor_model(path, sizes)
   calls, warm = {}, []
   for stream in streams:
-    dp, state = vs_opacus.phase_step(
+    dp, state = raptor_side.phase_step(
         module, params, sizes, stream, float(batch_size)
     )
     for layout in ('raptor', 'raptor unbucketed'):
@@ -285,10 +135,7 @@ def _raptor_calls(epoch, sizes, path, streams, steps, batch_size):
       shapes = {b['input_ids'].shape: (b, m) for mbs in batches for b, m in mbs}
       warm.append((dp, state, list(shapes.values())))
   rows = epoch.microbatch * epoch.max_length
-  for name, (k, n) in {
-      'gemm wi': (sizes.d_model, sizes.d_ff),
-      'gemm wo': (sizes.d_ff, sizes.d_model),
-  }.items():
+  for name, (k, n) in _gemms(sizes).items():
     x = jnp.ones((rows, k), jnp.float32)
     w = jnp.ones((k, n), jnp.float32) / k
     calls[name] = lambda r, x=x, w=w: _gemm(x, w)
@@ -296,11 +143,9 @@ def _raptor_calls(epoch, sizes, path, streams, steps, batch_size):
   def warmup():
     for _ in range(2):
       for dp, state, shapes in warm:
-        sums = dp.zero_sums(state)
-        for batch, mask in shapes:
-          sums = dp.accumulate(state, sums, batch, mask)
+        sums = _sums(dp, state, shapes)
         jax.block_until_ready(dp.update(state, sums).trainable)
-      for name in ('gemm wi', 'gemm wo'):
+      for name in _gemms(sizes):
         jax.block_until_ready(calls[name](0))
 
   return calls, warmup
@@ -311,21 +156,34 @@ def _gemm(x, w):
   return x @ w
 
 
+def _gemms(sizes):
+  """{column: (k, n)} of the feed-forward GEMMs timed for the peak."""
+  return {
+      'gemm wi': (sizes.d_model, sizes.d_ff),
+      'gemm wo': (sizes.d_ff, sizes.d_model),
+  }
+
+
+def _sums(dp, state, microbatches):
+  """The gradient sums of `microbatches` [(host batch, mask)]."""
+  sums = dp.zero_sums(state)
+  for batch, mask in microbatches:
+    sums = dp.accumulate(state, sums, batch, mask)
+  return sums
+
+
 def _host_batches(epoch, layout):
-  out = []
-  for length, idx, mask in layout:
-    batch = vs_opacus.host_batch(
-        jnp.asarray(epoch.input_ids[idx, :length]),
-        jnp.asarray(
-            (np.arange(length)[None] < epoch.lengths[idx, None]).astype(
-                np.int32
-            )
-        ),
-        jnp.asarray(epoch.labels[idx]),
-        jnp.asarray(epoch.owners[idx]),
-    )
-    out.append((batch, jnp.asarray(mask, jnp.float32)))
-  return out
+  """[(host batch, mask)]: the trainer's microbatches of `layout`."""
+  return [
+      (
+          benchmark.host_batch(
+              *map(jnp.asarray, epoch.arrays(length, idx)),
+              jnp.asarray(epoch.owners[idx]),
+          ),
+          jnp.asarray(mask, jnp.float32),
+      )
+      for length, idx, mask in layout
+  ]
 
 
 def _raptor_step(dp, state, batches):
@@ -333,10 +191,7 @@ def _raptor_step(dp, state, batches):
   holder = [state]
 
   def call(r):
-    sums = dp.zero_sums(holder[0])
-    for batch, mask in batches[r]:
-      sums = dp.accumulate(holder[0], sums, batch, mask)
-    holder[0] = dp.update(holder[0], sums)
+    holder[0] = dp.update(holder[0], _sums(dp, holder[0], batches[r]))
     return holder[0].trainable
 
   return call
@@ -344,97 +199,27 @@ def _raptor_step(dp, state, batches):
 
 def _torch_calls(epoch, sizes, path, streams, steps, modes):
   """({column: call(r)}, {column: error}) of PyTorch and Opacus."""
-  import torch  # pylint: disable=import-outside-toplevel
-
-  _, params = vs_opacus.raptor_model(path, sizes)
+  _, params = raptor_side.raptor_model(path, sizes)
   batches = [_torch_batches(epoch, epoch.layout('torch', t)) for t in steps]
   calls, failed = {}, {}
   for stream in streams:
     if stream == 'nonprivate':
-      model = vs_opacus.torch_model(path, sizes, params, 'shared')
-      calls['torch nonprivate'] = _torch_step(model, batches)
+      model = torch_side.torch_model(path, sizes, params, 'shared')
+      calls['torch nonprivate'] = torch_side.torch_step(model, batches)[0]
       continue
     for mode in modes:
       column = f'opacus {mode} {stream}'
       try:
-        model = vs_opacus.torch_model(path, sizes, params, stream)
-        dp_model, dp_opt = opacus_private(model, mode, len(epoch.samples[0]))
-        calls[column] = _opacus_step(dp_model, dp_opt, batches)
+        model = torch_side.torch_model(path, sizes, params, stream)
+        private = torch_side.opacus_private(model, mode, len(epoch.samples[0]))
+        calls[column] = torch_side.opacus_step(*private, batches)
       except Exception as e:  # pylint: disable=broad-except
-        failed[column] = f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'
-  del torch
+        failed[column] = harness.error_line(e)
   return calls, failed
 
 
 def _torch_batches(epoch, layout):
-  import torch  # pylint: disable=import-outside-toplevel
-
-  out = []
-  for length, idx, _ in layout:
-    ids = torch.tensor(epoch.input_ids[idx, :length]).long()
-    mask = (
-        torch.arange(length)[None] < torch.tensor(epoch.lengths[idx])[:, None]
-    ).long()
-    out.append((ids, mask, torch.tensor(epoch.labels[idx]).long()))
-  return out
-
-
-def opacus_private(model, mode: str, expected_batch: int):
-  """(dp_model, dp_optimizer): Opacus DP-Adam, flat clip, mean loss."""
-  import torch  # pylint: disable=import-outside-toplevel
-  from opacus import PrivacyEngine  # pylint: disable=import-outside-toplevel
-
-  trainable = [p for p in model.parameters() if p.requires_grad]
-  adam = torch.optim.Adam(trainable, lr=vs_opacus.benchmark.LEARNING_RATE)
-  loader = torch.utils.data.DataLoader(
-      torch.utils.data.TensorDataset(torch.zeros(expected_batch)),
-      batch_size=expected_batch,
-  )
-  dp_model, dp_opt, _ = PrivacyEngine(accountant='rdp').make_private(
-      module=model,
-      optimizer=adam,
-      data_loader=loader,
-      noise_multiplier=vs_opacus.benchmark.NOISE_MULTIPLIER,
-      max_grad_norm=vs_opacus.L2_CLIP,
-      loss_reduction='mean',
-      poisson_sampling=False,
-      grad_sample_mode=mode,
-  )
-  return dp_model, dp_opt
-
-
-def _opacus_step(dp_model, dp_opt, batches):
-  """call(r): step r as BatchMemoryManager runs it (skip all but the last)."""
-  import torch  # pylint: disable=import-outside-toplevel
-
-  def call(r):
-    mbs = batches[r]
-    for i, (ids, mask, labels) in enumerate(mbs):
-      dp_opt.zero_grad(set_to_none=True)
-      torch.nn.functional.cross_entropy(dp_model(ids, mask), labels).backward()
-      dp_opt.signal_skip_step(do_skip=i < len(mbs) - 1)
-      dp_opt.step()
-
-  return call
-
-
-def _torch_step(model, batches):
-  """call(r): gradient accumulation over step r's microbatches, then Adam."""
-  import torch  # pylint: disable=import-outside-toplevel
-
-  trainable = [p for p in model.parameters() if p.requires_grad]
-  adam = torch.optim.Adam(trainable, lr=vs_opacus.benchmark.LEARNING_RATE)
-
-  def call(r):
-    adam.zero_grad(set_to_none=True)
-    for ids, mask, labels in batches[r]:
-      loss = torch.nn.functional.cross_entropy(
-          model(ids, mask), labels, reduction='sum'
-      )
-      loss.backward()
-    adam.step()
-
-  return call
+  return [torch_side.torch_batch(epoch.arrays(n, i)) for n, i, _ in layout]
 
 
 # ---------------------------------------------------------------------------
@@ -444,64 +229,47 @@ def _torch_step(model, batches):
 def _raptor_sums(
     epoch, sizes, module, params, stream, layout, step, batch_size
 ):
-  dp, state = vs_opacus.phase_step(
+  dp, state = raptor_side.phase_step(
       module, params, sizes, stream, float(batch_size)
   )
-  sums = dp.zero_sums(state)
-  for batch, mask in _host_batches(epoch, epoch.layout(layout, step)):
-    sums = dp.accumulate(state, sums, batch, mask)
+  sums = _sums(dp, state, _host_batches(epoch, epoch.layout(layout, step)))
   (part,) = dp.phase.parts
   return {p: np.asarray(v) for p, v in sums[part.name].items()}
 
 
 def _torch_sums(epoch, sizes, path, params, stream, step, batch_size):
   """Step `step`'s gradient sums on the torch side (noise off)."""
-  import torch  # pylint: disable=import-outside-toplevel
-
-  model = vs_opacus.torch_model(
+  model = torch_side.torch_model(
       path, sizes, params, 'expert' if stream == 'expert' else 'shared'
   )
   layout = epoch.layout('torch', step)
   if stream == 'nonprivate':
-    for ids, mask, labels in _torch_batches(epoch, layout):
-      torch.nn.functional.cross_entropy(
-          model(ids, mask), labels, reduction='sum'
-      ).backward()
-    return vs_opacus.torch_grads(model)
-  dp_model, dp_opt = opacus_private(model, 'hooks', batch_size)
+    torch_side.torch_step(model, [_torch_batches(epoch, layout)])[1](0)
+    return torch_side.torch_grads(model)
+  dp_model, dp_opt, criterion = torch_side.opacus_private(
+      model, 'hooks', batch_size, noise_multiplier=0.0
+  )
   if stream == 'expert':
     total = {}
     for length, idx, _ in layout:
-      batch = (
-          epoch.input_ids[idx, :length],
-          (np.arange(length)[None] < epoch.lengths[idx, None]).astype(np.int32),
-          epoch.labels[idx],
-      )
-      ref = vs_opacus.owner_reference(
-          model, dp_model, batch, epoch.owners[idx], sizes
+      ref = torch_side.owner_reference(
+          model, dp_model, epoch.arrays(length, idx), epoch.owners[idx], sizes
       )
       for p, v in ref.items():  # reference / (n / E) -> the owner sums
         total[p] = total.get(p, 0.0) + v * len(idx) / sizes.num_experts
     return total
-  dp_opt.noise_multiplier = 0.0
   for ids, mask, labels in _torch_batches(epoch, layout):
     dp_opt.zero_grad(set_to_none=True)
-    torch.nn.functional.cross_entropy(dp_model(ids, mask), labels).backward()
+    criterion(dp_model(ids, mask), labels).backward()
     dp_opt.signal_skip_step(do_skip=True)
     dp_opt.step()  # clip and accumulate into p.summed_grad only
-  return {
-      vs_opacus._raptor_path(n): vs_opacus._raptor_layout(  # pylint: disable=protected-access
-          n, p.summed_grad.detach().numpy()
-      )
-      for n, p in model.named_parameters()
-      if p.requires_grad
-  }
+  return torch_side.torch_grads(model, 'summed_grad')
 
 
 def check(epoch, sizes, path, step, streams, batch_size, tolerance):
   """{pair: relative error} of step `step`'s sums (noise off); raises past
   `tolerance`."""
-  module, params = vs_opacus.raptor_model(path, sizes)
+  module, params = raptor_side.raptor_model(path, sizes)
   errors = {}
   for stream in streams:
     args = (epoch, sizes, module, params, stream)
@@ -509,7 +277,7 @@ def check(epoch, sizes, path, step, streams, batch_size, tolerance):
     plain = _raptor_sums(*args, 'raptor unbucketed', step, batch_size)
     theirs = _torch_sums(epoch, sizes, path, params, stream, step, batch_size)
     for name, other in (('unbucketed', plain), ('torch', theirs)):
-      err = vs_opacus.relative_error(ours, other)
+      err = torch_side.relative_error(ours, other)
       errors[f'{stream}: raptor vs {name}'] = err
       if not err <= tolerance:
         raise AssertionError(
@@ -523,42 +291,12 @@ def check(epoch, sizes, path, step, streams, batch_size, tolerance):
 # Workers, the parent, the tables.
 
 
-def save_epoch(epoch: Epoch, path: str) -> None:
-  offsets = np.cumsum([0] + [len(s) for s in epoch.samples])
-  np.savez(
-      path,
-      input_ids=epoch.input_ids,
-      lengths=epoch.lengths,
-      labels=epoch.labels,
-      owners=epoch.owners,
-      samples=np.concatenate(epoch.samples),
-      offsets=offsets,
-      buckets=np.asarray(epoch.buckets),
-      microbatch=epoch.microbatch,
-      task=epoch.task,
-  )
-
-
-def load_epoch(path: str) -> Epoch:
-  z = np.load(path)
-  o = z['offsets']
-  return Epoch(
-      task=str(z['task']),
-      input_ids=z['input_ids'],
-      lengths=z['lengths'],
-      labels=z['labels'],
-      owners=z['owners'],
-      samples=[z['samples'][a:b] for a, b in zip(o[:-1], o[1:])],
-      buckets=tuple(int(b) for b in z['buckets']),
-      microbatch=int(z['microbatch']),
-  )
-
-
 def serve(side: str, workdir: str) -> None:
   """A timing worker: one task's epoch and model from `workdir`."""
-  spec = json.loads(open(os.path.join(workdir, 'spec.json')).read())
-  epoch = load_epoch(os.path.join(workdir, 'epoch.npz'))
-  sizes = vs_opacus.Sizes(**spec['sizes'])
+  with open(os.path.join(workdir, 'spec.pkl'), 'rb') as f:
+    spec = pickle.load(f)
+  epoch = epochs.Epoch(**spec['epoch'])
+  sizes = raptor_side.Sizes(**spec['sizes'])
   args = (epoch, sizes, spec['model'], spec['streams'], spec['steps'])
   if side == 'raptor':
     calls, warmup = _raptor_calls(*args, spec['batch_size'])
@@ -569,14 +307,6 @@ def serve(side: str, workdir: str) -> None:
     torch.set_num_threads(spec['threads'])
     calls, failed = _torch_calls(*args, spec['modes'])
     harness.serve(calls, failed, warmup=lambda: [c(0) for c in calls.values()])
-
-
-def _sizes(max_length: int, vocab: int, quick: bool) -> vs_opacus.Sizes:
-  if quick:
-    return dataclasses.replace(vs_opacus.QUICK, seq_len=max_length)
-  return vs_opacus.Sizes(
-      **SMALL, vocab_size=vocab, seq_len=max_length, max_distance=128
-  )
 
 
 def time_task(
@@ -595,19 +325,19 @@ def time_task(
     threads=2,
 ):
   """One task's row: token counts, the check, the interleaved timings."""
-  sizes = _sizes(np.shape(data[0])[1], vocab, quick)
-  epoch = make_epoch(
+  sizes = epochs.model_sizes(np.shape(data[0])[1], vocab, quick)
+  epoch = epochs.make_epoch(
       task,
       data,
       batch_size=batch_size,
       microbatch=microbatch,
       num_experts=sizes.num_experts,
   )
-  model = vs_opacus.save_switch(os.path.join(workdir, 'model'), sizes)
+  model = raptor_side.save_switch(os.path.join(workdir, 'model'), sizes)
   timed = epoch.timed_steps(steps)
   errors = check(epoch, sizes, model, timed[0], streams, batch_size, tolerance)
-  save_epoch(epoch, os.path.join(workdir, 'epoch.npz'))
   spec = dict(
+      epoch=dataclasses.asdict(epoch),
       sizes=dataclasses.asdict(sizes),
       model=model,
       streams=list(streams),
@@ -616,16 +346,11 @@ def time_task(
       modes=list(modes),
       threads=threads,
   )
-  with open(os.path.join(workdir, 'spec.json'), 'w') as f:
-    json.dump(spec, f)
-  worker = lambda side, keep: [
-      sys.executable,
-      '-m',
-      'launch.bench.epoch_time',
-      f'--serve={side}',
-      f'--workdir={workdir}',
-      '--keep_host_memory' if keep else '--nokeep_host_memory',
-  ]
+  with open(os.path.join(workdir, 'spec.pkl'), 'wb') as f:
+    pickle.dump(spec, f)
+  worker = lambda side, keep: harness.worker_command(
+      'launch.bench.epoch_time', side, keep, f'--workdir={workdir}'
+  )
   times, failed = harness.worker_times(
       [(worker('raptor', True), str), (worker('torch', False), str)],
       repeats=len(timed),
@@ -641,8 +366,17 @@ def time_task(
       tokens={
           c: epoch.tokens(c) for c in ('raptor', 'raptor unbucketed', 'torch')
       },
-      useful=useful_flops(epoch, sizes),
+      useful=epochs.useful_flops(epoch, sizes),
   )
+
+
+EPOCH_COLUMNS = (
+    'task|stream|column|s/epoch|real tokens|processed tokens|padding|'
+    'useful FLOPs / peak'
+).split('|')
+RATIO_COLUMNS = (
+    'task|stream|unbucketed / buckets|torch or Opacus / buckets'.split('|')
+)
 
 
 def _best(times, prefix: str, stream: str) -> str | None:
@@ -666,10 +400,7 @@ def tables(rows) -> str:
     rows_mm = epoch.microbatch * epoch.max_length
     peak = max(
         2 * rows_mm * k * n / harness.median(t[name])
-        for name, (k, n) in {
-            'gemm wi': (sizes.d_model, sizes.d_ff),
-            'gemm wo': (sizes.d_ff, sizes.d_model),
-        }.items()
+        for name, (k, n) in _gemms(sizes).items()
     )
     lines.append(
         f"{row['task']}: {len(epoch.lengths)} records, {n_steps} steps of"
@@ -716,29 +447,9 @@ def tables(rows) -> str:
       [
           *lines,
           '\nOne epoch (seconds = mean timed step x steps per epoch)',
-          harness.format_table(
-              [
-                  'task',
-                  'stream',
-                  'column',
-                  's/epoch',
-                  'real tokens',
-                  'processed tokens',
-                  'padding',
-                  'useful FLOPs / peak',
-              ],
-              main,
-          ),
+          harness.format_table(EPOCH_COLUMNS, main),
           '\nEpoch-time ratios over raptor_jax with buckets (same steps)',
-          harness.format_table(
-              [
-                  'task',
-                  'stream',
-                  'unbucketed / buckets',
-                  'torch or Opacus / buckets',
-              ],
-              ratios,
-          ),
+          harness.format_table(RATIO_COLUMNS, ratios),
           '\nUpdate checks, noise off, first timed step: ||a - b|| / ||b||',
           harness.format_table(['task', 'pair', 'error'], checks),
       ]
@@ -756,26 +467,24 @@ def main(argv) -> None:
         'error: --tokenizer is required (a model or tokenizer directory, '
         'e.g. results/glue_small/model), or run --quick'
     )
-  quick_sizes = dict(batch_size=60, microbatch=10, steps=2)
-  options = (
-      dict(
-          batch_size=f.batch_size,
-          microbatch=f.microbatch,
-          steps=f.steps,
-      )
-      if not f.quick
-      else quick_sizes
+  options = dict(
+      batch_size=f.batch_size, microbatch=f.microbatch, steps=f.steps
   )
+  if f.quick:
+    options = dict(batch_size=60, microbatch=10, steps=2)
   rows = []
   for task in f.tasks if not f.quick else ['generated']:
     with tempfile.TemporaryDirectory() as workdir:
       if f.quick:
-        data, vocab = generated_records(180, 24, vs_opacus.QUICK.vocab_size), 0
+        data, vocab = (
+            epochs.generated_records(180, 24, raptor_side.QUICK.vocab_size),
+            0,
+        )
       else:
         from raptor_jax.data import encoding  # pylint: disable=import-outside-toplevel
 
         vocab = len(encoding.load_tokenizer(f.tokenizer))
-        data = load_records(task, f.data_dir, f.tokenizer)
+        data = epochs.load_records(task, f.data_dir, f.tokenizer)
       rows.append(
           time_task(
               task,

@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from launch.bench import benchmark
+from launch.bench import harness
 from launch.bench import profiling
-from raptor_jax import roles
 
 SWITCH_BASE_8 = dict(
     vocab_size=32128,
@@ -110,7 +110,7 @@ def matmul_peak_tflops(m: int, k: int, n: int, dtype: str, repeats: int):
     start = time.perf_counter()
     jax.block_until_ready(product(a, b))
     times.append(time.perf_counter() - start)
-  return 2 * m * k * n / profiling.median(times) / 1e12
+  return 2 * m * k * n / harness.median(times) / 1e12
 
 
 def _peak_bytes() -> int | None:
@@ -125,7 +125,7 @@ def _time(call, repeats: int) -> float:
     start = time.perf_counter()
     jax.block_until_ready(call())
     times.append(time.perf_counter() - start)
-  return profiling.median(times)
+  return harness.median(times)
 
 
 def measure(
@@ -151,16 +151,9 @@ def measure(
     )
     layer = config.sparse_layers[-1]
     phases = {
-        'shared': benchmark.one_part_phase(
-            'shared', roles.SHARED_ROLES, denominator=float(EXPECTED_BATCH)
-        ),
-        'expert': benchmark.one_part_phase(
-            'expert',
-            roles.EXPERT_ROLES,
-            denominator=EXPECTED_BATCH / config.num_experts,
-            blocks=(layer,),
-            owner=True,
-            residual=True,
+        'shared': benchmark.stream_phase('shared', float(EXPECTED_BATCH)),
+        'expert': benchmark.stream_phase(
+            'expert', EXPECTED_BATCH / config.num_experts, layer
         ),
     }
     peak = matmul_peak_tflops(
@@ -168,12 +161,7 @@ def measure(
     )
     row['matmul_tflops'] = peak
     microbatches = math.ceil(EXPECTED_BATCH / microbatch)
-    for stream, phase in phases.items():
-      extra = (
-          dict(expert_layer=layer, residual='shared')
-          if stream == 'expert'
-          else {}
-      )
+    for stream, (phase, extra) in phases.items():
       state, (accumulate, compiled, args), _, call = benchmark.dp_step(
           module,
           params,
@@ -263,7 +251,7 @@ def table(rows: list[dict], microbatch: int) -> str:
               '-' if fraction is None else f'{fraction:.1%}',
           ]
       )
-  return profiling.format_table(header, body)
+  return harness.format_table(header, body)
 
 
 # --quick: one row per dispatch family of code paths (a smoke test).

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from launch.bench import bench_dispatch
+from launch.bench import harness
 from launch.bench import profiling
 from raptor_jax.models import olmoe
 from raptor_jax.models import switch
@@ -212,7 +213,7 @@ def measure(
   peak = _peak_bytes()
   return dict(
       row,
-      ms=profiling.median(times) * 1e3,
+      ms=harness.median(times) * 1e3,
       xla_mib=xla / 2**20,
       peak_mib=None if peak is None else peak / 2**20,
   )
@@ -295,7 +296,7 @@ def table(rows: list[dict]) -> str:
             '-' if r['peak_mib'] is None else f"{r['peak_mib']:.1f}",
         ]
     )
-  return profiling.format_table(header, body)
+  return harness.format_table(header, body)
 
 
 def run(

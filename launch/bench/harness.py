@@ -1,4 +1,11 @@
-"""The benchmarks' one harness: worker processes taking turns, medians, ratios.
+"""The benchmarks' one harness: calls taking turns, medians, ratios.
+
+In one process (`interleaved_times`, `interleaved_medians`; `benchmark`,
+`bench_dispatch`, `bench_parallel`): the jitted variants of one step are
+called in turns (A, B, A, B, ...) after warm-up, round after round; each
+column gets its median and each pair its paired ratio (`paired_ratio`, the
+median of the per-round ratios, so load that changes during the run hits
+both alike). `format_table` and `dict_table` print the tables.
 
 Every side-by-side benchmark (`vs_opacus`, `epoch_time`) times each
 framework in its own worker process, as its users run it: one process, one
@@ -6,7 +13,7 @@ allocator and one set-up per framework. The parent asks the workers for one
 call at a time, column after column, round after round, so no two calls
 ever run at once and every column sees the same machine state; a ratio is
 then the median over rounds of the paired per-round ratios
-(`profiling.paired_ratio`), robust to a slow round that hits every column.
+(`paired_ratio`), robust to a slow round that hits every column.
 
 A worker is the benchmark's own script run with its `--serve` flag: it
 builds its calls, warms them up and then answers requests (`serve`). In a
@@ -18,6 +25,7 @@ the columns on the same input.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -25,14 +33,94 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from launch.bench import profiling
-
-format_table = profiling.format_table
-interleaved_times = profiling.interleaved_times
-median = profiling.median
-paired_ratio = profiling.paired_ratio
-
 _READY = '{"ready"'
+
+
+def interleaved_times(
+    fns: Mapping[str, Callable[[], Any]],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+  """Wall-clock seconds of each zero-argument callable, measured in turns.
+
+  Every round calls each function once, in the given order, and waits for
+  its outputs with ``jax.block_until_ready``. Compile the functions first
+  (or count the first call as warm-up): the warm-up rounds are not timed.
+
+  Returns:
+    ``{name: [seconds of round 0, round 1, ...]}``.
+  """
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats}.")
+  for _ in range(warmup):
+    for fn in fns.values():
+      jax.block_until_ready(fn())
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
+def median(samples: list[float]) -> float:
+  """The median of ``samples``."""
+  return float(statistics.median(samples))
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+  """Median over rounds of ``numerator[i] / denominator[i]``.
+
+  With interleaved rounds this is less sensitive to a load change during the
+  run than the ratio of the two medians.
+  """
+  if len(numerator) != len(denominator) or not numerator:
+    raise ValueError("need two non-empty lists of the same length.")
+  return median([a / b for a, b in zip(numerator, denominator)])
+
+
+def format_table(header: list[str], rows: list[list[Any]]) -> str:
+  """Left-aligned plain-text table (floats as given; format them first)."""
+  cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+  lines = [
+      "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells
+  ]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  return "\n".join(lines)
+
+
+def dict_table(columns, rows: Sequence[Mapping[str, Any]]) -> str:
+  """`format_table` of dict rows: one column per (header, key, format spec);
+  a tuple of keys makes one cell of their values, 'a, b'."""
+
+  def cell(row, keys, spec):
+    keys = (keys,) if isinstance(keys, str) else keys
+    return ", ".join(format(row[k], spec) for k in keys)
+
+  return format_table(
+      [header for header, _, _ in columns],
+      [[cell(r, keys, spec) for _, keys, spec in columns] for r in rows],
+  )
+
+
+def interleaved_medians(
+    calls: Mapping[str, Callable[[], Any]],
+    *,
+    repeats: int,
+    pairs: Sequence[tuple[str, str]] = (),
+) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+  """({column: median ms}, {(a, b): paired ratio a / b}) of in-process calls.
+
+  `calls` are timed in interleaved rounds after one warm-up round
+  (`interleaved_times`); a ratio is the median over rounds of
+  the per-round ratios (`paired_ratio`), for each pair in `pairs`.
+  """
+  times = interleaved_times(calls, repeats=repeats)
+  ms = {c: median(t) * 1e3 for c, t in times.items()}
+  return ms, {(a, b): paired_ratio(times[a], times[b]) for a, b in pairs}
 
 
 def serve(
@@ -65,6 +153,13 @@ def serve(
     start = time.perf_counter()
     jax.block_until_ready(calls[column](int(round_index or 0)))
     print(time.perf_counter() - start, flush=True)
+
+
+def worker_command(module: str, side: str, keep: bool, *args: str) -> list[str]:
+  """`python -m module --serve=side` with host memory kept or not
+  (`--[no]keep_host_memory`), then `args`: a timing worker's command."""
+  keep_flag = "--keep_host_memory" if keep else "--nokeep_host_memory"
+  return [sys.executable, "-m", module, f"--serve={side}", keep_flag, *args]
 
 
 def worker_times(
@@ -120,3 +215,9 @@ def ratio_rows(
       for a, b in pairs
       if a in times and b in times
   ]
+
+
+def error_line(e: Exception) -> str:
+  """'Type: the first line of its message' (120 characters at most): how a
+  column that could not be built is reported."""
+  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"

@@ -30,7 +30,8 @@ from absl import flags
 import jax
 import numpy as np
 
-from launch.bench import vs_opacus
+from launch.bench import raptor_side
+from launch.bench import torch_side
 from raptor_jax import host_devices
 from raptor_jax.models import hf
 
@@ -53,15 +54,15 @@ def define_flags() -> None:
   )
 
 
-def steps(path: str, sizes: vs_opacus.Sizes, m: int):
+def steps(path: str, sizes: raptor_side.Sizes, m: int):
   """({(kind, stream): (step, update with noise off)}, {stream: float64 torch update}).
 
   The float64 references are `vs_opacus`'s (torch's non-private gradient,
   Opacus hooks' clipped mean, the owner sums of its per-sample gradients):
   the yardstick for how far apart two float32 computations may be.
   """
-  module, params = vs_opacus.raptor_model(path, sizes)
-  batch, owners = vs_opacus.records(sizes, m, seed=m)
+  module, params = raptor_side.raptor_model(path, sizes)
+  batch, owners = raptor_side.records(sizes, m, seed=m)
   out = {}
   for kind in KINDS:
     new_backbone, _ = hf.with_options(
@@ -69,18 +70,18 @@ def steps(path: str, sizes: vs_opacus.Sizes, m: int):
     )
     classifier = module.clone(backbone=new_backbone)
     for stream in STREAMS:
-      out[kind, stream] = vs_opacus.raptor_dp(
+      out[kind, stream] = raptor_side.raptor_dp(
           classifier, params, batch, owners, sizes, stream
       )
-  exact = lambda stream: vs_opacus.torch_model(
+  exact = lambda stream: torch_side.torch_model(
       path, sizes, params, stream
   ).double()
   model64 = exact('expert')
-  _, _, dp_model64 = vs_opacus.opacus_dp(model64, batch, 'hooks', 0.0)
+  _, _, dp_model64 = torch_side.opacus_dp(model64, batch, 'hooks', 0.0)
   float64 = {
-      'nonprivate': vs_opacus.torch_nonprivate(exact('shared'), batch)[1],
-      'shared': vs_opacus.opacus_dp(exact('shared'), batch, 'hooks', 0.0)[1](),
-      'expert': vs_opacus.owner_reference(
+      'nonprivate': torch_side.torch_nonprivate(exact('shared'), batch)[1],
+      'shared': torch_side.opacus_dp(exact('shared'), batch, 'hooks', 0.0)[1](),
+      'expert': torch_side.owner_reference(
           model64, dp_model64, batch, owners, sizes
       ),
   }
@@ -97,11 +98,11 @@ def run(sizes, microbatch_sizes, repeats: int) -> list[dict]:
   """One row per (microbatch, stream): medians of both settings, the ratio."""
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
-    path = vs_opacus.save_switch(tmp + '/switch', sizes)
+    path = raptor_side.save_switch(tmp + '/switch', sizes)
     for m in microbatch_sizes:
       calls, float64 = steps(path, sizes, m)
       errors = {
-          key: vs_opacus.relative_error(update, float64[key[1]])
+          key: torch_side.relative_error(update, float64[key[1]])
           for key, (_, update) in calls.items()
       }
       for (kind, stream), error in errors.items():
@@ -131,7 +132,7 @@ def run(sizes, microbatch_sizes, repeats: int) -> list[dict]:
                 fast_ms=fast,
                 reference_ms=reference,
                 ratio=float(np.median(paired)),
-                between=vs_opacus.relative_error(
+                between=torch_side.relative_error(
                     calls['fast', stream][1], calls['reference', stream][1]
                 ),
                 fast_error=errors['fast', stream],
@@ -160,7 +161,7 @@ def table(rows) -> str:
 def main(argv) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  sizes = vs_opacus.QUICK if FLAGS.quick else vs_opacus.Sizes()
+  sizes = raptor_side.QUICK if FLAGS.quick else raptor_side.Sizes()
   sizes_m = [int(m) for m in FLAGS.microbatch_sizes]
   if FLAGS.quick:
     sizes_m = [2]

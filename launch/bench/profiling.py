@@ -1,12 +1,8 @@
 """Measurement helpers for the benchmark scripts next to it in ``launch/bench/``.
 
-Small, model-agnostic tools, written so that numbers measured on a noisy
-shared machine are still comparable:
+Small, model-agnostic tools for what a compiled program costs (its timing,
+in rounds, medians and ratios, is ``harness.py``):
 
-* ``interleaved_times``: wall times of several jitted variants, run in turns
-  (A, B, A, B, ...) after warm-up, each call ended with ``block_until_ready``;
-  ``paired_ratio`` compares two variants round by round, so load that changes
-  during the run hits both alike.
 * ``compile_timed``: lowering and compilation times and the compiled object.
 * ``flops`` / ``memory_stats``: XLA's cost and memory analysis, read the same
   way across JAX versions (``cost_analysis()`` returned a list of dicts before
@@ -20,58 +16,12 @@ shared machine are still comparable:
 """
 
 import re
-import statistics
 import time
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
 from jax.extend import core as jax_core
 import numpy as np
-
-
-def interleaved_times(
-    fns: Mapping[str, Callable[[], Any]],
-    *,
-    repeats: int = 5,
-    warmup: int = 1,
-) -> dict[str, list[float]]:
-  """Wall-clock seconds of each zero-argument callable, measured in turns.
-
-  Every round calls each function once, in the given order, and waits for
-  its outputs with ``jax.block_until_ready``. Compile the functions first
-  (or count the first call as warm-up): the warm-up rounds are not timed.
-
-  Returns:
-    ``{name: [seconds of round 0, round 1, ...]}``.
-  """
-  if repeats < 1:
-    raise ValueError(f'repeats must be >= 1, got {repeats}.')
-  for _ in range(warmup):
-    for fn in fns.values():
-      jax.block_until_ready(fn())
-  times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
-  return times
-
-
-def median(samples: list[float]) -> float:
-  """The median of ``samples``."""
-  return float(statistics.median(samples))
-
-
-def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
-  """Median over rounds of ``numerator[i] / denominator[i]``.
-
-  With interleaved rounds this is less sensitive to a load change during the
-  run than the ratio of the two medians.
-  """
-  if len(numerator) != len(denominator) or not numerator:
-    raise ValueError('need two non-empty lists of the same length.')
-  return median([a / b for a, b in zip(numerator, denominator)])
 
 
 class Compiled(NamedTuple):
@@ -277,14 +227,3 @@ def largest_buffers(compiled, count: int = 10) -> list[Buffer]:
     )
   buffers.sort(key=lambda b: -b.nbytes)
   return buffers[:count]
-
-
-def format_table(header: list[str], rows: list[list[Any]]) -> str:
-  """Left-aligned plain-text table (floats as given; format them first)."""
-  cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
-  widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-  lines = [
-      '  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells
-  ]
-  lines.insert(1, '  '.join('-' * w for w in widths))
-  return '\n'.join(lines)

@@ -94,21 +94,18 @@ if __name__ == '__main__':  # first, before any library starts a thread
 
     _host_memory.keep_unless_disabled(sys.argv, default=False)
 
-import dataclasses
 import os
 import tempfile
 
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from launch.bench import benchmark
 from launch.bench import harness
-from launch.bench import profiling
-from raptor_jax import host_devices, models, roles
-from raptor_jax.train import parallel
+from launch.bench import raptor_side
+from launch.bench import torch_side
+from raptor_jax import host_devices
 
 MODES = ('hooks', 'functorch', 'ew', 'ghost')
 
@@ -162,558 +159,59 @@ def define_flags() -> None:
   )
 
 
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-  """The model and data sizes of one comparison."""
-
-  d_model: int = 256
-  d_kv: int = 64
-  num_heads: int = 4
-  d_ff: int = 1024
-  num_layers: int = 4
-  num_experts: int = 8
-  expert_capacity: int = 64
-  vocab_size: int = 8000
-  seq_len: int = 128
-  lora_rank: int = 8
-  lora_alpha: float = 16.0
-  buckets: int = 32
-  max_distance: int = 128
-
-  @property
-  def expert_layer(self) -> int:
-    """l*: the last sparse block (every 2nd block is sparse)."""
-    return self.num_layers - 1 if self.num_layers % 2 == 0 else 1
-
-
-QUICK = Sizes(
-    d_model=16,
-    d_kv=8,
-    num_heads=2,
-    d_ff=32,
-    num_layers=2,
-    num_experts=4,
-    expert_capacity=5,
-    vocab_size=50,
-    seq_len=12,
-    lora_rank=2,
-    lora_alpha=4.0,
-    buckets=8,
-    max_distance=20,
-)
-L2_CLIP = 0.05  # small enough that most records are clipped
-
-
-# ---------------------------------------------------------------------------
-# One model, saved by transformers, loaded by both sides.
-
-
-def save_switch(path: str, sizes: Sizes, seed: int = 0) -> str:
-  """A random HF Switch (every 2nd block sparse) saved with `save_pretrained`."""
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
-
-  torch.manual_seed(seed)
-  config = transformers.SwitchTransformersConfig(
-      vocab_size=sizes.vocab_size,
-      d_model=sizes.d_model,
-      d_kv=sizes.d_kv,
-      d_ff=sizes.d_ff,
-      num_layers=sizes.num_layers,
-      num_sparse_encoder_layers=sizes.num_layers // 2,
-      num_decoder_layers=1,
-      num_heads=sizes.num_heads,
-      num_experts=sizes.num_experts,
-      expert_capacity=sizes.expert_capacity,
-      relative_attention_num_buckets=sizes.buckets,
-      relative_attention_max_distance=sizes.max_distance,
-      dropout_rate=0.0,  # Opacus trains in train mode: no dropout, no jitter
-      router_jitter_noise=0.0,
-  )
-  transformers.SwitchTransformersForConditionalGeneration(
-      config
-  ).save_pretrained(path)
-  return path
-
-
-def raptor_model(path: str, sizes: Sizes, seed: int = 0):
-  """(classifier, params) from the checkpoint; LoRA B factors made non-zero."""
-  module, params = models.from_pretrained(
-      path,
-      num_labels=2,
-      lora_rank=sizes.lora_rank,
-      lora_alpha=sizes.lora_alpha,
-      attention_lora=True,
-      expert_lora_layers=(sizes.expert_layer,),
-  )
-  flat = roles.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(seed + 7), len(flat))
-  flat = {
-      p: (0.05 * jax.random.normal(k, v.shape) if p.endswith('lora_b') else v)
-      for k, (p, v) in zip(keys, sorted(flat.items()))
-  }
-  return module, roles.unflatten(flat)
-
-
-# ---------------------------------------------------------------------------
-# The torch side.
-
-
-def _torch_modules(sizes: Sizes):
-  """LoRA and masked-expert modules (torch imported only when used)."""
-  import torch  # pylint: disable=import-outside-toplevel
-  from torch import nn  # pylint: disable=import-outside-toplevel
-
-  class LoRALinear(nn.Module):
-    """Frozen base Linear + scale * B(A(x)) (A, B trainable nn.Linear)."""
-
-    def __init__(self, base, a, b, scale):
-      super().__init__()
-      self.base, self.scale = base, scale
-      self.lora_a = nn.Linear(a.shape[0], a.shape[1], bias=False)
-      self.lora_b = nn.Linear(b.shape[0], b.shape[1], bias=False)
-      with torch.no_grad():
-        self.lora_a.weight.copy_(torch.tensor(np.asarray(a).T))
-        self.lora_b.weight.copy_(torch.tensor(np.asarray(b).T))
-
-    def forward(self, x):
-      return self.base(x) + self.scale * self.lora_b(self.lora_a(x))
-
-  class MaskedExperts(nn.Module):
-    """Every expert (with LoRA on wi, wo) on every token, masked by routing."""
-
-    def __init__(self, sparse, wi, wo, scale):
-      super().__init__()
-      self.router, self.experts = sparse.router, sparse.experts
-      self.wi = nn.ModuleList(
-          LoRALinear(self.experts[f'expert_{e}'].wi, a, b, scale)
-          for e, (a, b) in enumerate(zip(*wi))
-      )
-      self.wo = nn.ModuleList(
-          LoRALinear(self.experts[f'expert_{e}'].wo, a, b, scale)
-          for e, (a, b) in enumerate(zip(*wo))
-      )
-
-    def forward(self, x):
-      selected, weights, _ = self.router(x)
-      selected = selected.to(x.dtype)
-      out = 0.0
-      for e, (wi, wo) in enumerate(zip(self.wi, self.wo)):
-        out = out + selected[..., e : e + 1] * wo(torch.relu(wi(x)))
-      return out * weights
-
-  class Classifier(nn.Module):
-    """Encoder, mean pooling over real tokens, linear head."""
-
-    def __init__(self, encoder, kernel, bias):
-      super().__init__()
-      self.encoder = encoder
-      self.head = nn.Linear(kernel.shape[0], kernel.shape[1])
-      with torch.no_grad():
-        self.head.weight.copy_(torch.tensor(np.asarray(kernel).T))
-        self.head.bias.copy_(torch.tensor(np.asarray(bias)))
-
-    def forward(self, ids, mask):
-      hidden = self.encoder(input_ids=ids, attention_mask=mask)
-      m = mask.to(hidden.last_hidden_state.dtype)[..., None]
-      pooled = (hidden.last_hidden_state * m).sum(1) / m.sum(1).clamp(min=1.0)
-      return self.head(pooled)
-
-  return LoRALinear, MaskedExperts, Classifier
-
-
-def torch_model(path: str, sizes: Sizes, params, stream: str):
-  """The torch classifier with raptor_jax's weights; trainable per `stream`.
-
-  'shared': LoRA on q, k, v, o (trainable) + the head; l*'s expert adapters
-  merged into its frozen expert weights (same function). 'expert': LoRA on
-  every expert of l* (trainable, masked dispatch); attention adapters merged
-  into q, k, v, o, the head frozen.
-  """
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
-
-  LoRALinear, MaskedExperts, Classifier = _torch_modules(sizes)
-  flat = {p: np.asarray(v) for p, v in roles.flatten(params).items()}
-  scale = sizes.lora_alpha / sizes.lora_rank
-  encoder = transformers.SwitchTransformersEncoderModel.from_pretrained(path)
-  encoder = encoder.float()
-  for p in encoder.parameters():
-    p.requires_grad_(False)
-  for i, block in enumerate(encoder.encoder.block):
-    attn = block.layer[0].SelfAttention
-    for name in 'qkvo':
-      a, b = (
-          flat[f'backbone/block_{i}/attention/{name}/lora_{x}'] for x in 'ab'
-      )
-      base = getattr(attn, name)
-      if stream == 'shared':
-        setattr(attn, name, LoRALinear(base, a, b, scale))
-      else:
-        with torch.no_grad():
-          base.weight.add_(torch.tensor(scale * (a @ b).T))
-  prefix = f'backbone/block_{sizes.expert_layer}/mlp/experts'
-  factors = {
-      m: (flat[f'{prefix}/{m}/lora_a'], flat[f'{prefix}/{m}/lora_b'])
-      for m in ('wi', 'wo')
-  }
-  ff = encoder.encoder.block[sizes.expert_layer].layer[1]
-  if stream == 'shared':
-    for e in range(sizes.num_experts):
-      for m, (a, b) in factors.items():
-        weight = getattr(ff.mlp.experts[f'expert_{e}'], m).weight
-        with torch.no_grad():
-          weight.add_(torch.tensor(scale * (a[e] @ b[e]).T))
-  else:
-    ff.mlp = MaskedExperts(ff.mlp, factors['wi'], factors['wo'], scale)
-  # Train mode (Opacus requires it) is eval mode here: dropout and jitter are 0.
-  model = Classifier(encoder, flat['head/kernel'], flat['head/bias']).train()
-  model.head.requires_grad_(stream == 'shared')
-  return model
-
-
-def torch_grads(model) -> dict[str, np.ndarray]:
-  """{raptor path: gradient} of the torch model's trainable parameters."""
-  out = {}
-  for name, p in model.named_parameters():
-    if not p.requires_grad or p.grad is None:
-      continue
-    out[_raptor_path(name)] = _raptor_layout(name, p.grad.detach().numpy())
-  return out
-
-
-def _raptor_path(name: str) -> str:
-  """torch parameter name -> raptor_jax path (attention and expert LoRA, head)."""
-  parts = name.replace('_module.', '').split('.')
-  if parts[0] == 'head':
-    return {'weight': 'head/kernel', 'bias': 'head/bias'}[parts[1]]
-  block = parts[parts.index('block') + 1]
-  leaf = parts[-2]  # lora_a | lora_b
-  if 'SelfAttention' in parts:
-    proj = parts[parts.index('SelfAttention') + 1]
-    return f'backbone/block_{block}/attention/{proj}/{leaf}'
-  matrix, expert = parts[-4], parts[-3]
-  return f'backbone/block_{block}/mlp/experts/{matrix}/{leaf}#{expert}'
-
-
-def _raptor_layout(name: str, g: np.ndarray) -> np.ndarray:
-  """torch Linear weights are [out, in]; raptor_jax's are [in, out]."""
-  return g.T if g.ndim == 2 else g
-
-
-def stack_experts(tree: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """'path#e' leaves (expert e of a ModuleList) -> one [E, ...] leaf per path."""
-  out, experts = {}, {}
-  for path, g in tree.items():
-    base, sep, e = path.partition('#')
-    if sep:
-      experts.setdefault(base, {})[int(e)] = g
-    else:
-      out[path] = g
-  out.update(
-      {p: np.stack([g[e] for e in sorted(g)]) for p, g in experts.items()}
-  )
-  return out
-
-
-def relative_error(ours: dict, theirs: dict) -> float:
-  """||a - b|| / ||b|| over every leaf (same keys required)."""
-  if set(ours) != set(theirs):
-    raise ValueError(f'different leaves: {sorted(set(ours) ^ set(theirs))}')
-  diff = sum(
-      float(np.sum((np.asarray(ours[p]) - theirs[p]) ** 2)) for p in theirs
-  )
-  norm = sum(float(np.sum(np.asarray(theirs[p]) ** 2)) for p in theirs)
-  return float(np.sqrt(diff / max(norm, 1e-30)))
-
-
-# ---------------------------------------------------------------------------
-# Steps: zero-argument callables, and each side's update with the noise off.
-
-
-def records(sizes: Sizes, m: int, seed: int):
-  """((ids, mask, labels), owners) as jax arrays, right-padded."""
-  return benchmark.batch(
-      m, sizes.seq_len, sizes.vocab_size, sizes.num_experts, seed=seed
-  )
-
-
-def _torch_batch(batch):
-  import torch  # pylint: disable=import-outside-toplevel
-
-  return tuple(torch.tensor(np.asarray(x)).long() for x in batch)
-
-
-def torch_nonprivate(model, batch):
-  """(step, mean-loss gradients): backward + Adam, as plain PyTorch trains."""
-  import torch  # pylint: disable=import-outside-toplevel
-
-  ids, mask, labels = _torch_batch(batch)
-  trainable = [p for p in model.parameters() if p.requires_grad]
-  adam = torch.optim.Adam(trainable, lr=benchmark.LEARNING_RATE)
-
-  def backward():
-    adam.zero_grad(set_to_none=True)
-    loss = torch.nn.functional.cross_entropy(model(ids, mask), labels)
-    loss.backward()
-
-  def step():
-    backward()
-    adam.step()
-
-  backward()
-  grads = torch_grads(model)
-  adam.zero_grad(set_to_none=True)
-  return step, grads
-
-
-def opacus_dp(model, batch, mode: str, noise_multiplier: float):
-  """(step, update with noise off, the wrapped model) of Opacus's DP-Adam.
-
-  Flat clipping at L2_CLIP, mean loss (Opacus's usual setting), expected
-  batch size m: the update is (sum of clipped + noise) / m, raptor_jax's
-  denominator.
-  """
-  import torch  # pylint: disable=import-outside-toplevel
-  from opacus import PrivacyEngine  # pylint: disable=import-outside-toplevel
-
-  ids, mask, labels = _torch_batch(batch)
-  m = len(labels)
-  trainable = [p for p in model.parameters() if p.requires_grad]
-  adam = torch.optim.Adam(trainable, lr=benchmark.LEARNING_RATE)
-  loader = torch.utils.data.DataLoader(
-      torch.utils.data.TensorDataset(torch.zeros(m)), batch_size=m
-  )
-  criterion = torch.nn.CrossEntropyLoss()
-  out = PrivacyEngine(accountant='rdp').make_private(
-      module=model,
-      optimizer=adam,
-      data_loader=loader,
-      criterion=criterion,
-      noise_multiplier=noise_multiplier,
-      max_grad_norm=L2_CLIP,
-      loss_reduction='mean',
-      poisson_sampling=False,
-      grad_sample_mode=mode,
-  )
-  dp_model, dp_opt = out[0], out[1]
-  if mode == 'ghost':
-    criterion = out[2]
-
-  def backward():
-    dp_opt.zero_grad(set_to_none=True)
-    criterion(dp_model(ids, mask), labels).backward()
-
-  def step():
-    backward()
-    dp_opt.step()
-
-  def update_without_noise():
-    dp_opt.noise_multiplier, sigma = 0.0, dp_opt.noise_multiplier
-    backward()
-    dp_opt.pre_step()
-    grads = torch_grads(model)
-    dp_opt.noise_multiplier = sigma
-    dp_opt.zero_grad(set_to_none=True)
-    return grads
-
-  return step, update_without_noise, dp_model
-
-
-def owner_reference(model, dp_model, batch, owners, sizes: Sizes):
-  """Expert-stream reference from Opacus's per-sample gradients (hooks mode).
-
-  Record i's contribution: the owner's rows of its every-expert gradient,
-  times w_i = 1 - p(y_i) of the model with l*'s B factors at zero (the
-  trainer's 'shared' residual weight), clipped to L2_CLIP, added into row
-  owner_i. Returns {path: [E, ...]} / (m / E), raptor_jax's update.
-  """
-  import torch  # pylint: disable=import-outside-toplevel
-
-  ids, mask, labels = _torch_batch(batch)
-  owners = np.asarray(owners)
-  b_factors = [p for n, p in model.named_parameters() if 'lora_b' in n]
-  saved = [p.detach().clone() for p in b_factors]
-  with torch.no_grad():
-    for p in b_factors:
-      p.zero_()
-    probs = torch.softmax(model(ids, mask), -1)
-    for p, s in zip(b_factors, saved):
-      p.copy_(s)
-  weights = (1.0 - probs[torch.arange(len(labels)), labels]).numpy()
-  dp_model.zero_grad(set_to_none=True)
-  torch.nn.functional.cross_entropy(dp_model(ids, mask), labels).backward()
-  # Opacus (loss_reduction='mean') scales grad_sample back to each record's own.
-  per_sample = {}
-  for name, p in model.named_parameters():
-    if p.requires_grad:
-      g = p.grad_sample.detach().numpy()
-      per_sample[_raptor_path(name)] = np.swapaxes(g, 1, 2)
-  e_axis = {p.partition('#')[0]: None for p in per_sample}
-  sums = {
-      p: np.zeros((sizes.num_experts,) + per_sample[f'{p}#0'].shape[1:])
-      for p in e_axis
-  }
-  for i, owner in enumerate(owners):
-    own = {p: weights[i] * per_sample[f'{p}#{owner}'][i] for p in e_axis}
-    norm = np.sqrt(sum(float(np.sum(g**2)) for g in own.values()))
-    factor = min(1.0, L2_CLIP / max(norm, 1e-30))
-    for p, g in own.items():
-      sums[p][owner] += factor * g
-  dp_model.zero_grad(set_to_none=True)
-  return {p: s / (len(owners) / sizes.num_experts) for p, s in sums.items()}
-
-
-def raptor_nonprivate(module, params, batch):
-  """(step, mean-loss gradients) of the trainer's non-private step.
-
-  The PhaseStep of a non-private phase (the trainer's non-private LoRA
-  baseline): the gradient of the summed loss over the attention adapters
-  and the head, divided by the microbatch size, then Adam.
-  """
-  return raptor_dp(module, params, batch, None, None, 'nonprivate')
-
-
-def phase_step(module, params, sizes: Sizes, stream: str, batch_size: float):
-  """(PhaseStep, its state): the trainer's step for `stream` on every device.
-
-  `stream` is 'shared' or 'expert' (the DP steps, clip L2_CLIP) or
-  'nonprivate'; `batch_size` is the expected batch (the public denominator
-  is it, or it over E for the expert stream), on a mesh of every device
-  (one per core on CPU, see `raptor_jax.host_devices`).
-  """
-  from raptor_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
-
-  extra = {}
-  if stream == 'expert':
-    phase = benchmark.one_part_phase(
-        'expert',
-        roles.EXPERT_ROLES,
-        denominator=batch_size / sizes.num_experts,
-        blocks=(sizes.expert_layer,),
-        owner=True,
-        residual=True,
-    )
-    extra = dict(expert_layer=sizes.expert_layer, residual='shared')
-  else:
-    phase = benchmark.one_part_phase(
-        'shared', roles.SHARED_ROLES, denominator=float(batch_size)
-    )
-  private = stream != 'nonprivate'
-  phase = dataclasses.replace(
-      phase,
-      private=private,
-      parts=tuple(
-          dataclasses.replace(
-              p,
-              l2_clip=L2_CLIP,
-              noise_multiplier=p.noise_multiplier if private else 0.0,
-          )
-          for p in phase.parts
-      ),
-  )
-  dp = step_lib.PhaseStep(
-      module,
-      phase,
-      key=jax.random.key(0),
-      learning_rate=benchmark.LEARNING_RATE,
-      mesh=parallel.make_mesh(0),
-      **extra,
-  )
-  return dp, dp.init(params)
-
-
-def host_batch(ids, mask, labels, owners=None) -> dict:
-  """The trainer's host batch of one microbatch (owners zero when unused)."""
-  return {
-      'input_ids': ids,
-      'attention_mask': mask,
-      'labels': labels,
-      'owners': jnp.zeros_like(labels) if owners is None else owners,
-  }
-
-
-def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
-  """(step, update with noise off) of the trainer's PhaseStep for `stream`.
-
-  One microbatch of m records is the whole expected batch (`phase_step`
-  with batch size m). The step is `accumulate` (per-record clipped sums, or
-  the summed gradient) then `update` (noise once, public denominator,
-  Adam), as the trainer runs one microbatch; the update without noise is
-  accumulate's sums over the denominator.
-  """
-  m = len(batch[2])
-  devices = parallel.make_mesh(0).size
-  if m % devices:
-    raise ValueError(
-        f'microbatch {m} is not a multiple of the {devices} devices; '
-        'choose --microbatch_sizes divisible by it (or --cpu_devices=1)'
-    )
-  dp, state = phase_step(module, params, sizes, stream, m)
-  host = host_batch(*batch, owners)
-  sums = dp.accumulate(state, dp.zero_sums(state), host)
-  (part,) = dp.phase.parts
-  update = {
-      p: np.asarray(v) / part.denominator for p, v in sums[part.name].items()
-  }
-
-  def step():
-    return dp.update(state, dp.accumulate(state, dp.zero_sums(state), host))
-
-  return step, update
-
-
 # ---------------------------------------------------------------------------
 # Timing each side in its own process.
 
-RAPTOR_COLUMNS = ('raptor', 'raptor DP', 'raptor expert')
 
-
-def side_calls(side: str, path: str, sizes: Sizes, m: int, modes):
-  """({column: zero-argument step}, {column: error line}) of one side.
+def side_steps(side, path, sizes, module, params, m, modes, updates=False):
+  """({column: zero-argument step}, {column: update}, {column: error line})
+  of one side on `compare`'s records.
 
   'raptor': the trainer's non-private, shared DP and expert steps; 'torch':
   torch's non-private step and Opacus's shared and expert DP steps per mode
-  (a mode that fails is reported, not timed). Both build the same model and
-  records as `compare`.
+  (a mode that fails is reported, not timed). The updates have the noise
+  off: the non-private mean gradients, raptor_jax's DP updates and, with
+  `updates`, each Opacus mode's shared update.
   """
-  module, params = raptor_model(path, sizes)
-  batch, owners = records(sizes, m, seed=m)
+  batch, owners = raptor_side.records(sizes, m, seed=m)
   if side == 'raptor':
-    calls = {
-        'raptor': raptor_nonprivate(module, params, batch)[0],
-        'raptor DP': raptor_dp(module, params, batch, owners, sizes, 'shared')[
-            0
-        ],
-        'raptor expert': raptor_dp(
-            module, params, batch, owners, sizes, 'expert'
-        )[0],
-    }
-    return calls, {}
-  calls = {
-      'torch': torch_nonprivate(
-          torch_model(path, sizes, params, 'shared'), batch
-      )[0]
-  }
-  failed = {}
+    steps = {'raptor': raptor_side.raptor_nonprivate(module, params, batch)}
+    for column, stream in (
+        ('raptor DP', 'shared'),
+        ('raptor expert', 'expert'),
+    ):
+      steps[column] = raptor_side.raptor_dp(
+          module, params, batch, owners, sizes, stream
+      )
+    return (
+        {c: step for c, (step, _) in steps.items()},
+        {c: update for c, (_, update) in steps.items()},
+        {},
+    )
+  calls, out, failed = {}, {}, {}
+  calls['torch'], out['torch'] = torch_side.torch_nonprivate(
+      torch_side.torch_model(path, sizes, params, 'shared'), batch
+  )
   for mode in modes:
     for stream in ('shared', 'expert'):
       column = f'opacus {mode}' + (' expert' if stream == 'expert' else '')
       try:
-        calls[column] = opacus_dp(
-            torch_model(path, sizes, params, stream),
-            batch,
-            mode,
-            benchmark.NOISE_MULTIPLIER,
-        )[0]
+        model = torch_side.torch_model(path, sizes, params, stream)
+        calls[column], no_noise, _ = torch_side.opacus_dp(
+            model, batch, mode, benchmark.NOISE_MULTIPLIER
+        )
+        if updates and stream == 'shared':
+          out[column] = no_noise()
       except Exception as e:  # pylint: disable=broad-except
-        failed[column] = f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'
-  return calls, failed
+        failed[column] = harness.error_line(e)
+        calls.pop(column, None)
+  return calls, out, failed
 
 
-def serve(side: str, path: str, sizes: Sizes, m: int, modes) -> None:
-  """Worker loop (`harness.serve`) of one side's `side_calls`."""
-  calls, failed = side_calls(side, path, sizes, m, modes)
+def serve(side: str, path: str, sizes: raptor_side.Sizes, m: int, modes):
+  """Worker loop (`harness.serve`) of one side's `side_steps`."""
+  module, params = raptor_side.raptor_model(path, sizes)
+  calls, _, failed = side_steps(side, path, sizes, module, params, m, modes)
   harness.serve({c: (lambda r, f=f: f()) for c, f in calls.items()}, failed)
 
 
@@ -738,16 +236,14 @@ def worker_times(path: str, m: int, workers, *, repeats: int, flag_args):
   commands = []
   for side, memory in workers:
     keep = side == 'raptor' or memory == 'keep'
-    argv = [
-        sys.executable,
-        '-m',
+    argv = harness.worker_command(
         'launch.bench.vs_opacus',
-        f'--serve={side}',
+        side,
+        keep,
         f'--model_path={path}',
         f'--microbatch_sizes={m}',
-        '--keep_host_memory' if keep else '--nokeep_host_memory',
         *flag_args,
-    ]
+    )
     tag = 'keep' if side == 'torch' and keep else ''
     commands.append((argv, lambda c, tag=tag: tagged(c, tag)))
   return harness.worker_times(commands, repeats=repeats)
@@ -758,7 +254,7 @@ def worker_times(path: str, m: int, workers, *, repeats: int, flag_args):
 
 
 def _check(name: str, ours: dict, theirs: dict, tolerance: float, errors):
-  err = relative_error(ours, theirs)
+  err = torch_side.relative_error(ours, theirs)
   errors[name] = err
   if not err <= tolerance:
     raise AssertionError(
@@ -793,44 +289,40 @@ def compare(
   Returns {'m', 'errors': {pair: rel err}, 'ms': {column: median ms},
   'times': {column: [s per round]}, 'failed': {column: error line}}.
   """
-  batch, owners = records(sizes, m, seed=m)
-  errors, calls, failed = {}, {}, {}
-  exact = lambda stream: torch_model(path, sizes, params, stream).double()
-  calls['raptor'], grads = raptor_nonprivate(module, params, batch)
-  calls['torch'], theirs = torch_nonprivate(
-      torch_model(path, sizes, params, 'shared'), batch
+  batch, owners = raptor_side.records(sizes, m, seed=m)
+  calls, ours, _ = side_steps('raptor', path, sizes, module, params, m, modes)
+  torch_calls, theirs, failed = side_steps(
+      'torch', path, sizes, module, params, m, modes, updates=True
   )
-  _, grads64 = torch_nonprivate(exact('shared'), batch)
-  errors['torch float32 vs float64'] = relative_error(theirs, grads64)
-  _check('non-private vs torch64', grads, grads64, tolerance, errors)
-  _check('non-private vs torch', grads, theirs, fp32_tolerance, errors)
-  calls['raptor DP'], update = raptor_dp(
-      module, params, batch, owners, sizes, 'shared'
+  calls.update(torch_calls)
+  errors = {}
+  exact = lambda stream: torch_side.torch_model(
+      path, sizes, params, stream
+  ).double()
+  _, grads64 = torch_side.torch_nonprivate(exact('shared'), batch)
+  errors['torch float32 vs float64'] = torch_side.relative_error(
+      theirs['torch'], grads64
   )
-  _, no_noise64, _ = opacus_dp(exact('shared'), batch, 'hooks', 0.0)
-  _check('DP vs opacus64', update, no_noise64(), tolerance, errors)
-  calls['raptor expert'], expert_update = raptor_dp(
-      module, params, batch, owners, sizes, 'expert'
-  )
+  _, no_noise64, _ = torch_side.opacus_dp(exact('shared'), batch, 'hooks', 0.0)
   model64 = exact('expert')
-  _, _, dp_model64 = opacus_dp(model64, batch, 'hooks', 0.0)
-  reference = owner_reference(model64, dp_model64, batch, owners, sizes)
-  _check('expert vs opacus64', expert_update, reference, tolerance, errors)
-  for mode in modes:
-    for stream in ('shared', 'expert'):
-      column = f'opacus {mode}' + (' expert' if stream == 'expert' else '')
-      try:
-        model = torch_model(path, sizes, params, stream)
-        calls[column], no_noise, _ = opacus_dp(
-            model, batch, mode, benchmark.NOISE_MULTIPLIER
-        )
-        if stream == 'shared':
-          _check(f'DP vs {column}', update, no_noise(), fp32_tolerance, errors)
-      except AssertionError:
-        raise
-      except Exception as e:  # pylint: disable=broad-except
-        failed[column] = f'{type(e).__name__}: {str(e).splitlines()[0][:120]}'
-        calls.pop(column, None)
+  _, _, dp_model64 = torch_side.opacus_dp(model64, batch, 'hooks', 0.0)
+  checks = [  # (pair, raptor_jax's column, the other update, tolerance)
+      ('non-private vs torch64', 'raptor', grads64, tolerance),
+      ('non-private vs torch', 'raptor', theirs['torch'], fp32_tolerance),
+      ('DP vs opacus64', 'raptor DP', no_noise64(), tolerance),
+      (
+          'expert vs opacus64',
+          'raptor expert',
+          torch_side.owner_reference(model64, dp_model64, batch, owners, sizes),
+          tolerance,
+      ),
+  ] + [
+      (f'DP vs {c}', 'raptor DP', update, fp32_tolerance)
+      for c, update in theirs.items()
+      if c.startswith('opacus')
+  ]
+  for pair, column, update, limit in checks:
+    _check(pair, ours[column], update, limit, errors)
   times = {}  # repeats=0: the checks only (no step is compiled or timed)
   if repeats and workers:
     del calls  # timed in the workers; free this process's buffers first
@@ -838,8 +330,8 @@ def compare(
         path, m, workers, repeats=repeats, flag_args=flag_args
     )
   elif repeats:
-    times = profiling.interleaved_times(calls, repeats=repeats)
-  ms = {c: profiling.median(t) * 1e3 for c, t in times.items()}
+    times = harness.interleaved_times(calls, repeats=repeats)
+  ms = {c: harness.median(t) * 1e3 for c, t in times.items()}
   return dict(m=m, errors=errors, ms=ms, times=times, failed=failed)
 
 
@@ -869,7 +361,7 @@ def summary(row) -> dict:
   t, ms = row['times'], row['ms']
   torch = _fastest(row, 'torch')
   shared, expert = _fastest(row, 'opacus'), _fastest(row, 'opacus', True)
-  ratio = profiling.paired_ratio
+  ratio = harness.paired_ratio
   return {
       'm': row['m'],
       'torch': ms[torch],
@@ -888,19 +380,18 @@ def summary(row) -> dict:
   }
 
 
+MAIN_COLUMNS = (
+    'microbatch|torch non-private (setting)|Opacus shared DP (mode)|'
+    'raptor_jax non-private|raptor_jax shared DP|'
+    'Opacus expert stream (mode)|raptor_jax expert stream'
+).split('|')
+
+
 def tables(rows) -> str:
   """The main table, the ratios, every Opacus mode and the update checks."""
   s = [summary(r) for r in rows]
-  main = profiling.format_table(
-      [
-          'microbatch',
-          'torch non-private (setting)',
-          'Opacus shared DP (mode)',
-          'raptor_jax non-private',
-          'raptor_jax shared DP',
-          'Opacus expert stream (mode)',
-          'raptor_jax expert stream',
-      ],
+  main = harness.format_table(
+      MAIN_COLUMNS,
       [
           [
               r['m'],
@@ -921,21 +412,21 @@ def tables(rows) -> str:
       'opacus expert/raptor expert',
       'raptor DP/raptor',
   ]
-  ratios = profiling.format_table(
+  ratios = harness.format_table(
       ['microbatch'] + names,
       [[r['m']] + [f'{r[n]:.2f}' for n in names] for r in s],
   )
   columns = sorted(
       {c for r in rows for c in r['ms'] if not c.startswith('raptor')}
   )
-  modes = profiling.format_table(
+  modes = harness.format_table(
       ['column'] + [f"m={r['m']}" for r in rows],
       [
           [c] + [f"{r['ms'].get(c, float('nan')):.0f}" for r in rows]
           for c in columns
       ],
   )
-  checks = profiling.format_table(
+  checks = harness.format_table(
       ['microbatch'] + sorted(rows[0]['errors']),
       [
           [r['m']] + [f'{r["errors"][k]:.1e}' for k in sorted(r['errors'])]
@@ -962,7 +453,7 @@ def tables(rows) -> str:
 
 
 def run(
-    sizes: Sizes,
+    sizes: raptor_side.Sizes,
     microbatch_sizes,
     *,
     modes=MODES,
@@ -979,8 +470,8 @@ def run(
 
   torch.set_num_threads(threads)
   with tempfile.TemporaryDirectory() as tmp:
-    path = save_switch(os.path.join(tmp, 'switch'), sizes)
-    module, params = raptor_model(path, sizes)
+    path = raptor_side.save_switch(os.path.join(tmp, 'switch'), sizes)
+    module, params = raptor_side.raptor_model(path, sizes)
     rows = []
     for m in microbatch_sizes:
       rows.append(
@@ -1028,7 +519,7 @@ def main(argv) -> None:
 
   transformers.logging.set_verbosity_error()
   transformers.logging.disable_progress_bar()
-  sizes = QUICK if FLAGS.quick else Sizes()
+  sizes = raptor_side.QUICK if FLAGS.quick else raptor_side.Sizes()
   devices = cpu_device_count(
       FLAGS.cpu_devices,
       [2] if FLAGS.quick else [int(m) for m in FLAGS.microbatch_sizes],
@@ -1067,7 +558,7 @@ def main(argv) -> None:
       f'{FLAGS.threads} threads, OMP_WAIT_POLICY='
       f"{os.environ.get('OMP_WAIT_POLICY', '(default)')}; jax {jax.__version__} "
       f'{jax.devices()[0].platform} x {devices} devices, '
-      f'{host_devices.host_cores()} cores; clip {L2_CLIP}, sigma '
+      f'{host_devices.host_cores()} cores; clip {raptor_side.L2_CLIP}, sigma '
       f'{benchmark.NOISE_MULTIPLIER}; {memory}',
       flush=True,
   )
