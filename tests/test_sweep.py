@@ -277,6 +277,7 @@ def test_table_in_the_layout_of_tab_1(tmp_path):
       "results.md",
       "accuracy_vs_epsilon.png",
       "routing_entropy.png",
+      "cells.csv",
   ]
   md = (tmp_path / "results.md").read_text()
   rows = [line for line in md.splitlines() if line.startswith("| ")]
