@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from pathlib import Path
 from typing import Any, Sequence
 
 from absl import app, flags  # pylint: disable=g-multiple-import
 import numpy as np
-from scipy import stats
 
 from raptor_jax.train import report, sweep
 
@@ -45,20 +43,6 @@ MAIN_METHODS = (
     "baseline_b",
     "raptor",
 )
-
-
-def paired_interval(diffs: Sequence[float]) -> tuple[float, tuple | None]:
-  """Mean and two-sided 95% Student t interval of paired differences."""
-  diffs = np.asarray(diffs, dtype=float)
-  mean = float(diffs.mean())
-  if len(diffs) < 2:
-    return mean, None
-  half = float(
-      stats.t.ppf(0.975, len(diffs) - 1)
-      * diffs.std(ddof=1)
-      / math.sqrt(len(diffs))
-  )
-  return mean, (mean - half, mean + half)
 
 
 def controlled_cells(controlled: str | Path) -> dict[str, dict[str, Any]]:
@@ -91,7 +75,7 @@ def controlled_cells(controlled: str | Path) -> dict[str, dict[str, Any]]:
           for s in seeds
       ]
       if diffs:
-        gains[float(eps)] = paired_interval(diffs)
+        gains[float(eps)] = report.paired_interval(diffs)
     out[name] = dict(
         skewed=info["public_owner_entropy"] < SKEWED_BELOW,
         relevance=info["relevance"],

@@ -373,6 +373,22 @@ def diagnostics_markdown(rows: Sequence[dict[str, Any]]) -> str | None:
   return "\n".join(lines) + "\n"
 
 
+def paired_interval(diffs: Sequence[float]) -> tuple[float, tuple | None]:
+  """Mean and two-sided 95% Student t interval of paired differences."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+
+  diffs = np.asarray(diffs, dtype=float)
+  mean = float(diffs.mean())
+  if len(diffs) < 2:
+    return mean, None
+  half = float(
+      stats.t.ppf(0.975, len(diffs) - 1)
+      * diffs.std(ddof=1)
+      / math.sqrt(len(diffs))
+  )
+  return mean, (mean - half, mean + half)
+
+
 # RAPTOR is compared, seed by seed, with each of these that the sweep ran.
 PAIRED_BASELINES = ("monolithic_lora", "baseline_a", "baseline_b")
 
@@ -388,7 +404,6 @@ def paired_differences(
   difference is paired; the interval is the two-sided 95% Student t interval
   of the mean difference over the seeds both variants finished.
   """
-  from scipy import stats  # pylint: disable=g-import-not-at-top
 
   by_key: dict[tuple, dict[int, float]] = {}
   for row in rows:
@@ -417,11 +432,7 @@ def paired_differences(
         ci95=None,
     )
     if len(diffs) > 1:
-      sd = float(diffs.std(ddof=1))
-      half = float(
-          stats.t.ppf(0.975, len(diffs) - 1) * sd / math.sqrt(len(diffs))
-      )
-      entry.update(std=sd, ci95=(entry["mean"] - half, entry["mean"] + half))
+      entry.update(std=float(diffs.std(ddof=1)), ci95=paired_interval(diffs)[1])
     out.append(entry)
   return out
 
