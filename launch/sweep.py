@@ -19,7 +19,9 @@ Writes `<workdir>/results.csv`, `results.md`, `accuracy_vs_epsilon.png` and
 each new cell also gets `diagnostics.json` (App. G, on the dev split). With
 --clip_grid, each private (variant, epsilon) first picks its clip norm on
 held-out train records (`--config.data.holdout`), never on dev.
-`environment.json` records the command lines and software versions.
+`environment.json` records the command lines and software versions. With
+--archive, the finished cells' public records are also kept in a folder meant
+to be committed, and a fresh workdir starts from them (`sweep.restore`).
 """
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -78,6 +80,13 @@ _RESULTS_DIR = flags.DEFINE_string(
     "Write the table and plots here "
     "(default: --workdir), e.g. a committed results/ folder.",
 )
+_ARCHIVE = flags.DEFINE_string(
+    "archive",
+    "",
+    "Keep each finished cell's public records (a few kB; no checkpoints) "
+    "here, e.g. results/<study>/cells, and restore them into a fresh "
+    "--workdir first, so a sweep resumes on a new clone.",
+)
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -107,6 +116,7 @@ def main(argv):
           clip_grid=[float(c) for c in _CLIP_GRID.value],
           tune_seed=_TUNE_SEED.value,
           after=after,
+          archive=_ARCHIVE.value or None,
       )
     except (ValueError, FileNotFoundError, OSError) as e:
       sys.exit(f"error: {e}")

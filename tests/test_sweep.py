@@ -223,6 +223,69 @@ def test_clip_tuning_scores_on_the_holdout_and_every_seed_uses_the_choice(
   )
 
 
+def test_an_archived_sweep_resumes_on_a_fresh_workdir(tmp_path):
+  """A new clone has the committed archive but no workdir: nothing reruns.
+
+  The archive keeps only the public records (no checkpoint), for the table
+  cells, the tuning runs and the clip choice, and the report built on the
+  restored workdir is the one the first machine wrote.
+  """
+  calls = []
+
+  def fake_train(config, workdir):
+    calls.append((config.method, config.seed, config.privacy.clip_shared))
+    if len(calls) == 5:
+      raise KeyboardInterrupt  # the first machine goes away mid-sweep
+    directory = tmp_path / workdir
+    accuracy = 0.5 + 0.1 * config.privacy.clip_shared + 0.01 * config.seed
+    (directory / "results.json").write_text(
+        json.dumps(dict(accuracy=accuracy, epsilon=8.0))
+    )
+    (directory / "checkpoint").mkdir()  # never archived
+
+  base = micro_config()
+  base.data.train_limit, base.data.holdout = 100, 20
+  grid = dict(
+      variants=["raptor", "monolithic_lora"],
+      epsilons=[8.0],
+      seeds=[0, 1],
+      clip_grid=[0.1, 1.0],
+      tune_seed=100,
+  )
+  first, archive = tmp_path / "machine1", tmp_path / "results/cells"
+  with pytest.raises(KeyboardInterrupt):
+    sweep.run(base, first, train=fake_train, archive=archive, **grid)
+  # 2 raptor tuning runs, raptor seed 0, 1 monolithic tuning run archived.
+  assert len(calls) == 5
+  assert sorted(
+      str(p.parent.relative_to(archive)) for p in archive.rglob("results.json")
+  ) == [
+      "synthetic/monolithic_lora/eps8/tune/clip0.1",
+      "synthetic/raptor/eps8/seed0",
+      "synthetic/raptor/eps8/tune/clip0.1",
+      "synthetic/raptor/eps8/tune/clip1",
+  ]
+  assert (archive / "synthetic/raptor/eps8/tuning.json").exists()
+  assert not list(archive.rglob("checkpoint"))
+
+  second = tmp_path / "machine2"  # a fresh clone: the archive only
+  sweep.run(base, second, train=fake_train, archive=archive, **grid)
+  assert calls[5:] == [
+      ("monolithic_lora", 100, 1.0),  # the interrupted tuning run, not the first
+      ("monolithic_lora", 0, 1.0),
+      ("raptor", 1, 1.0),
+      ("monolithic_lora", 1, 1.0),
+  ]
+  assert len(sweep.collect(second)) == 4
+  assert len(sweep.collect(second, tuning=True)) == 4
+  assert report.tuning_markdown(second) == report.tuning_markdown(archive)
+  sweep.run(base, tmp_path / "machine3", train=fake_train, archive=archive, **grid)
+  assert len(calls) == 9  # everything archived: nothing reruns
+  with pytest.raises(ValueError, match="not a finished cell"):
+    (first / "x").mkdir()
+    sweep.archive_cell(first, first / "x", archive)
+
+
 def test_paired_difference_and_its_interval(tmp_path):
   diffs = [1.0, 3.0, 2.0]
   for seed, d in enumerate(diffs):

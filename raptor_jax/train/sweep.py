@@ -10,6 +10,12 @@ sampling, the budget, the step count and the training loop. Cells live in
 next to a `cell.json` naming them. A cell whose `results.json` exists is
 skipped, and an interrupted cell resumes from its checkpoint, so rerunning a
 sweep finishes it.
+
+A workdir holds checkpoints and is not meant to be committed; a study that
+outlives its machine keeps an *archive* instead (`archive_cell`): each
+finished cell's public records (`RECORD_FILES`, a few kB) mirrored under a
+committed folder. `restore` copies them back into a fresh workdir, so a sweep
+on a new clone skips what an earlier machine finished.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -71,6 +78,19 @@ LABELS = {
     "raptor_no_alternation": "Ours w/o alternating",
     "raptor_no_residual": "Ours w/o residual",
 }
+
+
+# A finished cell's public records (`outputs.py`: no training loss, owner map
+# or realised count), the ones the report, the diagnostics table and the
+# phase placement read. Checkpoints and logs stay in the workdir.
+RECORD_FILES = (
+    "cell.json",
+    "config.json",
+    "results.json",
+    "privacy_report.json",
+    "layer_selection.json",
+    "diagnostics.json",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +211,13 @@ def cell_config(
 
 
 def _train_cell(
-    cell: Cell, config: ml_collections.ConfigDict, directory: Path, train, after
+    cell: Cell,
+    config: ml_collections.ConfigDict,
+    directory: Path,
+    train,
+    after,
+    workdir: str | Path,
+    archive: str | Path | None,
 ) -> None:
   directory.mkdir(parents=True, exist_ok=True)
   (directory / "cell.json").write_text(
@@ -206,7 +232,9 @@ def _train_cell(
   )
   train(config, str(directory))
   if after is not None and cell.tune_clip is None:
-    after(config, directory)
+    after(config, directory)  # e.g. diagnostics.json, archived with the cell
+  if archive is not None:
+    archive_cell(workdir, directory, archive)
 
 
 def tune_clip(
@@ -217,6 +245,7 @@ def tune_clip(
     clip_grid: Sequence[float],
     tune_seed: int,
     train: Callable[[ml_collections.ConfigDict, str], Mapping] | None = None,
+    archive: str | Path | None = None,
 ) -> float:
   """The clip norm of (variant, epsilon): best held-out accuracy over `clip_grid`.
 
@@ -247,7 +276,9 @@ def tune_clip(
     directory = cell.directory(workdir)
     if not (directory / "results.json").exists():
       log.info("tuning %s eps %g: clip %g", variant, epsilon, clip)
-      _train_cell(cell, cell_config(base, cell), directory, train, None)
+      _train_cell(
+          cell, cell_config(base, cell), directory, train, None, workdir, archive
+      )
     scores[float(clip)] = float(
         json.loads((directory / "results.json").read_text())["accuracy"]
     )
@@ -270,6 +301,10 @@ def tune_clip(
           indent=2,
       )
   )
+  if archive is not None:
+    target = Path(archive) / path.relative_to(workdir)
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(path / "tuning.json", target / "tuning.json")
   return chosen
 
 
@@ -286,6 +321,7 @@ def run(
         [ml_collections.ConfigDict, str], Mapping
     ] = train_and_evaluate,
     after: Callable[[ml_collections.ConfigDict, Path], None] | None = None,
+    archive: str | Path | None = None,
 ) -> list[Path]:
   """Runs every cell of the grid that has no `results.json` yet.
 
@@ -299,6 +335,8 @@ def run(
     train: the training function (`train_and_evaluate`).
     after: optional hook run on each freshly trained cell (config, directory),
       e.g. the diagnostics.
+    archive: if given, first `restore` its finished cells into `workdir`, then
+      `archive_cell` each cell (and tuning run) as it finishes.
 
   Returns:
     The directories of all cells of the grid.
@@ -308,6 +346,9 @@ def run(
     raise ValueError(
         f"tune_seed {tune_seed} is also a table seed; use a seed outside {seeds}"
     )
+  if archive is not None:
+    for directory in restore(archive, workdir):
+      log.info("restored %s from %s", directory, archive)
   directories = []
   for i, cell in enumerate(cells):
     directory = cell.directory(workdir)
@@ -326,10 +367,75 @@ def run(
           clip_grid,
           tune_seed,
           train,
+          archive,
       )
     log.info("[%d/%d] %s", i + 1, len(cells), directory)
-    _train_cell(cell, cell_config(base, cell, clip), directory, train, after)
+    _train_cell(
+        cell,
+        cell_config(base, cell, clip),
+        directory,
+        train,
+        after,
+        workdir,
+        archive,
+    )
   return directories
+
+
+def archive_cell(
+    workdir: str | Path, directory: str | Path, archive: str | Path
+) -> Path:
+  """Mirrors a finished cell's `RECORD_FILES` (and its `tuning.json`) into `archive`.
+
+  The copy sits at the cell's path relative to `workdir`, so `restore` can put
+  it back. A cell without `results.json` is refused: an archive holds only
+  finished cells.
+  """
+  workdir, directory = Path(workdir), Path(directory)
+  if not (directory / "results.json").exists():
+    raise ValueError(f"{directory} has no results.json: not a finished cell")
+  target = Path(archive) / directory.relative_to(workdir)
+  target.mkdir(parents=True, exist_ok=True)
+  for name in RECORD_FILES:
+    if (directory / name).exists():
+      shutil.copy2(directory / name, target / name)
+  # The (variant, epsilon)'s clip choice, `<variant>/eps<e>/tuning.json`,
+  # once its tuning has finished.
+  eps_dir = directory.parent
+  if eps_dir.name == "tune":
+    eps_dir = eps_dir.parent
+  if (eps_dir / "tuning.json").exists():
+    shutil.copy2(
+        eps_dir / "tuning.json",
+        Path(archive) / eps_dir.relative_to(workdir) / "tuning.json",
+    )
+  return target
+
+
+def restore(archive: str | Path, workdir: str | Path) -> list[Path]:
+  """Copies every archived finished cell missing from `workdir` back into it.
+
+  A cell the workdir already has (finished or interrupted) is left alone.
+  Returns the restored cell directories.
+  """
+  archive, workdir = Path(archive), Path(workdir)
+  restored = []
+  for results_path in sorted(archive.rglob("results.json")):
+    source = results_path.parent
+    target = workdir / source.relative_to(archive)
+    if target.exists():
+      continue
+    target.mkdir(parents=True)
+    for name in RECORD_FILES:
+      if (source / name).exists():
+        shutil.copy2(source / name, target / name)
+    restored.append(target)
+  for tuning_path in sorted(archive.rglob("tuning.json")):
+    target = workdir / tuning_path.relative_to(archive)
+    if not target.exists():
+      target.parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy2(tuning_path, target)
+  return restored
 
 
 def write_environment(workdir: str | Path, argv: Sequence[str]) -> Path:

@@ -16,7 +16,10 @@ cp -r runs/pretrain_glue/model/. $MODEL/
 fi
 
 ROWS=nonprivate_lora,monolithic_lora,baseline_a,baseline_b,raptor
+# The finished cells' public records are kept in results/glue_small/cells (committed), so
+# a fresh clone resumes where the last machine stopped; checkpoints stay in runs/.
 COMMON=(--workdir=runs/glue_small --results_dir=results/glue_small
+  --archive=results/glue_small/cells
   --config.model.name=$MODEL --config.progress_bar=False
   # Wall time per run is reported (public data here; the trainer warns).
   --config.log_wall_time=True
@@ -37,11 +40,6 @@ for TASK in QNLI SST2; do
   python launch/sweep.py "${ARGS[@]}" "${COMMON[@]}" --variants=$ROWS --seeds=0,1,2,3,4
 done
 
-# 3. The seed-0 diagnostics and layer selections, and the phase-diagram placement.
-mkdir -p results/glue_small/diagnostics
-for f in runs/glue_small/*/raptor/eps*/seed0/{diagnostics,layer_selection}.json; do
-  IFS=/ read -r _ _ task _ eps _ name <<<"$f"
-  cp "$f" "results/glue_small/diagnostics/${task}_${eps}_${name}"
-done
-python launch/phase_placement.py --workdir=runs/glue_small --controlled=results/controlled \
+# 3. The phase-diagram placement, from the archived seed-0 diagnostics and layer selections.
+python launch/phase_placement.py --workdir=results/glue_small/cells --controlled=results/controlled \
   --out=results/glue_small/phase_placement.md
