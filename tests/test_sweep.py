@@ -271,7 +271,8 @@ def test_an_archived_sweep_resumes_on_a_fresh_workdir(tmp_path):
   second = tmp_path / "machine2"  # a fresh clone: the archive only
   sweep.run(base, second, train=fake_train, archive=archive, **grid)
   assert calls[5:] == [
-      ("monolithic_lora", 100, 1.0),  # the interrupted tuning run, not the first
+      # The interrupted tuning run, not the first:
+      ("monolithic_lora", 100, 1.0),
       ("monolithic_lora", 0, 1.0),
       ("raptor", 1, 1.0),
       ("monolithic_lora", 1, 1.0),
@@ -279,7 +280,9 @@ def test_an_archived_sweep_resumes_on_a_fresh_workdir(tmp_path):
   assert len(sweep.collect(second)) == 4
   assert len(sweep.collect(second, tuning=True)) == 4
   assert report.tuning_markdown(second) == report.tuning_markdown(archive)
-  sweep.run(base, tmp_path / "machine3", train=fake_train, archive=archive, **grid)
+  sweep.run(
+      base, tmp_path / "machine3", train=fake_train, archive=archive, **grid
+  )
   assert len(calls) == 9  # everything archived: nothing reruns
   with pytest.raises(ValueError, match="not a finished cell"):
     (first / "x").mkdir()

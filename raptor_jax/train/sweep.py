@@ -277,7 +277,13 @@ def tune_clip(
     if not (directory / "results.json").exists():
       log.info("tuning %s eps %g: clip %g", variant, epsilon, clip)
       _train_cell(
-          cell, cell_config(base, cell), directory, train, None, workdir, archive
+          cell,
+          cell_config(base, cell),
+          directory,
+          train,
+          None,
+          workdir,
+          archive,
       )
     scores[float(clip)] = float(
         json.loads((directory / "results.json").read_text())["accuracy"]
