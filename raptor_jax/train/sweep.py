@@ -161,9 +161,8 @@ def grid(
         "a sweep needs at least one variant, one epsilon and one seed"
     )
   cells = []
-  for (
-      seed
-  ) in seeds:  # seeds outermost: a partial sweep already compares every variant
+  # Seeds outermost: a partial sweep already compares every variant.
+  for seed in seeds:
     for eps in epsilons:
       cells.extend(
           Cell(task, v, float(eps), int(seed))
@@ -276,15 +275,8 @@ def tune_clip(
     directory = cell.directory(workdir)
     if not (directory / "results.json").exists():
       log.info("tuning %s eps %g: clip %g", variant, epsilon, clip)
-      _train_cell(
-          cell,
-          cell_config(base, cell),
-          directory,
-          train,
-          None,
-          workdir,
-          archive,
-      )
+      config = cell_config(base, cell)
+      _train_cell(cell, config, directory, train, None, workdir, archive)
     scores[float(clip)] = float(
         json.loads((directory / "results.json").read_text())["accuracy"]
     )
