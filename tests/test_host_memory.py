@@ -56,6 +56,7 @@ def _faults(mode: str) -> list[int]:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two fresh processes, 80 steps of a 128 MB buffer (~45 s)
 @pytest.mark.skipif(
     platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc',
     reason='glibc only',
@@ -96,6 +97,7 @@ _DEVICE_THREADS_SCRIPT = textwrap.dedent("""
 """) + _count_faults(32)
 
 
+@pytest.mark.slow  # each a fresh process importing an entry point (~20 s)
 @pytest.mark.skipif(
     platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc',
     reason='glibc only',
