@@ -111,13 +111,21 @@ def task_statistics(cell_directory: str | Path) -> dict[str, float | None]:
 def nearest_condition(
     cells: dict[str, dict[str, Any]], skewed: bool, ratio: float | None
 ) -> str | None:
-  """The condition of that class whose median ratio is nearest `ratio`."""
+  """The condition of that class whose median ratio is nearest `ratio`.
+
+  None when the ratio is undefined (the task's lambda_s measured 0): the
+  protocol's rule places a task by its ratio alone and says nothing for that
+  case, so no condition is picked and no prediction is made, rather than
+  reading an undefined ratio as infinite after the fact.
+  """
+  if ratio is None:
+    return None
   candidates = [
       (abs(c["median_ratio"] - ratio), name)
       for name, c in cells.items()
       if c["skewed"] == skewed and c["median_ratio"] is not None
   ]
-  return min(candidates)[1] if candidates and ratio is not None else None
+  return min(candidates)[1] if candidates else None
 
 
 def _sign(interval_or_mean) -> int:

@@ -81,3 +81,17 @@ def test_a_balanced_task_goes_to_the_nearest_balanced_median(tmp_path):
   (entry,) = phase_placement.place(tmp_path, CONTROLLED)
   assert not entry["skewed"] and entry["condition"] == "r50_bal"  # 0.0655
   assert entry["observed"] is None and "right" not in entry
+
+
+def test_an_undefined_ratio_makes_no_prediction(tmp_path):
+  # lambda_s = 0 (its noise probe raised no loss): the rule has no ratio to
+  # place by, so the task gets no condition, no prediction and no verdict.
+  roles = dict(shared=dict(lambda_plus=0.0), experts=dict(lambda_plus=5e-7))
+  _cell(tmp_path, "raptor", 0, 0.58, entropy=0.83, roles=roles)
+  _cell(tmp_path, "baseline_a", 0, 0.59)
+  (entry,) = phase_placement.place(tmp_path, CONTROLLED)
+  assert entry["ratio"] is None and entry["condition"] is None
+  assert entry["predicted"] is None and "right" not in entry
+  assert entry["observed"][0] == pytest.approx(-1.0)
+  text = phase_placement.markdown([entry])
+  assert "| balanced | undefined (λs = 0) | - | - |" in text
