@@ -218,9 +218,37 @@ def test_clip_tuning_scores_on_the_holdout_and_every_seed_uses_the_choice(
   )  # everything done: nothing reruns
   assert len(calls) == 12
   assert (
-      "| 8 | Ours, entropy-sel. | 70.00 | 75.00 | 75.00 | 1 |"
+      "| synthetic | 8 | Ours, entropy-sel. | 70.00 | 75.00 | 75.00 | 1 |"
       in report.tuning_markdown(tmp_path)
   )
+
+
+def test_the_tuning_table_names_the_task_of_each_row(tmp_path):
+  """A sweep over two tasks gets one tuning row per task, each labelled."""
+  for task, accuracy in (("qnli", 0.58), ("sst2", 0.77)):
+    eps_dir = tmp_path / task / "raptor" / "eps1"
+    eps_dir.mkdir(parents=True)
+    (eps_dir / "tuning.json").write_text(
+        json.dumps(
+            dict(
+                variant="raptor",
+                epsilon=1.0,
+                tune_seed=100,
+                metric="holdout accuracy",
+                holdout_accuracy={"0.1": accuracy, "1": accuracy - 0.01},
+                chosen_clip=0.1,
+            )
+        )
+    )
+  rows = [
+      line
+      for line in report.tuning_markdown(tmp_path).splitlines()
+      if "Ours" in line
+  ]
+  assert rows == [
+      "| qnli | 1 | Ours, entropy-sel. | 58.00 | 57.00 | 0.1 |",
+      "| sst2 | 1 | Ours, entropy-sel. | 77.00 | 76.00 | 0.1 |",
+  ]
 
 
 def test_an_archived_sweep_resumes_on_a_fresh_workdir(tmp_path):

@@ -463,28 +463,38 @@ def paired_markdown(pairs: Sequence[dict[str, Any]]) -> str | None:
 
 
 def tuning_markdown(workdir: str | Path) -> str | None:
-  """The clip-norm search of each (variant, epsilon): held-out accuracy per candidate."""
+  """The clip-norm search of each (task, variant, epsilon): held-out accuracy per candidate.
+
+  The task is read from the path (`<task>/<variant>/eps<e>/tuning.json`, the
+  layout of `Cell.directory`), so a sweep over several tasks gets one row per
+  task rather than rows that cannot be told apart.
+  """
   found = [
-      json.loads(p.read_text())
+      dict(json.loads(p.read_text()), task=p.parents[2].name)
       for p in sorted(Path(workdir).rglob("tuning.json"))
   ]
   if not found:
     return None
   order = _order({t["variant"] for t in found})
-  found.sort(key=lambda t: (t["epsilon"], order.index(t["variant"])))
+  found.sort(
+      key=lambda t: (t["task"], t["epsilon"], order.index(t["variant"]))
+  )
   clips = sorted({c for t in found for c in t["holdout_accuracy"]}, key=float)
   lines = [
       "Clip-norm tuning: held-out train-record accuracy (%) per candidate C "
       f"(seed {found[0]['tune_seed']}, never the dev set); the chosen C is used for every "
       "seed of the table.",
       "",
-      "| ε | Method | " + " | ".join(f"C={c}" for c in clips) + " | chosen |",
-      "|---|---|" + "---|" * (len(clips) + 1),
+      "| Task | ε | Method | "
+      + " | ".join(f"C={c}" for c in clips)
+      + " | chosen |",
+      "|---|---|---|" + "---|" * (len(clips) + 1),
   ]
   for t in found:
     accs = t["holdout_accuracy"]
     lines.append(
-        f"| {t['epsilon']:g} | {sweep.LABELS.get(t['variant'], t['variant'])} | "
+        f"| {t['task']} | {t['epsilon']:g} | "
+        f"{sweep.LABELS.get(t['variant'], t['variant'])} | "
         + " | ".join(
             "-" if c not in accs else f"{100 * accs[c]:.2f}" for c in clips
         )
