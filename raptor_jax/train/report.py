@@ -476,9 +476,7 @@ def tuning_markdown(workdir: str | Path) -> str | None:
   if not found:
     return None
   order = _order({t["variant"] for t in found})
-  found.sort(
-      key=lambda t: (t["task"], t["epsilon"], order.index(t["variant"]))
-  )
+  found.sort(key=lambda t: (t["task"], t["epsilon"], order.index(t["variant"])))
   clips = sorted({c for t in found for c in t["holdout_accuracy"]}, key=float)
   lines = [
       "Clip-norm tuning: held-out train-record accuracy (%) per candidate C "
