@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax.models import attention, common, family, moe
+from raptor_jax.models import attention, common, family, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.family import COPY, Rule
 from raptor_jax.models.layers import GatedExperts, RMSNorm, apply_rotary, rotary_tables
@@ -91,6 +91,10 @@ class OlmoeConfig(FineTuningOptions):
   def sparse_layers(self) -> tuple[int, ...]:
     """Indices of the sparse (MoE) blocks: every block of OLMoE."""
     return tuple(range(self.num_hidden_layers))
+
+  @property
+  def num_blocks(self) -> int:
+    return self.num_hidden_layers
 
 
 class OlmoeAttention(nn.Module):
@@ -187,8 +191,10 @@ class OlmoeBlock(nn.Module):
   index: int
 
   @nn.compact
-  def __call__(self, x, allowed, cos, sin, owner_override=None):
+  def __call__(self, x, context, owner_override=None):
+    """context: (allowed [B, S, S], cos, sin), passed on unchanged."""
     cfg = self.config
+    allowed, cos, sin = context
     dtype = jnp.dtype(cfg.dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype=dtype, name=name)
     x = x + OlmoeAttention(cfg, name="attention")(
@@ -201,7 +207,7 @@ class OlmoeBlock(nn.Module):
     h, router_logits = OlmoeSparseMLP(cfg, rank=rank, name="mlp")(
         norm("mlp_norm")(x), owner, owner_params
     )
-    return x + h, router_logits
+    return x + h, context, router_logits
 
 
 class OlmoeDecoder(nn.Module):
@@ -239,14 +245,11 @@ class OlmoeDecoder(nn.Module):
     x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")(
         input_ids
     ).astype(dtype)
-    router_logits = []
-    for i in range(cfg.num_hidden_layers):
-      x, logits = OlmoeBlock(cfg, i, name=f"block_{i}")(
-          x, allowed, cos, sin, owner_override
-      )
-      router_logits.append(logits)
+    x, router_logits = stack.run(
+        OlmoeBlock, cfg, x, (allowed, cos, sin), owner_override
+    )
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
-    return BackboneOutput(x, tuple(router_logits))
+    return BackboneOutput(x, router_logits)
 
 
 # ---------------------------------------------------------------------------

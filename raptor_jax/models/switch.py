@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax.models import attention, common, family, moe
+from raptor_jax.models import attention, common, family, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.family import COPY, Rule
 from raptor_jax.models.lora import ExpertLinear, LoRADense
@@ -77,6 +77,19 @@ class SwitchConfig(FineTuningOptions):
         for i in range(self.num_layers)
         if self.sparse_step == 1 or i % self.sparse_step == 1
     )
+
+  @property
+  def num_blocks(self) -> int:
+    return self.num_layers
+
+  @property
+  def scan_unit(self) -> int:
+    """The repeated unit: `sparse_step` blocks (dense ones, then the sparse)."""
+    return max(self.sparse_step, 1)
+
+  def block_kind(self, index: int) -> tuple | None:
+    """Block 0 owns the relative-position table, so it is never scanned."""
+    return None if index == 0 else super().block_kind(index)
 
 
 class T5RMSNorm(nn.Module):
@@ -241,8 +254,10 @@ class SwitchBlock(nn.Module):
   index: int
 
   @nn.compact
-  def __call__(self, x, mask_bias, position_bias, owner_override=None):
+  def __call__(self, x, context, owner_override=None):
+    """context: (mask_bias, position_bias); block 0 fills in the bias."""
     cfg = self.config
+    mask_bias, position_bias = context
     dtype = jnp.dtype(cfg.dtype)
     norm = lambda name: T5RMSNorm(
         cfg.layer_norm_epsilon, dtype=dtype, name=name
@@ -263,7 +278,7 @@ class SwitchBlock(nn.Module):
       )
     else:
       h = DenseMLP(cfg, name="mlp")(h)
-    return x + h, position_bias, router_logits
+    return x + h, (mask_bias, position_bias), router_logits
 
 
 class SwitchEncoder(nn.Module):
@@ -300,18 +315,13 @@ class SwitchEncoder(nn.Module):
     mask_bias = (
         (1.0 - attention_mask.astype(jnp.float32)) * jnp.finfo(jnp.float32).min
     )[:, None, None, :]
-    position_bias = None
-    router_logits = []
-    for i in range(cfg.num_layers):
-      x, position_bias, logits = SwitchBlock(cfg, i, name=f"block_{i}")(
-          x, mask_bias, position_bias, owner_override
-      )
-      if logits is not None:
-        router_logits.append(logits)
+    x, router_logits = stack.run(
+        SwitchBlock, cfg, x, (mask_bias, None), owner_override
+    )
     x = T5RMSNorm(cfg.layer_norm_epsilon, dtype=dtype, name="final_layer_norm")(
         x
     )
-    return BackboneOutput(x, tuple(router_logits))
+    return BackboneOutput(x, router_logits)
 
 
 # ---------------------------------------------------------------------------
