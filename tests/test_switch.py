@@ -400,6 +400,8 @@ def test_families_share_one_set_of_fine_tuning_options():
           "dispatch",
           "dtype",
           "kernels",
+          "scan_layers",
+          "unscanned_layers",
       )
   )
   for config in (

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax.models import attention, common, family, moe, stack
+from raptor_jax.models import attention, common, family, initializers, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.family import COPY, Rule
 from raptor_jax.models.layers import GatedExperts, RMSNorm, apply_rotary, rotary_tables
@@ -162,6 +162,8 @@ class OlmoeSparseMLP(nn.Module):
         use_bias=False,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        kernel_init=initializers.KERNEL,
+        bias_init=initializers.ZEROS,
         name="router",
     )
     router_logits = router(x.astype(jnp.float32))
@@ -242,9 +244,12 @@ class OlmoeDecoder(nn.Module):
     seq = input_ids.shape[1]
     allowed = common.causal_mask(input_ids, attention_mask)  # [B, S_q, S_k]
     cos, sin = rotary_tables(seq, cfg.head_dim, cfg.rope_theta, dtype)
-    x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")(
-        input_ids
-    ).astype(dtype)
+    x = nn.Embed(
+        cfg.vocab_size,
+        cfg.hidden_size,
+        embedding_init=initializers.EMBEDDING,
+        name="embed_tokens",
+    )(input_ids).astype(dtype)
     x, router_logits = stack.run(
         OlmoeBlock, cfg, x, (allowed, cos, sin), owner_override
     )

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax.models import attention, common, family, moe, stack
+from raptor_jax.models import attention, common, family, initializers, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.family import COPY, Rule
 from raptor_jax.models.lora import ExpertLinear, LoRADense
@@ -100,7 +100,7 @@ class T5RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+    scale = self.param("scale", initializers.ONES, (x.shape[-1],))
     # On flat rows: see `moe.combine` (a size-1 batch axis under vmap slowed
     # the fused reductions of the backward on CPU).
     x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])
@@ -159,6 +159,7 @@ class SwitchAttention(nn.Module):
       bias_table = nn.Embed(
           cfg.relative_attention_num_buckets,
           cfg.num_heads,
+          embedding_init=initializers.EMBEDDING,
           name="relative_attention_bias",
       )
       positions = jnp.arange(seq)
@@ -236,6 +237,8 @@ class SwitchSparseMLP(nn.Module):
         use_bias=cfg.router_bias,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        kernel_init=initializers.KERNEL,
+        bias_init=initializers.ZEROS,
         name="router",
     )
     router_logits = router(x.astype(jnp.float32))
@@ -309,9 +312,12 @@ class SwitchEncoder(nn.Module):
     dtype = jnp.dtype(cfg.dtype)
     if attention_mask is None:
       attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed_tokens")(
-        input_ids
-    ).astype(dtype)
+    x = nn.Embed(
+        cfg.vocab_size,
+        cfg.d_model,
+        embedding_init=initializers.EMBEDDING,
+        name="embed_tokens",
+    )(input_ids).astype(dtype)
     mask_bias = (
         (1.0 - attention_mask.astype(jnp.float32)) * jnp.finfo(jnp.float32).min
     )[:, None, None, :]

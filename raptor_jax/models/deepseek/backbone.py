@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from raptor_jax import _validate
-from raptor_jax.models import attention, common, moe, stack
+from raptor_jax.models import attention, common, initializers, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import LoRADense
 from raptor_jax.models.layers import GatedExperts, RMSNorm, apply_rotary, rotary_tables
@@ -354,6 +354,8 @@ class DeepseekSparseMLP(nn.Module):
         use_bias=False,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        kernel_init=initializers.KERNEL,
+        bias_init=initializers.ZEROS,
         name="router",
     )
     router_logits = router(x.astype(jnp.float32))
@@ -455,11 +457,12 @@ class DeepseekDecoder(nn.Module):
     common.check_owner_layer(owner_override, cfg.sparse_layers)
     dtype = jnp.dtype(cfg.dtype)
     allowed = common.causal_mask(input_ids, attention_mask)  # [B, S_q, S_k]
-    x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")(
-        input_ids
-    ).astype(dtype)
-    x, router_logits = stack.run(
-        DeepseekBlock, cfg, x, allowed, owner_override
-    )
+    x = nn.Embed(
+        cfg.vocab_size,
+        cfg.hidden_size,
+        embedding_init=initializers.EMBEDDING,
+        name="embed_tokens",
+    )(input_ids).astype(dtype)
+    x, router_logits = stack.run(DeepseekBlock, cfg, x, allowed, owner_override)
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
     return BackboneOutput(x, router_logits)
