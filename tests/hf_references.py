@@ -70,10 +70,10 @@ SWITCH_CONFIGS = {
         d_kv=4,
         num_heads=2,
         d_ff=24,
-        num_layers=4,
+        num_layers=6,  # blocks 2..5: two (dense, sparse) units, one scan
         num_experts=2,
         expert_capacity=64,
-        num_sparse_encoder_layers=2,
+        num_sparse_encoder_layers=3,
     ),
     "e4_step1_drop": dict(
         d_model=24,

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from raptor_jax import roles, transforms
 from raptor_jax.train import loop, parallel, secrecy, step
@@ -86,8 +87,17 @@ def _assert_close(got, want, where):
     )
 
 
-def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads():
-  run = build_run(micro_config())
+# Four sparse blocks: block 0 (the position table) and l* = 3 unrolled, blocks
+# 1-2 one scanned segment whose attention adapters train in the shared stream.
+FOUR_SPARSE = {"model.random.num_layers": 4, "model.random.sparse_step": 1}
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads(scan):
+  run = build_run(micro_config(**FOUR_SPARSE, **{"model.scan_layers": scan}))
+  assert run.expert_layer == 3
+  scanned = any("/blocks_1_2/" in p for p in run.trainable["shared"])
+  assert scanned == scan
   mesh = parallel.make_mesh(1)
   secret = bytes(range(32))
   phase_fns = loop._phase_functions(run, mesh, secret)
