@@ -84,7 +84,7 @@ _SWITCH = dict(
     num_heads=4,
     d_ff=24,
     num_layers=6,
-    num_sparse_encoder_layers=3,  # odd blocks sparse; blocks 2..5 scanned
+    num_sparse_encoder_layers=3,  # odd blocks sparse; blocks 1-4 scanned
     num_decoder_layers=1,
     num_experts=4,
     expert_capacity=2,  # 4 experts x 2 < 10 tokens: every full record drops
@@ -465,14 +465,15 @@ def test_every_parameter_gradient_matches_torch(
 
 
 def _lora_options(path) -> dict[str, Any]:
-  """Adapters on attention and the first sparse block's experts (and on
-  DeepSeek's shared experts); base weights frozen, the default dispatch."""
+  """Adapters on attention and the last sparse block's experts (and on
+  DeepSeek's shared experts); base weights frozen, the default dispatch.
+  The blocks before it that are alike are one scanned segment."""
   family = _family(path)
   config = family.config_from_hf(hf_lib.read_config(pathlib.Path(path)))
   options = dict(
       lora_rank=4,
       attention_lora=True,
-      expert_lora_layers=(config.sparse_layers[0],),
+      expert_lora_layers=(config.sparse_layers[-1],),
       dispatch="auto",
   )
   if "shared_expert_lora" in family.extra_options:

@@ -78,32 +78,30 @@ def _names(config, **options):
 
 
 def test_segments_follow_the_repeated_units():
-  # Switch: block 0 owns the position table; then (dense, sparse) pairs.
-  assert _names(SWITCH) == ["block_0", "block_1", "blocks_2_7"]
-  # The owner layer l* = 5 alone, its pair's dense block with it.
-  assert _names(SWITCH, expert_lora_layers=(5,), unscanned_layers=(5,)) == [
+  # Switch: block 0 owns the position table; then (sparse, dense) pairs, and
+  # the last block (sparse) alone.
+  assert _names(SWITCH) == ["block_0", "blocks_1_6", "block_7"]
+  assert _names(SWITCH, num_layers=12, unscanned_layers=(11,)) == [
       "block_0",
-      "block_1",
-      "block_2",
-      "block_3",
-      "block_4",
+      "blocks_1_10",
+      "block_11",
+  ]
+  # The owner layer l* = 5 out, with its pair's dense block.
+  assert _names(
+      SWITCH, num_layers=12, expert_lora_layers=(5,), unscanned_layers=(5,)
+  ) == [
+      "block_0",
+      "blocks_1_4",
       "block_5",
       "block_6",
-      "block_7",
-  ]
-  assert _names(SWITCH, num_layers=12, unscanned_layers=(7,)) == [
-      "block_0",
-      "block_1",
-      "blocks_2_5",
-      "block_6",
-      "block_7",
-      "blocks_8_11",
+      "blocks_7_10",
+      "block_11",
   ]
   # Monolithic LoRA (adapters on every sparse block) scans them together.
   assert _names(SWITCH, expert_lora_layers=(1, 3, 5, 7)) == [
       "block_0",
-      "block_1",
-      "blocks_2_7",
+      "blocks_1_6",
+      "block_7",
   ]
   assert _names(SWITCH, sparse_step=1) == ["block_0", "blocks_1_7"]
   # Adapters on one block among blocks without: it stays out.
@@ -115,8 +113,9 @@ def test_segments_follow_the_repeated_units():
   # DeepSeek: the dense blocks form their own segment.
   assert _names(DEEPSEEK) == ["blocks_0_1", "blocks_2_4"]
   assert _names(DEEPSEEK, scan_layers=False) == [f"block_{i}" for i in range(5)]
-  segments = stack.segments(dataclasses.replace(SWITCH, num_layers=12))
-  assert [b for s in segments for b in s.blocks] == list(range(12))
+  for layers in range(1, 14):
+    segments = stack.segments(dataclasses.replace(SWITCH, num_layers=layers))
+    assert [b for s in segments for b in s.blocks] == list(range(layers))
 
 
 def test_unscanned_layers_must_be_blocks():
@@ -188,24 +187,25 @@ def test_scanned_outputs_equal_the_unrolled_twin(twins):
 
 def test_owner_layer_stays_out_of_the_scan_with_todays_paths():
   config = dataclasses.replace(
-      SWITCH, num_layers=12, expert_lora_layers=(7,), unscanned_layers=(7,)
+      SWITCH, num_layers=12, expert_lora_layers=(11,), unscanned_layers=(11,)
   )
   module = models.SwitchEncoder(config)
   flat = initializers.abstract_params(module)
-  owner = [p for p in flat if p.startswith(roles.expert_prefix(7, root=""))]
+  owner = [p for p in flat if p.startswith(roles.expert_prefix(11, root=""))]
   assert sorted(p.rsplit("/", 2)[-2] for p in owner if "lora" in p) == [
       "wi",
       "wi",
       "wo",
       "wo",
   ]
-  assert flat["block_7/mlp/experts/wi/lora_a"].shape == (4, 16, 2)
-  assert flat["blocks_2_5/offset_1/mlp/experts/wi/kernel"].shape == (
-      2,
+  assert flat["block_11/mlp/experts/wi/lora_a"].shape == (4, 16, 2)
+  assert flat["blocks_1_10/offset_0/mlp/experts/wi/kernel"].shape == (
+      5,
       4,
       16,
       24,
   )
+  assert flat["blocks_1_10/offset_1/mlp/wi/kernel"].shape == (5, 16, 24)
   # Selection by block takes l*'s leaves, whole.
   assert roles.select(
       roles.unflatten(flat), roles.EXPERT_ROLES, (7,)
@@ -241,10 +241,10 @@ def test_selection_by_block_never_cuts_a_stacked_leaf():
 def test_from_pretrained_then_export_keeps_hugging_face_names_and_values(
     tmp_path, scan
 ):
-  """A Switch checkpoint (blocks 2..5 scanned) exports byte for byte per layer."""
+  """A Switch checkpoint (blocks 1-4 scanned) exports byte for byte per layer."""
   path = refs.save_switch(tmp_path / "hf", 0, **refs.SWITCH_CONFIGS["e2_step2"])
   module, params = models.from_pretrained(path, scan_layers=scan)
-  assert scan == ("blocks_2_5" in params)
+  assert scan == ("blocks_1_4" in params)
   out = export.save_pretrained(module, params, tmp_path / f"out_{scan}")
   original = load_file(str(path / "model.safetensors"))
   written = load_file(str(out / "model.safetensors"))

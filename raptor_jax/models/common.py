@@ -106,13 +106,18 @@ class FineTuningOptions:
     """Blocks in the repeated unit a scan steps over (`stack.segments`)."""
     return 1
 
+  @property
+  def scan_start(self) -> int:
+    """The first block of the first unit; the blocks before it are unrolled."""
+    return 0
+
   def block_kind(self, index: int) -> tuple | None:
     """What block `index`'s structure depends on, or None: keep it unrolled.
 
     Blocks of equal kind have the same parameters and computation, so a run
     of units of equal kinds can be one `nn.scan` (`stack.segments`). A
-    family whose blocks depend on their index in another way (Switch's
-    block 0 owns the relative-position table) extends this.
+    family whose blocks depend on their index in another way extends this
+    (or keeps them before `scan_start`).
     """
     if index in self.unscanned_layers:
       return None

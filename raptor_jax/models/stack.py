@@ -7,19 +7,21 @@ function of the config (`segments`):
 * A **scanned** segment is a run of two or more consecutive *units* of
   identical structure, run by one `nn.scan` (compiled once, whatever its
   length). A unit is the family's repeated group of blocks
-  (`config.scan_unit`): Switch's (dense, sparse) pair (`sparse_step`
-  blocks), one block of OLMoE or DeepSeek-MoE. Its parameters are stacked
-  along a leading unit axis under ``blocks_{first}_{last}`` (its first and
-  last block); a unit of several blocks names them ``offset_{j}`` inside::
+  (`config.scan_unit`, units from block `config.scan_start` on): Switch's
+  (sparse, dense) pair (`sparse_step` blocks, from block 1), one block of
+  OLMoE or DeepSeek-MoE. Its parameters are stacked along a leading unit
+  axis under ``blocks_{first}_{last}`` (its first and last block); a unit of
+  several blocks names them ``offset_{j}`` inside::
 
     blocks_2_11/attention/q/kernel           [10, D, D]  (unit = 1 block)
-    blocks_2_11/offset_1/mlp/router/kernel   [5, D, E]   (unit = 2 blocks:
-                                              blocks 3, 5, 7, 9, 11)
+    blocks_1_10/offset_0/mlp/router/kernel   [5, D, E]   (unit = 2 blocks:
+                                              blocks 1, 3, 5, 7, 9)
 
 * Every other block runs **unrolled** under its per-layer name
-  ``block_{i}``: a block whose structure differs from its neighbours'
-  (`config.block_kind`: Switch's block 0 owns the relative-position table, a
-  block with expert adapters among blocks without), any block in
+  ``block_{i}``: the blocks before `config.scan_start` (Switch's block 0
+  owns the relative-position table), a block whose structure differs from
+  its neighbours' (`config.block_kind`: a block with expert adapters among
+  blocks without), an incomplete last unit, any block in
   `config.unscanned_layers`, and every block when `config.scan_layers` is
   False (the unrolled twin, for comparison). The trainer keeps the selected
   layer l* unscanned, so its owner slices (`OwnerOverride`,
@@ -92,7 +94,7 @@ def segments(config) -> tuple[Segment, ...]:
   Returns:
     Segments covering blocks 0..num_blocks-1 exactly once, in order.
   """
-  num, unit = config.num_blocks, config.scan_unit
+  num, unit, start = config.num_blocks, config.scan_unit, config.scan_start
 
   def kind(start: int) -> tuple | None:
     members = range(start, min(start + unit, num))
@@ -101,8 +103,8 @@ def segments(config) -> tuple[Segment, ...]:
     kinds = tuple(config.block_kind(i) for i in members)
     return None if None in kinds else kinds
 
-  plan = []
-  for key, run in itertools.groupby(range(0, num, unit), key=kind):
+  plan = [Segment(i, i + 1, 1, False) for i in range(min(start, num))]
+  for key, run in itertools.groupby(range(start, num, unit), key=kind):
     starts = list(run)
     if key is None or len(starts) < 2:
       stop = min(starts[-1] + unit, num)

@@ -84,12 +84,18 @@ class SwitchConfig(FineTuningOptions):
 
   @property
   def scan_unit(self) -> int:
-    """The repeated unit: `sparse_step` blocks (dense ones, then the sparse)."""
+    """The repeated unit: `sparse_step` blocks (a sparse one, then dense)."""
     return max(self.sparse_step, 1)
 
-  def block_kind(self, index: int) -> tuple | None:
-    """Block 0 owns the relative-position table, so it is never scanned."""
-    return None if index == 0 else super().block_kind(index)
+  @property
+  def scan_start(self) -> int:
+    """Units start at block 1: block 0 owns the relative-position table.
+
+    Units then start with a sparse block (HF: i % sparse_step == 1), so the
+    last block, sparse and the usual l*, stays out of the scan on its own
+    rather than with a dense block beside it.
+    """
+    return 1
 
 
 class T5RMSNorm(nn.Module):
