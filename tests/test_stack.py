@@ -208,7 +208,7 @@ def test_owner_layer_stays_out_of_the_scan_with_todays_paths():
   assert flat["blocks_1_10/offset_1/mlp/wi/kernel"].shape == (5, 16, 24)
   # Selection by block takes l*'s leaves, whole.
   assert roles.select(
-      roles.unflatten(flat), roles.EXPERT_ROLES, (7,)
+      roles.unflatten(flat), roles.EXPERT_ROLES, (11,)
   ) == sorted(p for p in owner if roles.is_adapter(p))
 
 
