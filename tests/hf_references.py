@@ -70,10 +70,10 @@ SWITCH_CONFIGS = {
         d_kv=4,
         num_heads=2,
         d_ff=24,
-        num_layers=6,  # blocks 1-4: two (sparse, dense) units, one scan
+        num_layers=4,
         num_experts=2,
         expert_capacity=64,
-        num_sparse_encoder_layers=3,
+        num_sparse_encoder_layers=2,
     ),
     "e4_step1_drop": dict(
         d_model=24,
@@ -90,10 +90,10 @@ SWITCH_CONFIGS = {
         d_kv=8,
         num_heads=4,
         d_ff=16,
-        num_layers=4,
+        num_layers=6,  # blocks 1-4: two (sparse, dense) units, one scan
         num_experts=8,
         expert_capacity=1,
-        num_sparse_encoder_layers=2,
+        num_sparse_encoder_layers=3,
     ),
 }
 

@@ -242,7 +242,9 @@ def test_from_pretrained_then_export_keeps_hugging_face_names_and_values(
     tmp_path, scan
 ):
   """A Switch checkpoint (blocks 1-4 scanned) exports byte for byte per layer."""
-  path = refs.save_switch(tmp_path / "hf", 0, **refs.SWITCH_CONFIGS["e2_step2"])
+  path = refs.save_switch(
+      tmp_path / "hf", 0, **refs.SWITCH_CONFIGS["e8_step2_drop"]
+  )
   module, params = models.from_pretrained(path, scan_layers=scan)
   assert scan == ("blocks_1_4" in params)
   out = export.save_pretrained(module, params, tmp_path / f"out_{scan}")
@@ -259,7 +261,9 @@ def test_from_pretrained_then_export_keeps_hugging_face_names_and_values(
 
 
 def test_scanned_and_unrolled_exports_are_the_same_bytes(tmp_path):
-  path = refs.save_switch(tmp_path / "hf", 0, **refs.SWITCH_CONFIGS["e2_step2"])
+  path = refs.save_switch(
+      tmp_path / "hf", 0, **refs.SWITCH_CONFIGS["e8_step2_drop"]
+  )
   files = []
   for scan in (True, False):
     module, params = models.from_pretrained(path, scan_layers=scan)
