@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from raptor_jax import models, roles
-from raptor_jax.models import export, initializers, stack
+from raptor_jax.models import export, initializers, lora, stack
 
 import hf_references as refs
 
@@ -301,3 +301,21 @@ def test_with_options_moves_leaves_between_layouts():
   assert sorted(k for k in again if k.startswith("block")) == [
       f"block_{i}" for i in range(4)
   ]
+
+
+def test_merging_stacked_adapters_keeps_the_outputs(twins):
+  """`lora.merge` folds each stacked adapter into its stacked kernel."""
+  scanned, params, _, _, (ids, mask) = twins
+  config = scanned.config
+  plain = dataclasses.replace(
+      config, lora_rank=0, attention_lora=False, expert_lora_layers=()
+  )
+  if isinstance(config, models.DeepseekConfig):
+    plain = dataclasses.replace(plain, shared_expert_lora=False)
+  assert stack.segments(plain) == stack.segments(config)
+  merged = lora.merge(params, config.lora_alpha, config.lora_rank)
+  got = type(scanned)(plain).apply({"params": merged}, ids, mask)
+  want = scanned.apply({"params": params}, ids, mask)
+  np.testing.assert_allclose(
+      got.hidden_states, want.hidden_states, rtol=1e-5, atol=1e-5
+  )
