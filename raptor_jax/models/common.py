@@ -30,6 +30,9 @@ class BackboneOutput(NamedTuple):
 class OwnerOverride(NamedTuple):
   """Routes one record's expert-stream gradient into its owner's slice.
 
+  The block must run unrolled (`stack`: the trainer keeps l* out of every
+  scan with `unscanned_layers`); one inside a scanned segment is refused.
+
   Attributes:
     layer: index of the block whose experts train (a Python int).
     owner: int32 scalar, the record's owner expert.
