@@ -38,13 +38,20 @@ from launch.bench import profiling
 from raptor_jax import models
 from raptor_jax.train import parallel
 
-_DEPTHS = flags.DEFINE_list('depths', ['2', '12'], 'Blocks of each row.')
-_DTYPES = flags.DEFINE_list('dtypes', ['float32', 'bfloat16'], 'Dtypes.')
-_MICROBATCH = flags.DEFINE_integer('microbatch', 8, 'Records per microbatch.')
-_SEQ_LEN = flags.DEFINE_integer('seq_len', 128, 'Tokens per record.')
-_VOCAB = flags.DEFINE_integer('vocab_size', 8000, 'Reduced vocabulary.')
-_STREAMS = flags.DEFINE_list('streams', ['shared', 'expert'], 'Streams.')
-_PASSES = flags.DEFINE_integer('passes', 2, 'Rounds over every row.')
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defines the command-line flags; only when run as a script, so that tests
+  can import several scripts into one process."""
+  flags.DEFINE_list('depths', ['2', '12'], 'Blocks of each row.')
+  flags.DEFINE_list('dtypes', ['float32', 'bfloat16'], 'Dtypes.')
+  flags.DEFINE_integer('microbatch', 8, 'Records per microbatch.')
+  flags.DEFINE_integer('seq_len', 128, 'Tokens per record.')
+  flags.DEFINE_integer('vocab_size', 8000, 'Reduced vocabulary.')
+  flags.DEFINE_list('streams', ['shared', 'expert'], 'Streams.')
+  flags.DEFINE_integer('passes', 2, 'Rounds over every row.')
+
 
 BASE_8 = dict(
     d_model=768,
@@ -124,9 +131,9 @@ def main(argv):
   del argv
   settings = [
       (dtype, depth, scan)
-      for _ in range(_PASSES.value)
-      for dtype in _DTYPES.value
-      for depth in map(int, _DEPTHS.value)
+      for _ in range(FLAGS.passes)
+      for dtype in FLAGS.dtypes
+      for depth in map(int, FLAGS.depths)
       for scan in (True, False)
   ]
   columns = None
@@ -135,10 +142,10 @@ def main(argv):
         depth,
         scan,
         dtype,
-        m=_MICROBATCH.value,
-        seq_len=_SEQ_LEN.value,
-        vocab_size=_VOCAB.value,
-        streams=_STREAMS.value,
+        m=FLAGS.microbatch,
+        seq_len=FLAGS.seq_len,
+        vocab_size=FLAGS.vocab_size,
+        streams=FLAGS.streams,
     )
     r.setdefault('jit_init_s', float('nan'))
     if columns is None:
@@ -148,4 +155,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)
