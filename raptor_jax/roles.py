@@ -1,8 +1,10 @@
 """Which parameter belongs to which role (App. C, docs/method.md §1.5).
 
 Parameters are addressed by their flat path in the classifier's tree, e.g.
-`backbone/block_3/mlp/experts/wi/lora_a` or `head/kernel`. Every leaf has
-exactly one role::
+`backbone/block_3/mlp/experts/wi/lora_a` or `head/kernel`; a leaf of a
+scanned segment, `backbone/blocks_2_11/attention/q/lora_a`, stacks the same
+parameter of blocks 2..11 (`models.stack`) and has that parameter's role.
+Every leaf has exactly one role::
 
   attention_adapter      LoRA factors of the attention projections (q, k, v, o;
                          MLA's q_a, q_b, kv_a, kv_b) of any block
@@ -46,6 +48,7 @@ ROLES = (
 )
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 _BLOCK = re.compile(r"(?:^|/)block_(\d+)/")
+_BLOCKS = re.compile(r"(?:^|/)blocks_(\d+)_(\d+)/")  # a scanned segment
 _ATTENTION_PROJECTION = re.compile(r"/attention/(?:[qkvo]|q_a|q_b|kv_a|kv_b)/")
 
 # Stream membership: the roles each stream (or method) trains.
@@ -131,10 +134,15 @@ def role_of(path: str) -> str:
   return "base"
 
 
-def block_of(path: str) -> int | None:
-  """The block index of a path, or None outside the blocks (embeddings, head)."""
-  match = _BLOCK.search(path)
-  return int(match[1]) if match else None
+def blocks_of(path: str) -> range:
+  """The blocks a leaf belongs to: one for `block_{i}`, first..last for a
+  stacked leaf of a scanned segment `blocks_{first}_{last}` (`models.stack`),
+  none outside the blocks (embeddings, head)."""
+  if match := _BLOCKS.search(path):
+    return range(int(match[1]), int(match[2]) + 1)
+  if match := _BLOCK.search(path):
+    return range(int(match[1]), int(match[1]) + 1)
+  return range(0)
 
 
 def flatten(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,17 +158,31 @@ def select(
     roles: Iterable[str],
     blocks: Iterable[int] | None = None,
 ) -> list[str]:
-  """Sorted flat paths of the leaves with one of `roles` (in `blocks`, if given)."""
+  """Sorted flat paths of the leaves with one of `roles` (in `blocks`, if given).
+
+  Raises:
+    ValueError: `blocks` holds some but not all of the blocks of a stacked
+      leaf with one of `roles` (a selection by block never cuts a leaf).
+  """
   roles = set(roles)
   unknown = roles - set(ROLES)
   if unknown:
     raise ValueError(f"unknown roles {sorted(unknown)}; roles are {ROLES}")
   blocks = None if blocks is None else set(blocks)
-  return sorted(
-      p
-      for p in flatten(params)
-      if role_of(p) in roles and (blocks is None or block_of(p) in blocks)
-  )
+  selected = []
+  for path in flatten(params):
+    if role_of(path) not in roles:
+      continue
+    covered = set(blocks_of(path))
+    if blocks is not None and covered & blocks and not covered <= blocks:
+      raise ValueError(
+          f"{path} stacks blocks {min(covered)}..{max(covered)}, and selecting"
+          f" blocks {sorted(blocks)} would cut it; keep those blocks out of"
+          " the scan (model.unscanned_layers) or set model.scan_layers=False"
+      )
+    if blocks is None or (covered and covered <= blocks):
+      selected.append(path)
+  return sorted(selected)
 
 
 def has_shared_experts(params: Mapping[str, Any]) -> bool:

@@ -90,10 +90,10 @@ SWITCH_CONFIGS = {
         d_kv=8,
         num_heads=4,
         d_ff=16,
-        num_layers=4,
+        num_layers=6,  # blocks 1-4: two (sparse, dense) units, one scan
         num_experts=8,
         expert_capacity=1,
-        num_sparse_encoder_layers=2,
+        num_sparse_encoder_layers=3,
     ),
 }
 

@@ -7,6 +7,9 @@ real token, and the grouped expert dispatch equal to the dense one. Each
 family's own tests (capacity, RoPE, MLA, LoRA, owners) stay in
 tests/test_<family>.py; the references are tests/hf_references.py.
 
+Every check runs twice: with the blocks scanned (`scan_layers=True`, the
+default; `models.stack`) and with the unrolled twin (`scan_layers=False`).
+
 Padding: right padding everywhere. Decoders' eager mask is "causal AND key
 not padding", so a padding query still attends to the real tokens before it
 and its state is well defined; parity is checked on every position, padding
@@ -90,6 +93,7 @@ PARITY = [
     for dispatch, names in (("auto", spec.configs), ("ragged", spec.ragged))
     for name in names
 ]
+SCAN = pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
 
 
 @pytest.fixture(scope="module")
@@ -108,15 +112,18 @@ def references(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(references):
-  """(family, name, dispatch) -> (module, params, jitted apply), loaded once."""
+  """(family, name, dispatch, scan) -> (module, params, jitted apply), loaded once."""
   cache = {}
 
-  def load(family, name, dispatch="auto"):
-    if (family, name, dispatch) not in cache:
+  def load(family, name, dispatch="auto", scan=True):
+    key = family, name, dispatch, scan
+    if key not in cache:
       path = references(family, name)[0]
-      module, params = models.from_pretrained(path, dispatch=dispatch)
-      cache[family, name, dispatch] = module, params, jax.jit(module.apply)
-    return cache[family, name, dispatch]
+      module, params = models.from_pretrained(
+          path, dispatch=dispatch, scan_layers=scan
+      )
+      cache[key] = module, params, jax.jit(module.apply)
+    return cache[key]
 
   return load
 
@@ -125,12 +132,15 @@ def _run(apply, params, ids, mask):
   return apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
 
 
+@SCAN
 @pytest.mark.parametrize("family,name,dispatch", PARITY)
-def test_parity_with_hugging_face(references, loaded, family, name, dispatch):
+def test_parity_with_hugging_face(
+    references, loaded, family, name, dispatch, scan
+):
   """Hidden states and router logits match transformers (float32, 1e-4)."""
   spec = SPECS[family]
   ids, mask = refs.batch(low=spec.low)
-  module, params, apply = loaded(family, name, dispatch)
+  module, params, apply = loaded(family, name, dispatch, scan)
   want_h, want_logits = spec.outputs(references(family, name)[1], ids, mask)
   out = _run(apply, params, ids, mask)
   sparse = module.config.sparse_layers
@@ -145,11 +155,12 @@ def test_parity_with_hugging_face(references, loaded, family, name, dispatch):
   assert max(errors) < 1e-4
 
 
+@SCAN
 @pytest.mark.parametrize("family,name", _cases("batch_of_one"))
-def test_batch_of_one_equals_its_row(loaded, family, name):
+def test_batch_of_one_equals_its_row(loaded, family, name, scan):
   """Routing and capacity are per record: a record alone = its row."""
   ids, mask = refs.batch(low=SPECS[family].low)
-  _, params, apply = loaded(family, name)
+  _, params, apply = loaded(family, name, scan=scan)
   full = _run(apply, params, ids, mask)
   for row in range(ids.shape[0]):
     one = _run(apply, params, ids[row : row + 1], mask[row : row + 1])
@@ -160,13 +171,14 @@ def test_batch_of_one_equals_its_row(loaded, family, name):
       np.testing.assert_allclose(a[0], b[row], rtol=1e-5, atol=1e-5)
 
 
+@SCAN
 @pytest.mark.parametrize("family,name", _cases("batch_of_one"))
-def test_padding_changes_no_real_token(loaded, family, name):
+def test_padding_changes_no_real_token(loaded, family, name, scan):
   """Other ids in the padding, and more of it: the real tokens' hidden
   states and router logits do not change (right padding is masked, and
   capacity sees the real tokens first)."""
   ids, mask = refs.batch(low=SPECS[family].low)
-  _, params, apply = loaded(family, name)
+  _, params, apply = loaded(family, name, scan=scan)
   want = _run(apply, params, ids, mask)
   extra = 5
   noisy = np.pad(ids, ((0, 0), (0, extra)))
@@ -188,11 +200,12 @@ def test_padding_changes_no_real_token(loaded, family, name):
     )
 
 
+@SCAN
 @pytest.mark.parametrize("family,name", _cases("dispatch"))
-def test_grouped_dispatch_equals_dense(loaded, family, name):
+def test_grouped_dispatch_equals_dense(loaded, family, name, scan):
   ids, mask = refs.batch(low=SPECS[family].low)
-  _, params, grouped = loaded(family, name)
-  _, _, dense = loaded(family, name, "dense")
+  _, params, grouped = loaded(family, name, scan=scan)
+  _, _, dense = loaded(family, name, "dense", scan)
   a = _run(grouped, params, ids, mask).hidden_states
   b = _run(dense, params, ids, mask).hidden_states
   refs.assert_close(a, b, tol=1e-5)

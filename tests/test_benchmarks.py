@@ -398,6 +398,7 @@ def test_scripts_define_flags_only_when_run():
       "benchmark",
       "bench_parallel",
       "gpu_dispatch",
+      "scan_compile",
       "vs_opacus",
   ):
     module = _load(name)

@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 
 from raptor_jax import data, models, release
 from raptor_jax.ledger import PrivacyLedger
-from raptor_jax.models import hf, lora
+from raptor_jax.models import hf, initializers, lora
 from raptor_jax.train import loop, methods, step, train_and_evaluate
 from raptor_jax.train import outputs
 from raptor_jax.train.run import build_run
@@ -144,7 +144,7 @@ def test_olmoe_classifier_export_agrees_with_transformers(tmp_path):
           expert_lora_layers=(1,),
       )
   )
-  params = backbone.init(jax.random.PRNGKey(0), *hf.example_inputs())
+  params = backbone.init(jax.random.PRNGKey(0), *initializers.example_inputs())
   model, params = hf.with_head(backbone, params["params"], 3)
   flat = flax.traverse_util.flatten_dict(params, sep="/")
   keys = iter(jax.random.split(jax.random.PRNGKey(1), len(flat)))
@@ -212,7 +212,7 @@ def test_deepseek_exports_as_transformers_sequence_classifier(tmp_path):
           expert_lora_layers=(1,),
       )
   )
-  params = backbone.init(jax.random.PRNGKey(0), *hf.example_inputs())
+  params = backbone.init(jax.random.PRNGKey(0), *initializers.example_inputs())
   model, params = hf.with_head(backbone, params["params"], 3)
   assert model.pooling == "last" and set(params["head"]) == {"kernel"}
   flat = flax.traverse_util.flatten_dict(params, sep="/")

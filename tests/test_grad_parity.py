@@ -83,8 +83,8 @@ _SWITCH = dict(
     d_kv=8,
     num_heads=4,
     d_ff=24,
-    num_layers=2,
-    num_sparse_encoder_layers=1,  # block 0 dense, block 1 sparse
+    num_layers=6,
+    num_sparse_encoder_layers=3,  # odd blocks sparse; blocks 1-4 scanned
     num_decoder_layers=1,
     num_experts=4,
     expert_capacity=2,  # 4 experts x 2 < 10 tokens: every full record drops
@@ -95,7 +95,7 @@ _OLMOE = dict(
     vocab_size=VOCAB,
     hidden_size=WIDTH,
     intermediate_size=16,
-    num_hidden_layers=2,
+    num_hidden_layers=3,
     num_attention_heads=4,
     num_key_value_heads=2,  # grouped-query attention
     num_experts=8,
@@ -121,8 +121,8 @@ _DEEPSEEK = dict(
 )
 _DEEPSEEK_MLA = dict(
     _DEEPSEEK,
-    num_hidden_layers=2,
-    first_k_dense_replace=1,  # block 0 dense, block 1 sparse
+    num_hidden_layers=4,
+    first_k_dense_replace=1,  # block 0 dense, blocks 1-3 sparse
     q_lora_rank=12,
     kv_lora_rank=8,
     qk_nope_head_dim=8,
@@ -136,7 +136,7 @@ _DEEPSEEK_MLA = dict(
 )
 _DEEPSEEK_MHA = dict(
     _DEEPSEEK,
-    num_hidden_layers=2,
+    num_hidden_layers=4,
     first_k_dense_replace=1,
     q_lora_rank=None,
     n_shared_experts=1,
@@ -297,9 +297,9 @@ def _flat(tree) -> dict[str, np.ndarray]:
   }
 
 
-def flax_grads(path, kernels, ids, mask, proj):
-  """(loss, flat gradient of every parameter, router logits, config)."""
-  module, params = load(path, kernels, dispatch="auto_train")
+def flax_grads(path, kernels, ids, mask, proj, scan=True):
+  """(loss, flat per-layer gradient of every parameter, router logits, config)."""
+  module, params = load(path, kernels, dispatch="auto_train", scan_layers=scan)
   weights = jnp.asarray(mask[..., None] * proj, jnp.float32)
 
   def loss(p):
@@ -309,6 +309,7 @@ def flax_grads(path, kernels, ids, mask, proj):
   (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
       params
   )
+  grads = models.unstack_layers(grads, module.config)
   return float(value), _flat(grads), logits, module.config
 
 
@@ -377,10 +378,14 @@ class Parity:
     return max(self.errors.items(), key=lambda kv: kv[1])
 
 
-def parity(ref: Reference, name: str, kernels: str | None) -> Parity:
-  """Every parameter's gradient in raptor_jax against torch's."""
+def parity(
+    ref: Reference, name: str, kernels: str | None, scan: bool = True
+) -> Parity:
+  """Every parameter's gradient in raptor_jax against torch's, per layer."""
   ids, mask, proj = batch()
-  value, got, logits, config = flax_grads(ref.path, kernels, ids, mask, proj)
+  value, got, logits, config = flax_grads(
+      ref.path, kernels, ids, mask, proj, scan
+  )
   want_value, want = torch_grads(ref, config, ids, mask, proj)
   assert set(got) == set(want), set(got) ^ set(want)
   for path in got:
@@ -431,13 +436,19 @@ def references(tmp_path_factory):
     print("\ngradient parity with float64 torch:\n" + table(_ROWS))
 
 
+SCAN = pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+
+
+@SCAN
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", list(BUILDERS))
-def test_every_parameter_gradient_matches_torch(references, name, kernels):
-  row = parity(references[name], name, kernels)
+def test_every_parameter_gradient_matches_torch(
+    references, name, kernels, scan
+):
+  row = parity(references[name], name, kernels, scan)
   _ROWS.append(row)
   path, err = row.worst
-  print(f"{name} kernels={kernels}: worst {err:.2e} at {path}")
+  print(f"{name} kernels={kernels} scan={scan}: worst {err:.2e} at {path}")
   assert row.loss_error < 1e-5  # the same function (forward parity)
   # Every parameter is exercised (routers and the position bias included).
   assert any("/router/" in p for p in row.errors)
@@ -454,14 +465,15 @@ def test_every_parameter_gradient_matches_torch(references, name, kernels):
 
 
 def _lora_options(path) -> dict[str, Any]:
-  """Adapters on attention and the first sparse block's experts (and on
-  DeepSeek's shared experts); base weights frozen, the default dispatch."""
+  """Adapters on attention and the last sparse block's experts (and on
+  DeepSeek's shared experts); base weights frozen, the default dispatch.
+  The blocks before it that are alike are one scanned segment."""
   family = _family(path)
   config = family.config_from_hf(hf_lib.read_config(pathlib.Path(path)))
   options = dict(
       lora_rank=4,
       attention_lora=True,
-      expert_lora_layers=(config.sparse_layers[0],),
+      expert_lora_layers=(config.sparse_layers[-1],),
       dispatch="auto",
   )
   if "shared_expert_lora" in family.extra_options:
@@ -469,13 +481,13 @@ def _lora_options(path) -> dict[str, Any]:
   return options
 
 
-def per_record_setup(path):
+def per_record_setup(path, scan=True):
   """(module with the adapters, adapter leaves, frozen leaves, records).
 
   B factors are set non-zero so that every A factor has a gradient; the
   records are a right-padded batch as in `batch`.
   """
-  module, params = load(path, "fast", **_lora_options(path))
+  module, params = load(path, "fast", scan_layers=scan, **_lora_options(path))
   flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(params), sep="/")
   key = jax.random.PRNGKey(3)
   for i, p in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
@@ -503,23 +515,41 @@ def per_record_grads(module, adapters, frozen, records):
   return jax.jit(batched)(adapters, frozen, *records)
 
 
+def _per_layer(flat, config, leading=0):
+  """Flat leaves of stacked segments split per layer (`leading` batch axes)."""
+  unstack = lambda tree: models.unstack_layers(tree, config)
+  for _ in range(leading):
+    unstack = jax.vmap(unstack)
+  tree = unstack(flax.traverse_util.unflatten_dict(flat, sep="/"))
+  return flax.traverse_util.flatten_dict(tree, sep="/")
+
+
+@SCAN
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_per_record_adapter_gradients_fast_equal_reference_and_a_loop(
-    references, name
+    references, name, scan
 ):
-  module, adapters, frozen, records = per_record_setup(references[name].path)
+  """Compared per layer: a stacked leaf's error is its layers' worst."""
+  module, adapters, frozen, records = per_record_setup(
+      references[name].path, scan
+  )
   # The same model and parameters with the other kernels (no new adapters).
   reference = type(module)(
       dataclasses.replace(module.config, kernels="reference")
   )
+  config = module.config
   fast = per_record_grads(module, adapters, frozen, records)
   want = per_record_grads(reference, adapters, frozen, records)
   single = jax.jit(record_grad(module))
   assert set(fast) == set(want) == set(adapters)
   assert any("/mlp/experts/" in p for p in fast)
+  assert scan == any(len(roles.blocks_of(p)) > 1 for p in fast)  # stacked
+  fast, want = _per_layer(fast, config, 1), _per_layer(want, config, 1)
   worst = {"reference": (0.0, ""), "loop": (0.0, "")}
   for row in range(BATCH):
-    one = single(adapters, frozen, *(r[row] for r in records))
+    one = _per_layer(
+        single(adapters, frozen, *(r[row] for r in records)), config
+    )
     assert any(np.any(fast[p][row]) for p in fast)  # padded records train
     for p, g in fast.items():
       assert row or np.any(g[row]), p  # the full record trains every leaf

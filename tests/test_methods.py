@@ -490,7 +490,12 @@ def _trainable_roles(method, micro_model):
   _, params = build(plan)
   trainable, frozen = setup.partition(params, plan.parts)
   paths = {p for part in trainable.values() for p in part}
-  return {(roles.role_of(p), roles.block_of(p)) for p in paths}, frozen, params
+  scope = {
+      (roles.role_of(p), block)
+      for p in paths
+      for block in (roles.blocks_of(p) or [None])
+  }
+  return scope, frozen, params
 
 
 RAPTOR_SCOPE = (

@@ -1,6 +1,7 @@
 """Switch encoder: capacity, LoRA, owner slices, loading (parity, batch of one,
 padding and dispatch: tests/test_backbones.py)."""
 
+import dataclasses
 import flax
 import jax
 import jax.numpy as jnp
@@ -233,14 +234,29 @@ def _set_nonzero_b(params, key):
   return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
+@pytest.mark.parametrize(
+    "name,layer,scan",
+    [
+        ("e8_step2_drop", 1, True),
+        # Blocks 1-4 one scanned segment, the owner block 5 out of it.
+        ("e8_step2_drop", 5, True),
+        ("e8_step2_drop", 5, False),
+    ],
+)
 def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
-    checkpoints,
+    checkpoints, name, layer, scan
 ):
   """Native owner override == full gradient restricted to the owner's slice."""
   ids, mask = _batch()
-  module, params = _lora_model(checkpoints["e8_step2_drop"])
+  module, params = _lora_model(
+      checkpoints[name], expert_lora_layers=(layer,), unscanned_layers=(layer,)
+  )
+  assert ("blocks_1_4" in params) == (layer == 5)
   params = _set_nonzero_b(params, jax.random.PRNGKey(3))
-  experts = params["block_1"]["mlp"]["experts"]
+  if not scan:  # the unrolled twin, on the same values
+    params = models.unstack_layers(params, module.config)
+    module = type(module)(dataclasses.replace(module.config, scan_layers=False))
+  experts = params[f"block_{layer}"]["mlp"]["experts"]
   lora = {
       m: {k: experts[m][k] for k in ("lora_a", "lora_b")} for m in ("wi", "wo")
   }
@@ -250,7 +266,7 @@ def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
     return jax.grad(
         lambda lo: _probe(
             module.apply(
-                {"params": _with_lora(params, lo)}, x[None], m[None]
+                {"params": _with_lora(params, lo, layer)}, x[None], m[None]
             ).hidden_states
         )
     )(lo)
@@ -258,7 +274,7 @@ def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
   @jax.jit
   def owner_value_and_grad(s, owner, x, m):
     def loss(s):
-      override = models.OwnerOverride(1, owner, s)
+      override = models.OwnerOverride(layer, owner, s)
       return _probe(
           module.apply(
               {"params": params}, x[None], m[None], owner_override=override
@@ -285,22 +301,25 @@ def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
     assert touched >= 2  # the record's tokens reach several experts
 
 
-def _with_lora(params, lora):
+def _with_lora(params, lora, layer):
   params = jax.tree.map(lambda x: x, params)
+  experts = params[f"block_{layer}"]["mlp"]["experts"]
   for m in ("wi", "wo"):
-    params["block_1"]["mlp"]["experts"][m] = {
-        **params["block_1"]["mlp"]["experts"][m],
-        **lora[m],
-    }
+    experts[m] = {**experts[m], **lora[m]}
   return params
 
 
-def test_vmap_per_record_grads_equal_loop(checkpoints):
-  """Grouped dispatch under vmap (flattened by its custom_vmap rule) is per record."""
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_vmap_per_record_grads_equal_loop(checkpoints, scan):
+  """Grouped dispatch under vmap (flattened by its custom_vmap rule) is per
+  record; with the scan, blocks 1-2 (adapters included) are one segment."""
   ids, mask = _batch()
   module, params = _lora_model(
-      checkpoints["e4_step1_drop"], expert_lora_layers=(0, 1, 2)
+      checkpoints["e4_step1_drop"],
+      expert_lora_layers=(0, 1, 2),
+      scan_layers=scan,
   )
+  assert scan == ("blocks_1_2" in params)
   params = _set_nonzero_b(params, jax.random.PRNGKey(0))
 
   def loss(p, x, m):
@@ -400,6 +419,8 @@ def test_families_share_one_set_of_fine_tuning_options():
           "dispatch",
           "dtype",
           "kernels",
+          "scan_layers",
+          "unscanned_layers",
       )
   )
   for config in (

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from raptor_jax import roles, transforms
 from raptor_jax.train import loop, parallel, secrecy, step
@@ -86,8 +87,30 @@ def _assert_close(got, want, where):
     )
 
 
-def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads():
-  run = build_run(micro_config())
+# The micro model unrolled (`scan_layers=False`), and one with four sparse
+# blocks whose blocks 1-2 are one scanned segment (block 0 owns the position
+# table, l* = 3 stays out): its stacked attention adapters train in the
+# shared stream.
+FOUR_SPARSE = {
+    "model.random.num_layers": 4,
+    "model.random.sparse_step": 1,
+    "raptor.layer": "last",
+}
+SETTINGS = {
+    "unrolled": ({"model.scan_layers": False}, None),
+    "scan": (FOUR_SPARSE, "backbone/blocks_1_2/attention/q/lora_a"),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads(
+    setting,
+):
+  overrides, stacked = SETTINGS[setting]
+  run = build_run(micro_config(**overrides))
+  leaves = [p for part in run.trainable.values() for p in part]
+  assert stacked is None or stacked in leaves
+  assert stacked or not any(len(roles.blocks_of(p)) > 1 for p in leaves)
   mesh = parallel.make_mesh(1)
   secret = bytes(range(32))
   phase_fns = loop._phase_functions(run, mesh, secret)

@@ -78,7 +78,7 @@ import numpy as np
 
 from launch.bench import harness
 from launch.bench import profiling
-from raptor_jax.models import deepseek, moe, olmoe, switch
+from raptor_jax.models import deepseek, initializers, moe, olmoe, switch
 
 # Per family: the defaults of the size flags (switch-base-8/-64; OLMoE-1B-7B;
 # DeepSeek-VL2-Tiny), the matrices of one expert MLP in order, and the
@@ -430,7 +430,11 @@ def run(
       )
       x = jax.random.normal(k_x, (b, seq_len, d_model), jnp.float32)
       cotangent = jax.random.normal(k_ct, x.shape, jnp.float32)
-      params = jax.jit(_sparse_layer(config).init)(k_param, x)
+      params = {
+          'params': initializers.init_params(
+              _sparse_layer(config), k_param, (x,)
+          )
+      }
       fns, weights = _variants(config, params, spec['matrices'], references)
       tokens = b * seq_len
       block, blocks = grouped_blocks(tokens * top_k, e)

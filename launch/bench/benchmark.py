@@ -114,7 +114,8 @@ _MB = 2.0**20
 
 def model_config(**overrides) -> models.SwitchConfig:
   """A small Switch (`overrides` on top of the defaults) with LoRA on attention
-  and on the experts of the last sparse block, the expert-stream layer."""
+  and on the experts of the last sparse block, the expert-stream layer (kept
+  out of the scan, as the trainer keeps l*)."""
   base = dict(
       vocab_size=8000,
       d_model=256,
@@ -130,8 +131,9 @@ def model_config(**overrides) -> models.SwitchConfig:
   )
   base.update(overrides)
   config = models.SwitchConfig(**base)
+  layer = config.sparse_layers[-1]
   return dataclasses.replace(
-      config, expert_lora_layers=(config.sparse_layers[-1],)
+      config, expert_lora_layers=(layer,), unscanned_layers=(layer,)
   )
 
 
@@ -153,8 +155,9 @@ def olmoe_config(**overrides) -> models.OlmoeConfig:
   )
   base.update(overrides)
   config = models.OlmoeConfig(**base)
+  layer = config.sparse_layers[-1]
   return dataclasses.replace(
-      config, expert_lora_layers=(config.sparse_layers[-1],)
+      config, expert_lora_layers=(layer,), unscanned_layers=(layer,)
   )
 
 
@@ -174,10 +177,10 @@ def build(
         models.SwitchEncoder(config), num_labels=2
     )
   ids = jnp.zeros((1, seq_len), jnp.int32)
-  params = jax.jit(module.init)(
-      jax.random.PRNGKey(seed), ids, jnp.ones_like(ids)
+  params = models.init_params(
+      module, jax.random.PRNGKey(seed), (ids, jnp.ones_like(ids))
   )
-  return module, params['params']
+  return module, params
 
 
 def batch(

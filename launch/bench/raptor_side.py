@@ -98,6 +98,9 @@ def raptor_model(path: str, sizes: Sizes, seed: int = 0):
       lora_alpha=sizes.lora_alpha,
       attention_lora=True,
       expert_lora_layers=(sizes.expert_layer,),
+      # Per-layer leaves, as torch_side names PyTorch's (at the default 4
+      # blocks nothing would be scanned: block 0, one unit, l*).
+      scan_layers=False,
   )
   flat = roles.flatten(params)
   keys = jax.random.split(jax.random.PRNGKey(seed + 7), len(flat))

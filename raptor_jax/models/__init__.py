@@ -6,14 +6,18 @@ module, params = models.from_pretrained("google/switch-base-8")
 out = module.apply({"params": params}, input_ids, attention_mask)
 out.hidden_states   # [B, S, D]
 out.router_logits   # one float32 [B, S, E] per sparse layer
+# Identical blocks run as one nn.scan, their parameters stacked under
+# blocks_{first}_{last} (see `stack`); on disk they stay per layer.
 """
 
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.deepseek import DeepseekConfig, DeepseekDecoder
 from raptor_jax.models.heads import SequenceClassifier, last_token, masked_mean
 from raptor_jax.models.hf import from_pretrained, init_missing, merge_params, with_options
+from raptor_jax.models.initializers import init_params
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 from raptor_jax.models.olmoe import OlmoeConfig, OlmoeDecoder
+from raptor_jax.models.stack import segments, stack_layers, unstack_layers
 from raptor_jax.models.switch import SwitchConfig, SwitchEncoder
 
 __all__ = [
@@ -31,8 +35,12 @@ __all__ = [
     "SwitchEncoder",
     "from_pretrained",
     "init_missing",
+    "init_params",
     "last_token",
     "masked_mean",
     "merge_params",
+    "segments",
+    "stack_layers",
+    "unstack_layers",
     "with_options",
 ]

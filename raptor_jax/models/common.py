@@ -30,6 +30,9 @@ class BackboneOutput(NamedTuple):
 class OwnerOverride(NamedTuple):
   """Routes one record's expert-stream gradient into its owner's slice.
 
+  The block must run unrolled (`stack`: the trainer keeps l* out of every
+  scan with `unscanned_layers`); one inside a scanned segment is refused.
+
   Attributes:
     layer: index of the block whose experts train (a Python int).
     owner: int32 scalar, the record's owner expert.
@@ -90,10 +93,38 @@ class FineTuningOptions:
   kernels: str = (
       "auto"  # hand-written backwards: auto | fast | reference (kernels.py).
   )
+  scan_layers: bool = True  # identical blocks run as one nn.scan (stack.py).
+  unscanned_layers: tuple[int, ...] = ()  # blocks kept out of any scan.
 
   @property
   def sparse_layers(self) -> tuple[int, ...]:
     raise NotImplementedError("a family config defines its sparse blocks")
+
+  @property
+  def num_blocks(self) -> int:
+    raise NotImplementedError("a family config defines its number of blocks")
+
+  @property
+  def scan_unit(self) -> int:
+    """Blocks in the repeated unit a scan steps over (`stack.segments`)."""
+    return 1
+
+  @property
+  def scan_start(self) -> int:
+    """The first block of the first unit; the blocks before it are unrolled."""
+    return 0
+
+  def block_kind(self, index: int) -> tuple | None:
+    """What block `index`'s structure depends on, or None: keep it unrolled.
+
+    Blocks of equal kind have the same parameters and computation, so a run
+    of units of equal kinds can be one `nn.scan` (`stack.segments`). A
+    family whose blocks depend on their index in another way extends this
+    (or keeps them before `scan_start`).
+    """
+    if index in self.unscanned_layers:
+      return None
+    return (index in self.sparse_layers, index in self.expert_lora_layers)
 
   def __post_init__(self):
     _validate.one_of(
@@ -110,6 +141,12 @@ class FineTuningOptions:
       raise ValueError(
           f"expert_lora_layers {bad} are not sparse blocks of this model; its "
           f"sparse blocks are {list(self.sparse_layers)}"
+      )
+    bad = [l for l in self.unscanned_layers if not 0 <= l < self.num_blocks]
+    if bad:
+      raise ValueError(
+          f"unscanned_layers {bad} are not blocks of this model; its blocks"
+          f" are 0..{self.num_blocks - 1}"
       )
 
 

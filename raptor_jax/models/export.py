@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from raptor_jax.models import deepseek, hf, olmoe, switch
+from raptor_jax.models import deepseek, hf, olmoe, stack, switch
 from raptor_jax.models import family as family_lib
 
 # The families' transformers configs under their old names.
@@ -56,7 +56,9 @@ def save_pretrained(
   Args:
     module: a `SwitchEncoder`, `OlmoeDecoder` or (MLA) `DeepseekDecoder`
       (its config is written).
-    params: the backbone's parameters, without adapters.
+    params: the backbone's parameters, without adapters, in `module`'s
+      layout (scanned segments are written per layer, as Hugging Face
+      names them).
     directory: created if needed; existing files are overwritten.
     lm_head: decoders only: the output projection, Flax layout [D, V]
       (`lm_head.weight`). Switch's masked-LM head is tied to the embedding.
@@ -77,7 +79,7 @@ def save_pretrained(
   extra = dict(hf_config_extra or {})
   entry = exporter(module)
   hf_config = entry.hf_config(module.config, **extra)
-  tensors = entry.names.to_hf(params)
+  tensors = entry.names.to_hf(stack.unstack_layers(params, module.config))
   for head, kernel in (("lm_head", lm_head), ("score", score)):
     if kernel is None:
       continue

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from raptor_jax import _validate
+from raptor_jax.models import initializers
 
 
 def masked_mean(hidden_BxSxD: jax.Array, mask_BxS: jax.Array) -> jax.Array:
@@ -61,6 +62,8 @@ class SequenceClassifier(nn.Module):
         use_bias=self.head_bias,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        kernel_init=initializers.KERNEL,
+        bias_init=initializers.ZEROS,
         name="head",
     )(pooled)
     return logits, out

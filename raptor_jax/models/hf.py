@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raptor_jax import roles
-from raptor_jax.models import common, deepseek, heads, olmoe, switch
+from raptor_jax.models import common, deepseek, heads, initializers, olmoe, stack, switch
 from raptor_jax.models import family as family_lib
 
 Params = Mapping[str, Any]
@@ -123,31 +123,30 @@ is_adapter = roles.is_adapter  # a LoRA factor (the leaves `init_missing` adds)
 def init_missing(
     module: nn.Module,
     pretrained: Params,
-    example_args: tuple,
     key: jax.Array,
     is_new: Callable[[str], bool] = is_adapter,
 ) -> dict:
   """Initialises only the adapter parameters that `pretrained` lacks, then merges.
 
-  The module's own initialisers define the new leaves (one source of truth);
-  jit drops the work of initialising the leaves that the checkpoint replaces.
+  The new leaves are drawn by `initializers.draw` from the module's own
+  initializers (one source of truth), without compiling the forward pass.
   Any other parameter missing from the checkpoint (`is_new(path)` False) is an
-  error, never a silent random initialisation.
+  error, never a silent random initialisation. `pretrained` is in the
+  module's layout (`stack.stack_layers` of a per-layer tree).
   """
   flatten = lambda tree: flax.traverse_util.flatten_dict(
       flax.core.unfreeze(tree), sep="/"
   )
   known = set(flatten(pretrained))
-  init = lambda k: module.init(k, *example_args)["params"]
-  shapes = flatten(jax.eval_shape(init, key))
+  shapes = initializers.abstract_params(module)
   absent = [p for p in shapes if p not in known and not is_new(p)]
   if absent:
     raise ValueError(
         f"checkpoint lacks {len(absent)} model parameters, e.g. {absent[0]}"
     )
-  fresh = jax.jit(
-      lambda k: {p: v for p, v in flatten(init(k)).items() if p not in known}
-  )(key)
+  fresh = initializers.draw(
+      {p: s for p, s in shapes.items() if p not in known}, key
+  )
   return merge_params(
       flax.traverse_util.unflatten_dict({**shapes, **fresh}, sep="/"),
       pretrained,
@@ -216,8 +215,9 @@ def _check_options(
         f"{list(known)} (architecture comes from config.json)"
     )
   options = dict(options)
-  if "expert_lora_layers" in options:
-    options["expert_lora_layers"] = tuple(options["expert_lora_layers"])
+  for name in ("expert_lora_layers", "unscanned_layers"):
+    if name in options:
+      options[name] = tuple(options[name])
   return options
 
 
@@ -244,13 +244,17 @@ def from_pretrained(
     pooling: the classifier's pooling ('' = the family's default).
     **options: fine-tuning options of the model config, any of
       `FINE_TUNING_OPTIONS` (e.g. lora_rank=8, attention_lora=True,
-      expert_lora_layers=(5,), dtype='bfloat16') or of the family's
+      expert_lora_layers=(5,), unscanned_layers=(5,), dtype='bfloat16',
+      scan_layers=False) or of the family's
       `extra_options` (DeepSeek-MoE: shared_expert_lora); anything else is an
       error.
 
   Returns:
     (module, params): `module.apply({'params': params}, input_ids,
     attention_mask)` returns BackboneOutput(hidden_states, router_logits).
+    The checkpoint's per-layer tensors are stacked into the module's scanned
+    segments (`stack.stack_layers`; `scan_layers=False` keeps them per
+    layer).
   """
   every_extra = (o for f in FAMILIES.values() for o in f.extra_options)
   _check_options(options, tuple(dict.fromkeys(every_extra)))  # before I/O
@@ -271,10 +275,8 @@ def from_pretrained(
       keep=lambda n: n.startswith(family.prefix)
       and not n.startswith(family.ignored_prefix),
   )
-  params = family.params_from_hf(tensors, config)
-  params = init_missing(
-      module, params, example_inputs(), jax.random.PRNGKey(seed)
-  )
+  params = stack.stack_layers(family.params_from_hf(tensors, config), config)
+  params = init_missing(module, params, jax.random.PRNGKey(seed))
   if num_labels is not None:
     return with_head(module, params, num_labels, pooling=pooling, seed=seed)
   return module, params
@@ -330,16 +332,10 @@ def with_head(
   params = init_missing(
       clf,
       {"backbone": backbone_params},
-      example_inputs(),
       jax.random.PRNGKey(seed + 1),
       is_new=lambda p: p.startswith("head/"),
   )
   return clf, params
-
-
-def example_inputs() -> tuple[jax.Array, jax.Array]:
-  """A tiny (input_ids, attention_mask) batch for initialisation."""
-  return jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)
 
 
 def with_options(
@@ -348,19 +344,17 @@ def with_options(
   """The same backbone with other fine-tuning options (adapters, dispatch).
 
   New adapter leaves are initialised (B factors at zero, so the function is
-  unchanged); pretrained leaves are kept.
+  unchanged); pretrained leaves are kept, moved into the new options' layout
+  of scanned segments (`stack`) when that changes.
   """
   new = type(module)(dataclasses.replace(module.config, **options))
+  per_layer = stack.unstack_layers(params, module.config)
   kept = {
       p: v
-      for p, v in flax.traverse_util.flatten_dict(
-          flax.core.unfreeze(params), sep="/"
-      ).items()
+      for p, v in flax.traverse_util.flatten_dict(per_layer, sep="/").items()
       if not is_adapter(p)
   }
+  kept = flax.traverse_util.unflatten_dict(kept, sep="/")
   return new, init_missing(
-      new,
-      flax.traverse_util.unflatten_dict(kept, sep="/"),
-      example_inputs(),
-      jax.random.PRNGKey(seed),
+      new, stack.stack_layers(kept, new.config), jax.random.PRNGKey(seed)
   )

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from raptor_jax.models import moe
+from raptor_jax.models import initializers, moe
 from raptor_jax.models.lora import ExpertLinear
 
 
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+    scale = self.param("scale", initializers.ONES, (x.shape[-1],))
     # On flat rows: see `moe.combine` (a size-1 batch axis under vmap slowed
     # the fused reductions of the backward on CPU).
     x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])

@@ -25,15 +25,9 @@ import numpy as np
 
 from raptor_jax import _validate
 from raptor_jax.models import kernels as kernels_lib
-from raptor_jax.models import low_rank, moe
+from raptor_jax.models import initializers, low_rank, moe
 
 Dtype = Any
-
-
-def lora_a_init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
-  """PEFT's default for A: kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(d_in), 1/sqrt(d_in))."""
-  bound = 1.0 / jnp.sqrt(shape[-2])
-  return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
 class LoRADense(nn.Module):
@@ -49,19 +43,18 @@ class LoRADense(nn.Module):
   rank: int = 0
   alpha: float = 16.0
   dtype: Dtype = jnp.float32
-  kernel_init: Any = nn.initializers.lecun_normal()
   kernels: str = "auto"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     d_in = x.shape[-1]
-    kernel = self.param("kernel", self.kernel_init, (d_in, self.features))
+    kernel = self.param("kernel", initializers.KERNEL, (d_in, self.features))
     x = x.astype(self.dtype)
     kernel = kernel.astype(self.dtype)
     if self.rank == 0:
       return x @ kernel
-    a = self.param("lora_a", lora_a_init, (d_in, self.rank))
-    b = self.param("lora_b", nn.initializers.zeros, (self.rank, self.features))
+    a = self.param("lora_a", initializers.LORA_A, (d_in, self.rank))
+    b = self.param("lora_b", initializers.ZEROS, (self.rank, self.features))
     a, b, scale = (
         a.astype(self.dtype),
         b.astype(self.dtype),
@@ -163,7 +156,6 @@ class ExpertLinear(nn.Module):
   dispatch: str = "auto"
   dtype: Dtype = jnp.float32
   kernels: str = "auto"
-  kernel_init: Any = nn.initializers.lecun_normal(batch_axis=(0,))
 
   @nn.compact
   def __call__(
@@ -190,16 +182,18 @@ class ExpertLinear(nn.Module):
     """
     d_in = x.shape[-1]
     kernel = self.param(
-        "kernel", self.kernel_init, (self.num_experts, d_in, self.features)
+        "kernel", initializers.KERNEL, (self.num_experts, d_in, self.features)
     )
     x = x.astype(self.dtype)
     kernel = kernel.astype(self.dtype)
     owner_params = owner_params or {}
     if self.rank > 0:
-      a = self.param("lora_a", lora_a_init, (self.num_experts, d_in, self.rank))
+      a = self.param(
+          "lora_a", initializers.LORA_A, (self.num_experts, d_in, self.rank)
+      )
       b = self.param(
           "lora_b",
-          nn.initializers.zeros,
+          initializers.ZEROS,
           (self.num_experts, self.rank, self.features),
       )
       a, b, scale = (

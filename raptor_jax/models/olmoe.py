@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax.models import attention, common, family, moe
+from raptor_jax.models import attention, common, family, initializers, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.family import COPY, Rule
 from raptor_jax.models.layers import GatedExperts, RMSNorm, apply_rotary, rotary_tables
@@ -91,6 +91,10 @@ class OlmoeConfig(FineTuningOptions):
   def sparse_layers(self) -> tuple[int, ...]:
     """Indices of the sparse (MoE) blocks: every block of OLMoE."""
     return tuple(range(self.num_hidden_layers))
+
+  @property
+  def num_blocks(self) -> int:
+    return self.num_hidden_layers
 
 
 class OlmoeAttention(nn.Module):
@@ -158,6 +162,8 @@ class OlmoeSparseMLP(nn.Module):
         use_bias=False,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        kernel_init=initializers.KERNEL,
+        bias_init=initializers.ZEROS,
         name="router",
     )
     router_logits = router(x.astype(jnp.float32))
@@ -187,8 +193,10 @@ class OlmoeBlock(nn.Module):
   index: int
 
   @nn.compact
-  def __call__(self, x, allowed, cos, sin, owner_override=None):
+  def __call__(self, x, context, owner_override=None):
+    """context: (allowed [B, S, S], cos, sin), passed on unchanged."""
     cfg = self.config
+    allowed, cos, sin = context
     dtype = jnp.dtype(cfg.dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype=dtype, name=name)
     x = x + OlmoeAttention(cfg, name="attention")(
@@ -201,7 +209,7 @@ class OlmoeBlock(nn.Module):
     h, router_logits = OlmoeSparseMLP(cfg, rank=rank, name="mlp")(
         norm("mlp_norm")(x), owner, owner_params
     )
-    return x + h, router_logits
+    return x + h, context, router_logits
 
 
 class OlmoeDecoder(nn.Module):
@@ -236,17 +244,17 @@ class OlmoeDecoder(nn.Module):
     seq = input_ids.shape[1]
     allowed = common.causal_mask(input_ids, attention_mask)  # [B, S_q, S_k]
     cos, sin = rotary_tables(seq, cfg.head_dim, cfg.rope_theta, dtype)
-    x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")(
-        input_ids
-    ).astype(dtype)
-    router_logits = []
-    for i in range(cfg.num_hidden_layers):
-      x, logits = OlmoeBlock(cfg, i, name=f"block_{i}")(
-          x, allowed, cos, sin, owner_override
-      )
-      router_logits.append(logits)
+    x = nn.Embed(
+        cfg.vocab_size,
+        cfg.hidden_size,
+        embedding_init=initializers.EMBEDDING,
+        name="embed_tokens",
+    )(input_ids).astype(dtype)
+    x, router_logits = stack.run(
+        OlmoeBlock, cfg, x, (allowed, cos, sin), owner_override
+    )
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
-    return BackboneOutput(x, tuple(router_logits))
+    return BackboneOutput(x, router_logits)
 
 
 # ---------------------------------------------------------------------------

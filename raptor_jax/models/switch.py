@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax.models import attention, common, family, moe
+from raptor_jax.models import attention, common, family, initializers, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.family import COPY, Rule
 from raptor_jax.models.lora import ExpertLinear, LoRADense
@@ -78,6 +78,25 @@ class SwitchConfig(FineTuningOptions):
         if self.sparse_step == 1 or i % self.sparse_step == 1
     )
 
+  @property
+  def num_blocks(self) -> int:
+    return self.num_layers
+
+  @property
+  def scan_unit(self) -> int:
+    """The repeated unit: `sparse_step` blocks (a sparse one, then dense)."""
+    return max(self.sparse_step, 1)
+
+  @property
+  def scan_start(self) -> int:
+    """Units start at block 1: block 0 owns the relative-position table.
+
+    Units then start with a sparse block (HF: i % sparse_step == 1), so the
+    last block, sparse and the usual l*, stays out of the scan on its own
+    rather than with a dense block beside it.
+    """
+    return 1
+
 
 class T5RMSNorm(nn.Module):
   """Scale-only RMS norm computed in float32 (HF SwitchTransformersLayerNorm)."""
@@ -87,7 +106,7 @@ class T5RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+    scale = self.param("scale", initializers.ONES, (x.shape[-1],))
     # On flat rows: see `moe.combine` (a size-1 batch axis under vmap slowed
     # the fused reductions of the backward on CPU).
     x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])
@@ -146,6 +165,7 @@ class SwitchAttention(nn.Module):
       bias_table = nn.Embed(
           cfg.relative_attention_num_buckets,
           cfg.num_heads,
+          embedding_init=initializers.EMBEDDING,
           name="relative_attention_bias",
       )
       positions = jnp.arange(seq)
@@ -223,6 +243,8 @@ class SwitchSparseMLP(nn.Module):
         use_bias=cfg.router_bias,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        kernel_init=initializers.KERNEL,
+        bias_init=initializers.ZEROS,
         name="router",
     )
     router_logits = router(x.astype(jnp.float32))
@@ -241,8 +263,10 @@ class SwitchBlock(nn.Module):
   index: int
 
   @nn.compact
-  def __call__(self, x, mask_bias, position_bias, owner_override=None):
+  def __call__(self, x, context, owner_override=None):
+    """context: (mask_bias, position_bias); block 0 fills in the bias."""
     cfg = self.config
+    mask_bias, position_bias = context
     dtype = jnp.dtype(cfg.dtype)
     norm = lambda name: T5RMSNorm(
         cfg.layer_norm_epsilon, dtype=dtype, name=name
@@ -263,7 +287,7 @@ class SwitchBlock(nn.Module):
       )
     else:
       h = DenseMLP(cfg, name="mlp")(h)
-    return x + h, position_bias, router_logits
+    return x + h, (mask_bias, position_bias), router_logits
 
 
 class SwitchEncoder(nn.Module):
@@ -294,24 +318,22 @@ class SwitchEncoder(nn.Module):
     dtype = jnp.dtype(cfg.dtype)
     if attention_mask is None:
       attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed_tokens")(
-        input_ids
-    ).astype(dtype)
+    x = nn.Embed(
+        cfg.vocab_size,
+        cfg.d_model,
+        embedding_init=initializers.EMBEDDING,
+        name="embed_tokens",
+    )(input_ids).astype(dtype)
     mask_bias = (
         (1.0 - attention_mask.astype(jnp.float32)) * jnp.finfo(jnp.float32).min
     )[:, None, None, :]
-    position_bias = None
-    router_logits = []
-    for i in range(cfg.num_layers):
-      x, position_bias, logits = SwitchBlock(cfg, i, name=f"block_{i}")(
-          x, mask_bias, position_bias, owner_override
-      )
-      if logits is not None:
-        router_logits.append(logits)
+    x, router_logits = stack.run(
+        SwitchBlock, cfg, x, (mask_bias, None), owner_override
+    )
     x = T5RMSNorm(cfg.layer_norm_epsilon, dtype=dtype, name="final_layer_norm")(
         x
     )
-    return BackboneOutput(x, tuple(router_logits))
+    return BackboneOutput(x, router_logits)
 
 
 # ---------------------------------------------------------------------------

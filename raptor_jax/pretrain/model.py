@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from raptor_jax import models
-from raptor_jax.models import hf
+from raptor_jax.models import hf, initializers
 from raptor_jax.pretrain import objectives
 
 # Default coefficients of each family's router losses: Hugging Face's configs'
@@ -95,11 +95,8 @@ def init_params(module: nn.Module, key: jax.Array) -> dict[str, Any]:
   Norm scales start at 1; every matrix is normal with the family's std
   (Switch: `_switch_std`; OLMoE and DeepSeek: initializer_range 0.02).
   """
-  key_shapes, key_init = jax.random.split(key)
-  shapes = jax.eval_shape(
-      lambda k: module.init(k, *hf.example_inputs())["params"], key_shapes
-  )
-  flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes), sep="/")
+  flat = initializers.abstract_params(module)
+  _, key = jax.random.split(key)  # the draws' key of earlier versions
   is_switch = isinstance(module, models.SwitchEncoder)
   out = {}
   for i, (path, leaf) in enumerate(sorted(flat.items())):
@@ -110,7 +107,7 @@ def init_params(module: nn.Module, key: jax.Array) -> dict[str, Any]:
     else:
       std = _switch_std(path, module.config) if is_switch else 0.02
       out[path] = std * jax.random.normal(
-          jax.random.fold_in(key_init, i), leaf.shape, leaf.dtype
+          jax.random.fold_in(key, i), leaf.shape, leaf.dtype
       )
   params = {"backbone": flax.traverse_util.unflatten_dict(out, sep="/")}
   if not is_switch:
@@ -118,7 +115,7 @@ def init_params(module: nn.Module, key: jax.Array) -> dict[str, Any]:
     params["lm_head"] = {
         "kernel": 0.02
         * jax.random.normal(
-            jax.random.fold_in(key_init, len(flat)),
+            jax.random.fold_in(key, len(flat)),
             (cfg.hidden_size, cfg.vocab_size),
         )
     }

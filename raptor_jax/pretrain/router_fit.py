@@ -27,20 +27,22 @@ import numpy as np
 import optax
 
 from raptor_jax import roles
+from raptor_jax.models import stack
 
 
 def router_inputs(
     backbone, params: dict, ids: np.ndarray, mask: np.ndarray, layer: int
 ) -> np.ndarray:
   """x_t [N, S, d] at sparse block `layer`, by probing its linear router."""
-  position = backbone.config.sparse_layers.index(layer)
-  flat = roles.flatten(params)
+  config = backbone.config
+  position = config.sparse_layers.index(layer)
+  flat = roles.flatten(stack.unstack_layers(params, config))
   path = f"block_{layer}/mlp/router/kernel"
   d, num_experts = flat[path].shape
 
   @jax.jit
   def logits(kernel, ids, mask):
-    probe = roles.unflatten({**flat, path: kernel})
+    probe = stack.stack_layers(roles.unflatten({**flat, path: kernel}), config)
     return backbone.apply({"params": probe}, ids, mask).router_logits[position]
 
   columns = []

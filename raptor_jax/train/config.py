@@ -44,6 +44,7 @@ def _model_config() -> ml_collections.ConfigDict:
   m.dtype = "float32"  # activation dtype ('bfloat16' on GPUs); DP sums and noise stay float32
   m.dispatch = "auto"  # expert dispatch: auto (= grouped, on every backend) | grouped | ragged
   m.kernels = "auto"  # hand-written backwards: auto (fast on CPU, reference elsewhere) | fast | reference
+  m.scan_layers = True  # identical blocks as one nn.scan (compile time flat in depth); False = unrolled
   m.pooling = (
       ""  # '' = model default ('mean' for encoders, 'last' for decoders)
   )

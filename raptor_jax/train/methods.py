@@ -373,6 +373,9 @@ def _model_options(
   A non-owner part that trains expert kernels needs the dense dispatch (the
   grouped and ragged ones treat expert kernels as frozen constants); every
   other run uses `model.dispatch` ('auto' is 'grouped').
+  Blocks that a part selects by block (l*) stay out of any scan, so their
+  parameters and owner slices keep their per-layer paths
+  (`models.stack`).
   Shared-expert adapters exist exactly when attention adapters do: both are
   the shared stream's LoRA (a model without shared experts takes no such
   option).
@@ -383,6 +386,10 @@ def _model_options(
   options = dict(
       dispatch="dense" if dense else mc.get("dispatch", "auto"),
       kernels=mc.get("kernels", "auto"),
+      scan_layers=mc.get("scan_layers", True),
+      unscanned_layers=tuple(
+          sorted({b for p in parts for b in p.blocks or ()})
+      ),
   )
   if method in ("monolithic", "nonprivate_full"):
     options.update(lora_rank=0, attention_lora=False, expert_lora_layers=())

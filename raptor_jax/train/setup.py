@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 
 from raptor_jax import _validate, data, models, roles
-from raptor_jax.models import hf
+from raptor_jax.models import hf, initializers
 from raptor_jax.train import config as config_lib
 
 # model.tokenizer value: a word-level tokenizer over the public corpus's words.
@@ -451,7 +451,7 @@ def random_backbone(
   )
   module = hf.backbone_from_sizes(rc.family, rc, vocab_size)
   key_init, key_topics = jax.random.split(jax.random.PRNGKey(seed))
-  params = jax.jit(module.init)(key_init, *hf.example_inputs())["params"]
+  params = initializers.init_params(module, key_init)
   if token_groups is not None and rc.topic_scale:
     embedding = params["embed_tokens"]["embedding"]
     num_topics = int(token_groups.max()) + 1

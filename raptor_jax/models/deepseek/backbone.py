@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from raptor_jax import _validate
-from raptor_jax.models import attention, common, moe
+from raptor_jax.models import attention, common, initializers, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import LoRADense
 from raptor_jax.models.layers import GatedExperts, RMSNorm, apply_rotary, rotary_tables
@@ -165,6 +165,10 @@ class DeepseekConfig(FineTuningOptions):
   def sparse_layers(self) -> tuple[int, ...]:
     """Indices of the sparse (MoE) blocks: every block after the dense ones."""
     return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
+
+  @property
+  def num_blocks(self) -> int:
+    return self.num_hidden_layers
 
 
 def interleaved_rotary_tables(
@@ -350,6 +354,8 @@ class DeepseekSparseMLP(nn.Module):
         use_bias=False,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        kernel_init=initializers.KERNEL,
+        bias_init=initializers.ZEROS,
         name="router",
     )
     router_logits = router(x.astype(jnp.float32))
@@ -395,6 +401,7 @@ class DeepseekBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x, allowed, owner_override=None):
+    """context `allowed` [B, S, S] (the causal mask), passed on unchanged."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype=dtype, name=name)
@@ -409,7 +416,7 @@ class DeepseekBlock(nn.Module):
           kernels=cfg.kernels,
           name="mlp",
       )
-      return x + mlp(h), None
+      return x + mlp(h), allowed, None
     rank = cfg.lora_rank if self.index in cfg.expert_lora_layers else 0
     owner, owner_params = None, None
     if owner_override is not None and owner_override.layer == self.index:
@@ -417,7 +424,7 @@ class DeepseekBlock(nn.Module):
     out, router_logits = DeepseekSparseMLP(cfg, rank=rank, name="mlp")(
         h, owner, owner_params
     )
-    return x + out, router_logits
+    return x + out, allowed, router_logits
 
 
 class DeepseekDecoder(nn.Module):
@@ -450,15 +457,12 @@ class DeepseekDecoder(nn.Module):
     common.check_owner_layer(owner_override, cfg.sparse_layers)
     dtype = jnp.dtype(cfg.dtype)
     allowed = common.causal_mask(input_ids, attention_mask)  # [B, S_q, S_k]
-    x = nn.Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens")(
-        input_ids
-    ).astype(dtype)
-    router_logits = []
-    for i in range(cfg.num_hidden_layers):
-      x, logits = DeepseekBlock(cfg, i, name=f"block_{i}")(
-          x, allowed, owner_override
-      )
-      if logits is not None:
-        router_logits.append(logits)
+    x = nn.Embed(
+        cfg.vocab_size,
+        cfg.hidden_size,
+        embedding_init=initializers.EMBEDDING,
+        name="embed_tokens",
+    )(input_ids).astype(dtype)
+    x, router_logits = stack.run(DeepseekBlock, cfg, x, allowed, owner_override)
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
-    return BackboneOutput(x, tuple(router_logits))
+    return BackboneOutput(x, router_logits)

@@ -1,0 +1,143 @@
+"""Every parameter's initializer, and parameters drawn without compiling the forward.
+
+`jax.jit(module.init)` traces and compiles the whole forward pass plus one
+inlined RNG program per leaf (flax issues 879, 1277, 1331); for the
+switch-base-8 shape that took 20 s on 2 CPU cores and 75 s on an H200.
+`init_params` instead takes the leaves' shapes from `jax.eval_shape` (a
+trace, nothing compiled) and draws each leaf with its initializer, one small
+program per distinct (leaf name, shape, dtype).
+
+A leaf's initializer is a function of its name (`LEAF_INITIALIZERS`), and the
+modules declare theirs from this table and nowhere else (`KERNEL`,
+`EMBEDDING`, `LORA_A`, `ONES`, `ZEROS`), so `module.init` and `init_params`
+draw from the same distributions (tests/test_initializers.py checks every
+leaf). Leading axes beyond a leaf's own matrix or vector (the expert axis,
+a scanned segment's unit axis) are batch axes: each slice is drawn as its
+own parameter, as `nn.scan`'s split RNGs do.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+import zlib
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Initializer = Callable[..., jax.Array]
+
+
+def _matrix(make: Callable[..., Initializer]) -> Initializer:
+  """An initializer of [..., d_in, d_out] leaves, leading axes as batch axes."""
+
+  def init(key, shape, dtype=jnp.float32):
+    batch = tuple(range(len(shape) - 2))
+    return make(in_axis=-2, out_axis=-1, batch_axis=batch)(key, shape, dtype)
+
+  return init
+
+
+def lora_a(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
+  """PEFT's default for A: kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(d_in), 1/sqrt(d_in))."""
+  bound = 1.0 / jnp.sqrt(shape[-2])
+  return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+# Kernels [..., d_in, d_out]: LeCun normal, fan-in d_in (flax's Dense default).
+KERNEL = _matrix(nn.initializers.lecun_normal)
+# Embeddings [..., V, D]: normal with variance 1 / D (flax's Embed default).
+EMBEDDING = _matrix(
+    functools.partial(
+        nn.initializers.variance_scaling, 1.0, "fan_out", "normal"
+    )
+)
+LORA_A = lora_a
+ONES = nn.initializers.ones  # norm scales
+ZEROS = (
+    nn.initializers.zeros
+)  # biases, LoRA B (a fresh adapter changes nothing)
+
+LEAF_INITIALIZERS: dict[str, Initializer] = {
+    "kernel": KERNEL,
+    "embedding": EMBEDDING,
+    "lora_a": LORA_A,
+    "lora_b": ZEROS,
+    "scale": ONES,
+    "bias": ZEROS,
+}
+
+
+def example_inputs() -> tuple[jax.Array, jax.Array]:
+  """A tiny (input_ids, attention_mask) batch for initialisation."""
+  return jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)
+
+
+def abstract_params(
+    module: nn.Module, example_args: tuple | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
+  """{flat path: shape and dtype} of `module`'s parameters (traced, not compiled).
+
+  `example_args` are the module's call arguments (default: `example_inputs()`,
+  a backbone's or classifier's).
+  """
+  args = example_inputs() if example_args is None else example_args
+  shapes = jax.eval_shape(
+      lambda key: module.init(key, *args)["params"], jax.random.key(0)
+  )
+  return flax.traverse_util.flatten_dict(flax.core.unfreeze(shapes), sep="/")
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw_leaf(key: jax.Array, name: str, shape: tuple, dtype: Any):
+  return LEAF_INITIALIZERS[name](key, shape, dtype)
+
+
+def draw(
+    shapes: Mapping[str, jax.ShapeDtypeStruct], key: jax.Array
+) -> dict[str, jax.Array]:
+  """Draws each leaf of `shapes` with its initializer.
+
+  A leaf's key is `key` folded with its path, so a leaf's value depends on
+  `key` and its path only, not on which other leaves are drawn (the adapters
+  `hf.init_missing` adds equal those of the whole tree).
+
+  Args:
+    shapes: {flat '/'-separated path: shape and dtype}, e.g. from
+      `abstract_params`.
+    key: a PRNG key.
+
+  Returns:
+    {path: array}.
+
+  Raises:
+    ValueError: a leaf name without a declared initializer.
+  """
+  out = {}
+  for path, leaf in shapes.items():
+    name = path.rsplit("/", 1)[-1]
+    if name not in LEAF_INITIALIZERS:
+      raise ValueError(
+          f"{path}: no initializer is declared for leaves named {name!r};"
+          " declare it in models.initializers.LEAF_INITIALIZERS"
+      )
+    leaf_key = jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+    out[path] = _draw_leaf(
+        leaf_key, name, tuple(leaf.shape), jnp.dtype(leaf.dtype)
+    )
+  return out
+
+
+def init_params(
+    module: nn.Module, key: jax.Array, example_args: tuple | None = None
+) -> dict:
+  """`module.init(key, *example_args)['params']` without compiling the forward.
+
+  The same tree of shapes and dtypes, each leaf drawn from its module's
+  initializer (`LEAF_INITIALIZERS`); the values differ from `module.init`'s
+  (another split of `key`), the distributions do not.
+  """
+  flat = draw(abstract_params(module, example_args), key)
+  return flax.traverse_util.unflatten_dict(flat, sep="/")
