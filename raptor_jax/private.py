@@ -402,74 +402,10 @@ def _restored(
   ]
 
 
-def make_private(
-    optimizer: optax.GradientTransformation,
-    *,
-    data: PyTree,
-    target_epsilon: float,
-    delta: float,
-    batch_size: float,
-    epochs: float,
-    l2_clip: float,
-    secret: bytes,
-    microbatch_size: int = 32,
-    num_experts: int | None = None,
-    allow_overspend: bool = False,
-    resume: Mapping[str, Any] | None = None,
-) -> PrivateTraining:
-  """DP-SGD in one call, calibrated to a budget (Opacus's ``make_private_with_epsilon``).
-
-  Guarantee: if every step's input to ``tx.update`` is the sum over that
-  step's microbatches of per-record gradients clipped to ``l2_clip``
-  (``grads.clipped_grad_sum`` with this ``l2_clip``, padding masked), and
-  ``tx.update`` runs once per step, the released parameters after all
-  ``steps`` steps are ``(target_epsilon, delta)``-DP under add/remove of one
-  record: each step is a Poisson-subsampled Gaussian mechanism (rate
-  ``q = batch_size / n``, noise multiplier calibrated by
-  ``accounting.calibrate_dpsgd``) and the accountant composes them. What
-  would break this is refused (module docstring); ``accountant.epsilon()``
-  is never below what was released. The Poisson seed and the 128-bit noise
-  key derive from ``secret`` and a fresh nonce: whoever has both (the nonce
-  is in ``accountant.state_dict()``) can redraw the samples and the noise.
-
-  Args:
-    optimizer: applied to the privatized update (``optax.adam(1e-3)``).
-    data: the private records: a pytree of numpy or jax arrays with one
-      leading record axis of n rows (include per-record owners or labels as
-      leaves). n is public: q = B / n.
-    target_epsilon: the budget, > 0.
-    delta: in (0, 1), below 1/n (``accounting.validate_delta``).
-    batch_size: the expected batch size B (public): q = B / n and the noisy
-      sum is divided by B, never by a realised count.
-    epochs: training length in epochs; steps = epochs * ceil(n / B), all
-      handed out by ONE pass over ``microbatches``.
-    l2_clip: the per-record clipping norm C.
-    secret: >= 16 secret bytes, e.g. ``os.urandom(32)``.
-    microbatch_size: rows per microbatch (memory only; no effect on privacy).
-    num_experts: None, or E for owner sums (`make_private_experts`).
-    allow_overspend: release a sample again (``microbatches.from_step``
-      before the last step handed out) with one warning instead of an error;
-      ``accountant.epsilon()`` then exceeds the target.
-    resume: ``accountant.state_dict()`` of the run to continue, saved with
-      its checkpoint (with the same arguments and secret): the accountant
-      continues from it, the samples and noise are the run's own; then
-      iterate ``microbatches.from_step(t)``.
-
-  Returns:
-    A `PrivateTraining`.
-
-  Example (the whole loop: README, "Use the DP transforms"):
-    >>> import os, numpy as np, optax, raptor_jax
-    >>> data = {'x': np.zeros((200, 3), np.float32)}
-    >>> private = raptor_jax.make_private(
-    ...     optax.sgd(0.1), data=data, target_epsilon=2.0, delta=1e-3,
-    ...     batch_size=50, epochs=2, l2_clip=1.0, secret=os.urandom(32))
-    >>> for microbatches in private.microbatches:  # every epoch, one pass
-    ...   for batch, mask in microbatches:          # sum clipped grads over
-    ...     pass                                    # them, then tx.update
-    >>> private.steps, private.accountant.epsilon() <= 2.0
-    (8, True)
-  """
+def _sample_rate_and_steps(
+    data: PyTree, batch_size: float, epochs: float, delta: float, secret: bytes
+) -> tuple[float, int]:
+  """(q = B / n, steps = epochs * ceil(n / B)), the arguments validated."""
   n = _records(data)
   batch_size = _validate.positive('batch_size', batch_size)
   _validate.check(
@@ -488,14 +424,28 @@ def make_private(
       _validate.Shown(f'a {type(secret).__name__}'),
       'pass os.urandom(32), kept secret (never a public seed)',
   )
+  sample_rate = batch_size / n
+  return sample_rate, max(
+      1, round(epochs * accounting.steps_per_epoch(sample_rate))
+  )
+
+
+def _accountant(
+    *,
+    sample_rate: float,
+    steps: int,
+    target_epsilon: float,
+    delta: float,
+    allow_overspend: bool,
+    resume: Mapping[str, Any] | None,
+) -> Accountant:
+  """The run's accountant: calibrated sigma, fresh or restored from resume."""
   _validate.check(
       isinstance(allow_overspend, bool),
       'allow_overspend',
       'True or False',
       allow_overspend,
   )
-  sample_rate = batch_size / n
-  steps = max(1, round(epochs * accounting.steps_per_epoch(sample_rate)))
   sigma = accounting.calibrate_dpsgd(
       target_epsilon=target_epsilon,
       delta=delta,
@@ -505,7 +455,7 @@ def make_private(
   nonce, released = os.urandom(16).hex(), None
   if resume is not None:
     nonce, released = _restored(resume, sample_rate, sigma, delta, steps)
-  accountant = Accountant(
+  return Accountant(
       sample_rate=sample_rate,
       noise_multiplier=sigma,
       delta=delta,
@@ -515,21 +465,124 @@ def make_private(
       allow_overspend=allow_overspend,
       released=released,
   )
-  experts = 1 if num_experts is None else num_experts
-  denominator = batch_size / _validate.positive_int('num_experts', experts)
+
+
+def _experts(num_experts: int | None) -> int:
+  return _validate.positive_int(
+      'num_experts', 1 if num_experts is None else num_experts
+  )
+
+
+def _assemble(
+    optimizer: optax.GradientTransformation,
+    data: PyTree,
+    accountant: Accountant,
+    *,
+    secret: bytes,
+    steps: int,
+    l2_clip: float,
+    denominator: float,
+    microbatch_size: int,
+) -> PrivateTraining:
+  """The transform and the microbatches, keyed by (secret, the run's nonce)."""
+  nonce = accountant._nonce  # pylint: disable=protected-access
   key = _derive(secret, f'noise/{nonce}', 16)
   privatizer = transforms.privatize_sums(
       l2_clip,
-      sigma,
+      accountant.noise_multiplier,
       denominator,
       jnp.frombuffer(key, jnp.uint32).reshape(2, 2),
   )
   tx = optax.chain(_report_updates(privatizer, accountant), optimizer)
   seed = int.from_bytes(_derive(secret, f'poisson/{nonce}', 32), 'little')
   batches = PoissonMicrobatches(
-      data, sample_rate, steps, microbatch_size, seed, accountant
+      data, accountant.sample_rate, steps, microbatch_size, seed, accountant
   )
-  return PrivateTraining(tx, batches, accountant, sigma, steps, float(l2_clip))
+  return PrivateTraining(
+      tx, batches, accountant, accountant.noise_multiplier, steps, l2_clip
+  )
+
+
+def make_private(
+    optimizer: optax.GradientTransformation,
+    *,
+    data: PyTree,
+    target_epsilon: float,
+    delta: float,
+    batch_size: float,
+    epochs: float,
+    l2_clip: float,
+    secret: bytes,
+    microbatch_size: int = 32,
+    num_experts: int | None = None,
+    allow_overspend: bool = False,
+    resume: Mapping[str, Any] | None = None,
+) -> PrivateTraining:
+  """DP-SGD in one call, calibrated to a budget (Opacus's ``make_private_with_epsilon``).
+
+  Guarantee: if ``tx.update`` runs once per step, on the sum over the step's
+  microbatches of per-record gradients clipped to ``l2_clip``
+  (``grads.clipped_grad_sum``), the parameters after all ``steps`` steps
+  are ``(target_epsilon, delta)``-DP under add/remove of one record (each
+  step a Poisson-subsampled Gaussian, sigma from
+  ``accounting.calibrate_dpsgd``). What would break this is refused (module
+  docstring); ``accountant.epsilon()`` is never below what was released.
+
+  Args:
+    optimizer: applied to the privatized update (``optax.adam(1e-3)``).
+    data: the private records: numpy or jax arrays (a pytree, owners and
+      labels as leaves) with one leading record axis of public length n.
+    target_epsilon: the budget, > 0.
+    delta: in (0, 1), below 1/n (``accounting.validate_delta``).
+    batch_size: the expected batch size B (public): the noisy sum is
+      divided by B, never by a realised count.
+    epochs: ``steps = epochs * ceil(n / B)``, in ONE pass of microbatches.
+    l2_clip: the per-record clipping norm C.
+    secret: >= 16 secret bytes, e.g. ``os.urandom(32)``; with a fresh nonce
+      per call (in ``accountant.state_dict()``) it keys samples and noise.
+    microbatch_size: rows per microbatch (memory only; no effect on privacy).
+    num_experts: None, or E for owner sums (`make_private_experts`).
+    allow_overspend: a sample released again warns once instead of raising;
+      ``epsilon()`` then counts it and exceeds the target.
+    resume: the interrupted run's ``accountant.state_dict()`` (same
+      arguments and secret): its ledger, samples and noise continue; then
+      iterate ``microbatches.from_step(t)``.
+
+  Returns:
+    A `PrivateTraining`.
+
+  Example (the whole loop: README, "Use the DP transforms"):
+    >>> import os, numpy as np, optax, raptor_jax
+    >>> private = raptor_jax.make_private(
+    ...     optax.sgd(0.1), data={'x': np.zeros((200, 3))}, target_epsilon=2.0,
+    ...     delta=1e-3, batch_size=50, epochs=2, l2_clip=1.0,
+    ...     secret=os.urandom(32))
+    >>> for microbatches in private.microbatches:  # every epoch, one pass
+    ...   pass  # sum the clipped grads of (batch, mask) in it, then update
+    >>> private.steps, private.accountant.epsilon() <= 2.0
+    (8, True)
+  """
+  sample_rate, steps = _sample_rate_and_steps(
+      data, batch_size, epochs, delta, secret
+  )
+  accountant = _accountant(
+      sample_rate=sample_rate,
+      steps=steps,
+      target_epsilon=target_epsilon,
+      delta=delta,
+      allow_overspend=allow_overspend,
+      resume=resume,
+  )
+  return _assemble(
+      optimizer,
+      data,
+      accountant,
+      secret=secret,
+      steps=steps,
+      l2_clip=float(l2_clip),
+      denominator=batch_size / _experts(num_experts),
+      microbatch_size=microbatch_size,
+  )
 
 
 def make_private_experts(
