@@ -41,7 +41,6 @@ Each way to release more than the accountant counts is refused in one line:
 
 from collections.abc import Iterator, Mapping, Sequence
 import hashlib
-import math
 import os
 from typing import Any, NamedTuple
 import warnings
@@ -72,7 +71,9 @@ class Accountant:
   the fact of the call). More updates than samples handed out (an update per
   microbatch, or batches not from ``private.microbatches``) are not the
   mechanism the noise was calibrated for: the spend cannot be bounded, and
-  `epsilon()` and `state_dict()` raise from then on.
+  `epsilon()` and `state_dict()` raise from then on. (So run ``tx.update``
+  once per step in one program: under ``pmap`` or ``shard_map`` every
+  device's call counts; reduce the sums first, as ``privatize_sums`` asks.)
 
   Handing out more than the plan (each of ``steps`` samples once) raises
   before the sample leaves, unless the run opted in with
