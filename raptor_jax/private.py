@@ -253,7 +253,10 @@ class PoissonMicrobatches:
     process, or restored by ``make_private(..., resume=saved)``): otherwise
     ``epsilon()`` would report the resumed part alone, and this raises.
     Resuming before the last step handed out releases those samples again
-    (`Accountant`: refused unless ``allow_overspend=True``).
+    (`Accountant`: refused unless ``allow_overspend=True``), accounted as
+    releases with fresh noise: keep the current optimizer state, whose step
+    count selects the noise (an older one redraws old noise, which is safe
+    only for the same parameters and sums).
 
     Args:
       step: the first step to hand out, in [0, steps].
