@@ -191,8 +191,10 @@ class Accountant:
         )
       else:
         self._refusal = (
-            f'tx.update: ran {self._updates} times for {self.steps} Poisson'
-            ' samples handed out, so the spend cannot be bounded; call it'
+            f'tx.update: ran {self._updates} times while'
+            f' private.microbatches handed out {self.steps} Poisson'
+            f' sample{"s" if self.steps > 1 else ""}, so the spend cannot be'
+            ' bounded; call it'
             " once per step on the sum of all the step's microbatches"
             ' (never once per microbatch), in a new make_private run'
         )
