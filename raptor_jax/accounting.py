@@ -22,6 +22,10 @@ PRV composition of Gopi et al., 2021, used by the paper):
   release is one Gaussian mechanism with noise multiplier
   ``sigma_eff = (sum_g sigma_g**-2) ** -0.5`` (``joint_event``). Adding the
   per-group epsilons instead is unjustified: the groups share one sample.
+* One Poisson sample released ``k`` times with fresh noise (an epoch
+  replayed): by the same whitening, one subsampled Gaussian with
+  ``noise_multiplier / sqrt(k)`` (``replayed_event``), never ``k`` fresh
+  steps.
 
 Events are composed by counts (``SelfComposedDpEvent``), never step by step.
 ``epsilon`` evaluates an event exactly as
@@ -185,6 +189,51 @@ def joint_event(
       noise_multiplier=sigma_eff(*noise_multipliers),
       sample_rate=sample_rate,
       steps=steps,
+  )
+
+
+def replayed_event(
+    *,
+    noise_multiplier: float,
+    sample_rate: float,
+    releases: Sequence[int],
+) -> dp_accounting.DpEvent:
+  """Poisson samples, sample ``t`` released ``releases[t]`` times.
+
+  A replayed epoch (the same Poisson samples iterated again, each release
+  with fresh noise) is NOT ``sum(releases)`` fresh steps: a record that is
+  in sample ``t`` is in all of its releases. The ``k`` releases of one
+  sample, each the Gaussian mechanism with sensitivity C and independent
+  noise ``noise_multiplier * C``, are together the Gaussian mechanism with
+  noise multiplier ``noise_multiplier / sqrt(k)`` (``sigma_eff`` of ``k``
+  copies; Gaussian mechanisms compose this way adaptively too), applied to
+  one Poisson sample of rate ``q``. Accounting them as ``k`` fresh samples
+  under-reports: 50 samples released 5 times each at the sigma calibrated
+  to epsilon 2 for 50 steps spend 8.43 at delta 1e-5, not the 4.55 of 250
+  fresh steps. Samples released 0 times spend nothing.
+
+  Args:
+    noise_multiplier: noise std divided by the clip norm, of every release.
+    sample_rate: Poisson inclusion probability ``q`` of every sample.
+    releases: per sample, how many times it was released (>= 0 each).
+
+  Returns:
+    The composition, over the distinct counts ``k >= 1``, of
+    ``dpsgd_event(noise_multiplier / sqrt(k), q, steps=#{t: releases[t]=k})``.
+  """
+  by_count = {}
+  for k in releases:
+    by_count[k] = by_count.get(k, 0) + 1
+  return dp_accounting.ComposedDpEvent(
+      [
+          dpsgd_event(
+              noise_multiplier=noise_multiplier / math.sqrt(k),
+              sample_rate=sample_rate,
+              steps=samples,
+          )
+          for k, samples in sorted(by_count.items())
+          if _validate.non_negative_int('releases', k) > 0
+      ]
   )
 
 

@@ -55,12 +55,11 @@ accounted release. The transforms refuse to run inside ``MultiSteps`` (one
 line), and ``dp_aggregate`` / ``owner_dp_aggregate`` refuse an update that is
 not the parameter tree plus one leading record axis (a mean gradient).
 
-The front door (``raptor_jax.private``, also reachable here).
-``make_private`` (``make_private_experts`` for expert streams) assembles the
-four pieces in one call, as Opacus's
-``make_private_with_epsilon`` does: the noise multiplier calibrated to a
-target epsilon, the transform, a Poisson microbatch iterator and an
-accountant whose ``epsilon()`` reports the spend.
+The front door, ``raptor_jax.make_private`` (``raptor_jax.private``;
+``make_private_experts`` for expert streams), assembles the four pieces in
+one call, as Opacus's ``make_private_with_epsilon`` does: the noise
+multiplier calibrated to a target epsilon, this transform, the Poisson
+microbatches and an accountant whose ``epsilon()`` reports the spend.
 """
 
 import inspect
@@ -477,22 +476,3 @@ def owner_dp_aggregate(
     return privatizer.update(sums, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-# The front door lives in `raptor_jax.private`; its names keep working here
-# (the stable API).
-_FRONT_DOOR = (
-    'Accountant',
-    'PoissonMicrobatches',
-    'PrivateTraining',
-    'make_private',
-    'make_private_experts',
-)
-
-
-def __getattr__(name: str):
-  if name in _FRONT_DOOR:
-    from raptor_jax import private  # pylint: disable=g-import-not-at-top
-
-    return getattr(private, name)
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

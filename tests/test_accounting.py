@@ -508,3 +508,37 @@ def test_planner_without_data_asks_for_n(tmp_path):
   )
   assert result.returncode == 0, result.stderr
   assert result.stdout.startswith('raptor: n=104743 B=1000 ')
+
+
+def test_a_replayed_sample_is_one_mechanism_not_fresh_steps():
+  # k releases of one Poisson sample (a replayed epoch) are one subsampled
+  # Gaussian with sigma / sqrt(k); test_front_door checks the README's
+  # numbers (8.43 spent, 4.55 if counted as fresh steps).
+  sigma, q, releases = 3.0, 0.1, [2, 1, 0, 3, 2] * 4
+  event = accounting.replayed_event(
+      noise_multiplier=sigma, sample_rate=q, releases=releases
+  )
+  assert accounting.epsilon(event, 1e-5) == _pld_accountant_epsilon(event, 1e-5)
+  fresh = accounting.dpsgd_epsilon(
+      noise_multiplier=sigma, sample_rate=q, steps=sum(releases), delta=1e-5
+  )
+  assert accounting.epsilon(event, 1e-5) > fresh  # fresh steps under-report
+  # Without sampling, k releases with independent noise compose exactly as
+  # k Gaussians (dp_accounting's own composition): one Gaussian sigma/sqrt(k).
+  unsampled = accounting.replayed_event(
+      noise_multiplier=sigma, sample_rate=1.0, releases=[3, 0, 1]
+  )
+  composed = dp_accounting.ComposedDpEvent(
+      [dp_accounting.GaussianDpEvent(sigma)] * 4
+  )
+  assert accounting.epsilon(unsampled, 1e-5) == pytest.approx(
+      _pld_accountant_epsilon(composed, 1e-5), rel=1e-3
+  )
+  nothing = accounting.replayed_event(
+      noise_multiplier=sigma, sample_rate=q, releases=[0, 0]
+  )
+  assert accounting.epsilon(nothing, 1e-5) == 0.0
+  with pytest.raises(ValueError, match='releases'):
+    accounting.replayed_event(
+        noise_multiplier=sigma, sample_rate=q, releases=[1, -1]
+    )
