@@ -269,11 +269,13 @@ def _stacked_output(
   with_kernels = lambda fn: functools.partial(fn, kernels=kernels)
   frozen = {
       "grouped": with_kernels(moe.grouped_linear),
+      "batched": with_kernels(moe.batched_linear),
       "ragged": with_kernels(moe.ragged_linear),
       "tokamax": with_kernels(moe.tokamax_linear),
   }
   trainable = {
       "grouped_train": with_kernels(moe.grouped_linear_trainable),
+      "batched_train": with_kernels(moe.batched_linear_trainable),
       "ragged_train": with_kernels(moe.ragged_linear_trainable),
       "tokamax_train": with_kernels(moe.tokamax_linear_trainable),
   }
