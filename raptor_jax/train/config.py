@@ -42,7 +42,7 @@ def _model_config() -> ml_collections.ConfigDict:
   m.lora_rank = 8  # LoRA rank r of every adapter
   m.lora_alpha = 16.0  # LoRA alpha (scale alpha / r)
   m.dtype = "float32"  # activation dtype ('bfloat16' on GPUs); DP sums and noise stay float32
-  m.dispatch = "auto"  # expert dispatch: auto (= grouped, on every backend) | grouped | ragged
+  m.dispatch = "auto"  # expert dispatch: auto (= grouped on CPU, batched elsewhere) | grouped | batched | ragged
   m.kernels = "auto"  # hand-written backwards: auto (fast on CPU, reference elsewhere) | fast | reference
   m.scan_layers = True  # identical blocks as one nn.scan (compile time flat in depth); False = unrolled
   m.pooling = (

@@ -71,7 +71,14 @@ from raptor_jax.train import plans
 
 # Expert dispatches of a fine-tuning run (`moe.DISPATCHES` without the
 # pretraining '*_train' ones); runs that train expert kernels use 'dense'.
-FINE_TUNING_DISPATCHES = ("auto", "grouped", "ragged", "tokamax", "dense")
+FINE_TUNING_DISPATCHES = (
+    "auto",
+    "grouped",
+    "batched",
+    "ragged",
+    "tokamax",
+    "dense",
+)
 
 METHODS = (
     "raptor",
@@ -112,7 +119,8 @@ def check_config(config) -> None:
       "model.dispatch",
       config.model.get("dispatch", "auto"),
       FINE_TUNING_DISPATCHES,
-      fix("model.dispatch") + " ('auto' is 'grouped')",
+      fix("model.dispatch")
+      + " ('auto' is 'grouped' on CPU, 'batched' elsewhere)",
   )
   _validate.one_of(
       "model.kernels",
@@ -372,7 +380,8 @@ def _model_options(
 
   A non-owner part that trains expert kernels needs the dense dispatch (the
   grouped and ragged ones treat expert kernels as frozen constants); every
-  other run uses `model.dispatch` ('auto' is 'grouped').
+  other run uses `model.dispatch` ('auto' is 'grouped' on CPU, 'batched'
+  elsewhere).
   Blocks that a part selects by block (l*) stay out of any scan, so their
   parameters and owner slices keep their per-layer paths
   (`models.stack`).
