@@ -78,7 +78,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-DIR = {directory!r}  # this directory
+DIR = {directory!r}  # this directory (its path, from where you run this)
 tokenizer = transformers.AutoTokenizer.from_pretrained(DIR)
 config = transformers.AutoConfig.from_pretrained(DIR)
 backbone = getattr(transformers, config.architectures[0])
@@ -111,7 +111,7 @@ print(predict({examples!r}))
 INFERENCE_CLASSIFIER = """\
 import transformers
 
-DIR = {directory!r}  # this directory
+DIR = {directory!r}  # this directory (its path, from where you run this)
 classifier = transformers.pipeline("text-classification", model=DIR)
 
 
@@ -356,7 +356,10 @@ def model_card(card: dict, run: Run, directory: Path) -> str:
       run.model.backbone, run.model.pooling
   )
   code = (INFERENCE if classifier is None else INFERENCE_CLASSIFIER).format(
-      directory=str(directory),
+      # The directory's name, not the path it was exported to: the card
+      # travels with the model, and an absolute path names the exporter's
+      # machine (and goes stale once the directory moves).
+      directory=directory.name,
       max_length=int(config.data.max_length),
       examples=["an example text", "another example text"],
   )

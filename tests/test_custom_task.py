@@ -126,7 +126,7 @@ def _bad(tmp_path, name, content):
         ),
         (
             "unknown_class.tsv",
-            "text\tsentiment\nx\tmeh\n",
+            "text\tsentiment\nx\tmeh, sort of\n",
             "list its classes in --config.data.label_names",
         ),
         (
@@ -157,7 +157,8 @@ def test_a_bad_file_is_one_line_naming_it_and_the_fix(
   assert "\n" not in message
   assert str(path) in message
   assert fix in message
-  assert "meh" not in message and "oops" not in message  # no record content
+  # No record content (a label of several words is not shown).
+  assert "meh" not in message and "oops" not in message
 
 
 def test_bad_directories_are_one_line(tmp_path, tokenizer):

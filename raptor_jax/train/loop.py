@@ -319,7 +319,16 @@ class _Session:
     )
 
   def log_cycle(self, progress) -> None:
-    """Public per-cycle output: epoch, epsilon spent, dev metrics at epoch ends."""
+    """Public per-cycle output: epoch, epsilon spent, dev metrics at epoch ends.
+
+    A stop signal waits for the cycle's rows (its evaluation included), then
+    stops the run: the checkpoint of this cycle is saved next, and a resumed
+    run starts after it, so rows skipped now would be lost for good.
+    """
+    with preemption.deferred_signals():
+      self._log_cycle(progress)
+
+  def _log_cycle(self, progress) -> None:
     config, plan, cycle = self.run.config, self.run.plan, self.state.cycle
     if progress is not None:
       progress.update(1)
