@@ -185,12 +185,13 @@ COMMANDS = [
     # (arguments of launch/main.py, the last line of stderr)
     (  # 48: a mistyped config file name with an override: a 54-line traceback
         ["--config=configs/custm.py:cpu", "--config.batch_size=10"],
-        "error: --config=configs/custm.py: no such config file; the config"
-        " files are configs/",
+        "error: --config=configs/custm.py: no such config file; did you mean"
+        " configs/custom.py? the config files are configs/{controlled,custom,",
     ),
     (  # 44: length_buckets='a,b' named neither the file nor the field
         ["--config=configs/custom.py:cpu", "--config.data.length_buckets=a,b"],
-        "error: --config.data.length_buckets=a,b: must be",
+        "error: data.length_buckets: must be increasing positive lengths"
+        " ending at max_length 64, got ('a', 'b')",
     ),
 ]
 

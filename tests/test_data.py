@@ -323,7 +323,7 @@ def test_check_batch_size():
   data.check_batch_size(872, 872)
   message = (
       r"^batch_size: must be in \[1, n\] for the n = 872 training records, got"
-      r" {}; set --config.batch_size$"
+      r" {}; set --config.batch_size=87 \(n / 10\), or 0 to choose it from n$"
   )
   with pytest.raises(ValueError, match=message.format(1000)):
     data.check_batch_size(1000, 872)

@@ -451,10 +451,11 @@ def train_and_evaluate(
     validate(config)  # before any data or model is loaded; once per run
   mesh = parallel.make_mesh(config.num_devices)
   workdir = Path(workdir).expanduser().resolve()
-  workdir.mkdir(parents=True, exist_ok=True)
+  if not dry_run:  # a dry run writes nothing, not even the workdir's lock
+    workdir.mkdir(parents=True, exist_ok=True)
   lock = (
       preemption.WorkdirLock(workdir)
-      if outputs.is_writer()
+      if outputs.is_writer() and not dry_run
       else contextlib.nullcontext()
   )
   with lock, preemption.stop_on_signals():
@@ -470,6 +471,15 @@ def train_and_evaluate(
 def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
   """`train_and_evaluate` inside the workdir lock and the stop signals."""
   workdir_lib.check_workdir(config, workdir)
+  finished = None if dry_run else workdir_lib.finished_results(workdir)
+  if finished is not None:  # nothing to load, train or write
+    log.info(
+        "already finished: %s holds the finished run of this config; results"
+        " in %s",
+        workdir,
+        workdir / "results.json",
+    )
+    return finished
   if outputs.is_writer() and not dry_run:
     workdir_lib.start_fresh(workdir)
   # This host tokenises and keeps only its records (i % P == p); n counts all.
