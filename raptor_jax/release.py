@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
@@ -78,7 +79,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-DIR = {directory!r}  # this directory
+DIR = {directory!r}  # this directory (its path, from where you run this)
 tokenizer = transformers.AutoTokenizer.from_pretrained(DIR)
 config = transformers.AutoConfig.from_pretrained(DIR)
 backbone = getattr(transformers, config.architectures[0])
@@ -111,7 +112,7 @@ print(predict({examples!r}))
 INFERENCE_CLASSIFIER = """\
 import transformers
 
-DIR = {directory!r}  # this directory
+DIR = {directory!r}  # this directory (its path, from where you run this)
 classifier = transformers.pipeline("text-classification", model=DIR)
 
 
@@ -193,7 +194,7 @@ def trained_model(workdir: str | os.PathLike) -> tuple[Run, dict, dict]:
           f"{workdir}/checkpoints holds no checkpoint; train there first"
       )
     report = _finished_report(workdir, int(meta["cycle"]))
-    run = build_run(config, owner_records="dev")
+    run = _rebuilt_run(config, workdir)
     if run.plan.cycles != report["cycles"]:
       raise ValueError(
           f"{workdir}: {report['cycles']} cycles ran but the config plans "
@@ -205,6 +206,25 @@ def trained_model(workdir: str | os.PathLike) -> tuple[Run, dict, dict]:
     checkpointer.close()
   params = step.merged_params(run.frozen, trainable["trainable"])
   return run, params, report
+
+
+def _rebuilt_run(config: ml_collections.ConfigDict, workdir: Path) -> Run:
+  """`build_run` of the run's config.json, its errors in export's terms.
+
+  A training error names a `--config.*` flag, which export does not have:
+  export reads the workdir's config.json (its data paths resolved when the
+  run started), so the fix is to restore what it names, or edit that file.
+  """
+  try:
+    return build_run(config, owner_records="dev")
+  except (ValueError, FileNotFoundError) as e:
+    message = re.sub(r";? ?(set|declare) [^;]*--config[^;]*$", "", str(e))
+    message = message.replace("--config.", "")
+    raise type(e)(
+        f"{message}; export rebuilds the run from {workdir}/config.json:"
+        " restore what it names (the data where the run read it), or edit"
+        f" that file, then rerun launch/export.py --workdir={workdir}"
+    ) from None
 
 
 def privacy_card(report: dict) -> dict[str, Any]:
@@ -356,7 +376,10 @@ def model_card(card: dict, run: Run, directory: Path) -> str:
       run.model.backbone, run.model.pooling
   )
   code = (INFERENCE if classifier is None else INFERENCE_CLASSIFIER).format(
-      directory=str(directory),
+      # The directory's name, not the path it was exported to: the card
+      # travels with the model, and an absolute path names the exporter's
+      # machine (and goes stale once the directory moves).
+      directory=directory.name,
       max_length=int(config.data.max_length),
       examples=["an example text", "another example text"],
   )

@@ -35,7 +35,13 @@ def test_the_header_says_what_the_run_will_do_before_it_trains(run):
         f"  stream {part}, part {part}: sigma {sigma[part]:.4g}, clip 1,"
         f" {count:,} trainable parameters"
     )
-  assert header[4].startswith("outputs: /w (checkpoints/")
+  # 6 noisy steps: one warning line names the setting to raise.
+  assert header[4] == (
+      "warning: only 6 noisy steps; the noise of few steps does not average"
+      " out and accuracy suffers: raise --config.epochs (e.g. 34 for 204"
+      " steps), or set it to 0 to choose it from n"
+  )
+  assert header[5].startswith("outputs: /w (checkpoints/")
 
 
 def test_the_run_ends_with_a_table_and_the_export_command(run):
@@ -47,7 +53,7 @@ def test_the_run_ends_with_a_table_and_the_export_command(run):
       f"  epsilon spent  1.5 at delta {run.plan.delta:.3g}",
       "  dev accuracy   0.7500",
       "  reports        /w/privacy_report.json, results.json",
-      "export: python launch/export.py --workdir=/w --out=/w_model",
+      f"export: python {ROOT}/launch/export.py --workdir=/w --out=/w_model",
   ]
 
 

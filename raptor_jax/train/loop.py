@@ -319,7 +319,16 @@ class _Session:
     )
 
   def log_cycle(self, progress) -> None:
-    """Public per-cycle output: epoch, epsilon spent, dev metrics at epoch ends."""
+    """Public per-cycle output: epoch, epsilon spent, dev metrics at epoch ends.
+
+    A stop signal waits for the cycle's rows (its evaluation included), then
+    stops the run: the checkpoint of this cycle is saved next, and a resumed
+    run starts after it, so rows skipped now would be lost for good.
+    """
+    with preemption.deferred_signals():
+      self._log_cycle(progress)
+
+  def _log_cycle(self, progress) -> None:
     config, plan, cycle = self.run.config, self.run.plan, self.state.cycle
     if progress is not None:
       progress.update(1)
@@ -442,10 +451,11 @@ def train_and_evaluate(
     validate(config)  # before any data or model is loaded; once per run
   mesh = parallel.make_mesh(config.num_devices)
   workdir = Path(workdir).expanduser().resolve()
-  workdir.mkdir(parents=True, exist_ok=True)
+  if not dry_run:  # a dry run writes nothing, not even the workdir's lock
+    workdir.mkdir(parents=True, exist_ok=True)
   lock = (
       preemption.WorkdirLock(workdir)
-      if outputs.is_writer()
+      if outputs.is_writer() and not dry_run
       else contextlib.nullcontext()
   )
   with lock, preemption.stop_on_signals():
@@ -461,6 +471,15 @@ def train_and_evaluate(
 def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
   """`train_and_evaluate` inside the workdir lock and the stop signals."""
   workdir_lib.check_workdir(config, workdir)
+  finished = None if dry_run else workdir_lib.finished_results(workdir)
+  if finished is not None:  # nothing to load, train or write
+    log.info(
+        "already finished: %s holds the finished run of this config; results"
+        " in %s",
+        workdir,
+        workdir / "results.json",
+    )
+    return finished
   if outputs.is_writer() and not dry_run:
     workdir_lib.start_fresh(workdir)
   # This host tokenises and keeps only its records (i % P == p); n counts all.

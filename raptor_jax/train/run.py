@@ -141,7 +141,7 @@ def build_run(
       if host[1] == 1
       else parallel.global_count(len(run_data.train))
   )
-  data.check_batch_size(config.batch_size, n)
+  data.check_batch_size(methods.run_sizes(config, n)[0], n)
   backbone, backbone_params = setup.load_backbone(config, run_data)
   bc = backbone.config
   if not bc.sparse_layers:

@@ -65,7 +65,8 @@ def task_spec(dc: ml_collections.ConfigDict) -> data.TaskSpec:
 
 
 def check_eval_split(dc: ml_collections.ConfigDict) -> None:
-  """The evaluation split exists and the holdout never overlaps training records.
+  """The evaluation split exists, is not the train file, and the holdout
+  never overlaps training records.
 
   Run before `check_data_fields`, which refuses a holdout on the generated task.
   """
@@ -77,6 +78,8 @@ def check_eval_split(dc: ml_collections.ConfigDict) -> None:
       fix("data.eval_split"),
   )
   _validate.non_negative_int("data.holdout", dc.holdout, fix("data.holdout"))
+  if dc.eval_split == "dev":
+    _check_dev_is_not_train(dc)
   if task_spec(dc).name == "synthetic":
     return  # no holdout: `check_data_fields` refuses one
   _validate.check(
@@ -95,6 +98,29 @@ def check_eval_split(dc: ml_collections.ConfigDict) -> None:
         dc.holdout,
         fix("data.holdout", "N"),
     )
+
+
+def _check_dev_is_not_train(dc: ml_collections.ConfigDict) -> None:
+  """Evaluating on the training file would report training accuracy as dev
+  accuracy."""
+  fix = _validate.config_fix
+  same = (
+      dc.train_path
+      and dc.dev_path
+      and Path(dc.train_path).expanduser().resolve()
+      == Path(dc.dev_path).expanduser().resolve()
+  )
+  _validate.check(
+      not same,
+      "data.dev_path",
+      "another file than data.train_path (evaluating on the training"
+      " records reports training accuracy as dev accuracy)",
+      dc.dev_path,
+      fix("data.dev_path")
+      + " to held-out records, or evaluate on train records never trained"
+      " on: --config.data.eval_split=holdout --config.data.train_limit=N"
+      " --config.data.holdout=M",
+  )
 
 
 # Fields the generated task (data.task='synthetic', the :tiny preset) never
