@@ -144,7 +144,7 @@ def noise_sensitivity(
 # -- per-record statistics of a trained run ------------------------------------------
 
 
-def _phase_statistics(
+def phase_statistics(
     fns: step.PhaseFunctions,
     expert_layer: int,
     num_experts: int,
@@ -244,7 +244,7 @@ def _gradient_statistics(
   signals: dict[str, dict[str, np.ndarray]] = {}
   for fns in phase_fns:
     stats_fn = jax.jit(
-        functools.partial(_phase_statistics, fns, expert_layer, num_experts)
+        functools.partial(phase_statistics, fns, expert_layer, num_experts)
     )
     signal_sums = signals.setdefault(fns.phase.name, {})
     for mb in sampling.microbatches(np.arange(len(labels)), microbatch_size):
@@ -267,7 +267,7 @@ def _gradient_statistics(
   return squared, signals
 
 
-def _snr_of_plan(
+def snr_of_plan(
     plan: methods.Plan,
     signals,
     trainable,
@@ -297,7 +297,7 @@ def _snr_of_plan(
   return None
 
 
-def _sensitivities(
+def sensitivities(
     config,
     model,
     trainable,
@@ -379,13 +379,13 @@ def _phase_functions(config, run) -> list[step.PhaseFunctions]:
   ]
 
 
-def _param_counts(trainable) -> dict[str, int]:
+def role_param_counts(trainable) -> dict[str, int]:
   """Number of trainable parameters per diagnostic role (0 for absent roles)."""
-  param_counts = dict.fromkeys(DIAGNOSTIC_ROLES, 0)
+  counts = dict.fromkeys(DIAGNOSTIC_ROLES, 0)
   for part_params in trainable.values():
     for path, value in part_params.items():
-      param_counts[diagnostic_role(path)] += int(np.size(value))
-  return param_counts
+      counts[diagnostic_role(path)] += int(np.size(value))
+  return counts
 
 
 def _data_note(split: str, n: int) -> str:
@@ -441,8 +441,8 @@ def compute(
       num_experts=bc.num_experts,
       microbatch_size=config.microbatch_size,
   )
-  param_counts = _param_counts(trainable)
-  base_loss, sensitivity = _sensitivities(
+  param_counts = role_param_counts(trainable)
+  base_loss, sensitivity = sensitivities(
       config,
       model,
       trainable,
@@ -459,7 +459,7 @@ def compute(
       method=plan.method,
       expert_layer=expert_layer,
       role_mismatch=role_mismatch(squared, param_counts),
-      expert_snr=_snr_of_plan(
+      expert_snr=snr_of_plan(
           plan,
           signals,
           trainable,

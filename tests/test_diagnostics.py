@@ -161,7 +161,7 @@ def test_statistics_measure_exactly_the_clipped_sums_training_makes(
   )
   mask = jnp.array([1.0, 1.0, 0.0])  # the third row is padding
   squared, signal = jax.jit(
-      functools.partial(diagnostics._phase_statistics, fns, 1, 4)
+      functools.partial(diagnostics.phase_statistics, fns, 1, 4)
   )(  # pylint: disable=protected-access
       trainable, frozen, batch, mask
   )

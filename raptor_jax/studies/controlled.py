@@ -4,7 +4,7 @@ A cell of the study is (condition, method or ablation, epsilon, seed). Each
 cell is built exactly as `run.build_run` builds a trainer run (frozen
 pretrained backbone, public-corpus layer selection, `methods.build_plan`,
 owner map, adapters and head seeded by `config.seed`), but from the
-generator's data (`raptor_jax.data.controlled`) instead of a task file, and
+generator's data (`raptor_jax.studies.controlled_data`) instead of a task file, and
 trained by `train`, which runs the trainer's cycle (`loop._train_cycle`'s
 order: per phase one Poisson sample, fixed-size microbatches of clipped
 sums, one noisy update) on the library's `step.PhaseFunctions`.
@@ -41,8 +41,8 @@ import numpy as np
 
 from raptor_jax import accounting, data, diagnostics, models, ownership
 from raptor_jax import roles, sampling, transforms
-from raptor_jax.data import controlled as gen
 from raptor_jax.models import hf
+from raptor_jax.studies import controlled_data as gen
 from raptor_jax.train import methods, metrics, parallel, secrecy, setup, step
 from raptor_jax.train.run import Run
 
@@ -274,12 +274,12 @@ class StepCache:
     return self._eval[model]
 
   def statistics_fn(self, fns, expert_layer: int, num_experts: int):
-    """The jitted `diagnostics._phase_statistics` of `fns`, compiled once."""
+    """The jitted `diagnostics.phase_statistics` of `fns`, compiled once."""
     key = ("stats", id(fns))
     if key not in self._eval:
       self._eval[key] = jax.jit(
           functools.partial(
-              diagnostics._phase_statistics, fns, expert_layer, num_experts
+              diagnostics.phase_statistics, fns, expert_layer, num_experts
           )
       )
     return self._eval[key]
@@ -380,8 +380,8 @@ def diagnose(
   n = min(sc.diagnostic_records, len(run.data.dev))
   dev = run.data.dev
   records = (dev.input_ids[:n], dev.attention_mask[:n], dev.labels[:n])
-  param_counts = diagnostics._param_counts(trainable)
-  _, sensitivity = diagnostics._sensitivities(
+  param_counts = diagnostics.role_param_counts(trainable)
+  _, sensitivity = diagnostics.sensitivities(
       config,
       run.model,
       trainable,
@@ -416,7 +416,7 @@ def diagnose(
         signal_sums[path] = signal_sums.get(path, 0.0) + np.asarray(value)
   snr = None
   if methods.is_private(run.plan):
-    snr = diagnostics._snr_of_plan(
+    snr = diagnostics.snr_of_plan(
         run.plan,
         signals,
         trainable,
