@@ -11,7 +11,7 @@ import pytest
 from raptor_jax import accounting, sampling
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.studies import sweep
-from raptor_jax.train import loop, methods, parallel, secrecy
+from raptor_jax.train import loop, parallel, plans, secrecy
 from raptor_jax.train import outputs
 from raptor_jax.transforms import DpAggregateState
 
@@ -160,11 +160,11 @@ def _state(counts, ledger_steps, cycle):
 
 def _plan_of(*phases):
   def part(name):
-    return methods.Part(name, (), None, False, 1.0, 1.0, 1.0)
+    return plans.Part(name, (), None, False, 1.0, 1.0, 1.0)
 
   return types.SimpleNamespace(
       phases=tuple(
-          methods.Phase(name, i, tuple(part(p) for p in parts))
+          plans.Phase(name, i, tuple(part(p) for p in parts))
           for i, (name, parts) in enumerate(phases)
       )
   )
@@ -199,7 +199,7 @@ def _report(method, sigmas):
   private = method != "nonprivate_lora"
   phases = _plan_of(*[(name, [name]) for name in sigmas]).phases
   phases = tuple(
-      methods.Phase(
+      plans.Phase(
           p.name,
           p.stream,
           tuple(
@@ -210,7 +210,7 @@ def _report(method, sigmas):
       )
       for p in phases
   )
-  plan = methods.Plan(
+  plan = plans.Plan(
       method, phases, 6, 1 / 6, 1e-5, 8.0 if private else None, 1, {}
   )
   ledger = PrivacyLedger()

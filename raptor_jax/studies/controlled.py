@@ -43,7 +43,8 @@ from raptor_jax import accounting, data, diagnostics, models, ownership
 from raptor_jax import roles, sampling, transforms
 from raptor_jax.models import hf
 from raptor_jax.studies import controlled_data as gen
-from raptor_jax.train import methods, metrics, parallel, secrecy, setup, step
+from raptor_jax.train import methods, metrics, parallel, plans, secrecy
+from raptor_jax.train import setup, step
 from raptor_jax.train.run import Run
 
 # Seeds of the generated splits: train and the evaluation split are fixed;
@@ -285,7 +286,7 @@ class StepCache:
     return self._eval[key]
 
 
-def _with_noise_keys(opt_state: dict, phase: methods.Phase, key) -> dict:
+def _with_noise_keys(opt_state: dict, phase: plans.Phase, key) -> dict:
   """`opt_state` with part i's noise key set to fold_in(key, i), as
   `PhaseFunctions(key=key)` would have initialised it."""
   out = dict(opt_state)
@@ -360,7 +361,7 @@ def evaluate(cache: StepCache, run: Run, trainable) -> float:
   )["accuracy"]
 
 
-def epsilon_spent(plan: methods.Plan) -> float | None:
+def epsilon_spent(plan: plans.Plan) -> float | None:
   """Epsilon of the mechanism run: every planned release was made (None if
   non-private)."""
   event = plan.event()
@@ -392,7 +393,7 @@ def diagnose(
       draws=sc.sensitivity_draws,
       logits_fn=cache.eval_fn(run.model),
   )
-  squared = dict.fromkeys(diagnostics.DIAGNOSTIC_ROLES, 0.0)
+  squared = dict.fromkeys(roles.DIAGNOSTIC_ROLES, 0.0)
   signals: dict[str, dict[str, np.ndarray]] = {}
   for fns in phase_fns:
     stats_fn = cache.statistics_fn(fns, run.expert_layer, run.num_experts)
@@ -415,7 +416,7 @@ def diagnose(
       for path, value in signal.items():
         signal_sums[path] = signal_sums.get(path, 0.0) + np.asarray(value)
   snr = None
-  if methods.is_private(run.plan):
+  if plans.is_private(run.plan):
     snr = diagnostics.snr_of_plan(
         run.plan,
         signals,
@@ -454,7 +455,7 @@ def run_cell(
       accuracy=evaluate(cache, run, trainable),
       epsilon_spent=epsilon_spent(run.plan),
       expert_layer=run.expert_layer,
-      noise=methods.noise_summary(run.plan),
+      noise=plans.noise_summary(run.plan),
   )
   if with_diagnostics:
     if eval_owners is None:

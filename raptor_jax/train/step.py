@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from raptor_jax import grads, roles, transforms
 from raptor_jax.models.common import OwnerOverride
 from raptor_jax.train import parallel, setup
-from raptor_jax.train.methods import Phase
+from raptor_jax.train.plans import Phase
 from raptor_jax.train.parallel import AXIS
 
 Flat = dict[str, jax.Array]
@@ -432,7 +432,7 @@ class PhaseStep:
 
   Usage::
 
-      phase = run.plan.phases[0]   # or methods.Phase(name=..., stream=..., parts=(...))
+      phase = run.plan.phases[0]   # or plans.Phase(name=..., stream=..., parts=(...))
       dp = PhaseStep(model, phase, key=jax.random.key(0), learning_rate=1e-3)
       state = dp.init(params)      # the classifier's full parameter tree
       sums = dp.zero_sums(state)
@@ -453,7 +453,7 @@ class PhaseStep:
 
   Args:
     model: the classifier (`models.SequenceClassifier`).
-    phase: a `methods.Phase`.
+    phase: a `plans.Phase`.
     key: secret PRNG key (`jax.random.key(seed)` or a raw `PRNGKey`, or
       several stacked for 128 bits as the trainer's `secrecy.noise_key`);
       part i of the phase draws its noise from `transforms.fold_in(key, i)`.
