@@ -595,8 +595,9 @@ def test_each_phase_clips_a_record_as_its_method_says(method, overrides):
         key=jax.random.PRNGKey(0),
     )
     per_record = {p.name: {"leaf": jnp.full((1, 3), 5.0)} for p in phase.parts}
-    clipped = fns._clip(per_record, jnp.ones((1,)))  # pylint: disable=protected-access
-    sums = fns._sum(clipped, jnp.array([2]))  # pylint: disable=protected-access
+    sums = fns._clip_and_sum(  # pylint: disable=protected-access
+        per_record, jnp.ones((1,)), jnp.array([2])
+    )
     for part in phase.parts:
       assert sums[part.name]["leaf"].shape == ((E, 3) if part.owner else (3,))
       if part.owner:  # everything in the owner's row
