@@ -1,7 +1,7 @@
 """The controlled study (`results/controlled`): one config for every cell.
 
 Fine-tunes the small Switch pretrained on the generator's PUBLIC text
-(`results/controlled/README.md`, section 1) on `raptor_jax.data.controlled`
+(`results/controlled/README.md`, section 1) on `raptor_jax.studies.controlled_data`
 records. The study runner sets the method, epsilon, seed and clip of each
 cell and the condition's data; everything else is fixed here, so every cell
 shares Poisson sampling, the budget, the step count and the compiled steps:

@@ -30,7 +30,7 @@ from absl import app, flags
 from ml_collections import config_flags
 import numpy as np
 
-from raptor_jax.train import controlled, study_report
+from raptor_jax.studies import controlled, controlled_report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/controlled.py")
 _RESULTS = flags.DEFINE_string(
@@ -308,14 +308,14 @@ def main(argv):
     _append(path, ROW_FIELDS, row)
     new += 1
     # The plot costs more than a cached run; redraw it every 40 runs.
-    study_report.write(results, plot=new % 40 == 0)
+    controlled_report.write(results, plot=new % 40 == 0)
     print(
         f"{name} {method} eps={eps_key} seed={seed}: {row['seconds']:.1f} s",
         flush=True,
     )
     if _MAX_RUNS.value and new >= _MAX_RUNS.value:
       break
-  study_report.write(results)
+  controlled_report.write(results)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from absl import app, flags  # pylint: disable=g-multiple-import
 import numpy as np
 
-from raptor_jax.train import report, sweep
+from raptor_jax.studies import sweep, sweep_report
 
 SKEWED_BELOW = 0.8  # H / log E of the public corpus at the selected layer
 MAIN_METHODS = (
@@ -75,7 +75,7 @@ def controlled_cells(controlled: str | Path) -> dict[str, dict[str, Any]]:
           for s in seeds
       ]
       if diffs:
-        gains[float(eps)] = report.paired_interval(diffs)
+        gains[float(eps)] = sweep_report.paired_interval(diffs)
     out[name] = dict(
         skewed=info["public_owner_entropy"] < SKEWED_BELOW,
         relevance=info["relevance"],
@@ -142,7 +142,7 @@ def place(workdir: str | Path, controlled: str | Path) -> list[dict[str, Any]]:
   rows = sweep.collect(workdir)
   observed = {
       (p["task"], p["epsilon"]): p
-      for p in report.paired_differences(rows, b="baseline_a")
+      for p in sweep_report.paired_differences(rows, b="baseline_a")
   }
   out = []
   for row in rows:

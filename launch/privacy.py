@@ -243,12 +243,12 @@ def given_noise(config) -> dict[str, float] | None:
 
 def rows_of(plan, delta: float) -> list[tuple[str, str]]:
   """The table of a plan: its noise per part and the epsilon it spends."""
-  from raptor_jax.train import methods
+  from raptor_jax.train import plans
 
   q, steps = plan.sample_rate, plan.cycles
   rows = [
       (f'sigma_{name}', f'{part["noise_multiplier"]:.6g}')
-      for name, part in methods.noise_summary(plan).items()
+      for name, part in plans.noise_summary(plan).items()
   ]
   event = plan.event()
   spent = accounting.epsilon(event, delta)

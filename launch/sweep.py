@@ -1,7 +1,7 @@
 r"""Trains a grid of variants x epsilons x seeds, then writes the results table.
 
 Every cell is `train_and_evaluate` of the same config with the variant's
-overrides (see `raptor_jax.train.sweep.VARIANTS`), its epsilon and its seed,
+overrides (see `raptor_jax.studies.sweep.VARIANTS`), its epsilon and its seed,
 in `<workdir>/<task>/<variant>/eps<epsilon>/seed<seed>`. Rerunning skips
 finished cells and resumes interrupted ones. Run it once per task config with
 the same --workdir; the table has one column per task.
@@ -15,7 +15,7 @@ the same --workdir; the table has one column per task.
     --variants=$ROWS --epsilons=1,4,8 --seeds=0,1,2
 
 Writes `<workdir>/results.csv`, `results.md`, `accuracy_vs_epsilon.png` and
-`routing_entropy.png` (see `raptor_jax.train.report`). With --diagnostics,
+`routing_entropy.png` (see `raptor_jax.studies.sweep_report`). With --diagnostics,
 each new cell also gets `diagnostics.json` (App. G, on the dev split). With
 --clip_grid, each private (variant, epsilon) first picks its clip norm on
 held-out train records (`--config.data.holdout`), never on dev.
@@ -39,7 +39,7 @@ from absl import app, flags, logging as absl_logging  # pylint: disable=g-multip
 from ml_collections import config_flags
 
 from raptor_jax import diagnostics
-from raptor_jax.train import report, sweep
+from raptor_jax.studies import sweep, sweep_report
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Base training configuration file."
@@ -101,7 +101,7 @@ def main(argv):
     def after(config, directory):
       if _DIAGNOSTICS.value:
         diagnostics.write_for_run(config, directory)
-      report.write(
+      sweep_report.write(
           _WORKDIR.value, _RESULTS_DIR.value or None
       )  # the table so far
 
@@ -120,7 +120,7 @@ def main(argv):
       )
     except (ValueError, FileNotFoundError, OSError) as e:
       sys.exit(f"error: {e}")
-  for path in report.write(_WORKDIR.value, _RESULTS_DIR.value or None):
+  for path in sweep_report.write(_WORKDIR.value, _RESULTS_DIR.value or None):
     print(path)
 
 

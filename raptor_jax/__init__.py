@@ -2,15 +2,21 @@
 
 The front door is ``raptor_jax.make_private`` (``make_private_experts`` for
 parameters stacked per expert): DP-SGD calibrated to a budget in one call
-(``raptor_jax.private``).
+(defined in ``raptor_jax.private``).
 
 Submodules (import them directly, e.g. ``from raptor_jax import transforms``):
 
 * ``models``: Flax ports of Switch Transformer, OLMoE and DeepSeek-MoE, LoRA,
   heads, and ``from_pretrained`` for Hugging Face checkpoints.
 * ``transforms``: the optax DP aggregation transforms.
-* ``accounting``: privacy accounting and noise calibration.
+* ``accounting`` and ``calibration``: privacy accounting and noise
+  calibration.
 * ``ownership``: owner maps, routing statistics, public layer selection.
+* ``studies``: the experiments (sweeps, the controlled study).
+
+``import raptor_jax`` imports no JAX: ``raptor_jax.process.setup`` must run
+before anything starts a thread, and JAX starts one on import. The two front
+door functions therefore import ``raptor_jax.private`` when called.
 """
 
 __version__ = "0.1.0"
@@ -18,11 +24,21 @@ __version__ = "0.1.0"
 __all__ = ["make_private", "make_private_experts"]
 
 
-def __getattr__(name: str):
-  # Imported on first use: `import raptor_jax` (and so `raptor_jax.process`,
-  # which must run before JAX starts) imports no JAX.
-  if name in __all__:
-    from raptor_jax import private  # pylint: disable=g-import-not-at-top
+def make_private(optimizer, **kwargs):
+  """DP-SGD in one call, calibrated to a budget: `raptor_jax.private.make_private`.
 
-    return getattr(private, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  Its docstring states the guarantee and the arguments.
+  """
+  from raptor_jax import private  # pylint: disable=g-import-not-at-top
+
+  return private.make_private(optimizer, **kwargs)
+
+
+def make_private_experts(optimizer, **kwargs):
+  """`make_private` for parameters stacked per expert: `raptor_jax.private.make_private_experts`.
+
+  Its docstring states the guarantee and the arguments.
+  """
+  from raptor_jax import private  # pylint: disable=g-import-not-at-top
+
+  return private.make_private_experts(optimizer, **kwargs)

@@ -34,8 +34,8 @@ Events are composed by counts (``SelfComposedDpEvent``), never step by step.
 Poisson-sampled Gaussian, which makes ledgers and calibration cheap. The PLDs
 use pessimistic rounding, so every reported epsilon is an upper bound.
 
-Calibration (``raptor_jax.calibration``; ``calibrate_dpsgd`` and
-``calibrate_raptor`` are also reachable from here) returns noise multipliers
+Calibration (``raptor_jax.calibration``, built on this module) returns noise
+multipliers
 whose epsilon lies in ``[(1 - CALIBRATION_RTOL) * target, target]`` and is
 never above the target.
 """
@@ -67,7 +67,8 @@ _Mechanism = tuple[float, float, int]  # (sample_rate, noise_multiplier, count)
 # never clamped.
 
 
-def _check_rho(rho: float) -> None:
+def check_rho(rho: float) -> None:
+  """Refuses, in one line, a budget split ``rho`` outside [0, 1]."""
   _validate.probability(
       'rho',
       rho,
@@ -350,12 +351,20 @@ def _self_composed_pld(
   ).self_compose(count)
 
 
-def _epsilon(
+def epsilon_of_mechanisms(
     mechanisms: Sequence[_Mechanism],
     delta: float,
     value_discretization_interval: float,
 ) -> float:
-  """Epsilon at ``delta`` of the sequential composition of ``mechanisms``."""
+  """Epsilon at ``delta`` of the sequential composition of ``mechanisms``.
+
+  Args:
+    mechanisms: ``(sample_rate, noise_multiplier, count)`` triples, each a
+      Poisson-sampled Gaussian composed ``count`` times (PLDs cached).
+    delta: the target delta.
+    value_discretization_interval: the PLD grid (pessimistic rounding, so
+      the result is an upper bound; calibration searches on a coarser one).
+  """
   pld = privacy_loss_distribution.identity(
       value_discretization_interval=value_discretization_interval
   )
@@ -392,7 +401,7 @@ def epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
     The smallest epsilon such that the run is (epsilon, delta)-DP.
   """
   validate_delta(delta)
-  return _epsilon(
+  return epsilon_of_mechanisms(
       tuple(_mechanisms(event)), delta, VALUE_DISCRETIZATION_INTERVAL
   )
 
@@ -463,16 +472,3 @@ def raptor_epsilon(
       ),
       delta,
   )
-
-
-# Calibration lives in `raptor_jax.calibration`; its two entry points keep
-# their names here (the stable API).
-_CALIBRATION = ('calibrate_dpsgd', 'calibrate_raptor')
-
-
-def __getattr__(name: str):
-  if name in _CALIBRATION:
-    from raptor_jax import calibration  # pylint: disable=g-import-not-at-top
-
-    return getattr(calibration, name)
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -6,8 +6,7 @@ the noise multiplier(s) whose epsilon, evaluated by ``raptor_jax.accounting``
 (PLD, pessimistic rounding), lies in ``[(1 - CALIBRATION_RTOL) * target,
 target]``. Only an evaluated point inside that window is returned, so a
 calibrated run never spends more than its target; an unreachable target is
-refused in one line, never clamped. Both are also reachable as
-``accounting.calibrate_dpsgd`` and ``accounting.calibrate_raptor``.
+refused in one line, never clamped.
 """
 
 from collections.abc import Callable
@@ -158,7 +157,9 @@ def calibrate_dpsgd(
   _validate.positive_int('steps', steps)
 
   def epsilon_at(interval: float, sigma: float) -> float:
-    return accounting._epsilon(((sample_rate, sigma, steps),), delta, interval)
+    return accounting.epsilon_of_mechanisms(
+        ((sample_rate, sigma, steps),), delta, interval
+    )
 
   _check_reachable(
       target_epsilon,
@@ -206,7 +207,7 @@ def calibrate_raptor(
   accounting.validate_delta(delta)
   _validate.sample_rate(sample_rate)
   _validate.positive_int('steps', steps)
-  accounting._check_rho(rho)
+  accounting.check_rho(rho)
 
   _check_reachable(
       target_epsilon,
@@ -281,7 +282,7 @@ def _composed_epsilon(
   """
 
   def stream_epsilon(interval: float, sigma: float) -> float:
-    return accounting._epsilon(
+    return accounting.epsilon_of_mechanisms(
         ((sample_rate, sigma, steps),), delta / 2, interval
     )
 
@@ -313,6 +314,6 @@ def _composed_epsilon(
           (sample_rate, sigma_shared, steps),
           (sample_rate, expert_guess, steps),
       )
-    return accounting._epsilon(mechanisms, delta, interval)
+    return accounting.epsilon_of_mechanisms(mechanisms, delta, interval)
 
   return composed_at, sigma_expert

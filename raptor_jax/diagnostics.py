@@ -48,16 +48,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from raptor_jax import _validate, grads, roles, sampling
-from raptor_jax.train import methods, parallel, step
+from raptor_jax.train import parallel, plans, step
 from raptor_jax.train.run import build_run
 from raptor_jax.train.checkpoint import Checkpointer
 
 log = logging.getLogger("raptor_jax")
-
-# The paper's top-level roles (App. G) as unions of `roles.ROLES` (defined there).
-DIAGNOSTIC_ROLES = roles.DIAGNOSTIC_ROLES
-diagnostic_role = roles.diagnostic_role
-
 
 # -- formulas -------------------------------------------------------------------
 
@@ -144,7 +139,7 @@ def noise_sensitivity(
 # -- per-record statistics of a trained run ------------------------------------------
 
 
-def _phase_statistics(
+def phase_statistics(
     fns: step.PhaseFunctions,
     expert_layer: int,
     num_experts: int,
@@ -155,12 +150,12 @@ def _phase_statistics(
 ):
   """Per role: sum of squared per-record norms; per part at l*: [E, ...] signal sums."""
   per_record = fns.released_per_record(trainable, frozen, batch, mask)
-  squared = dict.fromkeys(DIAGNOSTIC_ROLES, jnp.zeros((), jnp.float32))
+  squared = dict.fromkeys(roles.DIAGNOSTIC_ROLES, jnp.zeros((), jnp.float32))
   signal = {}
   prefix = roles.expert_prefix(expert_layer)
   for part in fns.phase.parts:
     for path, g in per_record[part.name].items():
-      role = diagnostic_role(path)
+      role = roles.diagnostic_role(path)
       squared[role] = squared[role] + jnp.sum(jnp.square(g.astype(jnp.float32)))
       if not path.startswith(prefix):
         continue
@@ -218,7 +213,7 @@ def _perturbed(trainable, role: str, scale: float, key: jax.Array):
     out[name] = {}
     for path in sorted(trainable[name]):
       value = trainable[name][path]
-      if diagnostic_role(path) == role:
+      if roles.diagnostic_role(path) == role:
         value = value + scale * jax.random.normal(
             jax.random.fold_in(key, index), value.shape, value.dtype
         )
@@ -240,11 +235,11 @@ def _gradient_statistics(
 ):
   """Squared norms per role (all phases) and l* signal sums per phase, over `records`."""
   ids, mask, labels = records
-  squared = dict.fromkeys(DIAGNOSTIC_ROLES, 0.0)
+  squared = dict.fromkeys(roles.DIAGNOSTIC_ROLES, 0.0)
   signals: dict[str, dict[str, np.ndarray]] = {}
   for fns in phase_fns:
     stats_fn = jax.jit(
-        functools.partial(_phase_statistics, fns, expert_layer, num_experts)
+        functools.partial(phase_statistics, fns, expert_layer, num_experts)
     )
     signal_sums = signals.setdefault(fns.phase.name, {})
     for mb in sampling.microbatches(np.arange(len(labels)), microbatch_size):
@@ -267,8 +262,8 @@ def _gradient_statistics(
   return squared, signals
 
 
-def _snr_of_plan(
-    plan: methods.Plan,
+def snr_of_plan(
+    plan: plans.Plan,
     signals,
     trainable,
     *,
@@ -297,7 +292,7 @@ def _snr_of_plan(
   return None
 
 
-def _sensitivities(
+def sensitivities(
     config,
     model,
     trainable,
@@ -379,13 +374,13 @@ def _phase_functions(config, run) -> list[step.PhaseFunctions]:
   ]
 
 
-def _param_counts(trainable) -> dict[str, int]:
+def role_param_counts(trainable) -> dict[str, int]:
   """Number of trainable parameters per diagnostic role (0 for absent roles)."""
-  param_counts = dict.fromkeys(DIAGNOSTIC_ROLES, 0)
+  counts = dict.fromkeys(roles.DIAGNOSTIC_ROLES, 0)
   for part_params in trainable.values():
     for path, value in part_params.items():
-      param_counts[diagnostic_role(path)] += int(np.size(value))
-  return param_counts
+      counts[roles.diagnostic_role(path)] += int(np.size(value))
+  return counts
 
 
 def _data_note(split: str, n: int) -> str:
@@ -441,8 +436,8 @@ def compute(
       num_experts=bc.num_experts,
       microbatch_size=config.microbatch_size,
   )
-  param_counts = _param_counts(trainable)
-  base_loss, sensitivity = _sensitivities(
+  param_counts = role_param_counts(trainable)
+  base_loss, sensitivity = sensitivities(
       config,
       model,
       trainable,
@@ -459,7 +454,7 @@ def compute(
       method=plan.method,
       expert_layer=expert_layer,
       role_mismatch=role_mismatch(squared, param_counts),
-      expert_snr=_snr_of_plan(
+      expert_snr=snr_of_plan(
           plan,
           signals,
           trainable,

@@ -13,6 +13,15 @@ the sum). Adding, removing or masking one record therefore changes a sum by at
 most ``l2_clip`` in l2 norm, and, for the owner sums, only in that record's
 owner slice. ``transforms.privatize_sums`` turns such sums into a DP release.
 
+One clip-and-sum. ``clip_and_sum`` clips per-record gradients (one joint
+norm, or per part) and sums them (over all records, or into each record's
+owner's row), returning the norms only when asked (``return_norms``, as
+jax_privacy's ``clipped_grad``). ``clipped_grad_sum`` and
+``owner_clipped_grad_sum`` are its loss-level forms for one tree: gradients
+by ``per_record_grads``, optionally scaled by ``residual_weights``, then
+``clip_and_sum``. The trainer's DP step (``train.step.PhaseFunctions``)
+composes the same pieces.
+
 Microbatching. A step's Poisson sample is cut into fixed-size microbatches
 (``sampling.microbatches``); one jitted function computes the float32 sum of
 one microbatch and the caller adds these sums (``optax.tree.add``), starting
@@ -26,7 +35,8 @@ place of its owner's stacked weights, so every expert still runs in the
 forward pass while only the owner's slice carries gradient.
 """
 
-from typing import Any, Callable, Optional
+from collections.abc import Collection, Mapping
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -142,13 +152,113 @@ def scale_records(tree: PyTree, weights: jax.Array) -> PyTree:
   )
 
 
-def _clipped_per_record_grads(
-    loss_fn, params, batch, l2_clip, mask, weights, params_axis
+def residual_weights(
+    logits: jax.Array, labels: jax.Array, gamma: float
+) -> jax.Array:
+  """RAPTOR's residual weight w_i = (1 - softmax(z_i)[y_i]) ** gamma (Eq. 8).
+
+  A record the model already gets right weighs little. The weights carry no
+  gradient (``jax.lax.stop_gradient``) and are applied to per-record
+  gradients before clipping (``scale_records``), so the sensitivity stays
+  ``l2_clip`` whatever they are.
+
+  Args:
+    logits: ``[n, num_labels]`` logits of the records (any float dtype; the
+      softmax runs in float32).
+    labels: int ``[n]`` labels.
+    gamma: the exponent (public, >= 0).
+
+  Returns:
+    float32 ``[n]`` weights in [0, 1].
+  """
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  p_true = jnp.take_along_axis(probs, labels[:, None], axis=-1)[:, 0]
+  return jax.lax.stop_gradient((1.0 - p_true) ** gamma)
+
+
+def clip_and_sum(
+    per_record: PyTree,
+    l2_clip: Union[float, Mapping[str, float]],
+    *,
+    mask: Optional[jax.Array] = None,
+    owners: Optional[jax.Array] = None,
+    num_experts: Optional[int] = None,
+    owner_parts: Optional[Collection[str]] = None,
+    keep_batch_dim: bool = False,
+    return_norms: bool = False,
 ):
-  grads = per_record_grads(loss_fn, params, batch, params_axis=params_axis)
-  if weights is not None:
-    grads = scale_records(grads, weights)
-  return clip_per_record(grads, l2_clip, mask)
+  """Clips per-record gradients and sums them: the one clip-and-sum.
+
+  Guarantee: each record changes the result by at most its clip in l2 norm
+  (one norm over everything for a joint clip; per part, each part by its own
+  clip, for per-part clips); summed by owner, only in that record's owner's
+  row. Padding (mask 0) and non-finite records add exactly zero
+  (``clip_per_record``). ``transforms.privatize_sums`` turns the sums into a
+  DP release.
+
+  Args:
+    per_record: per-record gradients, leaves ``[n, ...]``; a mapping of parts
+      (``{part: tree}``) for per-part clips.
+    l2_clip: one public number > 0 clips each record jointly over all of
+      ``per_record`` (parts that only join the norm are simply not read from
+      the result); a mapping ``{part: clip}`` with the keys of
+      ``per_record`` clips each part on its own.
+    mask: ``[n]``, 1 real, 0 padding; None means all real.
+    owners: int ``[n]``, each record's owner in ``[0, num_experts)``: the
+      records are then summed into their owner's row of ``[num_experts,
+      ...]`` (out-of-range owners are dropped, see ``sum_by_owner``).
+    num_experts: E, with ``owners``.
+    owner_parts: the parts summed by owner (default: all of ``per_record``);
+      the other parts are summed over all records.
+    keep_batch_dim: return the clipped per-record gradients, unsummed.
+    return_norms: also return the unclipped norms (``[n]``, or per part for
+      per-part clips). They are private, unnoised: in-process diagnostics
+      only, never logged or released.
+
+  Returns:
+    float32 sums like one record's gradient (owner leaves
+    ``[num_experts, ...]``), or the clipped ``[n, ...]`` gradients with
+    ``keep_batch_dim``; with ``return_norms``, ``(result, norms)``.
+  """
+  if isinstance(l2_clip, Mapping):
+    if set(l2_clip) != set(per_record):
+      raise ValueError(
+          f'per-part clips {sorted(l2_clip)} must name the parts of the'
+          f' gradients {sorted(per_record)}; give one clip per part, or one'
+          ' number for a joint clip'
+      )
+    clipped_norms = {
+        name: clip_per_record(per_record[name], clip, mask)
+        for name, clip in l2_clip.items()
+    }
+    clipped = {name: c for name, (c, _) in clipped_norms.items()}
+    norms = {name: n for name, (_, n) in clipped_norms.items()}
+  else:
+    clipped, norms = clip_per_record(per_record, l2_clip, mask)
+  result = (
+      clipped
+      if keep_batch_dim
+      else _sum_records(clipped, owners, num_experts, owner_parts)
+  )
+  return (result, norms) if return_norms else result
+
+
+def _sum_records(clipped, owners, num_experts, owner_parts):
+  """Sums over records; with owners, (the owner parts) into their owner's row."""
+  if owners is None:
+    return jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped)
+  if num_experts is None:
+    raise ValueError('owners need num_experts (E, the number of experts)')
+  if owner_parts is None:
+    return sum_by_owner(clipped, owners, num_experts)
+  return {
+      name: (
+          sum_by_owner(g, owners, num_experts)
+          if name in owner_parts
+          else jax.tree.map(lambda x: jnp.sum(x, axis=0), g)
+      )
+      for name, g in clipped.items()
+  }
 
 
 def clipped_grad_sum(
@@ -194,10 +304,10 @@ def clipped_grad_sum(
     >>> [round(float(x), 3) for x in sums['w']]  # (.6, .8) + (.3, .4) + 0
     [0.9, 1.2]
   """
-  clipped, norms = _clipped_per_record_grads(
-      loss_fn, params, batch, l2_clip, mask, weights, params_axis
-  )
-  return jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped), norms
+  grads = per_record_grads(loss_fn, params, batch, params_axis=params_axis)
+  if weights is not None:
+    grads = scale_records(grads, weights)
+  return clip_and_sum(grads, l2_clip, mask=mask, return_norms=True)
 
 
 def owner_clipped_grad_sum(
@@ -237,10 +347,17 @@ def owner_clipped_grad_sum(
     ``(sums, norms)``: float32 sums with leaves ``[num_experts, ...]`` (zero
     for experts without records), and the ``[n]`` unclipped norms.
   """
-  clipped, norms = _clipped_per_record_grads(
-      loss_fn, slices, batch, l2_clip, mask, weights, 0
+  grads = per_record_grads(loss_fn, slices, batch, params_axis=0)
+  if weights is not None:
+    grads = scale_records(grads, weights)
+  return clip_and_sum(
+      grads,
+      l2_clip,
+      mask=mask,
+      owners=owners,
+      num_experts=num_experts,
+      return_norms=True,
   )
-  return sum_by_owner(clipped, owners, num_experts), norms
 
 
 def owner_slices(stacked: PyTree, owners: jax.Array) -> PyTree:

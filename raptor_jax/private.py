@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from raptor_jax import _validate, accounting, sampling, transforms
+from raptor_jax import _validate, accounting, calibration, sampling, transforms
 
 PyTree = Any
 
@@ -452,7 +452,7 @@ def _accountant(
       'True or False',
       allow_overspend,
   )
-  sigma = accounting.calibrate_dpsgd(
+  sigma = calibration.calibrate_dpsgd(
       target_epsilon=target_epsilon,
       delta=delta,
       sample_rate=sample_rate,
@@ -531,7 +531,7 @@ def make_private(
   (``grads.clipped_grad_sum``), the parameters after all ``steps`` steps
   are ``(target_epsilon, delta)``-DP under add/remove of one record (each
   step a Poisson-subsampled Gaussian, sigma from
-  ``accounting.calibrate_dpsgd``). What would break this is refused (module
+  ``calibration.calibrate_dpsgd``). What would break this is refused (module
   docstring); ``accountant.epsilon()`` is never below what was released.
 
   Args:

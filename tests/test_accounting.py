@@ -12,7 +12,7 @@ from dp_accounting.pld import privacy_loss_distribution
 import pytest
 from scipy import optimize, stats
 
-from raptor_jax import accounting
+from raptor_jax import accounting, calibration
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _RTOL = accounting.CALIBRATION_RTOL
@@ -193,7 +193,7 @@ def test_epsilon_is_monotone():
     [(8.0, 1.0, 10), (2.0, 0.01, 300), (1.0, 0.02, 400), (0.5, 0.1, 100)],
 )
 def test_calibrate_dpsgd_round_trip(target, q, steps):
-  sigma = accounting.calibrate_dpsgd(
+  sigma = calibration.calibrate_dpsgd(
       target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps
   )
   eps = accounting.dpsgd_epsilon(
@@ -208,7 +208,7 @@ def test_calibrate_dpsgd_round_trip(target, q, steps):
 )
 def test_calibrate_raptor_round_trip(target, rho, joint):
   q, steps, delta = 0.02, 400, 1e-5
-  sigmas = accounting.calibrate_raptor(
+  sigmas = calibration.calibrate_raptor(
       target_epsilon=target,
       delta=delta,
       sample_rate=q,
@@ -232,11 +232,11 @@ def test_calibrate_raptor_round_trip(target, rho, joint):
 
 def test_joint_calibration_beats_splitting_the_budget():
   q, steps, delta, target, rho = 0.02, 400, 1e-5, 1.0, 0.9
-  sigma_shared, sigma_expert = accounting.calibrate_raptor(
+  sigma_shared, sigma_expert = calibration.calibrate_raptor(
       target_epsilon=target, delta=delta, sample_rate=q, steps=steps, rho=rho
   )
   alone = [
-      accounting.calibrate_dpsgd(
+      calibration.calibrate_dpsgd(
           target_epsilon=share * target,
           delta=delta / 2,
           sample_rate=q,
@@ -253,7 +253,7 @@ def test_calibrate_raptor_at_paper_scale():
   q = batch_size / n
   steps = epochs * accounting.steps_per_epoch(q)
   delta = accounting.default_delta(n)
-  sigmas = accounting.calibrate_raptor(
+  sigmas = calibration.calibrate_raptor(
       target_epsilon=8.0, delta=delta, sample_rate=q, steps=steps
   )
   eps = accounting.raptor_epsilon(
@@ -297,12 +297,12 @@ _VALID = dict(target_epsilon=1.0, delta=1e-5, sample_rate=0.01, steps=100)
 def test_invalid_arguments_raise_one_line(override, match):
   kwargs = {**_VALID, 'rho': 0.9, **override}
   with pytest.raises(ValueError, match=match) as error:
-    accounting.calibrate_raptor(**kwargs)
+    calibration.calibrate_raptor(**kwargs)
   assert '\n' not in str(error.value)
   if 'rho' not in override:
     kwargs.pop('rho')
     with pytest.raises(ValueError, match=match):
-      accounting.calibrate_dpsgd(**kwargs)
+      calibration.calibrate_dpsgd(**kwargs)
 
 
 def test_invalid_mechanism_arguments():
@@ -333,7 +333,7 @@ def test_delta_must_be_below_one_over_n():
 
 def test_too_large_target_raises():
   with pytest.raises(ValueError, match='too large'):
-    accounting.calibrate_dpsgd(
+    calibration.calibrate_dpsgd(
         target_epsilon=1e4, delta=1e-5, sample_rate=1.0, steps=1
     )
 

@@ -14,7 +14,7 @@ from scipy import stats
 from raptor_jax import audit, data
 from raptor_jax.train import audit as train_audit
 from raptor_jax.train import canaries as canaries_lib
-from raptor_jax.train import methods, setup
+from raptor_jax.train import plans, setup
 from raptor_jax.train import run as run_lib
 from raptor_jax.train.run import build_run
 
@@ -218,17 +218,17 @@ def test_audit_command_writes_one_stream_for_one_stream_methods(tmp_path):
 
 def test_audited_streams_and_expert_reset():
   def part(name, owner):
-    return methods.Part(name, (), None, owner, 1.0, 1.0, 1.0)
+    return plans.Part(name, (), None, owner, 1.0, 1.0, 1.0)
 
   def plan(*phases):
-    return methods.Plan("m", phases, 1, 0.1, 1e-5, 1.0, 1, {})
+    return plans.Plan("m", phases, 1, 0.1, 1e-5, 1.0, 1, {})
 
   two = plan(
-      methods.Phase("shared", 0, (part("shared", False),)),
-      methods.Phase("expert", 1, (part("expert", True),)),
+      plans.Phase("shared", 0, (part("shared", False),)),
+      plans.Phase("expert", 1, (part("expert", True),)),
   )
   assert list(train_audit.streams(two)) == ["shared", "expert"]
-  one = plan(methods.Phase("dpsgd", 0, (part("all", False),)))
+  one = plan(plans.Phase("dpsgd", 0, (part("all", False),)))
   assert list(train_audit.streams(one)) == ["all"]
   # Resetting the expert part touches only the audited expert's slice.
   final = {"expert": {"w": np.ones((4, 2), np.float32)}}

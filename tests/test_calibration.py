@@ -68,10 +68,3 @@ def test_raptor_spends_the_target_in_dp_accountings_pld():
       for s in (shared, expert)
   ]
   assert alone[0] / alone[1] == pytest.approx(rho / (1 - rho), rel=5e-3)
-
-
-def test_the_stable_names_still_reach_calibration():
-  assert accounting.calibrate_dpsgd is calibration.calibrate_dpsgd
-  assert accounting.calibrate_raptor is calibration.calibrate_raptor
-  with pytest.raises(AttributeError):
-    accounting.calibrate_nothing  # pylint: disable=pointless-statement

@@ -5,40 +5,46 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raptor_jax import theory
-from raptor_jax.data import controlled
+from raptor_jax.studies import theory
+from raptor_jax.studies import controlled_data
 
 MODEL = Path(__file__).resolve().parents[1] / "results/controlled/model"
 
 
 def _sentiment_words(text: str) -> list[str]:
-  return [w for w in text.split() if controlled.rule_polarity(w, 0) != 0]
+  return [w for w in text.split() if controlled_data.rule_polarity(w, 0) != 0]
 
 
 def test_relevance_sets_which_rule_the_sentiment_words_follow():
   for relevance, rule_share in ((0.0, 0.0), (1.0, 1.0)):
-    records = controlled.generate_records(0, 300, relevance=relevance)
+    records = controlled_data.generate_records(0, 300, relevance=relevance)
     words = [w for t in records.texts for w in _sentiment_words(t)]
-    share = np.mean([w in controlled.DOMAIN_RULE_WORDS for w in words])
+    share = np.mean([w in controlled_data.DOMAIN_RULE_WORDS for w in words])
     assert share == rule_share
-  middle = controlled.generate_records(0, 2000, relevance=0.5)
+  middle = controlled_data.generate_records(0, 2000, relevance=0.5)
   words = [w for t in middle.texts for w in _sentiment_words(t)]
   assert (
-      0.45 < np.mean([w in controlled.DOMAIN_RULE_WORDS for w in words]) < 0.55
+      0.45
+      < np.mean([w in controlled_data.DOMAIN_RULE_WORDS for w in words])
+      < 0.55
   )
 
 
 def test_labels_follow_the_rule_of_the_records_domain():
-  records = controlled.generate_records(3, 500, relevance=0.7, label_noise=0.0)
+  records = controlled_data.generate_records(
+      3, 500, relevance=0.7, label_noise=0.0
+  )
   for text, label, domain in zip(*records):
-    score = sum(controlled.rule_polarity(w, domain) for w in text.split())
+    score = sum(controlled_data.rule_polarity(w, domain) for w in text.split())
     assert (score > 0) == bool(label)
 
 
 def test_domain_rule_words_say_nothing_without_the_domain():
   """At relevance 1 no word predicts the label unless its domain is known."""
-  records = controlled.generate_records(1, 4000, relevance=1.0, label_noise=0.0)
-  for word in controlled.DOMAIN_RULE_WORDS:
+  records = controlled_data.generate_records(
+      1, 4000, relevance=1.0, label_noise=0.0
+  )
+  for word in controlled_data.DOMAIN_RULE_WORDS:
     has = np.array([word in t.split() for t in records.texts])
     blind = records.labels[has].mean()  # domain ignored
     assert abs(blind - 0.5) < 0.1, word
@@ -49,21 +55,23 @@ def test_domain_rule_words_say_nothing_without_the_domain():
 
 
 def test_domain_shares_set_the_domain_frequencies():
-  skew = controlled.skewed_shares(0.75)
-  records = controlled.generate_records(
+  skew = controlled_data.skewed_shares(0.75)
+  records = controlled_data.generate_records(
       0, 3000, relevance=0.5, domain_shares=skew
   )
   freq = np.bincount(records.domains, minlength=4) / 3000
   np.testing.assert_allclose(freq, skew, atol=0.03)
-  assert controlled.normalized_entropy(controlled.BALANCED) == pytest.approx(
-      1.0
+  assert controlled_data.normalized_entropy(
+      controlled_data.BALANCED
+  ) == pytest.approx(1.0)
+  assert controlled_data.normalized_entropy(skew) == pytest.approx(
+      0.604, abs=0.01
   )
-  assert controlled.normalized_entropy(skew) == pytest.approx(0.604, abs=0.01)
 
 
 def test_public_texts_are_disjoint_from_records_and_unlabelled():
-  records = controlled.generate_records(0, 500, relevance=0.5)
-  public = controlled.generate_public_texts(
+  records = controlled_data.generate_records(0, 500, relevance=0.5)
+  public = controlled_data.generate_public_texts(
       0, 500, exclude=frozenset(records.texts)
   )
   assert len(set(public)) == 500 and not set(public) & set(records.texts)
@@ -71,16 +79,16 @@ def test_public_texts_are_disjoint_from_records_and_unlabelled():
 
 def test_bad_shares_are_refused_in_one_line():
   with pytest.raises(ValueError, match="4 positive numbers summing to 1"):
-    controlled.check_shares((0.5, 0.5))
+    controlled_data.check_shares((0.5, 0.5))
   with pytest.raises(ValueError, match="relevance"):
-    controlled.generate_records(0, 5, relevance=1.5)
+    controlled_data.generate_records(0, 5, relevance=1.5)
 
 
 def test_owner_purity_counts_the_modal_expert():
   domains = np.array([0, 0, 0, 0, 1, 1])
   owners = np.array([2, 2, 2, 1, 3, 3])
   np.testing.assert_allclose(
-      controlled.owner_purity(domains, owners)[:2], [0.75, 1.0]
+      controlled_data.owner_purity(domains, owners)[:2], [0.75, 1.0]
   )
 
 
@@ -95,15 +103,19 @@ def test_pretrained_router_owns_domains_and_shares_follow_the_knob():
   config.eval_batch_size = 500
   layer = backbone.config.sparse_layers[-1]
   entropies = []
-  for shares in (controlled.BALANCED, controlled.skewed_shares(0.75)):
-    records = controlled.generate_records(
+  for shares in (controlled_data.BALANCED, controlled_data.skewed_shares(0.75)):
+    records = controlled_data.generate_records(
         5, 1000, relevance=1.0, domain_shares=shares
     )
     enc = data.encode(tokenizer, records.texts, records.labels, max_length=32)
     owners = ownership.private_owner_map(config, backbone, params, enc, layer)
-    assert np.nanmin(controlled.owner_purity(records.domains, owners)) >= 0.9
+    assert (
+        np.nanmin(controlled_data.owner_purity(records.domains, owners)) >= 0.9
+    )
     entropies.append(
-        controlled.normalized_entropy(controlled.owner_shares(owners, 4))
+        controlled_data.normalized_entropy(
+            controlled_data.owner_shares(owners, 4)
+        )
     )
   assert entropies[0] > 0.97
   assert 0.55 < entropies[1] < 0.65
@@ -189,7 +201,7 @@ def test_expert_updates_matter_more_at_higher_relevance_without_privacy():
   follows the shared rule (r = 0)."""
   import importlib.util
 
-  from raptor_jax.train import controlled as study
+  from raptor_jax.studies import controlled as study
 
   spec = importlib.util.spec_from_file_location(
       "controlled_config", MODEL.parents[2] / "configs/controlled.py"
@@ -207,7 +219,7 @@ def test_expert_updates_matter_more_at_higher_relevance_without_privacy():
   for relevance in (0.0, 1.0):
     cond = study.condition_data(
         config,
-        study.Condition(f"r{relevance}", relevance, controlled.BALANCED),
+        study.Condition(f"r{relevance}", relevance, controlled_data.BALANCED),
         tokenizer,
         eval_split="tune",
     )

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raptor_jax import accounting, diagnostics, roles
+from raptor_jax import calibration, diagnostics, roles
 from raptor_jax.train import parallel, setup, step
 from raptor_jax.train.run import build_run
 
@@ -86,7 +86,7 @@ def test_noise_sensitivity_floors_at_zero():
 
 
 def test_diagnostic_roles():
-  role = diagnostics.diagnostic_role
+  role = roles.diagnostic_role
   assert role("backbone/block_1/attention/q/lora_a") == "shared"
   assert role("backbone/block_1/attention/q/kernel") == "shared"
   assert role("backbone/embed_tokens/embedding") == "shared"
@@ -131,8 +131,8 @@ def test_statistics_measure_exactly_the_clipped_sums_training_makes(
 ):
   """Signal sums at l* equal the phase's own clipped sums; energy of one record is C^2."""
   # The noise plays no part here: skip calibrating it.
-  monkeypatch.setattr(accounting, "calibrate_dpsgd", lambda **_: 1.0)
-  monkeypatch.setattr(accounting, "calibrate_raptor", lambda **_: (1.0, 1.0))
+  monkeypatch.setattr(calibration, "calibrate_dpsgd", lambda **_: 1.0)
+  monkeypatch.setattr(calibration, "calibrate_raptor", lambda **_: (1.0, 1.0))
   run, trainable, frozen = _two_block_run(method)
   run_data, owners, model, plan = run.data, run.owners, run.model, run.plan
   phase = plan.phases[
@@ -161,7 +161,7 @@ def test_statistics_measure_exactly_the_clipped_sums_training_makes(
   )
   mask = jnp.array([1.0, 1.0, 0.0])  # the third row is padding
   squared, signal = jax.jit(
-      functools.partial(diagnostics._phase_statistics, fns, 1, 4)
+      functools.partial(diagnostics.phase_statistics, fns, 1, 4)
   )(  # pylint: disable=protected-access
       trainable, frozen, batch, mask
   )

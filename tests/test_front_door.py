@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import raptor_jax
-from raptor_jax import accounting, grads, transforms
+from raptor_jax import accounting, calibration, grads, transforms
 
 from helpers import ROOT
 
@@ -56,7 +56,7 @@ def _indices(step):
 def test_make_private_is_calibrated_to_the_budget_and_counts_each_step():
   private = _private()
   assert private.steps == 30  # 3 epochs of ceil(1000 / 100) steps
-  assert private.noise_multiplier == accounting.calibrate_dpsgd(
+  assert private.noise_multiplier == calibration.calibrate_dpsgd(
       target_epsilon=2.0, delta=1e-5, sample_rate=0.1, steps=30
   )
   assert private.accountant.epsilon() == 0.0

@@ -336,3 +336,71 @@ def test_zeros_like_f32():
   z = grads.zeros_like_f32({'a': jnp.ones((2, 3), jnp.bfloat16)})
   assert z['a'].dtype == jnp.float32 and z['a'].shape == (2, 3)
   assert not np.any(z['a'])
+
+
+def test_clip_and_sum_per_part_joint_and_by_owner_equal_brute_force():
+  """Per-part clips, one joint clip, owner rows and the norms, by NumPy loops."""
+  rng = np.random.default_rng(3)
+  per_record = {
+      'dense': {'w': jnp.asarray(rng.normal(size=(N, 3, 2)), jnp.float32)},
+      'expert': {'w': jnp.asarray(rng.normal(size=(N, 4)), jnp.float32)},
+  }
+  mask = np.array([1, 1, 0, 1, 1, 1], np.float32)
+  owners = jnp.array([0, 2, 1, 2, 0, 5])  # 5 is out of range: dropped
+  clips = {'dense': 0.5, 'expert': 2.0}
+  rows = {k: _flat(v) for k, v in per_record.items()}
+
+  sums, norms = grads.clip_and_sum(
+      per_record,
+      clips,
+      mask=mask,
+      owners=owners,
+      num_experts=3,
+      owner_parts={'expert'},
+      return_norms=True,
+  )
+  dense = _np_clip(rows['dense'], 0.5, mask)
+  np.testing.assert_allclose(
+      np.asarray(sums['dense']['w']).ravel(), dense.sum(0), rtol=1e-5
+  )
+  expert = _np_clip(rows['expert'], 2.0, mask)
+  expected = [expert[np.asarray(owners) == e].sum(0) for e in range(3)]
+  np.testing.assert_allclose(sums['expert']['w'], expected, rtol=1e-5)
+  for k in clips:
+    np.testing.assert_allclose(
+        norms[k], np.linalg.norm(rows[k], axis=1), rtol=1e-5
+    )
+
+  joint = grads.clip_and_sum(per_record, 1.0, mask=mask)  # no norms by default
+  both = _np_clip(np.concatenate([rows['dense'], rows['expert']], 1), 1.0, mask)
+  got = np.concatenate(
+      [np.asarray(joint[k]['w']).ravel() for k in ('dense', 'expert')]
+  )
+  np.testing.assert_allclose(got, both.sum(0), rtol=1e-5, atol=1e-7)
+
+  kept = grads.clip_and_sum(per_record, clips, mask=mask, keep_batch_dim=True)
+  np.testing.assert_allclose(_flat(kept['dense']), dense, rtol=1e-5)
+  with pytest.raises(ValueError, match='one clip per part'):
+    grads.clip_and_sum(per_record, {'dense': 1.0})
+
+
+def test_residual_weights_are_one_minus_the_true_label_probability():
+  logits = jnp.array([[2.0, 0.0], [0.0, 0.0], [-1.0, 3.0]])
+  labels = jnp.array([0, 1, 0])
+  p = np.exp(np.asarray(logits)) / np.exp(np.asarray(logits)).sum(
+      1, keepdims=True
+  )
+  want = (1.0 - p[np.arange(3), np.asarray(labels)]) ** 2.0
+  got = grads.residual_weights(logits, labels, 2.0)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  assert (
+      float(
+          jnp.sum(
+              jax.grad(
+                  lambda z: jnp.sum(grads.residual_weights(z, labels, 2.0))
+              )(logits)
+              ** 2
+          )
+      )
+      == 0.0
+  )

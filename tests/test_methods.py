@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from raptor_jax import accounting, ownership, roles, sampling
+from raptor_jax import accounting, calibration, ownership, roles, sampling
 from raptor_jax.models import hf
-from raptor_jax.train import methods, parallel, setup, step
+from raptor_jax.train import methods, parallel, plans, setup, step
 
 import helpers
 
@@ -47,7 +47,9 @@ def _cached_calibration():
   """Calibration is a pure function of its arguments; compute each one once."""
   patch = pytest.MonkeyPatch()
   for name in ("calibrate_dpsgd", "calibrate_raptor"):
-    patch.setattr(accounting, name, functools.cache(getattr(accounting, name)))
+    patch.setattr(
+        calibration, name, functools.cache(getattr(calibration, name))
+    )
   yield
   patch.undo()
 
@@ -77,7 +79,7 @@ def test_given_noise_rebuilds_the_calibrated_plan(method, overrides):
   config = micro_config(method=method, **overrides)
   calibrated = _plan(method, **overrides)
   fields = methods.noise_fields(config)
-  summary = methods.noise_summary(calibrated)
+  summary = plans.noise_summary(calibrated)
   if method not in methods.PRIVATE_METHODS:
     assert fields == ()
     return
@@ -142,7 +144,7 @@ def test_nonprivate_methods_have_no_epsilon(method):
   assert (
       plan.event() is None
       and plan.target_epsilon is None
-      and not methods.is_private(plan)
+      and not plans.is_private(plan)
   )
   (phase,) = plan.phases
   assert not phase.private and phase.parts[0].noise_multiplier == 0.0
@@ -161,7 +163,7 @@ def test_raptor_alternates_two_independent_streams():
   assert not shared.owner and shared.denominator == 50 and not shared.residual
   assert expert.roles == ("expert_adapter",) and expert.blocks == (LAYER,)
   assert expert.owner and expert.denominator == 50 / E and expert.residual
-  s_sh, s_ex = accounting.calibrate_raptor(
+  s_sh, s_ex = calibration.calibrate_raptor(
       target_epsilon=8.0,
       delta=plan.delta,
       sample_rate=plan.sample_rate,
@@ -183,7 +185,7 @@ def test_no_alternation_is_one_gaussian_with_sigma_eff():
   (phase,) = plan.phases
   shared, expert = phase.parts
   assert not phase.joint_clip and expert.owner and expert.denominator == 50 / E
-  s_sh, s_ex = accounting.calibrate_raptor(
+  s_sh, s_ex = calibration.calibrate_raptor(
       target_epsilon=8.0,
       delta=plan.delta,
       sample_rate=plan.sample_rate,
@@ -235,7 +237,7 @@ def test_full_model_clip_is_raptors_plan_and_accounting_with_one_c():
 def test_phase_clip_with_needs_a_joint_clip():
   part = _plan().phases[0].parts[0]
   with pytest.raises(ValueError, match="joint_clip=True"):
-    methods.Phase("shared", 0, (part,), clip_with=(part,))
+    plans.Phase("shared", 0, (part,), clip_with=(part,))
 
 
 def test_a_joint_clip_over_parts_of_unequal_clip_or_sigma_is_refused():
@@ -250,11 +252,11 @@ def test_a_joint_clip_over_parts_of_unequal_clip_or_sigma_is_refused():
       ),
   ):
     with pytest.raises(ValueError, match="one Gaussian mechanism") as e:
-      methods.Phase("joint", 0, (shared, other), joint_clip=True)
+      plans.Phase("joint", 0, (shared, other), joint_clip=True)
     assert "\n" not in str(e.value)
   # A clip_with part joins the clip norm: its l2_clip must agree too.
   with pytest.raises(ValueError, match="same l2_clip"):
-    methods.Phase(
+    plans.Phase(
         "shared",
         0,
         (shared,),
@@ -264,7 +266,7 @@ def test_a_joint_clip_over_parts_of_unequal_clip_or_sigma_is_refused():
   same = dataclasses.replace(
       expert, l2_clip=shared.l2_clip, noise_multiplier=shared.noise_multiplier
   )
-  assert methods.Phase("joint", 0, (shared, same), joint_clip=True)
+  assert plans.Phase("joint", 0, (shared, same), joint_clip=True)
 
 
 def test_a_plan_whose_phases_share_a_poisson_stream_is_refused():
@@ -288,7 +290,7 @@ def test_full_model_clip_one_sample_is_one_clip_and_one_sigma():
   )
   (phase,) = plan.phases
   shared, expert = phase.parts
-  sigma = accounting.calibrate_dpsgd(
+  sigma = calibration.calibrate_dpsgd(
       target_epsilon=8.0,
       delta=plan.delta,
       sample_rate=plan.sample_rate,
@@ -338,7 +340,7 @@ def test_baselines_b_and_c_are_one_raptor_stream_with_the_whole_budget():
   raptor = _plan()
   (b,) = _plan("baseline_b").phases
   (c,) = _plan("baseline_c").phases
-  sigma = accounting.calibrate_dpsgd(
+  sigma = calibration.calibrate_dpsgd(
       target_epsilon=8.0,
       delta=raptor.delta,
       sample_rate=raptor.sample_rate,
@@ -594,8 +596,9 @@ def test_each_phase_clips_a_record_as_its_method_says(method, overrides):
         key=jax.random.PRNGKey(0),
     )
     per_record = {p.name: {"leaf": jnp.full((1, 3), 5.0)} for p in phase.parts}
-    clipped = fns._clip(per_record, jnp.ones((1,)))  # pylint: disable=protected-access
-    sums = fns._sum(clipped, jnp.array([2]))  # pylint: disable=protected-access
+    sums = fns._clip_and_sum(  # pylint: disable=protected-access
+        per_record, jnp.ones((1,)), jnp.array([2])
+    )
     for part in phase.parts:
       assert sums[part.name]["leaf"].shape == ((E, 3) if part.owner else (3,))
       if part.owner:  # everything in the owner's row

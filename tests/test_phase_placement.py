@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from launch import phase_placement
-from raptor_jax.train import sweep
+from raptor_jax.studies import sweep
 
 CONTROLLED = pathlib.Path(__file__).parents[1] / "results" / "controlled"
 

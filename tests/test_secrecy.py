@@ -10,7 +10,8 @@ import pytest
 
 from raptor_jax import accounting, sampling
 from raptor_jax.ledger import PrivacyLedger
-from raptor_jax.train import loop, methods, parallel, secrecy, sweep
+from raptor_jax.studies import sweep
+from raptor_jax.train import loop, parallel, plans, secrecy
 from raptor_jax.train import outputs
 from raptor_jax.transforms import DpAggregateState
 
@@ -159,11 +160,11 @@ def _state(counts, ledger_steps, cycle):
 
 def _plan_of(*phases):
   def part(name):
-    return methods.Part(name, (), None, False, 1.0, 1.0, 1.0)
+    return plans.Part(name, (), None, False, 1.0, 1.0, 1.0)
 
   return types.SimpleNamespace(
       phases=tuple(
-          methods.Phase(name, i, tuple(part(p) for p in parts))
+          plans.Phase(name, i, tuple(part(p) for p in parts))
           for i, (name, parts) in enumerate(phases)
       )
   )
@@ -198,7 +199,7 @@ def _report(method, sigmas):
   private = method != "nonprivate_lora"
   phases = _plan_of(*[(name, [name]) for name in sigmas]).phases
   phases = tuple(
-      methods.Phase(
+      plans.Phase(
           p.name,
           p.stream,
           tuple(
@@ -209,7 +210,7 @@ def _report(method, sigmas):
       )
       for p in phases
   )
-  plan = methods.Plan(
+  plan = plans.Plan(
       method, phases, 6, 1 / 6, 1e-5, 8.0 if private else None, 1, {}
   )
   ledger = PrivacyLedger()
@@ -314,7 +315,7 @@ def test_two_processes_agree_on_process_0s_wide_secret():
 
 
 def test_sweep_tables_show_no_wall_time_unless_every_run_logged_it(tmp_path):
-  from raptor_jax.train import report  # pylint: disable=g-import-not-at-top
+  from raptor_jax.studies import sweep_report  # pylint: disable=g-import-not-at-top
 
   def row(seed, **extra):
     return dict(
@@ -327,14 +328,14 @@ def test_sweep_tables_show_no_wall_time_unless_every_run_logged_it(tmp_path):
         **extra,
     )
 
-  (private,) = report.summarize([row(0), row(1, wall_time_s=5.0)])
-  (logged,) = report.summarize(
+  (private,) = sweep_report.summarize([row(0), row(1, wall_time_s=5.0)])
+  (logged,) = sweep_report.summarize(
       [row(0, wall_time_s=5.0), row(1, wall_time_s=7.0)]
   )
   assert private["wall_time_s"] is None and logged["wall_time_s"] == 6.0
-  assert "| 8 | Ours, entropy-sel. | - |" in report.markdown([private])
-  assert "| 8 | Ours, entropy-sel. | 6 |" in report.markdown([logged])
-  report.write_csv([private], tmp_path / "t.csv")
+  assert "| 8 | Ours, entropy-sel. | - |" in sweep_report.markdown([private])
+  assert "| 8 | Ours, entropy-sel. | 6 |" in sweep_report.markdown([logged])
+  sweep_report.write_csv([private], tmp_path / "t.csv")
   assert (tmp_path / "t.csv").read_text().splitlines()[1].endswith(",2,")
 
 

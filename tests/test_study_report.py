@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from raptor_jax.train import study_report
+from raptor_jax.studies import controlled_report
 
 T_975_DF9 = 2.2621571627  # Student t quantile, 9 degrees of freedom
 
@@ -36,7 +36,7 @@ def _noise(seed, method):
 
 def test_paired_interval_is_the_t_interval_of_the_differences():
   d = np.array([1.0, 2.0, 0.5, -1.0, 3.0, 2.5, 0.0, 1.5, 1.0, 2.0])
-  mean, low, high = study_report.paired_interval(d)
+  mean, low, high = controlled_report.paired_interval(d)
   half = T_975_DF9 * d.std(ddof=1) / math.sqrt(10)
   assert math.isclose(mean, d.mean())
   assert math.isclose(low, d.mean() - half, rel_tol=1e-8)
@@ -56,14 +56,14 @@ def test_ablation_and_corollary_rows_pair_by_seed():
       return base + gain[eps] - 0.01
     return base
 
-  text = study_report.markdown(_rows(accuracy))
+  text = controlled_report.markdown(_rows(accuracy))
   seeds = range(10)
   raptor = lambda e, s: 100 * accuracy("r100_bal", e, "raptor", s)
   want = [
       raptor("1", s) - 100 * accuracy("r100_bal", "1", "raptor_no_residual", s)
       for s in seeds
   ]
-  mean, low, high = study_report.paired_interval(want)
+  mean, low, high = controlled_report.paired_interval(want)
   assert (
       f"| raptor_no_residual | 10 | {mean:+.2f} [{low:+.2f}, {high:+.2f}] |"
       in text
@@ -73,7 +73,7 @@ def test_ablation_and_corollary_rows_pair_by_seed():
       for s in seeds
   ]
   corollary = np.array(gains("0.5")) - np.array(gains("8"))
-  mean, low, high = study_report.paired_interval(corollary)
+  mean, low, high = controlled_report.paired_interval(corollary)
   assert abs(mean - 1.5) < 0.3
   assert f"| r100_bal | 10 | {mean:+.2f} [{low:+.2f}, {high:+.2f}] |" in text
   # lambda: the grid methods' 60 runs (ablations excluded); every run has
@@ -106,7 +106,7 @@ def test_predictors_rank_the_gain_against_the_public_entropy():
       dict(relevance=0.0, lambda_ratio=None),
       dict(relevance=1.0, lambda_ratio=0.5),
   ]
-  lines = study_report.predictors(_rows(accuracy), owners, scan)
+  lines = controlled_report.predictors(_rows(accuracy), owners, scan)
   assert "Complete cells: 6." in lines
   gains = [
       100 * {"0.5": 3, "1": 2, "8": 1}[e] * (2.0 - entropy[c]) / 100

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from raptor_jax import diagnostics
-from raptor_jax.train import report, sweep
+from raptor_jax.studies import sweep, sweep_report
 from raptor_jax.train import run as run_lib
 
 from helpers import ROOT, load_config_module, micro_config
@@ -219,7 +219,7 @@ def test_clip_tuning_scores_on_the_holdout_and_every_seed_uses_the_choice(
   assert len(calls) == 12
   assert (
       "| synthetic | 8 | Ours, entropy-sel. | 70.00 | 75.00 | 75.00 | 1 |"
-      in report.tuning_markdown(tmp_path)
+      in sweep_report.tuning_markdown(tmp_path)
   )
 
 
@@ -242,7 +242,7 @@ def test_the_tuning_table_names_the_task_of_each_row(tmp_path):
     )
   rows = [
       line
-      for line in report.tuning_markdown(tmp_path).splitlines()
+      for line in sweep_report.tuning_markdown(tmp_path).splitlines()
       if "Ours" in line
   ]
   assert rows == [
@@ -307,7 +307,9 @@ def test_an_archived_sweep_resumes_on_a_fresh_workdir(tmp_path):
   ]
   assert len(sweep.collect(second)) == 4
   assert len(sweep.collect(second, tuning=True)) == 4
-  assert report.tuning_markdown(second) == report.tuning_markdown(archive)
+  assert sweep_report.tuning_markdown(second) == sweep_report.tuning_markdown(
+      archive
+  )
   sweep.run(
       base, tmp_path / "machine3", train=fake_train, archive=archive, **grid
   )
@@ -323,12 +325,12 @@ def test_paired_difference_and_its_interval(tmp_path):
     _fake_cell(tmp_path, "sst2", "raptor", 1.0, seed, 0.60 + d / 100)
     _fake_cell(tmp_path, "sst2", "monolithic_lora", 1.0, seed, 0.60)
   _fake_cell(tmp_path, "sst2", "raptor", 8.0, 0, 0.7)  # no partner: no 8.0 row
-  (pair,) = report.paired_differences(sweep.collect(tmp_path))
+  (pair,) = sweep_report.paired_differences(sweep.collect(tmp_path))
   assert pair["epsilon"] == 1.0 and pair["seeds"] == [0, 1, 2]
   assert pair["mean"] == pytest.approx(2.0)
   half = 4.302652729911275 * 1.0 / 3**0.5  # t_{0.975, 2} * sd / sqrt(n)
   assert pair["ci95"] == pytest.approx((2.0 - half, 2.0 + half))
-  text = report.paired_markdown([pair])
+  text = sweep_report.paired_markdown([pair])
   assert "+1.00, +3.00, +2.00 | +2.00 | [-0.48, +4.48]" in text
 
 
@@ -365,7 +367,7 @@ def test_table_in_the_layout_of_tab_1(tmp_path):
     _fake_cell(tmp_path, "qnli", "raptor", 8.0, seed, b)
     _fake_cell(tmp_path, "sst2", "raptor", 1.0, seed, b)
   _fake_cell(tmp_path, "sst2", "nonprivate_lora", None, 0, 0.95)
-  paths = report.write(tmp_path)
+  paths = sweep_report.write(tmp_path)
   assert [p.name for p in paths] == [
       "results.csv",
       "results.md",
@@ -410,7 +412,7 @@ def test_table_in_the_layout_of_tab_1(tmp_path):
 
 def test_report_needs_finished_cells(tmp_path):
   with pytest.raises(ValueError, match="no finished cells"):
-    report.write(tmp_path)
+    sweep_report.write(tmp_path)
 
 
 @pytest.mark.slow
@@ -432,7 +434,7 @@ def test_tiny_sweep_trains_and_writes_table_plots_and_diagnostics(tmp_path):
       seeds=[0],
       after=diagnose_baseline_c,
   )
-  report.write(tmp_path)
+  sweep_report.write(tmp_path)
   md = (tmp_path / "results.md").read_text()
   assert (
       "| ∞ | Non-priv. LoRA |" in md
@@ -496,7 +498,7 @@ def test_report_pairs_raptor_with_every_baseline_and_lists_every_cell(
     _fake_cell(tmp_path, "qnli", "baseline_a", 8.0, seed, 0.68 - seed / 100)
     _fake_cell(tmp_path, "qnli", "baseline_b", 8.0, seed, 0.71)
   _fake_cell(tmp_path, "qnli", "nonprivate_lora", None, 0, 0.80)
-  paths = report.write(tmp_path)
+  paths = sweep_report.write(tmp_path)
   text = (tmp_path / "results.md").read_text()
   assert "Ours, entropy-sel. − Baseline A" in text
   assert "| qnli | 8 | 2 | +2.00, +3.00 | +2.50 |" in text

@@ -405,23 +405,19 @@ def test_grouped_lora_gradients_equal_plain_autodiff_per_record(
 
 def test_families_share_one_set_of_fine_tuning_options():
   """Options are declared once (models.common); every family config has them."""
-  from raptor_jax.models import common, hf, switch  # pylint: disable=g-import-not-at-top
+  from raptor_jax.models import common, hf  # pylint: disable=g-import-not-at-top
 
   names = common.FINE_TUNING_OPTIONS
-  assert (
-      names
-      == hf.FINE_TUNING_OPTIONS
-      == (
-          "lora_rank",
-          "lora_alpha",
-          "attention_lora",
-          "expert_lora_layers",
-          "dispatch",
-          "dtype",
-          "kernels",
-          "scan_layers",
-          "unscanned_layers",
-      )
+  assert names == (
+      "lora_rank",
+      "lora_alpha",
+      "attention_lora",
+      "expert_lora_layers",
+      "dispatch",
+      "dtype",
+      "kernels",
+      "scan_layers",
+      "unscanned_layers",
   )
   for config in (
       models.SwitchConfig(),
@@ -435,6 +431,3 @@ def test_families_share_one_set_of_fine_tuning_options():
       "deepseek_v2",
       "deepseek_vl_v2",
   }
-  # The old import path keeps working.
-  assert switch.BackboneOutput is models.BackboneOutput is common.BackboneOutput
-  assert switch.OwnerOverride is models.OwnerOverride is common.OwnerOverride

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from raptor_jax import _validate, accounting, ledger, sampling, transforms
+from raptor_jax import _validate, accounting, calibration, ledger, sampling, transforms
 from raptor_jax.train import run as run_lib
 
 from helpers import micro_config
@@ -182,11 +182,11 @@ def test_sampling_speaks_the_uniform_line():
 
 def test_accounting_calibrate_speaks_the_uniform_line():
   kwargs = dict(target_epsilon=1.0, delta=1e-5, sample_rate=0.01, steps=10)
-  assert _error(accounting.calibrate_raptor, **kwargs, rho=1.0).startswith(
+  assert _error(calibration.calibrate_raptor, **kwargs, rho=1.0).startswith(
       "rho: must be in (0, 1), got 1.0; "
   )
   assert _error(
-      accounting.calibrate_dpsgd, **(kwargs | dict(target_epsilon=-1.0))
+      calibration.calibrate_dpsgd, **(kwargs | dict(target_epsilon=-1.0))
   ).startswith("target_epsilon: must be a finite number > 0, got -1.0")
   assert _error(accounting.validate_delta, 0.01, 100).startswith(
       "delta: must be below 1/n = 0.01 (n = 100), got 0.01; the default is"

@@ -63,7 +63,7 @@ import optax
 from launch.bench import harness
 from launch.bench import profiling
 from raptor_jax import models, roles
-from raptor_jax.train import methods, parallel
+from raptor_jax.train import parallel, plans
 from raptor_jax.train import setup as train_setup
 from raptor_jax.train import step as step_lib
 
@@ -242,7 +242,7 @@ def stream_phase(stream: str, denominator: float, layer=None):
   LoRA, the residual weight 'shared'): one part, the benchmark's clip and
   noise multiplier."""
   expert = stream == 'expert'
-  part = methods.Part(
+  part = plans.Part(
       name=stream,
       roles=tuple(roles.EXPERT_ROLES if expert else roles.SHARED_ROLES),
       blocks=(layer,) if expert else None,
@@ -253,7 +253,7 @@ def stream_phase(stream: str, denominator: float, layer=None):
       residual=expert,
   )
   extra = dict(expert_layer=layer, residual='shared') if expert else {}
-  return methods.Phase(name=stream, stream=0, parts=(part,)), extra
+  return plans.Phase(name=stream, stream=0, parts=(part,)), extra
 
 
 def phase_step(module, phase, *, key, devices=1, **kwargs):
@@ -270,7 +270,7 @@ def phase_step(module, phase, *, key, devices=1, **kwargs):
 
 
 def dp_step(
-    module, params, phase: methods.Phase, records, owners, *, key, **kwargs
+    module, params, phase: plans.Phase, records, owners, *, key, **kwargs
 ):
   """The trainer's DP step through the public API (`train.step.PhaseStep`, 1 device).
 

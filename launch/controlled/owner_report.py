@@ -12,7 +12,7 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
-from raptor_jax.train import controlled
+from raptor_jax.studies import controlled
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/controlled.py")
 _OUT = flags.DEFINE_string("out", "results/controlled/owners.json", "")

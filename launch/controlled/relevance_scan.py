@@ -17,8 +17,8 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
-from raptor_jax.data import controlled as gen
-from raptor_jax.train import controlled
+from raptor_jax.studies import controlled_data as gen
+from raptor_jax.studies import controlled
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/controlled.py")
 _LEVELS = flags.DEFINE_list("levels", "0,0.25,0.5,0.75,1", "relevance levels")

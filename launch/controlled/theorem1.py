@@ -12,7 +12,7 @@ from pathlib import Path
 from absl import app, flags
 import numpy as np
 
-from raptor_jax import theory
+from raptor_jax.studies import theory
 
 _OUT = flags.DEFINE_string("out", "results/controlled/theorem1.md", "table")
 _TRIALS = flags.DEFINE_integer("trials", 5000, "Monte Carlo trials per setting")

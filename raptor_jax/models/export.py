@@ -22,11 +22,6 @@ import numpy as np
 from raptor_jax.models import deepseek, hf, olmoe, stack, switch
 from raptor_jax.models import family as family_lib
 
-# The families' transformers configs under their old names.
-switch_hf_config = switch.hf_config
-olmoe_hf_config = olmoe.hf_config
-deepseek_hf_config = deepseek.hf_config
-
 
 def exporter(module) -> family_lib.Family:
   """The family entry that writes `module` (its name table and config)."""

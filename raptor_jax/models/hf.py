@@ -117,14 +117,11 @@ def merge_params(initialised: Params, pretrained: Params) -> dict:
   return flax.traverse_util.unflatten_dict(init_flat, sep="/")
 
 
-is_adapter = roles.is_adapter  # a LoRA factor (the leaves `init_missing` adds)
-
-
 def init_missing(
     module: nn.Module,
     pretrained: Params,
     key: jax.Array,
-    is_new: Callable[[str], bool] = is_adapter,
+    is_new: Callable[[str], bool] = roles.is_adapter,
 ) -> dict:
   """Initialises only the adapter parameters that `pretrained` lacks, then merges.
 
@@ -156,30 +153,16 @@ def init_missing(
 # ---------------------------------------------------------------------------
 # The families.
 
-FINE_TUNING_OPTIONS = common.FINE_TUNING_OPTIONS
-Family = family_lib.Family
-
 # Every family by its short name (the trainer's `model=`, the size configs'
 # `family`). A new family adds its module here: its `HF_FAMILIES` entries
 # join `FAMILIES`, its `from_sizes` serves `backbone_from_sizes`.
 FAMILY_MODULES = {"switch": switch, "olmoe": olmoe, "deepseek": deepseek}
 # HF `model_type` -> how `from_pretrained` reads it (and export writes it).
-FAMILIES: dict[str, Family] = {
+FAMILIES: dict[str, family_lib.Family] = {
     model_type: entry
     for module in FAMILY_MODULES.values()
     for model_type, entry in module.HF_FAMILIES.items()
 }
-
-# The families' config readers and name tables under their old names.
-switch_config_from_hf = switch.config_from_hf
-switch_params_from_hf = switch.params_from_hf
-olmoe_config_from_hf = olmoe.config_from_hf
-olmoe_params_from_hf = olmoe.params_from_hf
-deepseek_config_from_hf = deepseek.config_from_hf
-deepseek_vl2_config_from_hf = deepseek.vl2_config_from_hf
-deepseek_params_from_hf = deepseek.params_from_hf
-deepseek_vl2_params_from_hf = deepseek.vl2_params_from_hf
-DEEPSEEK_ATTENTION = deepseek.DEEPSEEK_ATTENTION
 
 
 def backbone_from_sizes(
@@ -207,7 +190,7 @@ def backbone_from_sizes(
 def _check_options(
     options: Mapping[str, Any], extra: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-  known = FINE_TUNING_OPTIONS + extra
+  known = common.FINE_TUNING_OPTIONS + extra
   unknown = sorted(set(options) - set(known))
   if unknown:
     raise ValueError(
@@ -243,7 +226,7 @@ def from_pretrained(
       this many labels instead of the bare backbone (see `with_head`).
     pooling: the classifier's pooling ('' = the family's default).
     **options: fine-tuning options of the model config, any of
-      `FINE_TUNING_OPTIONS` (e.g. lora_rank=8, attention_lora=True,
+      `common.FINE_TUNING_OPTIONS` (e.g. lora_rank=8, attention_lora=True,
       expert_lora_layers=(5,), unscanned_layers=(5,), dtype='bfloat16',
       scan_layers=False) or of the family's
       `extra_options` (DeepSeek-MoE: shared_expert_lora); anything else is an
@@ -352,7 +335,7 @@ def with_options(
   kept = {
       p: v
       for p, v in flax.traverse_util.flatten_dict(per_layer, sep="/").items()
-      if not is_adapter(p)
+      if not roles.is_adapter(p)
   }
   kept = flax.traverse_util.unflatten_dict(kept, sep="/")
   return new, init_missing(

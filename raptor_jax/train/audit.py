@@ -54,7 +54,7 @@ import numpy as np
 
 from raptor_jax import accounting, audit as audit_lib, data
 from raptor_jax.train import canaries as canaries_lib
-from raptor_jax.train import methods, setup, step, train_and_evaluate
+from raptor_jax.train import plans, setup, step, train_and_evaluate
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import Run, build_run
 
@@ -107,7 +107,7 @@ def per_record_losses(
   return np.concatenate(losses).astype(np.float64)
 
 
-def streams(plan: methods.Plan) -> dict[str, tuple[methods.Part, ...]]:
+def streams(plan: plans.Plan) -> dict[str, tuple[plans.Part, ...]]:
   """The audited streams: one per phase ('all' for one-phase methods)."""
   if len(plan.phases) == 1:
     return {"all": plan.phases[0].parts}

@@ -66,7 +66,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from raptor_jax import _validate, accounting, roles, sampling
+from raptor_jax import _validate, accounting, calibration, roles, sampling
 from raptor_jax.models import kernels
 from raptor_jax.train import plans
 
@@ -99,17 +99,6 @@ PRIVATE_METHODS = (
     "monolithic",
     "monolithic_lora",
 )
-# The streams' role sets live in `roles`; kept here under their old names.
-SHARED_ROLES = roles.SHARED_ROLES
-SHARED_FULL_ROLES = roles.SHARED_FULL_ROLES
-LORA_ROLES = roles.LORA_ROLES
-ALL_ROLES = roles.ALL_ROLES
-# The plan's types live in `plans`; importable from here too.
-Part = plans.Part
-Phase = plans.Phase
-Plan = plans.Plan
-noise_summary = plans.noise_summary
-is_private = plans.is_private
 
 
 def check_config(config) -> None:
@@ -211,10 +200,12 @@ class _Calibration:
     self.rho = rho
 
   def dpsgd(self) -> float:
-    return accounting.calibrate_dpsgd(**self.kwargs)
+    return calibration.calibrate_dpsgd(**self.kwargs)
 
   def raptor(self, joint: bool) -> tuple[float, float]:
-    return accounting.calibrate_raptor(**self.kwargs, rho=self.rho, joint=joint)
+    return calibration.calibrate_raptor(
+        **self.kwargs, rho=self.rho, joint=joint
+    )
 
 
 class _Given:
@@ -265,14 +256,14 @@ def _raptor_phases(rc, shared, expert, sigmas: _Calibration):
     s_sh, s_ex = sigmas.raptor(joint=False)
     sh, ex = shared(s_sh), expert(s_ex, clip=None)
     return (
-        Phase(
+        plans.Phase(
             "shared",
             sampling.SHARED_STREAM,
             (sh,),
             joint_clip=True,
             clip_with=(ex,),
         ),
-        Phase(
+        plans.Phase(
             "expert",
             sampling.EXPERT_STREAM,
             (ex,),
@@ -283,7 +274,7 @@ def _raptor_phases(rc, shared, expert, sigmas: _Calibration):
   if rc.joint_clip:  # one sample, one clip, one sigma: rho plays no part
     sigma = sigmas.dpsgd()
     return (
-        Phase(
+        plans.Phase(
             "joint",
             sampling.SHARED_STREAM,
             (shared(sigma), expert(sigma, clip=None)),
@@ -293,11 +284,13 @@ def _raptor_phases(rc, shared, expert, sigmas: _Calibration):
   s_sh, s_ex = sigmas.raptor(joint=not rc.alternate)
   if not rc.alternate:
     return (
-        Phase("joint", sampling.SHARED_STREAM, (shared(s_sh), expert(s_ex))),
+        plans.Phase(
+            "joint", sampling.SHARED_STREAM, (shared(s_sh), expert(s_ex))
+        ),
     )
   return (
-      Phase("shared", sampling.SHARED_STREAM, (shared(s_sh),)),
-      Phase("expert", sampling.EXPERT_STREAM, (expert(s_ex),)),
+      plans.Phase("shared", sampling.SHARED_STREAM, (shared(s_sh),)),
+      plans.Phase("expert", sampling.EXPERT_STREAM, (expert(s_ex),)),
   )
 
 
@@ -308,7 +301,7 @@ def _phases(
     num_experts: int,
     expert_layer: int,
     sigmas: _Calibration,
-) -> tuple[Phase, ...]:
+) -> tuple[plans.Phase, ...]:
   """The phases of `config.method`, with noise from `sigmas`."""
   method, rc, pc = config.method, config.raptor, config.privacy
   d_e = b / num_experts if rc.expert_denominator == "B/E" else b
@@ -321,10 +314,10 @@ def _phases(
   residual = rc.residual != "none"
 
   def shared(sigma, clip=pc.clip_shared):
-    return Part("shared", shared_roles, None, False, clip, sigma, b)
+    return plans.Part("shared", shared_roles, None, False, clip, sigma, b)
 
   def expert(sigma, clip=pc.clip_expert):
-    return Part(
+    return plans.Part(
         "expert",
         expert_roles,
         (expert_layer,),
@@ -339,11 +332,11 @@ def _phases(
     return _raptor_phases(rc, shared, expert, sigmas)
   if method == "baseline_a":
     sigma = sigmas.dpsgd()
-    every_expert = Part(
+    every_expert = plans.Part(
         "expert", expert_roles, (expert_layer,), False, pc.clip_shared, sigma, b
     )
     return (
-        Phase(
+        plans.Phase(
             "dpsgd",
             sampling.SHARED_STREAM,
             (shared(sigma), every_expert),
@@ -351,16 +344,24 @@ def _phases(
         ),
     )
   if method == "baseline_b":
-    return (Phase("shared", sampling.SHARED_STREAM, (shared(sigmas.dpsgd()),)),)
+    return (
+        plans.Phase(
+            "shared", sampling.SHARED_STREAM, (shared(sigmas.dpsgd()),)
+        ),
+    )
   if method == "baseline_c":
-    return (Phase("expert", sampling.EXPERT_STREAM, (expert(sigmas.dpsgd()),)),)
+    return (
+        plans.Phase(
+            "expert", sampling.EXPERT_STREAM, (expert(sigmas.dpsgd()),)
+        ),
+    )
   private = method in PRIVATE_METHODS
   every = (
       roles.ALL_ROLES
       if method in ("monolithic", "nonprivate_full")
       else roles.LORA_ROLES
   )
-  part = Part(
+  part = plans.Part(
       "all",
       every,
       None,
@@ -370,7 +371,7 @@ def _phases(
       b,
   )
   return (
-      Phase(
+      plans.Phase(
           "dpsgd" if private else "nonprivate",
           sampling.SHARED_STREAM,
           (part,),
@@ -475,7 +476,7 @@ def build_plan(
     shared_experts: bool = False,
     noise: Mapping[str, float] | None = None,
     validated: bool = False,
-) -> Plan:
+) -> plans.Plan:
   """Turns a config into phases with calibrated noise.
 
   Every private method is calibrated by the PLD accountant to the same
@@ -520,7 +521,7 @@ def build_plan(
       expert_layer=expert_layer,
       sigmas=calibration,
   )
-  return Plan(
+  return plans.Plan(
       config.method,
       phases,
       cycles,

@@ -24,7 +24,7 @@ import numpy as np
 
 from raptor_jax import roles
 from raptor_jax.ledger import PrivacyLedger
-from raptor_jax.train import methods, step
+from raptor_jax.train import plans, step
 
 if TYPE_CHECKING:
   from raptor_jax.train.run import Run
@@ -62,7 +62,7 @@ def write_json(path: Path, payload: dict) -> None:
   tmp.replace(path)
 
 
-def noise_counts(plan: methods.Plan, opt_states: dict) -> dict[str, int]:
+def noise_counts(plan: plans.Plan, opt_states: dict) -> dict[str, int]:
   """Per phase (ledger stream name): noisy updates its noise transforms applied.
 
   Every part of a phase is updated once per cycle, so its `privatize_sums`
@@ -81,7 +81,7 @@ def noise_counts(plan: methods.Plan, opt_states: dict) -> dict[str, int]:
   return counts
 
 
-def check_consistent(plan: methods.Plan, state: TrainState, where) -> None:
+def check_consistent(plan: plans.Plan, state: TrainState, where) -> None:
   """Refuses a state whose applied and accounted noisy updates disagree.
 
   Applied: each phase's noise step count (the parameters hold exactly that
@@ -106,7 +106,7 @@ def check_consistent(plan: methods.Plan, state: TrainState, where) -> None:
       )
 
 
-def accounted(plan: methods.Plan, ledger: PrivacyLedger) -> PrivacyLedger:
+def accounted(plan: plans.Plan, ledger: PrivacyLedger) -> PrivacyLedger:
   """A new ledger: `ledger` plus one release of every private phase."""
   ledger = PrivacyLedger(ledger.entries)  # a copy: the old state is unchanged
   for phase in plan.phases:
@@ -119,13 +119,13 @@ def accounted(plan: methods.Plan, ledger: PrivacyLedger) -> PrivacyLedger:
   return ledger
 
 
-def epsilon_spent(plan: methods.Plan, state: TrainState) -> float | None:
-  if not methods.is_private(plan):
+def epsilon_spent(plan: plans.Plan, state: TrainState) -> float | None:
+  if not plans.is_private(plan):
     return None  # no privacy guarantee at all
   return state.ledger.epsilon(plan.delta) if state.cycle else 0.0
 
 
-def streams(plan: methods.Plan, state: TrainState) -> dict[str, dict]:
+def streams(plan: plans.Plan, state: TrainState) -> dict[str, dict]:
   """Per stream (phase): sigma, steps run and, when the plan has several
   private streams, the stream's own epsilon at delta/2 (docs/method.md §1.7)."""
   several = sum(p.private for p in plan.phases) > 1
@@ -154,8 +154,8 @@ def privacy_report(
   several.
   """
   config, plan, cycle = run.config, run.plan, state.cycle
-  private = methods.is_private(plan)
-  noise = methods.noise_summary(plan)
+  private = plans.is_private(plan)
+  noise = plans.noise_summary(plan)
   report = dict(
       method=plan.method,
       epsilon=epsilon_spent(plan, state),
@@ -263,7 +263,7 @@ def run_header(run: Run, workdir: Path) -> str:
       (
           f"privacy: target epsilon {plan.target_epsilon:g} at delta"
           f" {plan.delta:.3g} (PLD accountant, Poisson sampling)"
-          if methods.is_private(plan)
+          if plans.is_private(plan)
           else "privacy: NONE (this method trains without differential privacy)"
       ),
   ]

@@ -21,7 +21,7 @@ from raptor_jax import _validate, data, length_buckets, models, ownership
 from raptor_jax import roles, sampling
 from raptor_jax.models import hf
 from raptor_jax.train import canaries as canaries_lib
-from raptor_jax.train import methods, parallel, setup
+from raptor_jax.train import methods, parallel, plans, setup
 
 Flat = dict[str, Any]
 
@@ -85,7 +85,7 @@ class Run:
   config: ml_collections.ConfigDict
   data: setup.RunData
   n: int
-  plan: methods.Plan
+  plan: plans.Plan
   layer_table: list[dict[str, float]] | None
   model: models.SequenceClassifier
   trainable: dict[str, Flat]

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from raptor_jax import grads, roles, transforms
 from raptor_jax.models.common import OwnerOverride
 from raptor_jax.train import parallel, setup
-from raptor_jax.train.methods import Phase
+from raptor_jax.train.plans import Phase
 from raptor_jax.train.parallel import AXIS
 
 Flat = dict[str, jax.Array]
@@ -46,12 +46,17 @@ def _owner_params(flat_slice: Flat, layer: int) -> dict:
   return nested
 
 
-def merged_params(frozen: Flat, trainable: Mapping[str, Flat]) -> dict:
-  """The full nested parameter tree."""
+def merged_flat(frozen: Flat, trainable: Mapping[str, Flat]) -> Flat:
+  """`frozen` with every part's leaves put in: the full flat parameter dict."""
   flat = dict(frozen)
   for part in trainable.values():
     flat.update(part)
-  return roles.unflatten(flat)
+  return flat
+
+
+def merged_params(frozen: Flat, trainable: Mapping[str, Flat]) -> dict:
+  """The full nested parameter tree."""
+  return roles.unflatten(merged_flat(frozen, trainable))
 
 
 class PhaseFunctions:
@@ -146,9 +151,6 @@ class PhaseFunctions:
       record: Batch,
   ) -> jax.Array:
     """Loss of ONE record; `slices` are its owner slices (owner parts)."""
-    flat = dict(constants)
-    for part in dense.values():
-      flat.update(part)
     override = None
     if slices:  # at most one owner part: the experts of layer l*
       (part_slices,) = slices.values()
@@ -158,7 +160,7 @@ class PhaseFunctions:
           _owner_params(part_slices, self.expert_layer),
       )
     logits, _ = self.model.apply(
-        {"params": roles.unflatten(flat)},
+        {"params": merged_params(constants, dense)},
         record["input_ids"][None],
         record["attention_mask"][None],
         owner_override=override,
@@ -205,9 +207,7 @@ class PhaseFunctions:
     logits = jax.vmap(record_logits)(
         batch["input_ids"], batch["attention_mask"]
     )
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    p_true = jnp.take_along_axis(probs, batch["labels"][:, None], axis=-1)[:, 0]
-    return jax.lax.stop_gradient((1.0 - p_true) ** self.residual_gamma)
+    return grads.residual_weights(logits, batch["labels"], self.residual_gamma)
 
   # -- the two jitted functions -------------------------------------------------
 
@@ -262,9 +262,23 @@ class PhaseFunctions:
     records are exactly zero. With `clip_with` parts (the full-model clip),
     their gradients join the joint norm and are then dropped: only the
     phase's own parts are returned, each a piece of a vector of norm <= C.
-    For a non-private phase: the raw gradients, masked. `_local_sums` adds
-    these up; diagnostics read them directly.
+    For a non-private phase: the raw gradients, masked. Diagnostics read
+    these; the trainer's sums come from `_local_sums`.
     """
+    per_record = self._per_record_grads(trainable, frozen, batch)
+    if not self.phase.private:
+      return {
+          name: grads.scale_records(
+              jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask
+          )
+          for name, g_part in per_record.items()
+      }
+    return self._clip_and_sum(per_record, mask, keep_batch_dim=True)
+
+  def _per_record_grads(
+      self, trainable: Mapping[str, Flat], frozen: Flat, batch: Batch
+  ) -> dict[str, Flat]:
+    """Per part, each record's gradient times its residual weight where used."""
     parts = self._differentiated
     dense, constants = self._split(trainable, frozen)
     slices = {
@@ -277,55 +291,44 @@ class PhaseFunctions:
     )(dense, slices, constants, batch)
     per_record = {**dense_grads, **slice_grads}
     if self.residual != "none" and any(p.residual for p in parts):
-      current = dict(constants)
-      for part_params in dense.values():
-        current.update(part_params)
-      weights = self._residual_weights(current, batch)
+      weights = self._residual_weights(merged_flat(constants, dense), batch)
       for part in parts:
         if part.residual:
           per_record[part.name] = grads.scale_records(
               per_record[part.name], weights
           )
-    if not self.phase.private:
-      return {
-          name: grads.scale_records(
-              jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask
-          )
-          for name, g_part in per_record.items()
-      }
-    return self._clip(per_record, mask)
+    return per_record
 
-  def _clip(
-      self, per_record: Mapping[str, Flat], mask: jax.Array
+  def _clip_and_sum(
+      self,
+      per_record: Mapping[str, Flat],
+      mask: jax.Array,
+      owners: jax.Array | None = None,
+      *,
+      keep_batch_dim: bool = False,
   ) -> dict[str, Flat]:
-    """Clips each record as the phase says: one norm over all parts, or per part.
+    """`grads.clip_and_sum` as the phase clips: jointly or per part.
 
-    A joint clip takes the norm over everything in `per_record` (the phase's
-    parts and its `clip_with` parts) and returns the phase's parts only.
+    A joint clip takes one norm over everything in `per_record` (the phase's
+    parts and its `clip_with` parts); only the phase's parts are returned.
+    Owner parts are summed into their owner's row of [E, ...].
     """
     parts = self.phase.parts
     if self.phase.joint_clip:
-      clipped = grads.clip_per_record(dict(per_record), parts[0].l2_clip, mask)[
-          0
-      ]
-      return {p.name: clipped[p.name] for p in parts}
-    return {
-        p.name: grads.clip_per_record(per_record[p.name], p.l2_clip, mask)[0]
-        for p in parts
-    }
-
-  def _sum(
-      self, clipped: Mapping[str, Flat], owners: jax.Array
-  ) -> dict[str, Flat]:
-    """Sums over records; owner parts into their owner's row of [E, ...]."""
-    return {
-        p.name: (
-            grads.sum_by_owner(clipped[p.name], owners, self.num_experts)
-            if p.owner
-            else jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped[p.name])
-        )
-        for p in self.phase.parts
-    }
+      l2_clip = parts[0].l2_clip
+    else:
+      l2_clip = {p.name: p.l2_clip for p in parts}
+      per_record = {p.name: per_record[p.name] for p in parts}
+    out = grads.clip_and_sum(
+        dict(per_record),
+        l2_clip,
+        mask=mask,
+        owners=owners,
+        num_experts=self.num_experts,
+        owner_parts={p.name for p in self._differentiated if p.owner},
+        keep_batch_dim=keep_batch_dim,
+    )
+    return {p.name: out[p.name] for p in parts}
 
   def _local_sums(
       self,
@@ -337,9 +340,8 @@ class PhaseFunctions:
     """This device's clipped per-record gradient sums (float32)."""
     if not self.phase.private:
       return self._nonprivate_sums(*self._split(trainable, frozen), batch, mask)
-    return self._sum(
-        self.released_per_record(trainable, frozen, batch, mask),
-        batch["owners"],
+    return self._clip_and_sum(
+        self._per_record_grads(trainable, frozen, batch), mask, batch["owners"]
     )
 
   def _loss_sum(self, trainable, frozen, batch, mask) -> jax.Array:
@@ -357,11 +359,8 @@ class PhaseFunctions:
     """Plain gradient of the summed (unclipped) loss: the non-private bounds."""
 
     def total_loss(dense):
-      flat = dict(constants)
-      for part in dense.values():
-        flat.update(part)
       logits, _ = self.model.apply(
-          {"params": roles.unflatten(flat)},
+          {"params": merged_params(constants, dense)},
           batch["input_ids"],
           batch["attention_mask"],
       )
@@ -432,7 +431,7 @@ class PhaseStep:
 
   Usage::
 
-      phase = run.plan.phases[0]   # or methods.Phase(name=..., stream=..., parts=(...))
+      phase = run.plan.phases[0]   # or plans.Phase(name=..., stream=..., parts=(...))
       dp = PhaseStep(model, phase, key=jax.random.key(0), learning_rate=1e-3)
       state = dp.init(params)      # the classifier's full parameter tree
       sums = dp.zero_sums(state)
@@ -453,7 +452,7 @@ class PhaseStep:
 
   Args:
     model: the classifier (`models.SequenceClassifier`).
-    phase: a `methods.Phase`.
+    phase: a `plans.Phase`.
     key: secret PRNG key (`jax.random.key(seed)` or a raw `PRNGKey`, or
       several stacked for 128 bits as the trainer's `secrecy.noise_key`);
       part i of the phase draws its noise from `transforms.fold_in(key, i)`.

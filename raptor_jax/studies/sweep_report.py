@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from raptor_jax import ownership
-from raptor_jax.train import sweep
+from raptor_jax.studies import sweep
 
 METRIC = "accuracy"
 

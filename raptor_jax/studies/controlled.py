@@ -4,7 +4,7 @@ A cell of the study is (condition, method or ablation, epsilon, seed). Each
 cell is built exactly as `run.build_run` builds a trainer run (frozen
 pretrained backbone, public-corpus layer selection, `methods.build_plan`,
 owner map, adapters and head seeded by `config.seed`), but from the
-generator's data (`raptor_jax.data.controlled`) instead of a task file, and
+generator's data (`raptor_jax.studies.controlled_data`) instead of a task file, and
 trained by `train`, which runs the trainer's cycle (`loop._train_cycle`'s
 order: per phase one Poisson sample, fixed-size microbatches of clipped
 sums, one noisy update) on the library's `step.PhaseFunctions`.
@@ -41,9 +41,10 @@ import numpy as np
 
 from raptor_jax import accounting, data, diagnostics, models, ownership
 from raptor_jax import roles, sampling, transforms
-from raptor_jax.data import controlled as gen
 from raptor_jax.models import hf
-from raptor_jax.train import methods, metrics, parallel, secrecy, setup, step
+from raptor_jax.studies import controlled_data as gen
+from raptor_jax.train import methods, metrics, parallel, plans, secrecy
+from raptor_jax.train import setup, step
 from raptor_jax.train.run import Run
 
 # Seeds of the generated splits: train and the evaluation split are fixed;
@@ -274,18 +275,18 @@ class StepCache:
     return self._eval[model]
 
   def statistics_fn(self, fns, expert_layer: int, num_experts: int):
-    """The jitted `diagnostics._phase_statistics` of `fns`, compiled once."""
+    """The jitted `diagnostics.phase_statistics` of `fns`, compiled once."""
     key = ("stats", id(fns))
     if key not in self._eval:
       self._eval[key] = jax.jit(
           functools.partial(
-              diagnostics._phase_statistics, fns, expert_layer, num_experts
+              diagnostics.phase_statistics, fns, expert_layer, num_experts
           )
       )
     return self._eval[key]
 
 
-def _with_noise_keys(opt_state: dict, phase: methods.Phase, key) -> dict:
+def _with_noise_keys(opt_state: dict, phase: plans.Phase, key) -> dict:
   """`opt_state` with part i's noise key set to fold_in(key, i), as
   `PhaseFunctions(key=key)` would have initialised it."""
   out = dict(opt_state)
@@ -360,7 +361,7 @@ def evaluate(cache: StepCache, run: Run, trainable) -> float:
   )["accuracy"]
 
 
-def epsilon_spent(plan: methods.Plan) -> float | None:
+def epsilon_spent(plan: plans.Plan) -> float | None:
   """Epsilon of the mechanism run: every planned release was made (None if
   non-private)."""
   event = plan.event()
@@ -380,8 +381,8 @@ def diagnose(
   n = min(sc.diagnostic_records, len(run.data.dev))
   dev = run.data.dev
   records = (dev.input_ids[:n], dev.attention_mask[:n], dev.labels[:n])
-  param_counts = diagnostics._param_counts(trainable)
-  _, sensitivity = diagnostics._sensitivities(
+  param_counts = diagnostics.role_param_counts(trainable)
+  _, sensitivity = diagnostics.sensitivities(
       config,
       run.model,
       trainable,
@@ -392,7 +393,7 @@ def diagnose(
       draws=sc.sensitivity_draws,
       logits_fn=cache.eval_fn(run.model),
   )
-  squared = dict.fromkeys(diagnostics.DIAGNOSTIC_ROLES, 0.0)
+  squared = dict.fromkeys(roles.DIAGNOSTIC_ROLES, 0.0)
   signals: dict[str, dict[str, np.ndarray]] = {}
   for fns in phase_fns:
     stats_fn = cache.statistics_fn(fns, run.expert_layer, run.num_experts)
@@ -415,8 +416,8 @@ def diagnose(
       for path, value in signal.items():
         signal_sums[path] = signal_sums.get(path, 0.0) + np.asarray(value)
   snr = None
-  if methods.is_private(run.plan):
-    snr = diagnostics._snr_of_plan(
+  if plans.is_private(run.plan):
+    snr = diagnostics.snr_of_plan(
         run.plan,
         signals,
         trainable,
@@ -454,7 +455,7 @@ def run_cell(
       accuracy=evaluate(cache, run, trainable),
       epsilon_spent=epsilon_spent(run.plan),
       expert_layer=run.expert_layer,
-      noise=methods.noise_summary(run.plan),
+      noise=plans.noise_summary(run.plan),
   )
   if with_diagnostics:
     if eval_owners is None:

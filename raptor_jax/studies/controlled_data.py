@@ -52,12 +52,11 @@ DOMAIN_RULE_WORDS: tuple[str, ...] = (
     *synthetic.CONTEXT_WORDS[0],
     *synthetic.CONTEXT_WORDS[1],
 )
-FILLER_WORDS = synthetic.FILLER_WORDS
 VOCABULARY: tuple[str, ...] = (
     *(w for words in DOMAINS for w in words),
     *(w for words in SHARED_WORDS for w in words),
     *DOMAIN_RULE_WORDS,
-    *FILLER_WORDS,
+    *synthetic.FILLER_WORDS,
 )
 # Word j of DOMAIN_RULE_WORDS is positive in domain d iff _RULE[j, d] == 1:
 # a balanced design (each word positive in exactly two domains, each domain
@@ -175,7 +174,9 @@ def _record(
     polarities[0] = 1 - label
   words = [_sentiment_word(rng, domain, p, relevance) for p in polarities]
   words += [_pick(rng, DOMAINS[domain]) for _ in range(length // 2)]
-  words += [_pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
+  words += [
+      _pick(rng, synthetic.FILLER_WORDS) for _ in range(length - len(words))
+  ]
   return " ".join(words[i] for i in rng.permutation(len(words)))
 
 
@@ -231,7 +232,9 @@ def _description(rng: np.random.Generator, domain: int) -> str:
         else SHARED_WORDS[int(rng.integers(2))]
     )
     words.append(_pick(rng, pool))
-  words += [_pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
+  words += [
+      _pick(rng, synthetic.FILLER_WORDS) for _ in range(length - len(words))
+  ]
   return " ".join(words[i] for i in rng.permutation(len(words)))
 
 
