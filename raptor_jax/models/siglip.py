@@ -26,8 +26,9 @@ outputs and every parameter's gradient against it in float64.
 
 The tower is frozen in the paper's setting (LoRA on the language model
 only), so it has no adapters and no experts: it plays no part in RAPTOR's
-roles. Its parameter tree keeps timm's names (`SIGLIP_NAMES`), so the
-checkpoint's `vision.` tensors load by name.
+roles. Its parameter tree keeps timm's names (`siglip_names`), so the
+checkpoint's `vision.` tensors load by name; its blocks are `vit_block_{i}`,
+never `block_{i}`, so `roles.py` never takes them for language-model blocks.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ class SiglipVisionTower(nn.Module):
     )
     x = x + pos.astype(x.dtype)
     for i in range(cfg.layers):
-      x = SiglipBlock(cfg, name=f"block_{i}")(x)
+      x = SiglipBlock(cfg, name=f"vit_block_{i}")(x)
     return _layer_norm(cfg.layer_norm_eps, "norm")(x)
 
 
@@ -242,7 +243,7 @@ _POS = Layout(
     lambda w: (np.ascontiguousarray(np.asarray(w).reshape(w.shape[-2:])),),
     family.float32(lambda w: np.ascontiguousarray(w[None])),
 )
-_BLOCK, _LAYER = "block_{i}/", "blocks.{i}."
+_BLOCK, _LAYER = "vit_block_{i}/", "blocks.{i}."
 
 
 def _linear(ours: str, theirs: str) -> tuple[Rule, Rule]:

@@ -438,6 +438,8 @@ class DeepseekDecoder(nn.Module):
       input_ids: jax.Array,
       attention_mask: jax.Array | None = None,
       owner_override: OwnerOverride | None = None,
+      image_embeds: jax.Array | None = None,
+      image_mask: jax.Array | None = None,
   ) -> BackboneOutput:
     """Decodes a batch (right padding).
 
@@ -448,6 +450,11 @@ class DeepseekDecoder(nn.Module):
       owner_override: optional `OwnerOverride` of a sparse block whose params
         are {'gate': ..., 'up': ..., 'down': ...} (routed experts only); only
         for a single record (B = 1), e.g. inside `jax.vmap` over records.
+      image_embeds: optional [B, S, D] embeddings that replace the token
+        embedding where `image_mask` is true (DeepSeek-VL2's image tokens,
+        `models.deepseek_vl2`); None (text only) leaves the computation
+        exactly as without them.
+      image_mask: bool [B, S], with `image_embeds`.
 
     Returns:
       BackboneOutput(hidden_states [B, S, D] after the final norm,
@@ -463,6 +470,8 @@ class DeepseekDecoder(nn.Module):
         embedding_init=initializers.EMBEDDING,
         name="embed_tokens",
     )(input_ids).astype(dtype)
+    if image_embeds is not None:
+      x = jnp.where(image_mask[..., None], image_embeds.astype(dtype), x)
     x, router_logits = stack.run(DeepseekBlock, cfg, x, allowed, owner_override)
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
     return BackboneOutput(x, router_logits)
