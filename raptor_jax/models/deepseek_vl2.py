@@ -351,6 +351,31 @@ def from_pretrained(path: str | os.PathLike, **options):
   return module, params
 
 
+def encoder_from_pretrained(path: str | os.PathLike):
+  """(ImageEncoder, its params, TileSpec) of a `deepseek_vl_v2` checkpoint.
+
+  Reads only the tower, the projector and the layout embeddings (the
+  frozen part of the paper's fine-tuning), not the language model.
+  """
+  from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
+
+  model_dir = hf_lib.resolve_model_dir(path)
+  hf = hf_lib.read_config(model_dir)
+  if hf.get("model_type") != "deepseek_vl_v2":
+    raise ValueError(
+        f"{model_dir}/config.json: model_type {hf.get('model_type')!r}; image"
+        " tasks need a 'deepseek_vl_v2' checkpoint (DeepSeek-VL2)"
+    )
+  config = config_from_hf(hf)
+  tensors = hf_lib.load_tensors(
+      model_dir, keep=lambda n: not n.startswith("language.")
+  )
+  rest = {n: w for n, w in tensors.items() if not n.startswith("vision.")}
+  encoder = dict(encoder_names(config).to_flax(rest, num_experts=0))
+  encoder["vision"] = siglip.params_from_hf(tensors, config.vision)
+  return ImageEncoder(config), encoder, config.tiles
+
+
 def hf_config_dict(config: VL2Config, language: dict[str, Any]) -> dict:
   """A `deepseek_vl_v2` config.json dict (tests write tiny checkpoints with it)."""
   return {

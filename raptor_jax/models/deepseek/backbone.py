@@ -54,6 +54,10 @@ class DeepseekConfig(FineTuningOptions):
   rope_theta: float = 10000.0
   hidden_act: str = "silu"
   shared_expert_lora: bool = dataclasses.field(default=False, kw_only=True)
+  # DeepSeek-VL2 fine-tuning with a frozen vision tower (`train.vision`):
+  # rows of precomputed image-token embeddings, read by token ids >=
+  # vocab_size (id vocab_size + r reads row r). 0 = text only (no table).
+  image_table_size: int = dataclasses.field(default=0, kw_only=True)
 
   def __post_init__(self):
     _validate.one_of("hidden_act", self.hidden_act, sorted(moe.ACTIVATIONS))
@@ -464,14 +468,39 @@ class DeepseekDecoder(nn.Module):
     common.check_owner_layer(owner_override, cfg.sparse_layers)
     dtype = jnp.dtype(cfg.dtype)
     allowed = common.causal_mask(input_ids, attention_mask)  # [B, S_q, S_k]
-    x = nn.Embed(
+    embed = nn.Embed(
         cfg.vocab_size,
         cfg.hidden_size,
         embedding_init=initializers.EMBEDDING,
         name="embed_tokens",
-    )(input_ids).astype(dtype)
+    )
+    if cfg.image_table_size:
+      x = self._with_image_table(embed, input_ids, dtype)
+    else:
+      x = embed(input_ids).astype(dtype)
     if image_embeds is not None:
       x = jnp.where(image_mask[..., None], image_embeds.astype(dtype), x)
     x, router_logits = stack.run(DeepseekBlock, cfg, x, allowed, owner_override)
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
     return BackboneOutput(x, router_logits)
+
+  def _with_image_table(self, embed, input_ids, dtype):
+    """Token embeddings, with ids >= vocab_size read from `image_table`.
+
+    `image_table/embedding` holds the precomputed image tokens of the run's
+    records (`train.vision`). The table is frozen (role 'base'; `train.vision` refuses the methods
+    that train that role) and each record's ids point only at its own rows,
+    so a record's gradient depends on that record alone.
+    """
+    cfg = self.config
+    table = nn.Embed(
+        cfg.image_table_size,
+        cfg.hidden_size,
+        embedding_init=initializers.EMBEDDING,  # always overwritten
+        name="image_table",
+    )
+    is_image = input_ids >= cfg.vocab_size
+    text = embed(jnp.minimum(input_ids, cfg.vocab_size - 1)).astype(dtype)
+    row = jnp.clip(input_ids - cfg.vocab_size, 0, cfg.image_table_size - 1)
+    image = table(row).astype(dtype)
+    return jnp.where(is_image[..., None], image, text)
