@@ -21,8 +21,9 @@ import safetensors.numpy
 import torch
 from PIL import Image
 
-from raptor_jax import models
+from raptor_jax import models, roles
 from raptor_jax.data import images
+from raptor_jax.data import multiple_choice as mc
 from raptor_jax.models import deepseek_vl2, siglip
 
 import hf_references as refs
@@ -265,3 +266,103 @@ def test_text_only_is_the_decoder_bit_for_bit(tiny):
   _, out = jax.jit(module.apply)({"params": params}, ids, mask)
   want = jax.jit(decoder.apply)({"params": dparams}, ids, mask)
   np.testing.assert_array_equal(out.hidden_states, want.hidden_states)
+
+
+def test_norm_topk_prob_is_read_for_vl2(tiny):
+  """deepseek_vl_v2 keeps `norm_topk_prob` (DeepSeek's MoEGate applies it)."""
+  hf = json.loads((tiny[0] / "config.json").read_text())
+  assert not deepseek_vl2.config_from_hf(hf).language.norm_topk_prob
+  hf["language_config"]["norm_topk_prob"] = True
+  assert deepseek_vl2.config_from_hf(hf).language.norm_topk_prob
+
+
+@pytest.mark.slow
+def test_norm_topk_prob_changes_the_routing(tiny):
+  """The renormalised top-k weights reach the experts (outputs change)."""
+  path, _ = tiny
+  hf = json.loads((path / "config.json").read_text())
+  hf["language_config"]["norm_topk_prob"] = True
+  config = deepseek_vl2.config_from_hf(hf)
+  _, params = deepseek_vl2.from_pretrained(path)
+  ids, mask = refs.batch()
+  plain = models.deepseek.DeepseekDecoder(
+      deepseek_vl2.config_from_hf(
+          json.loads((path / "config.json").read_text())
+      ).language
+  )
+  normed = models.deepseek.DeepseekDecoder(config.language)
+  a = plain.apply({"params": params["language"]}, ids, mask).hidden_states
+  b = normed.apply({"params": params["language"]}, ids, mask).hidden_states
+  assert not np.allclose(a, b)
+
+
+WORDS = ["question", "what", "colour", "is", "it", "red", "blue", "answer"]
+
+
+@pytest.mark.slow
+def test_scienceqa_run_on_the_tiny_checkpoint(tiny, tmp_path):
+  """The trainer's image path (frozen table) equals the whole model's image
+  path, and the head scores the letters with the LM head."""
+  from helpers import load_config_module  # pylint: disable=g-import-not-at-top
+  from raptor_jax import data  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train.run import build_run  # pylint: disable=g-import-not-at-top
+
+  path, _ = tiny
+  letters = list("abcde")
+  tok = data.build_word_tokenizer(WORDS + letters + ["?", ":", "."])
+  tok.save_pretrained(str(path))
+  rng = np.random.RandomState(0)
+  lines = []
+  for i, size in enumerate([(50, 20), (30, 30), (20, 50), (28, 28)]):
+    Image.fromarray(rng.randint(0, 256, size[::-1] + (3,), np.uint8)).save(
+        tmp_path / f"{i}.png"
+    )
+    lines.append(
+        json.dumps(
+            {
+                "image": f"{i}.png",
+                "question": "what colour is it?",
+                "choices": ["red", "blue"],
+                "answer": i % 2,
+            }
+        )
+    )
+  (tmp_path / "d.jsonl").write_text("\n".join(lines))
+  config = load_config_module("deepseek_vl2_scienceqa").get_config()
+  config.model.name = str(path)
+  config.model.dtype = "float32"
+  config.data.train_path = config.data.dev_path = str(tmp_path / "d.jsonl")
+  config.data.max_length = 48
+  config.data.length_buckets = (48,)
+  config.batch_size = 2
+  config.microbatch_size = 4
+  run = build_run(config)
+  module, params = deepseek_vl2.from_pretrained(path)
+  lm_head = np.asarray(params["lm_head"]["kernel"])
+  letter_ids = [tok.convert_tokens_to_ids(l) for l in letters]
+  flat = {**run.frozen}
+  for part in run.trainable.values():
+    flat.update(part)
+  np.testing.assert_array_equal(flat["head/kernel"], lm_head[:, letter_ids])
+  dev = run.data.dev
+
+  logits, _ = run.model.apply(
+      {"params": roles.unflatten(flat)}, dev.input_ids, dev.attention_mask
+  )
+  # The whole model on the same records, images through the tower.
+  v = run.backbone_config.vocab_size
+  index = np.full(dev.input_ids.shape, images.TEXT)
+  tiles = np.zeros((4, SPEC.max_tiles, 3, 28, 28), np.float32)
+  records = mc.read_image_choices(tmp_path / "d.jsonl")
+  for b, r in enumerate(records):
+    pixels, grid = images.tile_image(r.image, SPEC)
+    tiles[b, : len(pixels)] = pixels
+    slots = images.image_token_index(*grid, SPEC)
+    index[b, 1 : 1 + len(slots)] = slots
+  ids = np.where(dev.input_ids >= v, 0, dev.input_ids)
+  full, _ = module.apply(
+      {"params": params}, ids, dev.attention_mask, tiles, index
+  )
+  last = dev.attention_mask.sum(1) - 1
+  want = np.asarray(full)[np.arange(4), last][:, letter_ids]
+  np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-5)

@@ -376,6 +376,19 @@ def encoder_from_pretrained(path: str | os.PathLike):
   return ImageEncoder(config), encoder, config.tiles
 
 
+def language_head(path: str | os.PathLike) -> tuple[int, np.ndarray | None]:
+  """(vocab_size, `language.lm_head.weight` [V, D] or None) of a checkpoint."""
+  from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
+
+  model_dir = hf_lib.resolve_model_dir(path)
+  vocab = int(hf_lib.read_config(model_dir)["language_config"]["vocab_size"])
+  tensors = hf_lib.load_tensors(
+      model_dir, keep=lambda n: n == "language.lm_head.weight"
+  )
+  head = tensors.get("language.lm_head.weight")
+  return vocab, None if head is None else np.asarray(head, np.float32)
+
+
 def hf_config_dict(config: VL2Config, language: dict[str, Any]) -> dict:
   """A `deepseek_vl_v2` config.json dict (tests write tiny checkpoints with it)."""
   return {

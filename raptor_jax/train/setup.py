@@ -38,6 +38,9 @@ class RunData:
   # image tasks (`train.vision`): every record's image tokens, float32
   # [rows, hidden]; PRIVATE (the records' image features), never released
   image_table: np.ndarray | None = None
+  # image tasks with a pretrained LM head: its rows of the choice letters,
+  # the classifier head's initial kernel [hidden, num_labels] (public)
+  letter_head: np.ndarray | None = None
 
 
 def _shard_of(

@@ -314,11 +314,23 @@ def image_run_data(config, task: data.TaskSpec, host: tuple[int, int]):
   from raptor_jax.train import setup  # pylint: disable=g-import-not-at-top
 
   tokenizer = _tokenizer(config)
+  letter_head = None
   if config.model.name == "random":
     encoder = random_encoder(config, config.model.random.d_model)
+    vocab = len(tokenizer)
   else:
     encoder = pretrained_encoder(config.model.name)
-  vocab = len(tokenizer)
+    vocab, lm_head = deepseek_vl2.language_head(config.model.name)
+    _validate.check(
+        len(tokenizer) <= vocab,
+        "model.tokenizer",
+        f"a tokenizer of at most the model's {vocab} tokens",
+        len(tokenizer),
+        "use the checkpoint's own tokenizer",
+    )
+    if lm_head is not None:  # the LM head's rows of ' A', ' B', ...
+      letters = mc.choice_letter_ids(tokenizer, task.num_labels)
+      letter_head = np.ascontiguousarray(lm_head[letters].T)
   kwargs = dict(max_length=config.data.max_length, vocab_size=vocab)
   train, train_table = encode_records(
       _records(config, "train"),
@@ -343,8 +355,36 @@ def image_run_data(config, task: data.TaskSpec, host: tuple[int, int]):
   if host[1] > 1:
     train = setup._shard_of(train, *host)  # pylint: disable=protected-access
   return setup.RunData(
-      task, train, dev, None, tokenizer, None, image_table=table
+      task,
+      train,
+      dev,
+      None,
+      tokenizer,
+      None,
+      image_table=table,
+      letter_head=letter_head,
   )
+
+
+def with_letter_head(params: dict, run_data) -> dict:
+  """The classifier's head set to the LM head's choice-letter rows.
+
+  The head is bias-free (DeepSeek's classifier), so its logits are exactly
+  the language model's next-token logits of the letters ' A', ' B', ...
+  after the prompt: the pretrained head scores the choices. No-op without
+  a pretrained LM head (the random model keeps its fresh head).
+  """
+  letters = getattr(run_data, "letter_head", None)
+  if letters is None:
+    return params
+  head = dict(params["head"])
+  if set(head) != {"kernel"} or head["kernel"].shape != letters.shape:
+    raise ValueError(
+        f"head: expected a bias-free kernel {letters.shape} to take the LM"
+        f" head's letter rows, got {jax.tree.map(np.shape, head)}"
+    )
+  head["kernel"] = jnp.asarray(letters, head["kernel"].dtype)
+  return {**params, "head": head}
 
 
 def with_image_table(module, params: dict, table: np.ndarray | None):

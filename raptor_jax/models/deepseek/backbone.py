@@ -58,6 +58,11 @@ class DeepseekConfig(FineTuningOptions):
   # rows of precomputed image-token embeddings, read by token ids >=
   # vocab_size (id vocab_size + r reads row r). 0 = text only (no table).
   image_table_size: int = dataclasses.field(default=0, kw_only=True)
+  # Renormalise the top-k weights (then times routed_scaling_factor), as
+  # DeepSeek's own code does when top_k > 1 (modeling_deepseek.py, MoEGate).
+  # Set from a `deepseek_vl_v2` checkpoint, whose reference is that code;
+  # transformers' DeepseekV2 ignores the key, so `deepseek_v2` ones leave it off.
+  norm_topk_prob: bool = dataclasses.field(default=False, kw_only=True)
 
   def __post_init__(self):
     _validate.one_of("hidden_act", self.hidden_act, sorted(moe.ACTIVATIONS))
@@ -366,7 +371,7 @@ class DeepseekSparseMLP(nn.Module):
     routing = moe.route_topk(
         router_logits,
         cfg.top_k,
-        False,
+        cfg.norm_topk_prob and cfg.top_k > 1,
         cfg.routing_groups,
         cfg.routed_scaling_factor,
     )
