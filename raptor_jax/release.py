@@ -303,6 +303,13 @@ def write_model(
   directory = Path(directory)
   backbone = model.backbone
   config = backbone.config
+  if getattr(config, "image_table_size", 0):
+    # The table holds the private records' image features (train.vision).
+    raise ValueError(
+        "export: this run's model holds its records' image table (an image"
+        " task); exporting DeepSeek-VL2 runs is not supported yet, and the"
+        " table must never be published"
+    )
   merged = lora.merge(params["backbone"], config.lora_alpha, config.lora_rank)
   classifier = hf.sequence_classification_class(backbone, model.pooling)
   extra = dict(

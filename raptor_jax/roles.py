@@ -191,8 +191,14 @@ def has_shared_experts(params: Mapping[str, Any]) -> bool:
 
 
 def count_by_role(params: Mapping[str, Any]) -> dict[str, int]:
-  """Number of scalars per role (for results.json)."""
+  """Number of scalars per role (for results.json).
+
+  An image task's frozen `image_table` (`train.vision`) is not counted: its
+  size is the records' total image tokens, a statistic of the private data.
+  """
   counts = dict.fromkeys(ROLES, 0)
   for path, leaf in flatten(params).items():
+    if "image_table/" in path:
+      continue
     counts[role_of(path)] += int(np.prod(np.shape(leaf)))
   return counts

@@ -21,7 +21,7 @@ from raptor_jax import _validate, data, length_buckets, models, ownership
 from raptor_jax import roles, sampling
 from raptor_jax.models import hf
 from raptor_jax.train import canaries as canaries_lib
-from raptor_jax.train import methods, parallel, plans, setup
+from raptor_jax.train import methods, parallel, plans, setup, vision
 
 Flat = dict[str, Any]
 
@@ -176,6 +176,7 @@ def build_run(
   model, params = setup.classifier(
       backbone, backbone_params, run_data.task.num_labels, pooling, config.seed
   )
+  params = vision.with_letter_head(params, run_data)  # image tasks only
   del backbone_params
   split = setup.partition(params, plan.parts)  # (trainable, frozen)
   built = (config, run_data, n, plan, table, model, *split, owners, bc)
