@@ -19,9 +19,12 @@ expert's factors) computed only where asked for. RAPTOR's owner slices use
 `owner_lora_delta` / `owner_linear`, whose cost does not grow with E;
 `dense_linear` and `expert_lora` are the every-expert references.
 
-`raptor_jax.models.ragged` computes the same functions with native grouped
-GEMMs (`jax.lax.ragged_dot`, tokamax); `resolve_dispatch` picks the scan on
-every backend until a GPU or TPU measures otherwise. Routing
+`batched_linear` is the same sorted blocks without the scan: every block in
+one batched product, each block's expert weights gathered (at most 1.5x the
+rows' FLOPs, no loop), the default off CPU, where XLA drives each loop step
+from the host (`resolve_dispatch`). `raptor_jax.models.ragged` computes the
+same functions with native grouped GEMMs (`jax.lax.ragged_dot`, tokamax).
+Routing
 (`raptor_jax.models.routing`), and so capacity drops, is decided before any
 dispatch: a dropped row has expert E and gets no expert output.
 """

@@ -4,9 +4,9 @@
 `dispatch.grouped_linear` (and `grouped_linear_trainable`) with native
 grouped GEMMs: one sort of the rows by expert, then one kernel per matrix,
 with the realised group sizes passed as data. That is the shape GPU and TPU
-kernels want; on CPU the block scan wins, and until a GPU or TPU measures
-otherwise `dispatch='auto'` is the scan on every backend
-(`dispatch.resolve_dispatch`). `tokamax_linear` runs the same dispatch over
+kernels want; on CPU the block scan wins, and `dispatch='auto'` is the scan
+there and the loop-free batched blocks elsewhere
+(`dispatch.resolve_dispatch`), until a GPU measures a grouped GEMM faster. `tokamax_linear` runs the same dispatch over
 tokamax's kernels (the optional `[gpu]` extra). Under `vmap` the records
 share one dispatch (`custom_vmap`), exactly as the scan; `kernels='reference'`
 is the dense definition (`dispatch.reference_linear`).
