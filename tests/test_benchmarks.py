@@ -600,6 +600,7 @@ def test_kernels_benchmark_quick_checks_both_settings_and_prints_ratios():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # five parts, each a fresh process, on 2 cores
 def test_gpu_check_script_quick_runs_on_cpu(tmp_path):
   """`launch/bench/gpu_check.sh --quick`: the five parts in order, each
   finished within its budget (exit 0) and printing what it measures."""
