@@ -19,9 +19,12 @@ expert's factors) computed only where asked for. RAPTOR's owner slices use
 `owner_lora_delta` / `owner_linear`, whose cost does not grow with E;
 `dense_linear` and `expert_lora` are the every-expert references.
 
-`raptor_jax.models.ragged` computes the same functions with native grouped
-GEMMs (`jax.lax.ragged_dot`, tokamax); `resolve_dispatch` picks the scan on
-every backend until a GPU or TPU measures otherwise. Routing
+`batched_linear` is the same sorted blocks without the scan: every block in
+one batched product, each block's expert weights gathered (at most 1.5x the
+rows' FLOPs, no loop), the default off CPU, where XLA drives each loop step
+from the host (`resolve_dispatch`). `raptor_jax.models.ragged` computes the
+same functions with native grouped GEMMs (`jax.lax.ragged_dot`, tokamax).
+Routing
 (`raptor_jax.models.routing`), and so capacity drops, is decided before any
 dispatch: a dropped row has expert E and gets no expert output.
 """
@@ -231,48 +234,15 @@ def _rowwise(fn):
   return wrapped
 
 
-_grouped_forward = _rowwise(
-    functools.partial(_grouped_linear_flat, transpose=False)
-)
-_grouped_backward = _rowwise(
-    functools.partial(_grouped_linear_flat, transpose=True)
-)
-
-
-@jax.custom_vjp
-def _grouped_linear(x, experts, w, *lora):
-  return _grouped_forward(x, experts, w, *lora)
-
-
-def _grouped_linear_fwd(x, experts, w, *lora):
-  # x is kept only for the adapter's gradient.
-  return _grouped_forward(x, experts, w, *lora), (
-      x if lora else None,
-      experts,
-      w,
-      lora,
-  )
-
-
-def _grouped_linear_bwd(residuals, dy):
-  x, experts, w, lora = residuals
-  dx = _grouped_backward(dy, experts, w, *lora)
-  if not lora:
-    return dx, None, None
-  return (dx, None, None) + _stacked_lora_grads(x, experts, *lora, dy)
-
-
-def _stacked_lora_grads(
-    x, experts, a, b, dy, forward=_grouped_forward, backward=_grouped_backward
-):
+def _stacked_lora_grads(x, experts, a, b, dy, forward, backward):
   """Gradients of sum(dy * x @ a[e] @ b[e]) for EVERY expert's factors.
 
   The rank-r factors of each row, u = x @ a[e] and g = dy @ b[e]^T, come
-  from the dispatch (`forward` / `backward`: the grouped one unless given);
-  the outer products are then summed into every expert's slice with a
-  one-hot over E (rows x E x r x (d_in + d_out)), the size of the result.
-  Only computed where the stacked factors are differentiated (e.g.
-  monolithic LoRA); XLA drops it everywhere else.
+  from the dispatch (`forward` / `backward`); the outer products are then
+  summed into every expert's slice with a one-hot over E (rows x E x r x
+  (d_in + d_out)), the size of the result. Only computed where the stacked
+  factors are differentiated (e.g. monolithic LoRA); XLA drops it
+  everywhere else.
   """
   one_hot = jax.nn.one_hot(experts, a.shape[0], dtype=dy.dtype)  # dropped -> 0
   u = forward(x, experts, a).astype(dy.dtype)
@@ -282,7 +252,75 @@ def _stacked_lora_grads(
   return da.astype(a.dtype), db.astype(b.dtype)
 
 
-_grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
+def _dispatch_vjps(forward, backward, weight_grad):
+  """(frozen, trainable): the custom VJPs of one row-wise expert dispatch.
+
+  `forward(x, experts, w, *lora)` and `backward` (its transpose, the input
+  gradient) are `_rowwise` functions; `weight_grad(x, experts, dy, E)` is
+  dw[e] = sum_{t: e_t = e} x[t]^T dy[t] in float32. `frozen(x, experts, w,
+  *lora)` treats `w` as a constant and differentiates the LoRA pair (every
+  expert's factors, `_stacked_lora_grads`); `trainable(x, experts, w)`
+  differentiates `w`. Shared by the grouped, batched and ragged dispatches.
+  """
+
+  @jax.custom_vjp
+  def frozen(x, experts, w, *lora):
+    return forward(x, experts, w, *lora)
+
+  def frozen_fwd(x, experts, w, *lora):
+    # x is kept only for the adapter's gradient.
+    return forward(x, experts, w, *lora), (
+        x if lora else None,
+        experts,
+        w,
+        lora,
+    )
+
+  def frozen_bwd(residuals, dy):
+    x, experts, w, lora = residuals
+    dx = backward(dy, experts, w, *lora)
+    if not lora:
+      return dx, None, None
+    grads = _stacked_lora_grads(x, experts, *lora, dy, forward, backward)
+    return (dx, None, None) + grads
+
+  frozen.defvjp(frozen_fwd, frozen_bwd)
+
+  @jax.custom_vjp
+  def trainable(x, experts, w):
+    return forward(x, experts, w)
+
+  def trainable_fwd(x, experts, w):
+    return forward(x, experts, w), (x, experts, w)
+
+  def trainable_bwd(residuals, dy):
+    x, experts, w = residuals
+    dw = weight_grad(x, experts, dy, w.shape[0])
+    return backward(dy, experts, w), None, dw.astype(w.dtype)
+
+  trainable.defvjp(trainable_fwd, trainable_bwd)
+  return frozen, trainable
+
+
+def _block_outer(x, experts, dy, num_experts, block):
+  """dw[e] = sum_{t: e_t = e} x[t]^T dy[t] (float32), one product per block."""
+  dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
+  per_block = jnp.einsum(
+      "nbi,nbo->nio",
+      _to_blocks(x, dest, num_blocks, block),
+      _to_blocks(dy, dest, num_blocks, block),
+      preferred_element_type=jnp.float32,
+  )
+  return jax.ops.segment_sum(per_block, block_expert, num_segments=num_experts)
+
+
+_grouped_linear, _grouped_linear_trainable = _dispatch_vjps(
+    _rowwise(functools.partial(_grouped_linear_flat, transpose=False)),
+    _rowwise(functools.partial(_grouped_linear_flat, transpose=True)),
+    lambda x, experts, dy, num_experts: _block_outer(
+        x, experts, dy, num_experts, block_size(x.shape[0], num_experts)
+    ),
+)
 
 
 def grouped_linear(
@@ -315,40 +353,6 @@ def grouped_linear(
   if kernels_lib.resolve_expert(kernels) == "fast":
     return _grouped_linear(x, experts, w, *(lora or ()))
   return reference_linear(x, experts, w, lora)
-
-
-def _block_outer(x, experts, dy, num_experts, block):
-  """dw[e] = sum_{t: e_t = e} x[t]^T dy[t] (float32), one product per block."""
-  dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
-  per_block = jnp.einsum(
-      "nbi,nbo->nio",
-      _to_blocks(x, dest, num_blocks, block),
-      _to_blocks(dy, dest, num_blocks, block),
-      preferred_element_type=jnp.float32,
-  )
-  return jax.ops.segment_sum(per_block, block_expert, num_segments=num_experts)
-
-
-@jax.custom_vjp
-def _grouped_linear_trainable(x, experts, w):
-  return _grouped_forward(x, experts, w)
-
-
-def _grouped_linear_trainable_fwd(x, experts, w):
-  return _grouped_forward(x, experts, w), (x, experts, w)
-
-
-def _grouped_linear_trainable_bwd(residuals, dy):
-  x, experts, w = residuals
-  num_experts = w.shape[0]
-  block = block_size(x.shape[0], num_experts)
-  dw = _block_outer(x, experts, dy, num_experts, block)
-  return _grouped_backward(dy, experts, w), None, dw.astype(w.dtype)
-
-
-_grouped_linear_trainable.defvjp(
-    _grouped_linear_trainable_fwd, _grouped_linear_trainable_bwd
-)
 
 
 def grouped_linear_trainable(
@@ -436,40 +440,13 @@ def _batched_linear_flat(
   return jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
 
 
-_batched_forward = _rowwise(
-    functools.partial(_batched_linear_flat, transpose=False)
+_batched_linear, _batched_linear_trainable = _dispatch_vjps(
+    _rowwise(functools.partial(_batched_linear_flat, transpose=False)),
+    _rowwise(functools.partial(_batched_linear_flat, transpose=True)),
+    lambda x, experts, dy, num_experts: _block_outer(
+        x, experts, dy, num_experts, batched_block_size(x.shape[0], num_experts)
+    ),
 )
-_batched_backward = _rowwise(
-    functools.partial(_batched_linear_flat, transpose=True)
-)
-
-
-@jax.custom_vjp
-def _batched_linear(x, experts, w, *lora):
-  return _batched_forward(x, experts, w, *lora)
-
-
-def _batched_linear_fwd(x, experts, w, *lora):
-  return _batched_forward(x, experts, w, *lora), (
-      x if lora else None,
-      experts,
-      w,
-      lora,
-  )
-
-
-def _batched_linear_bwd(residuals, dy):
-  x, experts, w, lora = residuals
-  dx = _batched_backward(dy, experts, w, *lora)
-  if not lora:
-    return dx, None, None
-  grads = _stacked_lora_grads(
-      x, experts, *lora, dy, _batched_forward, _batched_backward
-  )
-  return (dx, None, None) + grads
-
-
-_batched_linear.defvjp(_batched_linear_fwd, _batched_linear_bwd)
 
 
 def batched_linear(
@@ -493,28 +470,6 @@ def batched_linear(
   if kernels_lib.resolve_expert(kernels) == "fast":
     return _batched_linear(x, experts, w, *(lora or ()))
   return reference_linear(x, experts, w, lora)
-
-
-@jax.custom_vjp
-def _batched_linear_trainable(x, experts, w):
-  return _batched_forward(x, experts, w)
-
-
-def _batched_linear_trainable_fwd(x, experts, w):
-  return _batched_forward(x, experts, w), (x, experts, w)
-
-
-def _batched_linear_trainable_bwd(residuals, dy):
-  x, experts, w = residuals
-  num_experts = w.shape[0]
-  block = batched_block_size(x.shape[0], num_experts)
-  dw = _block_outer(x, experts, dy, num_experts, block)
-  return _batched_backward(dy, experts, w), None, dw.astype(w.dtype)
-
-
-_batched_linear_trainable.defvjp(
-    _batched_linear_trainable_fwd, _batched_linear_trainable_bwd
-)
 
 
 def batched_linear_trainable(
