@@ -1,6 +1,7 @@
 """The console: the run header, the closing summary, one-line config typos,
 --dry_run."""
 
+import dataclasses
 import io
 import subprocess
 import sys
@@ -147,3 +148,18 @@ def test_the_bar_shows_this_cycles_spend_and_its_last_line_once(monkeypatch):
   assert "3/4, eps 1.500 after cycle 2" in frames  # labelled, not passed off
   assert frames.count("4/4, eps 2.500 after cycle 4") == 1
   assert rows[-1] == (4, {"dev/accuracy": 0.5, "epsilon_spent": 2.5})
+
+
+def test_the_end_table_says_results_vary_with_the_secret(run):
+  """48.2: identical commands gave 0.35 to 0.51 and the table showed one
+  number; a run with a fresh secret says so and points to the seeded sweep."""
+  fresh = dataclasses.replace(
+      run, config=micro_config(**{"privacy.secret_seed": -1})
+  )
+  results = dict(cycles=6, finished=True, epsilon=1.5)
+  lines = outputs.run_summary(fresh, results, {"accuracy": 0.75}, Path("/w"))
+  assert lines.splitlines()[-2] == (
+      "note: each run draws a fresh secret (its Poisson samples and noise), so"
+      " the same command gives another accuracy; for the spread, train seeds"
+      " side by side with launch/sweep.py (docs/data.md, 'Results vary')"
+  )

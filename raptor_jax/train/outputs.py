@@ -354,6 +354,13 @@ def run_summary(run: Run, results: dict, dev: dict, workdir: Path) -> str:
   lines = [f"run {done}:"]
   lines += [f"  {name:<{width}}  {value}" for name, value in rows]
   if results["finished"]:
+    if results["epsilon"] is not None and run.config.privacy.secret_seed < 0:
+      lines.append(
+          "note: each run draws a fresh secret (its Poisson samples and"
+          " noise), so the same command gives another accuracy; for the"
+          " spread, train seeds side by side with launch/sweep.py"
+          " (docs/data.md, 'Results vary')"
+      )
     lines.append(
         f"export: python {export_script()} --workdir={workdir}"
         f" --out={workdir}_model"
