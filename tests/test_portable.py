@@ -91,6 +91,7 @@ def test_resume_and_export_from_another_directory(tmp_path):
   proc, _ = _run(_command(workdir), elsewhere)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "resumed from cycle 2 of 4" in proc.stderr
+  assert (workdir / "curves.png").exists()  # a picture of every run (48.4)
   export_line = proc.stderr.strip().splitlines()[-1]
   assert export_line.startswith(f"export: python {ROOT}/launch/export.py")
 

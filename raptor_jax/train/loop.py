@@ -33,7 +33,7 @@ from raptor_jax import _validate, accounting, data, length_buckets, ownership
 from raptor_jax import sampling
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.train import methods, metrics, parallel, preemption, secrecy, step
-from raptor_jax.train import outputs, workdir as workdir_lib
+from raptor_jax.train import curves, outputs, workdir as workdir_lib
 from raptor_jax.train.outputs import TrainState
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import Run, build_run, validate
@@ -542,5 +542,10 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
   )
   session.writer.close()
   if outputs.is_writer():
+    curves.write(
+        workdir,
+        f"{run.plan.method} on {run.data.task.name}",
+        config.data.eval_split,
+    )
     log.info("%s", outputs.run_summary(run, results, dev, workdir))
   return results
