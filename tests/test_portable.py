@@ -91,6 +91,7 @@ def test_resume_and_export_from_another_directory(tmp_path):
   proc, _ = _run(_command(workdir), elsewhere)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "resumed from cycle 2 of 4" in proc.stderr
+  assert (workdir / "curves.png").exists()  # a picture of every run (48.4)
   export_line = proc.stderr.strip().splitlines()[-1]
   assert export_line.startswith(f"export: python {ROOT}/launch/export.py")
 
@@ -122,3 +123,25 @@ def test_resume_and_export_from_another_directory(tmp_path):
   assert proc.returncode != 0 and last.startswith("error: data.train_path")
   assert "--config" not in last
   assert f"rerun launch/export.py --workdir={workdir}" in last
+
+
+def test_an_unreadable_checkpoint_is_one_line(tmp_path):
+  """44.5: a corrupt checkpoint printed its one line, then screenfuls of
+  `RuntimeError: Event loop is closed` from the restore's reads in flight
+  (measured: 14 tracebacks after the line)."""
+  (tmp_path / "data").mkdir()
+  _write(tmp_path / "data", "train.tsv", 120, 1)
+  _write(tmp_path / "data", "dev.tsv", 20, 3)
+  (tmp_path / "data" / "public.tsv").write_text(
+      "text\n" + "\n".join(["the film was awful and superb and long"] * 40)
+  )
+  workdir = tmp_path / "run"
+  proc, _ = _run(_command(workdir, "--config.stop_after_cycles=2"), tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  for array in (workdir / "checkpoints" / "2" / "state" / "d").iterdir():
+    array.write_bytes(b"garbage")
+  proc, _ = _run(_command(workdir), tmp_path)
+  assert proc.returncode == 1
+  assert "Event loop is closed" not in proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: checkpoint {workdir}/checkpoints/2 is")

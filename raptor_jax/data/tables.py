@@ -45,13 +45,13 @@ def read_columns(path: str | Path, split: str | None = None) -> Columns:
   * ``.csv``: comma-separated, a header row, standard CSV quoting. A quoted
     field that spans lines is refused (it is how an unterminated quote
     reads, merging the records after it into one).
-
-  Blank lines in TSV/CSV files are skipped; header names must be distinct;
-  a field may be of any length.
   * ``.parquet``: any parquet file (read with pyarrow).
   * ``.jsonl``: one JSON object per line; a missing key reads as ``None``.
   * ``.txt``: one text per line, returned as the single column ``text``; a
     line with a tab is refused (a table belongs in a ``.tsv``).
+
+  Blank lines in TSV/CSV files are skipped; header names must be distinct;
+  a field may be of any length.
 
   Args:
       path: the local file or ``save_to_disk`` directory.

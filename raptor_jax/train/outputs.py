@@ -197,7 +197,12 @@ def write_reports(
     session_s: float,
     data_digest: dict | None = None,
 ) -> dict[str, Any]:
-  """Writes privacy_report.json and results.json (public quantities only); returns results."""
+  """Writes privacy_report.json and results.json (public quantities only); returns results.
+
+  results.json holds each metric of the evaluation split once, under its
+  name (`accuracy`, `f1`, `macro_f1`; `eval_split` says which split), and
+  the (epsilon, delta) the run spent.
+  """
   config, plan, cycle = run.config, run.plan, state.cycle
   finished = cycle >= plan.cycles
   report = privacy_report(run, state, data_digest)
@@ -219,8 +224,8 @@ def write_reports(
           step.merged_params(frozen, state.trainable)
       ),
       expert_layer=run.expert_layer,
-      **{f"dev_{k}": v for k, v in dev.items()},
-      **dev,
+      delta=report["delta"],
+      **dev,  # the metrics of `eval_split`, once
   )
   if config.log_wall_time:  # opted in, warned: a non-private quantity
     results["wall_time_s"] = wall_time_s  # every segment of the run
@@ -275,10 +280,12 @@ def run_header(run: Run, workdir: Path) -> str:
           if phase.private
           else "no noise"
       )
-      lines.append(
-          f"  stream {phase.name}, part {part.name}: {noise},"
-          f" {count:,} trainable parameters"
+      name = (
+          f"stream {phase.name}"
+          if part.name == phase.name
+          else f"stream {phase.name}, part {part.name}"
       )
+      lines.append(f"  {name}: {noise}, {count:,} trainable parameters")
   lines += header_warnings(run)
   lines.append(
       f"outputs: {workdir} (checkpoints/, metrics.jsonl, tensorboard/;"
@@ -347,6 +354,13 @@ def run_summary(run: Run, results: dict, dev: dict, workdir: Path) -> str:
   lines = [f"run {done}:"]
   lines += [f"  {name:<{width}}  {value}" for name, value in rows]
   if results["finished"]:
+    if results["epsilon"] is not None and run.config.privacy.secret_seed < 0:
+      lines.append(
+          "note: each run draws a fresh secret (its Poisson samples and"
+          " noise), so the same command gives another accuracy; for the"
+          " spread, train seeds side by side with launch/sweep.py"
+          " (docs/data.md, 'Results vary')"
+      )
     lines.append(
         f"export: python {export_script()} --workdir={workdir}"
         f" --out={workdir}_model"
