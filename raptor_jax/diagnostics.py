@@ -222,7 +222,7 @@ def _perturbed(trainable, role: str, scale: float, key: jax.Array):
   return out
 
 
-def _gradient_statistics(
+def gradient_statistics(
     phase_fns,
     trainable,
     frozen,
@@ -232,15 +232,22 @@ def _gradient_statistics(
     expert_layer: int,
     num_experts: int,
     microbatch_size: int,
+    statistics_fn=None,
 ):
-  """Squared norms per role (all phases) and l* signal sums per phase, over `records`."""
+  """Squared norms per role (all phases) and l* signal sums per phase, over `records`.
+
+  `statistics_fn(fns)`: the jitted `phase_statistics` of a phase (default:
+  jitted here; the controlled study passes its cached one).
+  """
+  if statistics_fn is None:
+    statistics_fn = lambda fns: jax.jit(
+        functools.partial(phase_statistics, fns, expert_layer, num_experts)
+    )
   ids, mask, labels = records
   squared = dict.fromkeys(roles.DIAGNOSTIC_ROLES, 0.0)
   signals: dict[str, dict[str, np.ndarray]] = {}
   for fns in phase_fns:
-    stats_fn = jax.jit(
-        functools.partial(phase_statistics, fns, expert_layer, num_experts)
-    )
+    stats_fn = statistics_fn(fns)
     signal_sums = signals.setdefault(fns.phase.name, {})
     for mb in sampling.microbatches(np.arange(len(labels)), microbatch_size):
       batch = dict(
@@ -426,7 +433,7 @@ def compute(
   records = (data.input_ids[:n], data.attention_mask[:n], data.labels[:n])
   owners, model, frozen = run.owners[:n], run.model, run.frozen
   trainable = _restore_trainable(config, workdir)
-  squared, signals = _gradient_statistics(
+  squared, signals = gradient_statistics(
       _phase_functions(config, run),
       trainable,
       frozen,

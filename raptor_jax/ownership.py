@@ -232,7 +232,7 @@ def _router_fn(backbone, params, layer_positions=None) -> RouterFn:
 
 
 def owner_weighting(weighting: str, backbone_config) -> str:
-  """Top-k models vote with their gate weights (SPEC 1.2); top-1 as configured."""
+  """Top-k models vote with their gate weights (docs/method.md §1.2); top-1 as configured."""
   return weighting if backbone_config.top_k == 1 else "prob"
 
 
@@ -294,7 +294,7 @@ def private_owner_map(
   """Owners (int32 [N]) of `records` (input_ids, attention_mask) at block `layer`.
 
   Computed from the frozen pretrained model. For private records the result
-  is private: never log, save or return it outside the process (SPEC 1.2).
+  is private: never log, save or return it outside the process (docs/method.md §1.2).
   With `data.length_buckets` the records run by length bucket: the same
   owners (padding never votes), a layout that only the process sees.
   """

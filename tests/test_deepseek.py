@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from raptor_jax import models, ownership
+from raptor_jax.models import deepseek
 from raptor_jax.models import hf as hf_lib
 
 import hf_references as refs
@@ -99,7 +100,7 @@ def test_config_from_checkpoint(loaded):
       topk_group=1,
       vocab_size=129280,
   )
-  cfg = hf_lib.deepseek_config_from_hf(tiny)
+  cfg = deepseek.config_from_hf(tiny)
   assert (cfg.use_mla, cfg.head_dim, cfg.sparse_layers) == (
       False,
       128,
@@ -111,7 +112,7 @@ def test_unsupported_configs_fail_clearly():
   with pytest.raises(ValueError, match="noaux_tc"):
     models.DeepseekConfig(topk_method="noaux_tc")
   with pytest.raises(ValueError, match="scoring_func"):
-    hf_lib.deepseek_config_from_hf({"scoring_func": "sigmoid"})
+    deepseek.config_from_hf({"scoring_func": "sigmoid"})
   with pytest.raises(ValueError, match=r"\(n_group, topk_group\): must be"):
     models.DeepseekConfig(
         n_routed_experts=8,

@@ -59,6 +59,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.switch_transformers import modeling_switch_transformers
 
 from raptor_jax import models, roles
+from raptor_jax.models import family as family_lib
 from raptor_jax.models import hf as hf_lib
 from raptor_jax.models import moe
 
@@ -284,7 +285,7 @@ def load(path, kernels: str | None, **options):
   return models.from_pretrained(path, **options)
 
 
-def _family(path) -> hf_lib.Family:
+def _family(path) -> family_lib.Family:
   return hf_lib.FAMILIES[hf_lib.read_config(pathlib.Path(path))["model_type"]]
 
 

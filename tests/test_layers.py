@@ -117,13 +117,13 @@ def test_low_rank_linear_matches_the_split_form_and_its_gradients(leading):
   probe = jax.random.normal(keys[4], leading + (5,))
   loss = lambda f: lambda *args: jnp.sum(probe * jnp.tanh(f(*args, 2.0)))
   np.testing.assert_allclose(
-      lora.low_rank_linear(x, kernel, a, b, 2.0),
+      lora.low_rank_linear_fast(x, kernel, a, b, 2.0),
       _split_form(x, kernel, a, b, 2.0),
       rtol=1e-5,
       atol=1e-6,
   )
   args = (x, kernel, a, b)
-  ours = jax.grad(loss(lora.low_rank_linear), argnums=(0, 1, 2, 3))(*args)
+  ours = jax.grad(loss(lora.low_rank_linear_fast), argnums=(0, 1, 2, 3))(*args)
   theirs = jax.grad(loss(_split_form), argnums=(0, 1, 2, 3))(*args)
   for name, g, h in zip(("x", "kernel", "a", "b"), ours, theirs):
     assert g.shape == h.shape, name
@@ -198,9 +198,13 @@ def test_low_rank_linear_forward_is_the_split_form_bit_for_bit():
   a = jax.random.normal(keys[2], (32, 4)) / 6
   b = jax.random.normal(keys[3], (4, 48)) / 6
   want = jax.jit(_split_form, static_argnums=4)(x, kernel, a, b, 2.0)
-  got = jax.jit(lora.low_rank_linear, static_argnums=4)(x, kernel, a, b, 2.0)
+  got = jax.jit(lora.low_rank_linear_fast, static_argnums=4)(
+      x, kernel, a, b, 2.0
+  )
   np.testing.assert_array_equal(got, want)
   primal, _ = jax.jit(
-      lambda *args: jax.vjp(lambda *p: lora.low_rank_linear(*p, 2.0), *args)
+      lambda *args: jax.vjp(
+          lambda *p: lora.low_rank_linear_fast(*p, 2.0), *args
+      )
   )(x, kernel, a, b)
   np.testing.assert_array_equal(primal, want)

@@ -19,6 +19,7 @@ import transformers
 
 from raptor_jax import models
 from raptor_jax.models import hf as hf_lib
+from raptor_jax.models import olmoe
 
 import hf_references as refs
 
@@ -102,7 +103,7 @@ def test_config_from_checkpoint(loaded):
       num_local_experts=4,
       num_experts_per_tok=1,
   )
-  cfg = hf_lib.olmoe_config_from_hf(v4)
+  cfg = olmoe.config_from_hf(v4)
   assert (cfg.rope_theta, cfg.num_experts, cfg.num_key_value_heads) == (
       321.0,
       4,
@@ -112,11 +113,11 @@ def test_config_from_checkpoint(loaded):
 
 def test_unsupported_configs_and_options_fail_clearly(checkpoints):
   with pytest.raises(ValueError, match="unsupported RoPE type 'linear'"):
-    hf_lib.olmoe_config_from_hf(
+    olmoe.config_from_hf(
         {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}
     )
   with pytest.raises(ValueError, match="attention_bias"):
-    hf_lib.olmoe_config_from_hf({"attention_bias": True})
+    olmoe.config_from_hf({"attention_bias": True})
   with pytest.raises(
       ValueError, match=r"unknown from_pretrained option\(s\) \['lora_rnak'\]"
   ):

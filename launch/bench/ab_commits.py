@@ -1,26 +1,12 @@
 r"""What a change bought: raptor_jax's steps at two commits, timed side by side.
 
-Each commit is checked out into a temporary git worktree and served by one
-worker process (this file, run with that worktree on `PYTHONPATH`): the
-worker builds the `vs_opacus` model (the same random HF Switch, saved once
-and shared by both) and compiles the chosen steps with its commit's code,
-then times one step per request (or the mean of `--back_to_back` consecutive
-calls: a training loop's steady state). The parent alternates requests
-between the two workers, round after round, so both commits see the same
-machine state, and prints each step's medians and the paired ratio head /
-base.
-
   python -m launch.bench.ab_commits --base=HEAD~1 --head=HEAD \
       --microbatch_size=32 --steps=raptor,raptor_dp --repeats=5
-
   python -m launch.bench.ab_commits --base=HEAD --head=HEAD \
       --base_cpu_devices=1 --head_cpu_devices=2      # a setting, one commit
 
-Steps: raptor (non-private), raptor_dp (shared DP), raptor_expert (the
-expert stream). Both commits must have `launch/bench/raptor_side.py` (or,
-from before it, `vs_opacus.py`).
-Run under `taskset -c 0-1` for the 2-core setting of the fixed-shape table;
-workers take turns, so they never compete for the cores.
+What it measures, how, and what it checks: docs/performance.md, "The
+benchmark scripts in detail".
 """
 
 from __future__ import annotations

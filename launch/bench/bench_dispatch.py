@@ -1,70 +1,15 @@
 r"""Benchmarks the expert dispatch of one sparse layer: grouped, ragged, all-experts.
 
-One sparse layer on B records of S tokens, either a `SwitchSparseMLP`
-(`--family=switch`: frozen top-1 router, Hugging Face capacity, E experts
-d_model -> d_ff -> d_model, ReLU), an `OlmoeSparseMLP` (`--family=olmoe`:
-frozen top-k router, no capacity, E SwiGLU experts gate/up/down; one row per
-(token, slot), so tokens x k rows) or a `DeepseekSparseMLP`
-(`--family=deepseek`: the same routed experts plus `--shared_experts` always-
-active shared experts, run as one dense SwiGLU MLP of width shared x d_ff on
-every token), with the dispatches of the config's `dispatch` field:
-
-* grouped: `moe.grouped_linear`, rows sorted by expert into fixed-size blocks
-  and a `lax.scan` over the blocks (work ~ rows = tokens x k);
-* ragged: `moe.ragged_linear`, rows sorted by expert and one
-  `jax.lax.ragged_dot` grouped GEMM per matrix (work ~ rows on GPU/TPU; XLA
-  CPU lowers it to a masked product over every expert, ~ rows x E);
-* dense: `moe.dense_linear`, every expert on every row, then select
-  (work ~ rows x E = tokens x k x E).
-
-For top-k > 1 the dense dispatch repeats each token's work k times, so the
-top-k families also run "all": every expert on every TOKEN, outputs mixed by the
-top-k gate weights (work ~ tokens x E), what the authors' reference code does
-(docs/method.md §4) and the fair all-experts baseline (for top-1, dense is that).
-
-All variants share the router (and capacity), so their outputs must agree; the
-table shows the largest difference from the grouped output. Prints two
-tables, forward and forward+backward (gradient with respect to the input,
-what per-record DP gradients need):
-
-1. FLOPs. "ideal" = tokens x k x (m * 2 d_model d_ff) + the router's
-   2 tokens d_model E (doubled for forward+backward), m = 2 expert matmuls
-   (Switch) or 3 (SwiGLU); DeepSeek adds the shared experts' tokens x
-   (3 * 2 d_model shared d_ff). XLA's cost analysis counts a loop body once, so
-   for the grouped dispatch it shows XLA's raw number and the loop-corrected
-   one (each scan body's XLA count times the scan's static trip count,
-   `profiling.loop_corrected_flops`).
-2. Wall time, medians of interleaved rounds (1-expert, grouped, dense, ...).
-   "1-expert" is one expert MLP on every row (tokens x k) plus the router
-   matmul (and the shared experts on every token): the ideal top-k compute
-   as plain matmuls. It is a compute floor,
-   not a memory one: with few rows per expert any dispatch must also stream
-   the weights of every expert in use (E x m d_model d_ff floats at most),
-   which one expert does not.
-
-Paper scale (switch-base-8 / -64 widths; the defaults), and more records:
-
   python -m launch.bench.bench_dispatch
   python -m launch.bench.bench_dispatch --num_experts=8 --batch_sizes=32 \
       --max_dense_gflop=1000
-
-OLMoE-1B-7B's sparse layer (d_model 2048, intermediate 1024, E=64, top-8;
-the olmoe defaults), and at a smaller width:
-
   python -m launch.bench.bench_dispatch --family=olmoe
   python -m launch.bench.bench_dispatch --family=olmoe --d_model=1024 --d_ff=512 \
       --num_experts=8,64 --batch_sizes=1,8
-
-DeepSeek-VL2-Tiny's sparse layer (d_model 1280, experts of width 896, E=64,
-top-6, 2 shared experts; the deepseek defaults):
-
   python -m launch.bench.bench_dispatch --family=deepseek
 
-The wall time of a variant other than grouped (ragged, dense, all) is skipped
-(its FLOPs still shown) for a pass where XLA counts more than
---max_dense_gflop for it: at E=64 an all-experts variant (and ragged on CPU)
-does E (or E/k) times the ideal work and holds a [tokens, E, d_ff] buffer.
-`launch/bench/gpu_dispatch.py` times grouped vs ragged on an accelerator.
+What it measures, how, and what it checks: docs/performance.md, "The
+benchmark scripts in detail".
 """
 
 import dataclasses
@@ -80,9 +25,8 @@ from launch.bench import harness
 from launch.bench import profiling
 from raptor_jax.models import deepseek, initializers, moe, olmoe, switch
 
-# Per family: the defaults of the size flags (switch-base-8/-64; OLMoE-1B-7B;
-# DeepSeek-VL2-Tiny), the matrices of one expert MLP in order, and the
-# all-experts variants run.
+# Per family: size defaults (switch-base-8/-64, OLMoE-1B-7B, DeepSeek-VL2-Tiny),
+# one expert MLP's matrices in order, and the other variants run.
 FAMILIES = {
     'switch': dict(
         num_experts=(8, 64),
@@ -115,42 +59,20 @@ FAMILIES = {
 
 
 def define_flags() -> None:
-  """Defines the command-line flags; only when run as a script, so that tests can
-  import several scripts into one process."""
-  flags.DEFINE_enum(
-      'family',
-      'switch',
-      list(FAMILIES),
-      'Sparse layer: switch (top-1, ReLU experts), olmoe (top-k, SwiGLU) or'
-      ' deepseek (top-k SwiGLU + shared experts).',
-  )
-  flags.DEFINE_list(
-      'num_experts', None, 'Values of E (default: 8,64 switch; 64 olmoe).'
-  )
-  flags.DEFINE_list(
-      'batch_sizes',
-      None,
-      'Records per call (B); tokens = B x seq_len (default: 1,8 switch; 1 olmoe).',
-  )
-  flags.DEFINE_integer(
-      'top_k', None, 'Routed experts per token (olmoe: 8, deepseek: 6).'
-  )
+  """Defines the flags; only when run as a script, so that tests can import
+  several scripts into one process. A size flag left unset takes FAMILIES'."""
+  flags.DEFINE_enum('family', 'switch', list(FAMILIES), 'The sparse layer.')
+  flags.DEFINE_list('num_experts', None, 'Values of E.')
+  flags.DEFINE_list('batch_sizes', None, 'Records per call (B).')
+  flags.DEFINE_integer('top_k', None, 'Routed experts per token.')
   flags.DEFINE_integer('shared_experts', 2, 'Shared experts (deepseek only).')
   flags.DEFINE_integer('seq_len', 128, 'Tokens per record (S).')
-  flags.DEFINE_integer(
-      'd_model', None, 'Model width (default: 768 switch; 2048 olmoe).'
-  )
-  flags.DEFINE_integer(
-      'd_ff', None, 'Expert hidden width (default: 3072 switch; 1024 olmoe).'
-  )
-  flags.DEFINE_integer(
-      'expert_capacity', 64, 'Per-record expert capacity (switch; HF: 64).'
-  )
+  flags.DEFINE_integer('d_model', None, 'Model width.')
+  flags.DEFINE_integer('d_ff', None, 'Expert hidden width.')
+  flags.DEFINE_integer('expert_capacity', 64, 'Per-record capacity (switch).')
   flags.DEFINE_integer('repeats', 5, 'Timed rounds per variant.')
   flags.DEFINE_float(
-      'max_dense_gflop',
-      250.0,
-      'Skip timing an all-experts variant of a pass above this many GFLOP.',
+      'max_dense_gflop', 250.0, 'Do not time other variants above this GFLOP.'
   )
 
 
@@ -270,17 +192,23 @@ def _expert_mlp(rows: jax.Array, kernels: tuple[jax.Array, ...]) -> jax.Array:
   return (jax.nn.silu(rows @ w_gate) * (rows @ w_up)) @ w_down
 
 
+def _with_input_grad(forward, scalar=None):
+  """(forward, forward_backward): f(weights, x) and the gradient in x of
+  `scalar(weights, x, cotangent)` (default: <forward(weights, x), cotangent>).
+  """
+  if scalar is None:
+    scalar = lambda weights, x, ct: jnp.vdot(forward(weights, x), ct)
+
+  def forward_backward(weights, x, cotangent):
+    return jax.grad(lambda x: scalar(weights, x, cotangent))(x)
+
+  return forward, forward_backward
+
+
 def _layer_fns(config):
   """Forward and input-gradient functions of one sparse layer: f(params, x[, ct])."""
   module = _sparse_layer(config)
-
-  def forward(params, x):
-    return module.apply(params, x)[0]
-
-  def forward_backward(params, x, cotangent):
-    return jax.grad(lambda x: jnp.vdot(forward(params, x), cotangent))(x)
-
-  return forward, forward_backward
+  return _with_input_grad(lambda params, x: module.apply(params, x)[0])
 
 
 def _one_expert_fns(config):
@@ -296,14 +224,11 @@ def _one_expert_fns(config):
     out = out.reshape(x.shape[:-1] + (k, x.shape[-1])).sum(-2)
     return (out + _expert_mlp(x, shared) if shared else out), logits
 
-  def forward_backward(weights, x, cotangent):
-    def scalar(x):
-      out, logits = forward(weights, x)
-      return jnp.vdot(out, cotangent) + jnp.sum(logits)
+  def scalar(weights, x, cotangent):
+    out, logits = forward(weights, x)
+    return jnp.vdot(out, cotangent) + jnp.sum(logits)
 
-    return jax.grad(scalar)(x)
-
-  return forward, forward_backward
+  return _with_input_grad(forward, scalar)
 
 
 def _all_experts_fns(config):
@@ -326,10 +251,7 @@ def _all_experts_fns(config):
     )
     return out + _expert_mlp(x, shared) if shared else out
 
-  def forward_backward(weights, x, cotangent):
-    return jax.grad(lambda x: jnp.vdot(forward(weights, x), cotangent))(x)
-
-  return forward, forward_backward
+  return _with_input_grad(forward)
 
 
 def _variants(config, params, matrices, references):
@@ -406,11 +328,13 @@ def run(
   largest |grouped - v| of the forward outputs over the variants that ran).
   """
   spec = FAMILIES[family]
-  num_experts = spec['num_experts'] if num_experts is None else num_experts
-  batch_sizes = spec['batch_sizes'] if batch_sizes is None else batch_sizes
-  top_k = spec['top_k'] if top_k is None else top_k
-  d_model = spec['d_model'] if d_model is None else d_model
-  d_ff = spec['d_ff'] if d_ff is None else d_ff
+  num_experts, batch_sizes, top_k, d_model, d_ff = (
+      spec[name] if value is None else value
+      for name, value in zip(
+          ('num_experts', 'batch_sizes', 'top_k', 'd_model', 'd_ff'),
+          (num_experts, batch_sizes, top_k, d_model, d_ff),
+      )
+  )
   references = spec['references']
   rows_out = []
   key = jax.random.PRNGKey(seed)
@@ -542,41 +466,27 @@ def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   spec = FAMILIES[FLAGS.family]
-  pick = (
-      lambda name: spec[name]
-      if FLAGS[name].value is None
-      else FLAGS[name].value
-  )
-  num_experts = [int(v) for v in pick('num_experts')]
-  batch_sizes = [int(v) for v in pick('batch_sizes')]
-  top_k, d_model, d_ff = pick('top_k'), pick('d_model'), pick('d_ff')
-  routing = {
-      'switch': f'top-1, capacity={FLAGS.expert_capacity}, ReLU experts',
-      'olmoe': f'top-{top_k}, no capacity, SwiGLU experts',
-      'deepseek': (
-          f'top-{top_k}, no capacity, SwiGLU experts +'
-          f' {FLAGS.shared_experts} shared experts'
-      ),
-  }[FLAGS.family]
+  sizes = {
+      name: spec[name] if FLAGS[name].value is None else FLAGS[name].value
+      for name in ('num_experts', 'batch_sizes', 'top_k', 'd_model', 'd_ff')
+  }
+  for name in ('num_experts', 'batch_sizes'):
+    sizes[name] = [int(v) for v in sizes[name]]
+  shared = f' + {FLAGS.shared_experts} shared' * (FLAGS.family == 'deepseek')
   print(
-      f'one {FLAGS.family} sparse layer: d_model={d_model} d_ff={d_ff} S={FLAGS.seq_len} '
-      f'{routing}; {jax.devices()[0].platform}, jax {jax.__version__}; '
-      f'medians of {FLAGS.repeats} interleaved rounds; ratios are medians of '
-      'per-round ratios',
+      f"one {FLAGS.family} sparse layer: d_model={sizes['d_model']}"
+      f" d_ff={sizes['d_ff']} S={FLAGS.seq_len} top-{sizes['top_k']}{shared};"
+      f' {jax.devices()[0].platform}, jax {jax.__version__}; medians of'
+      f' {FLAGS.repeats} interleaved rounds; ratios are medians of per-round'
+      ' ratios',
       flush=True,
   )
+  names = ('seq_len', 'expert_capacity', 'shared_experts', 'repeats')
   rows = run(
       family=FLAGS.family,
-      num_experts=num_experts,
-      batch_sizes=batch_sizes,
-      top_k=top_k,
-      seq_len=FLAGS.seq_len,
-      d_model=d_model,
-      d_ff=d_ff,
-      expert_capacity=FLAGS.expert_capacity,
-      shared_experts=FLAGS.shared_experts,
-      repeats=FLAGS.repeats,
       max_dense_gflop=FLAGS.max_dense_gflop,
+      **sizes,
+      **{name: FLAGS[name].value for name in names},
   )
   print('\nFLOPs (GF = 1e9; XLA cost analysis counts a loop body once)')
   print(flops_table(rows))

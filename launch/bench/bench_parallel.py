@@ -1,32 +1,10 @@
 r"""Times one training phase step on a 1-device mesh vs a 4-device mesh.
 
-The public step API (`train.step.PhaseStep`, the trainer's own jitted
-pieces) on a run built by `train.run.build_run`, as `train_and_evaluate`
-builds it, for a small random Switch classifier on the embedded synthetic
-task. One phase step = `zero_sums`, `accumulate` over a fixed number of
-microbatches of the same GLOBAL size (so records per device = microbatch /
-devices), then `update` (noise drawn once, Adam): exactly what the loop runs
-per phase and cycle. Every phase of the method's plan (RAPTOR: shared, then
-expert) is timed on every mesh, all variants interleaved round by round.
-
-On one machine with forced CPU devices this is NOT a speed-up measurement: the
-"devices" share the same cores. It shows what the collective path (shard_map,
-psum of the sums, replicated update) costs over one device; on real
-accelerators the per-device work shrinks with the device count. Owners are
-random (timing only); all records are real (mask 1). The last column compares
-the updated parameters with the first mesh's (same key, so the same noise):
-only the order of the float32 sums differs.
-
-Needs 4 host devices; the script re-executes itself with
-XLA_FLAGS=--xla_force_host_platform_device_count=4 (and JAX_PLATFORMS=cpu,
-unless set) when the flag is missing. For other counts set it yourself:
-
   python -m launch.bench.bench_parallel
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-      python -m launch.bench.bench_parallel --num_devices=1,2,4,8
+  python -m launch.bench.bench_parallel --num_devices=1,2,4,8
 
-It ends with the multi-host command line of README.md ("Several GPUs and
-several hosts").
+What it measures, how, and what it checks: docs/performance.md, "The
+benchmark scripts in detail".
 """
 
 import os

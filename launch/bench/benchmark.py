@@ -1,45 +1,12 @@
 r"""Benchmarks a DP training step against a non-private one, and expert-stream memory.
 
-One process, a small randomly initialised classifier, fixed shapes, every step
-jitted once. `--family=switch` (default): `SequenceClassifier(SwitchEncoder)`,
-top-1, every 2nd block sparse, mean pooling. `--family=olmoe`:
-`SequenceClassifier(OlmoeDecoder)`, every block sparse with SwiGLU experts
-(gate, up, down), top-k routing (`--top_k`, default 8 at every E, so only E
-changes between the expert-stream rows), as many key/value heads as heads,
-last-token pooling; the same width flags (d_model = hidden size, d_ff = each
-expert's intermediate size; d_kv and expert_capacity are unused).
-
-1. Shared stream. Trainable: LoRA (rank r) on attention q, k, v, o of every
-   block plus the classification head (LoRA-scale); everything else frozen
-   (passed as a non-differentiated argument). For each microbatch size m,
-   on the same batch of m records:
-   * non-private step: `jax.grad` of the mean loss + Adam;
-   * DP step: the trainer's own step through the public API
-     (`train.step.PhaseStep`): `accumulate` (vmap(grad) per record, clip,
-     float32 sum) + `update` (`optax.chain(transforms.privatize_sums, adam)`:
-     noise once, public denominator m, Adam).
-   Prints their wall times (medians of interleaved runs), the ratio, compile
-   times and XLA's temporary memory (of the DP `accumulate`).
-2. Expert stream at one sparse layer l (the last): trainable = that layer's
-   expert LoRA (wi/wo, or gate/up/down), RAPTOR's expert phase through
-   `PhaseStep` as the trainer runs it: each record differentiates only its
-   owner's slice (`models.OwnerOverride`, `grads.owner_slices`), weighted by
-   its residual weight, clipped and summed by owner; noise for every expert
-   (`privatize_sums`, denominator m/E), Adam on the stacked [E, ...] LoRA. For
-   each E it prints XLA's memory analysis of the compiled `accumulate`: temporary memory (scratch;
-   arguments, so parameters, excluded) should not grow with E, since a
-   record's gradient is one expert slice; and XLA's FLOPs of the step with
-   every `lax.scan` body counted once per iteration
-   (`profiling.loop_corrected_flops`). The largest buffers of the smallest and
-   the largest E are listed with the JAX op that makes them, to see which one
-   grows if it does.
-
   python -m launch.bench.benchmark
   python -m launch.bench.benchmark --microbatch_sizes=32 --expert_num_experts=8,64 \
       --num_layers=12 --d_model=768 --d_ff=3072 --num_heads=12   # base width
   python -m launch.bench.benchmark --family=olmoe --microbatch_sizes=   # expert stream only
 
-An empty --microbatch_sizes skips the shared stream.
+What it measures, how, and what it checks: docs/performance.md, "The
+benchmark scripts in detail".
 """
 
 # pylint: disable=g-import-not-at-top,wrong-import-position

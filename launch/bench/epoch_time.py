@@ -1,54 +1,11 @@
 r"""One epoch of real text: raptor_jax with and without length buckets
 against PyTorch + Opacus with dynamic padding.
 
-The question a user asks is wall time per epoch on their data, not per
-fixed-shape step. One command takes SST-2 train and the QNLI train sample
-(`../shared/data`), tokenised with the given WordPiece tokenizer at
-`:small`'s lengths (64 and 128), and the `:small` model shape with random
-weights (`raptor_side.save_switch`: the same weights on both sides), and
-times one epoch of Poisson steps at expected batch B in microbatches of m:
-
-  raptor            the trainer's `PhaseStep` with length buckets: a step's
-                    records run in fixed-shape [m, b] microbatches, b the
-                    smallest bucket that holds them (`raptor_jax.length_buckets`).
-  raptor unbucketed the same step with every record padded to max_length.
-  torch / opacus    PyTorch (non-private) and Opacus (DP, the fastest of
-                    --modes) on the same records in the sample's order, m at
-                    a time, each microbatch padded to its longest record as
-                    `transformers.DataCollatorWithPadding` pads; Opacus's
-                    physical batches as `BatchMemoryManager` runs them (clip
-                    and accumulate each, noise and Adam once per step).
-
-for three streams: the non-private LoRA step, RAPTOR's shared DP step
-(attention LoRA + head) and its expert DP step (the last sparse block's
-expert LoRA, each record's gradient to its owner; Opacus: LoRA on every
-expert with masked dispatch, as in `vs_opacus`).
-
-Method. The epoch's N / B Poisson samples are drawn once (seed 0). Token
-counts are exact over the whole epoch: real tokens, and the tokens each
-column processes (rows x length, raptor's padding rows included). Timing
-takes --steps of the epoch's steps, evenly spaced; round r times step r in
-every column, in worker processes taking turns (`harness`), so every
-column sees the same samples and the same machine state. Seconds per epoch
-are the mean step time times N / B. Compilation (one per bucket and
-stream) is excluded, as it is paid once per run, not per epoch.
-
-Useful FLOPs are the matmul FLOPs of the real tokens only: twice the
-forward (forward, and the backward's input gradients through the frozen
-base; LoRA's own FLOPs are below 1%), attention at each record's own
-length. The peak is measured in the same run: the model's feed-forward
-GEMMs ([m * max_length, d] x [d, d_ff] and back) jitted in the raptor_jax
-worker, timed as a column like the others. Fraction = useful FLOPs / (epoch
-seconds x peak).
-
-Before timing, the first timed step is checked with the noise off in this
-process: raptor's bucketed sums against its unbucketed sums, and against
-torch's (non-private gradient sums; Opacus hooks' clipped sums,
-`p.summed_grad`; the expert stream's owner sums from Opacus's per-sample
-gradients, `torch_side.owner_reference`).
-
   python -m launch.bench.epoch_time --tokenizer=<model or tokenizer dir>
   python -m launch.bench.epoch_time --quick     # generated records, seconds
+
+What it measures, how, and what it checks: docs/performance.md, "The
+benchmark scripts in detail".
 """
 
 from __future__ import annotations

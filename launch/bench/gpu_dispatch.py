@@ -1,48 +1,12 @@
 r"""Step time and memory of one sparse layer per expert dispatch, on an accelerator.
 
-Run it once on a GPU or TPU; it prints one table. Each row is a training step
-(forward and backward, compiled) of one bfloat16 sparse layer:
-
-* switch: switch-base-8's layer (d_model 768, d_ff 3072, E=8, top-1 with
-  Hugging Face's per-record expert capacity 64, ReLU experts), 32 records of
-  128 tokens;
-* olmoe: OLMoE-1B-7B's layer (d_model 2048, d_ff 1024, E=64, top-8, no
-  capacity, SwiGLU experts), 8 records of 128 tokens;
-
-in two modes:
-
-* lora: the fine-tuning step. Frozen expert kernels plus rank-8 LoRA on every
-  expert; per-record gradients (`vmap(grad)`, as DP clipping needs) of the
-  adapters and of the input;
-* train: the pretraining step. Trainable expert kernels; the batch gradient
-  of every parameter and of the input;
-
-and the dispatches: grouped (sorted blocks and a `lax.scan`: the CPU's
-'auto'), batched (the same blocks in one batched product, no loop: 'auto'
-on a GPU), ragged (`jax.lax.ragged_dot` grouped GEMMs), tokamax (the same rows through
-tokamax's grouped-GEMM kernels, the `[gpu]` extra; a row that cannot run is
-reported, not timed) and dense (every expert on every row) where it fits. On a
-GPU the ragged rows run once per ragged_dot lowering (`LOWERINGS`: XLA's
-default, XLA's cuDNN fusion, JAX's Pallas Triton kernel), since which of them
-is a true grouped GEMM depends on the jaxlib and cuDNN versions.
-
-Columns: the median step time over --repeats calls and its ratio to grouped;
-XLA's FLOPs of the compiled step (scans counted fully:
-`profiling.loop_corrected_flops`) and its longest while loop (trip count:
-`harness.max_while_trip_count`; on a GPU each trip is a round trip driven
-by the host); XLA's buffer sizes of the compiled step (arguments + outputs +
-temporaries, `memory_analysis`); and the device's peak memory in use
-(`device.memory_stats()['peak_bytes_in_use']`). The peak is a process-wide
-high-water mark, so where the device reports it each row runs in its own
-child process (--isolate=auto); on CPU there is no device peak ('-').
-Each row is printed as soon as it is measured, the table at the end.
---compile_only compiles every row without running it (FLOPs, loops and
-buffers at full size on any machine: docs/performance.md, "GPU dispatch").
-
   python -m launch.bench.gpu_dispatch               # on the GPU machine
   python -m launch.bench.gpu_dispatch --ragged_lowerings=xla   # one lowering
   python -m launch.bench.gpu_dispatch --quick       # toy sizes, any backend
   python -m launch.bench.gpu_dispatch --compile_only --isolate=no   # CPU
+
+What it measures, how, and what it checks: docs/performance.md, "The
+benchmark scripts in detail".
 """
 
 import contextlib

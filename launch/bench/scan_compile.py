@@ -1,20 +1,10 @@
 r"""Compile time against depth: scanned blocks against the unrolled twin.
 
-At switch-base-8 width (d_model 768, d_ff 3072, 12 heads, E = 8, capacity
-64, every 2nd block sparse, a reduced vocabulary), for each depth, both
-`scan_layers` settings and each dtype, prints in one process:
-
-* parameter set-up: `models.init_params` (shapes from `jax.eval_shape`,
-  leaves drawn directly) and, for comparison, `jax.jit(module.init)`
-  (float32 rows only: parameters are float32 whatever the dtype);
-* lower + compile of the classifier's forward on a microbatch;
-* lower + compile of each stream's per-record clipped-gradient accumulate
-  (`train.step.PhaseStep`, as `launch/bench/benchmark.py` builds it: the
-  shared stream's attention LoRA + head, the expert stream's owner slices
-  at the last sparse block, kept out of the scan as the trainer keeps l*).
-
   python -m launch.bench.scan_compile
   python -m launch.bench.scan_compile --depths=2,12 --dtypes=bfloat16
+
+What it measures, how, and what it checks: docs/performance.md, "The
+benchmark scripts in detail".
 """
 
 # pylint: disable=g-import-not-at-top,wrong-import-position

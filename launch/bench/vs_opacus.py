@@ -1,82 +1,11 @@
 r"""raptor_jax against PyTorch + Opacus on the same model, weights and DP step.
 
-One command builds a small random Switch Transformer with `transformers`,
-saves it, and loads the same weights into both sides:
-
-* raptor_jax: `models.from_pretrained(..., num_labels=2, lora_rank=r,
-  attention_lora=True, expert_lora_layers=(l*,))`, l* the last sparse block;
-  every LoRA B factor is then set to small random values (so that every
-  adapter has a gradient) and the torch side gets the same values.
-* PyTorch: `transformers.SwitchTransformersEncoderModel` with LoRA (same A,
-  B, alpha / r) on attention q, k, v, o of every block and the same mean
-  pooling + linear head.
-
-Columns (median ms of interleaved rounds, same records on both sides):
-
-  torch          non-private step: mean loss, backward, Adam.
-  opacus         shared DP step with Opacus in its fastest `grad_sample_mode`
-                 among hooks, functorch, ew and ghost (each is timed; the
-                 per-mode times are printed too): per-sample gradients of the
-                 attention LoRA + head, flat clip C, noise, Adam.
-  raptor         the trainer's non-private step (`train.step.PhaseStep` of a
-                 non-private phase: gradient of the summed loss of the
-                 attention LoRA + head over the microbatch size, Adam).
-  raptor DP      the trainer's shared DP step (`PhaseStep`: vmap(grad) per
-                 record, clip, float32 sum, noise once, Adam).
-  opacus expert  Opacus with LoRA on EVERY expert of l* (masked dispatch:
-                 each expert runs on every token, its output masked by the
-                 router), in the fastest shared mode.
-  raptor expert  RAPTOR's expert phase through `PhaseStep`: each record's
-                 gradient reaches its owner's slice only (owner slices, the
-                 trainer's default residual weight 'shared', sum by owner,
-                 noise on every expert, Adam).
-The torch columns take the fastest host-memory setting too (below).
-
-Before timing, each pair is checked to compute the same update with the noise
-off: the non-private gradients, Opacus's clipped and averaged gradient
-(`DPOptimizer.pre_step` with noise_multiplier 0) against raptor_jax's
-clipped sums over the public denominator, and for the expert stream
-raptor_jax's per-owner sums against a reference built from Opacus's
-per-sample gradients (the owner's rows of each record's every-expert
-gradient, weighted, clipped, summed by owner). The reference is torch in
-float64 (relative error ||a - b|| / ||b|| over all leaves below --tolerance);
-every float32 Opacus mode is also checked against raptor_jax's shared update
-(below --fp32_tolerance). Measured at the full sizes, m=8: raptor_jax
-against torch float64, non-private 3.7e-6; against every float32 Opacus mode
-7.3e-6; expert stream against the float64 reference 1e-6; but torch float32
-non-private against torch float64, and raptor_jax against float64 Opacus,
-2e-4 (not tracked down; a routing near-tie is one candidate), hence the
-default tolerances. At the --quick sizes everything agrees to ~1e-6.
-
-Processes (`--isolate`, the default): the checks run in this process; the
-timing runs in worker processes, each this script with `--serve`: one for
-raptor_jax, whose first lines make the public set-up call a user's program
-makes, `raptor_jax.process.setup` (the trainer's: host memory kept, set
-before any import, and one XLA CPU device per core), and
-one torch worker per `--torch_host_memory` setting: 'glibc' (the defaults,
-as torch users run it) and 'keep' (`keep_freed_memory`, the same setting as
-raptor_jax). The parent asks the workers for one step at a time, column
-after column, round after round, so no two steps ever run at once and all
-see the same machine state; each framework has its process and allocator
-to itself, as in real use. `--noisolate` times everything in this one
-process instead (the issue's original setup): torch and XLA then share one
-heap, so host memory is returned each step unless `--keep_host_memory`
-(with it, torch's tensors land in the holes between raptor_jax's buffers,
-and at microbatch 128 a later raptor_jax step found no hole large enough
-and grew the heap again: 235k page faults in one round, +0.9 GB; see
-results/vs_opacus/README.md).
-
-Threads: torch gets `torch.set_num_threads(--threads)`; `--omp=passive` (the
-default) sets OMP_WAIT_POLICY=PASSIVE before torch is imported (stable when
-other work shares the cores), `--omp=default` leaves torch's own threading.
-XLA's CPU client uses every core the process may run on; run under
-`taskset -c 0-1` (or on a 2-core machine) for 2 cores on both sides. raptor_jax
-splits them into `--cpu_devices` XLA devices (0: one per core, the most
-that divides every microbatch size).
-
   python -m launch.bench.vs_opacus                      # the full table
   python -m launch.bench.vs_opacus --omp=default        # torch's own threading
   python -m launch.bench.vs_opacus --quick              # tiny sizes, a few s
+
+What it measures, how, and what it checks: docs/performance.md, "The
+benchmark scripts in detail".
 """
 
 from __future__ import annotations
@@ -270,9 +199,9 @@ def compare(
     params,
     m,
     *,
-    modes,
-    repeats,
-    tolerance,
+    modes=MODES,
+    repeats=5,
+    tolerance=1e-3,
     fp32_tolerance=1e-2,
     workers=(),
     flag_args=(),
@@ -456,16 +385,15 @@ def run(
     sizes: raptor_side.Sizes,
     microbatch_sizes,
     *,
-    modes=MODES,
-    repeats=5,
-    tolerance=1e-3,
-    fp32_tolerance=1e-2,
     threads=2,
-    workers=(),
-    flag_args=(),
     verbose=False,
+    **options,
 ):
-  """Saves the model, loads it into both sides, one `compare` row per m."""
+  """Saves the model, loads it into both sides, one `compare` row per m.
+
+  `options`: `compare`'s keyword arguments (modes, repeats, tolerances,
+  workers, flag_args).
+  """
   import torch  # pylint: disable=import-outside-toplevel
 
   torch.set_num_threads(threads)
@@ -474,21 +402,7 @@ def run(
     module, params = raptor_side.raptor_model(path, sizes)
     rows = []
     for m in microbatch_sizes:
-      rows.append(
-          compare(
-              path,
-              sizes,
-              module,
-              params,
-              m,
-              modes=modes,
-              repeats=repeats,
-              tolerance=tolerance,
-              fp32_tolerance=fp32_tolerance,
-              workers=workers,
-              flag_args=flag_args,
-          )
-      )
+      rows.append(compare(path, sizes, module, params, m, **options))
       if verbose:  # a long run shows each row as it finishes
         print(f'm={m}:', {c: round(t) for c, t in rows[-1]['ms'].items()})
         print(f'm={m} checks:', rows[-1]['errors'], flush=True)

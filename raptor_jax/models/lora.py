@@ -34,7 +34,7 @@ class LoRADense(nn.Module):
   """Bias-free dense layer with an optional LoRA adapter (rank 0 = none).
 
   `kernels` 'fast' (or 'auto' on CPU) runs float32 adapters through
-  `low_rank_linear`'s folded backward; 'reference' is the split form
+  `low_rank_linear_fast`'s folded backward; 'reference' is the split form
   x @ kernel + scale (x @ a) @ b differentiated by autodiff (see
   `kernels.py`).
   """
@@ -62,14 +62,14 @@ class LoRADense(nn.Module):
     )
     fast = kernels_lib.resolve(self.kernels) == "fast"
     if fast and jnp.dtype(self.dtype) == jnp.float32:
-      return low_rank_linear(x, kernel, a, b, scale)
+      return low_rank_linear_fast(x, kernel, a, b, scale)
     # The definition; narrow dtypes always use it, since a merged kernel
     # would round the small update away.
-    return x @ kernel + scale * ((x @ a) @ b)
+    return low_rank_linear_reference(x, kernel, a, b, scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def low_rank_linear(
+def low_rank_linear_fast(
     x: jax.Array, kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float
 ) -> jax.Array:
   """x @ kernel + scale * (x @ a) @ b, with the backward folded.
@@ -126,7 +126,14 @@ def _low_rank_linear_bwd(scale, residuals, dy):
   return dy @ merged.T, d_kernel, da, db
 
 
-low_rank_linear.defvjp(_low_rank_linear_fwd, _low_rank_linear_bwd)
+low_rank_linear_fast.defvjp(_low_rank_linear_fwd, _low_rank_linear_bwd)
+
+
+def low_rank_linear_reference(
+    x: jax.Array, kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float
+) -> jax.Array:
+  """The definition of `low_rank_linear_fast`: the split form, autodiff."""
+  return x @ kernel + scale * ((x @ a) @ b)
 
 
 class ExpertLinear(nn.Module):

@@ -98,6 +98,13 @@ def low_rank_update(
   """
   if kernels_lib.resolve(kernels) == "fast":
     return low_rank_update_fast(x, a, b, scale)
+  return low_rank_update_reference(x, a, b, scale)
+
+
+def low_rank_update_reference(
+    x: jax.Array, a: jax.Array, b: jax.Array, scale: float
+) -> jax.Array:
+  """The definition of `low_rank_update`: autodiff of the product, x constant."""
   return scale * ((jax.lax.stop_gradient(x) @ a) @ b)
 
 

@@ -393,28 +393,19 @@ def diagnose(
       draws=sc.sensitivity_draws,
       logits_fn=cache.eval_fn(run.model),
   )
-  squared = dict.fromkeys(roles.DIAGNOSTIC_ROLES, 0.0)
-  signals: dict[str, dict[str, np.ndarray]] = {}
-  for fns in phase_fns:
-    stats_fn = cache.statistics_fn(fns, run.expert_layer, run.num_experts)
-    signal_sums = signals.setdefault(fns.phase.name, {})
-    for mb in sampling.microbatches(np.arange(n), config.microbatch_size):
-      batch = dict(
-          input_ids=records[0][mb.indices],
-          attention_mask=records[1][mb.indices],
-          labels=records[2][mb.indices],
-          owners=eval_owners[:n][mb.indices],
-      )
-      sq, signal = stats_fn(
-          trainable,
-          run.frozen,
-          jax.tree.map(jnp.asarray, batch),
-          jnp.asarray(mb.mask),
-      )
-      for role, value in sq.items():
-        squared[role] += float(value)
-      for path, value in signal.items():
-        signal_sums[path] = signal_sums.get(path, 0.0) + np.asarray(value)
+  squared, signals = diagnostics.gradient_statistics(
+      phase_fns,
+      trainable,
+      run.frozen,
+      records,
+      eval_owners[:n],
+      expert_layer=run.expert_layer,
+      num_experts=run.num_experts,
+      microbatch_size=config.microbatch_size,
+      statistics_fn=lambda fns: cache.statistics_fn(
+          fns, run.expert_layer, run.num_experts
+      ),
+  )
   snr = None
   if plans.is_private(run.plan):
     snr = diagnostics.snr_of_plan(

@@ -343,18 +343,13 @@ def _phases(
             joint_clip=True,
         ),
     )
-  if method == "baseline_b":
-    return (
-        plans.Phase(
-            "shared", sampling.SHARED_STREAM, (shared(sigmas.dpsgd()),)
-        ),
+  if method in ("baseline_b", "baseline_c"):  # one stream of RAPTOR's two
+    name, stream, make = (
+        ("shared", sampling.SHARED_STREAM, shared)
+        if method == "baseline_b"
+        else ("expert", sampling.EXPERT_STREAM, expert)
     )
-  if method == "baseline_c":
-    return (
-        plans.Phase(
-            "expert", sampling.EXPERT_STREAM, (expert(sigmas.dpsgd()),)
-        ),
-    )
+    return (plans.Phase(name, stream, (make(sigmas.dpsgd()),)),)
   private = method in PRIVATE_METHODS
   every = (
       roles.ALL_ROLES

@@ -6,7 +6,7 @@ benchmarks and the tests all build runs here, so they run what training runs.
 
 Privacy. `Run.owners` is the owner map of the private records: it stays in
 process memory and must never be logged, saved or returned to a user
-(SPEC 1.2). The layer table is computed on the public corpus only.
+(docs/method.md §1.2). The layer table is computed on the public corpus only.
 """
 
 from __future__ import annotations
