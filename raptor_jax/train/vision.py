@@ -14,11 +14,10 @@ accountant) is the text trainer, unchanged.
 Privacy. A record's ids point only at its own rows, so its loss, hence its
 clipped gradient, is a function of that record alone (the table rows of
 other records are never read by it): adding or removing a record adds or
-removes its rows and its gradient, nothing else. The table is role 'base',
-which the LoRA methods and RAPTOR never train; `check_fields` refuses the
-two methods that train it (monolithic, nonprivate_full), and
-`release.export` refuses a model holding a table (it holds the private
-records' image features). A record's sequence length is 1 + its image
+removes its rows and its gradient, nothing else. No method trains the
+table (`roles.select` never picks it, even for the methods that train every
+weight), it is never counted in results.json, and `release.export` refuses
+a model holding one (it holds the private records' image features). A record's sequence length is 1 + its image
 tokens (a function of its image's size and the public candidate
 resolutions, `data.images`) + its text, so its length bucket depends only
 on that record.
@@ -68,8 +67,6 @@ IMAGE_TASKS = {
         splits={"train": "train", "dev": "validation"},
     ),
 }
-# Methods that train the 'base' role, which holds the image table.
-_TRAINS_BASE = ("monolithic", "nonprivate_full")
 
 
 def is_image_task(task: str) -> bool:
@@ -106,14 +103,6 @@ def check_fields(config: ml_collections.ConfigDict) -> None:
       "a `vision` section with an image task",
       None,
       "start from --config=configs/deepseek_vl2_scienceqa.py",
-  )
-  _validate.check(
-      config.method not in _TRAINS_BASE,
-      "method",
-      "a method that leaves the frozen image table alone (raptor,"
-      " monolithic_lora, nonprivate_lora, baseline_*)",
-      config.method,
-      fix("method", "monolithic_lora"),
   )
   _validate.one_of(
       "vision.without_image",
