@@ -40,6 +40,11 @@ default delta = 1/n^1.1 are functions of it (either gives n back), and the
 accountant takes them as public parameters, as DP-SGD accounting does. The
 guarantee covers whether any one record was in the data, given n.
 
+An image task (`train.vision`, DeepSeek-VL2) is written in DeepSeek-VL2's
+own layout instead (`vision.write_model`): the checkpoint's config.json,
+frozen tower and projector, the merged language model and the LM head with
+the trained letter rows; its records' image table is never written.
+
 Nothing else: no secret, no noise key, no optimizer state, no wall time or
 timestamp, no batch size, no owner map or per-expert statistic, no metric of
 the private data.
@@ -62,7 +67,7 @@ import numpy as np
 from raptor_jax import models
 from raptor_jax.models import export as hf_export
 from raptor_jax.models import hf, lora
-from raptor_jax.train import step
+from raptor_jax.train import step, vision
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import Run, build_run
 
@@ -306,9 +311,9 @@ def write_model(
   if getattr(config, "image_table_size", 0):
     # The table holds the private records' image features (train.vision).
     raise ValueError(
-        "export: this run's model holds its records' image table (an image"
-        " task); exporting DeepSeek-VL2 runs is not supported yet, and the"
-        " table must never be published"
+        "write_model: this model holds its records' image table (an image"
+        " task), which must never be published; export image-task runs with"
+        " release.export (train.vision.write_model)"
     )
   merged = lora.merge(params["backbone"], config.lora_alpha, config.lora_rank)
   classifier = hf.sequence_classification_class(backbone, model.pooling)
@@ -452,13 +457,21 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike) -> Path:
   _check_out(out)
   run, params, report = trained_model(workdir)
   tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+  image_task = vision.is_image_task(run.config.data.task)
   try:
-    write_model(
-        tmp, run.model, params, run.data.tokenizer, run.data.task.label_names
-    )
+    if image_task:  # DeepSeek-VL2's own layout, the image table left out
+      vision.write_model(tmp, run, params)
+    else:
+      write_model(
+          tmp, run.model, params, run.data.tokenizer, run.data.task.label_names
+      )
     card = privacy_card(report)
     (tmp / CARD).write_text(json.dumps(card, indent=2, sort_keys=True))
-    (tmp / MODEL_CARD).write_text(model_card(card, run, out))
+    (tmp / MODEL_CARD).write_text(
+        vision.model_card(_in_words(card), run)
+        if image_task
+        else model_card(card, run, out)
+    )
     _check_out(out)
     if out.exists():
       out.rmdir()

@@ -299,17 +299,12 @@ def test_norm_topk_prob_changes_the_routing(tiny):
 WORDS = ["question", "what", "colour", "is", "it", "red", "blue", "answer"]
 
 
-@pytest.mark.slow
-def test_scienceqa_run_on_the_tiny_checkpoint(tiny, tmp_path):
-  """The trainer's image path (frozen table) equals the whole model's image
-  path, and the head scores the letters with the LM head."""
+def _scienceqa_config(path, tmp_path):
+  """configs/deepseek_vl2_scienceqa.py on `path` and 4 JSONL image records."""
   from helpers import load_config_module  # pylint: disable=g-import-not-at-top
   from raptor_jax import data  # pylint: disable=g-import-not-at-top
-  from raptor_jax.train.run import build_run  # pylint: disable=g-import-not-at-top
 
-  path, _ = tiny
-  letters = list("abcde")
-  tok = data.build_word_tokenizer(WORDS + letters + ["?", ":", "."])
+  tok = data.build_word_tokenizer(WORDS + list("abcde") + ["?", ":", "."])
   tok.save_pretrained(str(path))
   rng = np.random.RandomState(0)
   lines = []
@@ -336,6 +331,18 @@ def test_scienceqa_run_on_the_tiny_checkpoint(tiny, tmp_path):
   config.data.length_buckets = (48,)
   config.batch_size = 2
   config.microbatch_size = 4
+  return config, tok
+
+
+@pytest.mark.slow
+def test_scienceqa_run_on_the_tiny_checkpoint(tiny, tmp_path):
+  """The trainer's image path (frozen table) equals the whole model's image
+  path, and the head scores the letters with the LM head."""
+  from raptor_jax.train.run import build_run  # pylint: disable=g-import-not-at-top
+
+  path, _ = tiny
+  letters = list("abcde")
+  config, tok = _scienceqa_config(path, tmp_path)
   run = build_run(config)
   module, params = deepseek_vl2.from_pretrained(path)
   lm_head = np.asarray(params["lm_head"]["kernel"])
@@ -366,3 +373,51 @@ def test_scienceqa_run_on_the_tiny_checkpoint(tiny, tmp_path):
   last = dev.attention_mask.sum(1) - 1
   want = np.asarray(full)[np.arange(4), last][:, letter_ids]
   np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_export_writes_deepseeks_layout(tiny, tmp_path):
+  """A trained run exports as a deepseek_vl_v2 checkpoint: tower, projector
+  and layout embeddings unchanged, the merged language model, the trained
+  head in the LM head's letter rows, and no image table."""
+  from raptor_jax import release  # pylint: disable=g-import-not-at-top
+  from raptor_jax.models import lora, stack  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train import loop  # pylint: disable=g-import-not-at-top
+
+  path, _ = tiny
+  config, tok = _scienceqa_config(path, tmp_path)
+  config.epochs = 1
+  config.progress_bar = False
+  loop.train_and_evaluate(config, str(tmp_path / "work"))
+  out = release.export(tmp_path / "work", tmp_path / "out")
+  names = safetensors.numpy.load_file(str(out / "model.safetensors"))
+  assert not any("image_table" in n for n in names)
+  assert "DeepSeek-VL2" in (out / "README.md").read_text()
+  _, source = deepseek_vl2.from_pretrained(path)
+  _, exported = deepseek_vl2.from_pretrained(out)
+  jax.tree.map(
+      np.testing.assert_array_equal, exported["encoder"], source["encoder"]
+  )
+  run, params, _ = release.trained_model(tmp_path / "work")
+  letters = [tok.convert_tokens_to_ids(l) for l in "abcde"]
+  head = np.asarray(exported["lm_head"]["kernel"])
+  np.testing.assert_array_equal(head[:, letters], params["head"]["kernel"])
+  others = [i for i in range(head.shape[1]) if i not in letters]
+  np.testing.assert_array_equal(
+      head[:, others], np.asarray(source["lm_head"]["kernel"])[:, others]
+  )
+  config = run.model.backbone.config
+  merged = lora.merge(params["backbone"], config.lora_alpha, config.lora_rank)
+  merged.pop("image_table")
+  language = deepseek_vl2.config_from_hf(
+      json.loads((out / "config.json").read_text())
+  ).language
+  per_layer = lambda tree, c: roles.flatten(stack.unstack_layers(tree, c))
+  flat = per_layer(exported["language"], language)
+  want = per_layer(merged, config)
+  assert set(flat) == set(want)
+  for name, value in want.items():
+    np.testing.assert_allclose(flat[name], value, rtol=1e-6, atol=1e-7)
+  before = per_layer(source["language"], language)
+  # training moved the language model
+  assert any(not np.array_equal(before[n], flat[n]) for n in flat)

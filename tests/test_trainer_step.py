@@ -105,7 +105,13 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize(
+    "setting",
+    [
+        pytest.param(s, marks=pytest.mark.slow) if s == "images" else s
+        for s in sorted(SETTINGS)
+    ],
+)
 def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads(
     setting,
 ):

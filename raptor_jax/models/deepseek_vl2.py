@@ -321,6 +321,21 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: VL2Config) -> dict:
   return params
 
 
+def _vl2_checkpoint(path: str | os.PathLike):
+  """(directory, config.json dict) of a `deepseek_vl_v2` checkpoint."""
+  from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
+
+  model_dir = hf_lib.resolve_model_dir(path)
+  hf = hf_lib.read_config(model_dir)
+  if hf.get("model_type") != "deepseek_vl_v2":
+    raise ValueError(
+        f"{model_dir}/config.json: model_type {hf.get('model_type')!r}, not"
+        " 'deepseek_vl_v2' (DeepSeek-VL2); load text checkpoints with"
+        " models.from_pretrained"
+    )
+  return model_dir, hf
+
+
 def from_pretrained(path: str | os.PathLike, **options):
   """(DeepseekVL2, params) of a local `deepseek_vl_v2` checkpoint directory.
 
@@ -331,13 +346,7 @@ def from_pretrained(path: str | os.PathLike, **options):
   from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
   from raptor_jax.models import stack  # pylint: disable=g-import-not-at-top
 
-  model_dir = hf_lib.resolve_model_dir(path)
-  hf = hf_lib.read_config(model_dir)
-  if hf.get("model_type") != "deepseek_vl_v2":
-    raise ValueError(
-        f"{model_dir}/config.json: model_type {hf.get('model_type')!r}, not"
-        " 'deepseek_vl_v2'; load other checkpoints with models.from_pretrained"
-    )
+  model_dir, hf = _vl2_checkpoint(path)
   config = config_from_hf(hf, **options)
   tensors = hf_lib.load_tensors(model_dir, keep=lambda n: True)
   params = params_from_hf(tensors, config)
@@ -359,13 +368,7 @@ def encoder_from_pretrained(path: str | os.PathLike):
   """
   from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
 
-  model_dir = hf_lib.resolve_model_dir(path)
-  hf = hf_lib.read_config(model_dir)
-  if hf.get("model_type") != "deepseek_vl_v2":
-    raise ValueError(
-        f"{model_dir}/config.json: model_type {hf.get('model_type')!r}; image"
-        " tasks need a 'deepseek_vl_v2' checkpoint (DeepSeek-VL2)"
-    )
+  model_dir, hf = _vl2_checkpoint(path)
   config = config_from_hf(hf)
   tensors = hf_lib.load_tensors(
       model_dir, keep=lambda n: not n.startswith("language.")
@@ -380,8 +383,8 @@ def language_head(path: str | os.PathLike) -> tuple[int, np.ndarray | None]:
   """(vocab_size, `language.lm_head.weight` [V, D] or None) of a checkpoint."""
   from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
 
-  model_dir = hf_lib.resolve_model_dir(path)
-  vocab = int(hf_lib.read_config(model_dir)["language_config"]["vocab_size"])
+  model_dir, hf = _vl2_checkpoint(path)
+  vocab = int(hf["language_config"]["vocab_size"])
   tensors = hf_lib.load_tensors(
       model_dir, keep=lambda n: n == "language.lm_head.weight"
   )

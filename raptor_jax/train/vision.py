@@ -14,11 +14,10 @@ accountant) is the text trainer, unchanged.
 Privacy. A record's ids point only at its own rows, so its loss, hence its
 clipped gradient, is a function of that record alone (the table rows of
 other records are never read by it): adding or removing a record adds or
-removes its rows and its gradient, nothing else. The table is role 'base',
-which the LoRA methods and RAPTOR never train; `check_fields` refuses the
-two methods that train it (monolithic, nonprivate_full), and
-`release.export` refuses a model holding a table (it holds the private
-records' image features). A record's sequence length is 1 + its image
+removes its rows and its gradient, nothing else. No method trains the
+table (`roles.select` never picks it, even for the methods that train every
+weight), it is never counted in results.json, and `release.export` refuses
+a model holding one (it holds the private records' image features). A record's sequence length is 1 + its image
 tokens (a function of its image's size and the public candidate
 resolutions, `data.images`) + its text, so its length bucket depends only
 on that record.
@@ -34,6 +33,7 @@ state after "Answer:".
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -68,8 +68,6 @@ IMAGE_TASKS = {
         splits={"train": "train", "dev": "validation"},
     ),
 }
-# Methods that train the 'base' role, which holds the image table.
-_TRAINS_BASE = ("monolithic", "nonprivate_full")
 
 
 def is_image_task(task: str) -> bool:
@@ -106,14 +104,6 @@ def check_fields(config: ml_collections.ConfigDict) -> None:
       "a `vision` section with an image task",
       None,
       "start from --config=configs/deepseek_vl2_scienceqa.py",
-  )
-  _validate.check(
-      config.method not in _TRAINS_BASE,
-      "method",
-      "a method that leaves the frozen image table alone (raptor,"
-      " monolithic_lora, nonprivate_lora, baseline_*)",
-      config.method,
-      fix("method", "monolithic_lora"),
   )
   _validate.one_of(
       "vision.without_image",
@@ -422,3 +412,75 @@ def image_backbone(config, run_data):
 
     module, params = models.from_pretrained(mc_.name, dtype=mc_.dtype)
   return with_image_table(module, params, run_data.image_table)
+
+
+# --- export: the whole model in DeepSeek-VL2's layout -------------------------
+
+
+def write_model(directory, run, params: dict) -> Path:
+  """Writes a trained image-task run as a `deepseek_vl_v2` checkpoint.
+
+  The checkpoint `model.name` (config.json, the tower, the projector and the
+  layout embeddings: frozen, copied unchanged) with the trained language
+  model (every LoRA adapter merged into its kernel, `language.model.*`) and
+  its LM head whose rows of the choice letters are the trained classifier
+  head, so DeepSeek's own code loads it and its next-token scores of the
+  letters are the classifier's logits. The image table (the private
+  records' image tokens) is never written. A random model (`:tiny`) has no
+  checkpoint to complete and is refused.
+  """
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
+  from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
+  from raptor_jax.models import lora, stack  # pylint: disable=g-import-not-at-top
+
+  name = run.config.model.name
+  if name == "random":
+    raise ValueError(
+        "export: an image task on the random model (:tiny) has no"
+        " DeepSeek-VL2 checkpoint to complete; train from a pretrained"
+        " deepseek_vl_v2 model.name to export"
+    )
+  backbone = run.model.backbone
+  config = dataclasses.replace(backbone.config, image_table_size=0)
+  merged = lora.merge(params["backbone"], config.lora_alpha, config.lora_rank)
+  merged.pop("image_table", None)  # private: the records' image tokens
+  language = deepseek.HF_NAMES.to_hf(stack.unstack_layers(merged, config))
+  tensors = {f"language.{n}": w for n, w in language.items()}
+  model_dir, hf = deepseek_vl2._vl2_checkpoint(name)  # pylint: disable=protected-access
+  frozen = hf_lib.load_tensors(
+      model_dir,
+      keep=lambda n: not n.startswith("language.")
+      or n == "language.lm_head.weight",
+  )
+  head = np.array(frozen.pop("language.lm_head.weight"), np.float32)
+  letters = mc.choice_letter_ids(run.data.tokenizer, run.data.task.num_labels)
+  head[letters] = np.asarray(params["head"]["kernel"], np.float32).T
+  tensors["language.lm_head.weight"] = head
+  tensors.update({n: np.asarray(w, np.float32) for n, w in frozen.items()})
+  directory = Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  save_file(
+      {n: np.ascontiguousarray(w) for n, w in tensors.items()},
+      str(directory / "model.safetensors"),
+      metadata={"format": "pt"},
+  )
+  (directory / "config.json").write_text(json.dumps(hf, indent=2))
+  run.data.tokenizer.save_pretrained(str(directory))
+  return directory
+
+
+def model_card(privacy: str, run) -> str:
+  """README.md of an exported image-task model (public fields only)."""
+  letters = ", ".join(run.data.task.label_names)
+  return (
+      f"# {run.config.model.name}, fine-tuned with raptor_jax\n\n"
+      f"A DeepSeek-VL2 checkpoint in DeepSeek's own layout (load it with"
+      f" deepseek-ai/DeepSeek-VL2's code), fine-tuned with"
+      f" `{run.config.method}` on the multiple-choice image task"
+      f" `{run.data.task.name}`: LoRA on the language model (merged), the"
+      f" vision tower and projector unchanged. The prompt is the image, the"
+      f" question and the lettered choices, ending in 'Answer:'; the answer"
+      f" is the letter ({letters}) with the highest next-token score.\n\n"
+      f"## Privacy\n\n{privacy}\n"
+  )

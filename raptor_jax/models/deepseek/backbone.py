@@ -493,8 +493,8 @@ class DeepseekDecoder(nn.Module):
     """Token embeddings, with ids >= vocab_size read from `image_table`.
 
     `image_table/embedding` holds the precomputed image tokens of the run's
-    records (`train.vision`). The table is frozen (role 'base'; `train.vision` refuses the methods
-    that train that role) and each record's ids point only at its own rows,
+    records (`train.vision`). The table is frozen (`roles.select` never
+    picks it) and each record's ids point only at its own rows,
     so a record's gradient depends on that record alone.
     """
     cfg = self.config
