@@ -140,7 +140,7 @@ def base_config() -> ml_collections.ConfigDict:
       0  # data-parallel devices; 0 = all (of every host in a multi-host run)
   )
   c.epochs = (
-      20  # one epoch = ceil(1/q) cycles (docs/method.md §1.8); 0 = 200 steps
+      20  # one epoch = ceil(1/q) cycles (docs/method.md §1.8); 0 = enough for 200 steps
   )
   c.learning_rate = 5e-4  # Adam learning rate of every stream
 
