@@ -1,20 +1,11 @@
 """`train_and_evaluate`: one loop for RAPTOR, its baselines and ablations.
 
-Per cycle (Alg. 1), every phase of the plan draws its own Poisson sample
-(`numpy.random.default_rng((seed, stream, cycle))`, the seed a KDF of the
-run's secret: `secrecy`), accumulates clipped per-record gradient sums over
-fixed-size microbatches, and makes ONE noisy DP-Adam update; the ledger
-records the release in the same immutable `TrainState`. The realised sample size only
-decides how many microbatches run; nothing reads, branches on or logs it.
-
-Length buckets (`data.length_buckets`, `raptor_jax.length_buckets`): each
-sample's records run in fixed-shape microbatches of the smallest bucket
-length that holds them, so each phase's step compiles once per bucket; the
-clipped sums of every bucket add into the phase's one noisy update, the same
-function of the sample as unbucketed (up to float summation order). Which
-bucket a record lands in depends on its private length, so it changes the
-layout and the wall time only; no bucket, count of records per bucket or
-microbatches per bucket reaches a log, metric, progress bar or file.
+A session restores or starts the run's state, compiles every program the
+run calls ahead of its first cycle (`train.cycle.compile_run`, with the
+persistent cache of `compilation_cache`), then runs `train.cycle.train_cycle`
+until the plan ends, checkpointing, evaluating and logging as it goes. The
+cycle itself (sampling, microbatches, the noisy updates, length buckets) is
+`train.cycle`'s.
 """
 
 from __future__ import annotations
@@ -27,11 +18,11 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
-from raptor_jax import _validate, accounting, data, length_buckets, ownership
-from raptor_jax import sampling
+from raptor_jax import _validate, accounting, compilation, length_buckets
+from raptor_jax import ownership
 from raptor_jax.ledger import PrivacyLedger
+from raptor_jax.train import cycle as cycle_lib
 from raptor_jax.train import methods, metrics, parallel, preemption, secrecy, step
 from raptor_jax.train import outputs, workdir as workdir_lib
 from raptor_jax.train.outputs import TrainState
@@ -41,78 +32,14 @@ from raptor_jax.train.run import Run, build_run, validate
 log = logging.getLogger("raptor_jax")
 
 
-def _batch(
-    train: data.TextClassificationData,
-    owners: np.ndarray,
-    indices: np.ndarray,
-    length: int | None = None,
-):
-  """The records `indices`, their tokens cut to `length` (None: max_length).
-
-  Records are right padded, so cutting a record to a bucket that holds it
-  drops padding only (a padding row, mask 0, may lose tokens: its weight is
-  zero whatever it holds).
-  """
-  return dict(
-      input_ids=train.input_ids[indices, :length],
-      attention_mask=train.attention_mask[indices, :length],
-      labels=train.labels[indices],
-      owners=owners[indices],
-  )
-
-
-def _microbatches(sample, local_size, buckets, lengths):
-  """[(length or None, Microbatch)]: this host's microbatches of `sample`.
-
-  No buckets: `parallel.local_microbatches` (every record at max_length).
-  Buckets: `parallel.local_bucketed_microbatches`, bucket by bucket. The
-  layout is private (it follows the records' lengths and the realised
-  sample); it is iterated over, never logged or counted anywhere public.
-  """
-  if not buckets:
-    return [
-        (None, mb) for mb in parallel.local_microbatches(sample, local_size)
-    ]
-  return list(
-      parallel.local_bucketed_microbatches(sample, lengths, buckets, local_size)
-  )
-
-
-def _phase_functions(
-    run: Run, mesh, secret: bytes
-) -> list[step.PhaseFunctions]:
-  """The jitted step of every phase; phase i's noise key is the KDF 'noise/i'."""
-  config = run.config
-  return [
-      step.PhaseFunctions(
-          run.model,
-          phase,
-          mesh=mesh,
-          expert_layer=run.expert_layer,
-          num_experts=run.num_experts,
-          learning_rate=config.learning_rate,
-          residual=config.raptor.residual,
-          residual_gamma=config.raptor.residual_gamma,
-          key=secrecy.noise_key(secret, i),
-      )
-      for i, phase in enumerate(run.plan.phases)
-  ]
-
-
 def _initial_state(
     run: Run, phase_fns, mesh, checkpointer: Checkpointer, meta: dict | None
 ) -> tuple[TrainState, Any]:
   """(state, frozen) placed on the mesh: fresh, or the latest checkpoint's."""
-  opt_states = {}
-  for fns in phase_fns:
-    opt_states.update(fns.init_opt_states(run.trainable))
-  trainable, frozen, opt_states = parallel.replicate(
-      (run.trainable, run.frozen, opt_states), mesh
-  )
-  state = TrainState(trainable, opt_states, PrivacyLedger(), 0)
+  state, frozen = cycle_lib.initial_state(run, phase_fns, mesh)
   if meta:
     restored = checkpointer.restore_state(
-        {"trainable": trainable, "opt": opt_states}
+        {"trainable": state.trainable, "opt": state.opt_states}
     )
     state = TrainState(
         restored["trainable"],
@@ -146,56 +73,6 @@ def _warn_if_not_private(config) -> None:
     )
 
 
-def _train_cycle(
-    run: Run,
-    phase_fns,
-    mesh,
-    state: TrainState,
-    frozen,
-    secret: bytes,
-    writer: metrics.MetricWriter,
-    lengths: np.ndarray | None = None,
-) -> TrainState:
-  """Runs every phase of one cycle and returns the committed next state.
-
-  Each phase draws its own Poisson sample, sums clipped gradients over
-  fixed-size microbatches (by length bucket with `data.length_buckets`;
-  `lengths`: this host's record lengths, computed here when None) and makes
-  one noisy update. The new state (and the ledger entry of every private
-  phase) only exists once all phases ran, so an interruption leaves the
-  previous state consistent.
-  """
-  config, plan, cycle = run.config, run.plan, state.cycle
-  local_microbatch = config.microbatch_size * len(mesh.local_devices)
-  buckets = length_buckets.from_config(config)
-  if buckets and lengths is None:
-    lengths = length_buckets.record_lengths(run.data.train.attention_mask)
-  trainable, opt_states = state.trainable, state.opt_states
-  seed = secrecy.sampler_seed(secret)
-  for phase, fns in zip(plan.phases, phase_fns):
-    sample = sampling.poisson_sample(
-        run.n, plan.sample_rate, seed=seed, stream=phase.stream, step=cycle
-    )
-    sums, loss_sum = fns.zero_sums(trainable), 0.0
-    for length, mb in _microbatches(sample, local_microbatch, buckets, lengths):
-      batch, mask = parallel.shard_records(
-          (_batch(run.data.train, run.owners, mb.indices, length), mb.mask),
-          mesh,
-      )
-      if config.log_private_stats:
-        loss_sum += float(fns.loss_sum(trainable, frozen, batch, mask))
-      sums = fns.accumulate(trainable, frozen, sums, batch, mask)
-    trainable, opt_states = fns.update(trainable, opt_states, sums)
-    if config.log_private_stats:  # opted in, warned: a non-private statistic
-      writer.write(
-          cycle,
-          {f"private/{phase.name}_train_loss": loss_sum / max(len(sample), 1)},
-      )
-  return TrainState(
-      trainable, opt_states, outputs.accounted(plan, state.ledger), cycle + 1
-  )
-
-
 def _progress_bar(config, plan: methods.Plan, cycle: int):
   if not config.progress_bar or not outputs.is_writer():
     return None
@@ -225,7 +102,7 @@ class _Session:
     self.secret = workdir_lib.run_secret(
         config, meta, self.data, self.checkpointer
     )
-    self.phase_fns = _phase_functions(run, mesh, self.secret)
+    self.phase_fns = cycle_lib.phase_functions(run, mesh, self.secret)
     self.state, self.frozen = _initial_state(
         run, self.phase_fns, mesh, self.checkpointer, meta
     )
@@ -240,14 +117,14 @@ class _Session:
         wall_time=config.log_wall_time,
     )
     self.logits_fn = step.make_eval_fn(run.model)
-    # Length buckets and this host's record lengths (private: the layout
-    # of each cycle's microbatches only, never logged or saved).
-    self.buckets = length_buckets.from_config(config)
+    # This host's record lengths (private: the layout of each cycle's
+    # microbatches only, never logged or saved).
     self.lengths = (
         length_buckets.record_lengths(run.data.train.attention_mask)
-        if self.buckets
+        if length_buckets.from_config(config)
         else None
     )
+    self.seconds = dict(train=0.0, evaluate=0.0)
     self.cycles_per_epoch = accounting.steps_per_epoch(run.plan.sample_rate)
     self.last_saved = self.state.cycle
     self.clock = preemption.CheckpointClock(
@@ -268,23 +145,26 @@ class _Session:
   def wall_time_s(self) -> float:
     return self.earlier_wall_s + time.time() - self.start_time
 
+  def compile(self) -> compilation.CompileReport:
+    """Compiles every program of the run's cycles and evaluations ahead."""
+    return cycle_lib.compile_run(
+        self.run,
+        self.phase_fns,
+        self.logits_fn,
+        self.mesh,
+        self.state,
+        self.frozen,
+        progress=log.info if outputs.is_writer() else None,
+    )
+
   def evaluate(self) -> dict[str, float]:
     """Metrics of the current parameters on the evaluation split."""
-    dev, state = self.run.data.dev, self.state
-    logits = lambda ids, mask: self.logits_fn(
-        state.trainable,
-        self.frozen,
-        *parallel.replicate((ids, mask), self.mesh),
+    start = time.perf_counter()
+    result = cycle_lib.evaluate(
+        self.run, self.logits_fn, self.state, self.frozen, self.mesh
     )
-    return metrics.evaluate(
-        logits,
-        dev.input_ids,
-        dev.attention_mask,
-        dev.labels,
-        self.run.data.task.metrics,
-        self.run.config.eval_batch_size,
-        buckets=self.buckets,
-    )
+    self.seconds["evaluate"] += time.perf_counter() - start
+    return result
 
   def save(self, stopping: bool = False) -> None:
     """Checkpoints the current state, once per cycle.
@@ -370,9 +250,10 @@ class _Session:
         else min(plan.cycles, self.state.cycle + config.stop_after_cycles)
     )
     progress = _progress_bar(config, plan, self.state.cycle)
+    start, evaluating = time.perf_counter(), self.seconds["evaluate"]
     try:
       while self.state.cycle < stop_at:
-        self.state = _train_cycle(
+        self.state = cycle_lib.train_cycle(
             self.run,
             self.phase_fns,
             self.mesh,
@@ -394,6 +275,9 @@ class _Session:
     finally:
       if progress is not None:
         progress.close()
+      self.seconds["train"] += (
+          time.perf_counter() - start - (self.seconds["evaluate"] - evaluating)
+      )
     if self.state.cycle > self.last_saved:
       self.save()
     self.checkpointer.close()
@@ -440,6 +324,9 @@ def train_and_evaluate(
   start_time = time.time()
   if run is None or not run.validated:
     validate(config)  # before any data or model is loaded; once per run
+  # Before the model and the owner passes compile: they are cached too.
+  compilation.enable_cache(config.get("compilation_cache", "auto"))
+  compiled = compilation.totals()
   mesh = parallel.make_mesh(config.num_devices)
   workdir = Path(workdir).expanduser().resolve()
   workdir.mkdir(parents=True, exist_ok=True)
@@ -451,15 +338,19 @@ def train_and_evaluate(
   with lock, preemption.stop_on_signals():
     try:
       return _train_and_evaluate(
-          config, workdir, mesh, run, start_time, dry_run
+          config, workdir, mesh, run, (start_time, compiled), dry_run
       )
     except preemption.Stopped as stopped:
       stopped.cycle = preemption.latest_checkpoint(workdir)
       raise
 
 
-def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
-  """`train_and_evaluate` inside the workdir lock and the stop signals."""
+def _train_and_evaluate(config, workdir, mesh, run, start, dry_run):
+  """`train_and_evaluate` inside the workdir lock and the stop signals.
+
+  `start`: (wall time, `compilation.totals()`) when the call began.
+  """
+  start_time, start_compiled = start
   workdir_lib.check_workdir(config, workdir)
   if outputs.is_writer() and not dry_run:
     workdir_lib.start_fresh(workdir)
@@ -491,9 +382,20 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
         "layer selection:\n%s",
         ownership.format_layer_table(run.layer_table, run.expert_layer),
     )
+  compiled = compilation.totals()  # the owner passes of `build_run`
+  session = _Session(run, mesh, workdir, start_time)
+  report = session.compile()
+  compile_s = report.seconds + compiled.seconds - start_compiled.seconds
+  setup_s = time.time() - start_time - compile_s
   if outputs.is_writer():
     log.info("%s", outputs.run_header(run, workdir))
-  session = _Session(run, mesh, workdir, start_time)
+    log.info(
+        "time: set-up %.1f s, compile %.1f s (%d programs of the run; %s)",
+        setup_s,
+        compile_s,
+        report.programs + compiled.programs - start_compiled.programs,
+        _cache_line(config),
+    )
   session.train()
   dev = session.evaluate()
   results = outputs.write_reports(
@@ -511,5 +413,18 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
   )
   session.writer.close()
   if outputs.is_writer():
-    log.info("%s", outputs.run_summary(run, results, dev, workdir))
+    timing = outputs.Timing(
+        setup_s,
+        compile_s,
+        session.seconds["train"],
+        session.seconds["evaluate"],
+    )
+    log.info("%s", outputs.run_summary(run, results, dev, workdir, timing))
   return results
+
+
+def _cache_line(config) -> str:
+  directory = compilation.cache_directory(
+      config.get("compilation_cache", "auto")
+  )
+  return "cache off" if directory is None else f"cache {directory}"
