@@ -114,6 +114,14 @@ def microbatches(sample, local_size, buckets, lengths):
   )
 
 
+def record_lengths(run: Run) -> np.ndarray | None:
+  """This host's record lengths when the config buckets by length, else
+  None. PRIVATE: they decide each cycle's microbatch layout only."""
+  if not length_buckets.from_config(run.config):
+    return None
+  return length_buckets.record_lengths(run.data.train.attention_mask)
+
+
 def train_cycle(
     run: Run,
     phase_fns,
@@ -138,7 +146,7 @@ def train_cycle(
   local_microbatch = config.microbatch_size * len(mesh.local_devices)
   buckets = length_buckets.from_config(config)
   if buckets and lengths is None:
-    lengths = length_buckets.record_lengths(run.data.train.attention_mask)
+    lengths = record_lengths(run)
   trainable, opt_states = state.trainable, state.opt_states
   seed = secrecy.sampler_seed(secret)
   for phase, fns in zip(plan.phases, phase_fns):

@@ -19,8 +19,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from raptor_jax import _validate, accounting, compilation, length_buckets
-from raptor_jax import ownership
+from raptor_jax import _validate, accounting, compilation, ownership
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.train import cycle as cycle_lib
 from raptor_jax.train import methods, metrics, parallel, preemption, secrecy, step
@@ -90,6 +89,15 @@ def _progress_bar(config, plan: methods.Plan, cycle: int):
   )
 
 
+def _checkpoint_due(clock: preemption.CheckpointClock, cycle: int) -> bool:
+  """Whether to save now; every process of a multi-host run agrees (the
+  time-based period reads each host's clock, and orbax saves jointly)."""
+  due = clock.due(cycle)
+  if clock.seconds and jax.process_count() > 1:
+    due = bool(parallel.agree(int(due)))
+  return due
+
+
 class _Session:
   """One training session of a run: its mesh, jitted steps, state, writers."""
 
@@ -117,13 +125,7 @@ class _Session:
         wall_time=config.log_wall_time,
     )
     self.logits_fn = step.make_eval_fn(run.model)
-    # This host's record lengths (private: the layout of each cycle's
-    # microbatches only, never logged or saved).
-    self.lengths = (
-        length_buckets.record_lengths(run.data.train.attention_mask)
-        if length_buckets.from_config(config)
-        else None
-    )
+    self.lengths = cycle_lib.record_lengths(run)  # private: layout only
     self.seconds = dict(train=0.0, evaluate=0.0)
     self.cycles_per_epoch = accounting.steps_per_epoch(run.plan.sample_rate)
     self.last_saved = self.state.cycle
@@ -133,29 +135,8 @@ class _Session:
         saved_cycle=self.state.cycle,
     )
 
-  def public_data(self) -> dict:
-    """The report's data field: the public source, or a keyed file digest."""
-    if self.data["source"] != "file":
-      return dict(self.data)
-    return dict(
-        source="file",
-        keyed_sha256=secrecy.keyed_digest(self.secret, self.data),
-    )
-
   def wall_time_s(self) -> float:
     return self.earlier_wall_s + time.time() - self.start_time
-
-  def compile(self) -> compilation.CompileReport:
-    """Compiles every program of the run's cycles and evaluations ahead."""
-    return cycle_lib.compile_run(
-        self.run,
-        self.phase_fns,
-        self.logits_fn,
-        self.mesh,
-        self.state,
-        self.frozen,
-        progress=log.info if outputs.is_writer() else None,
-    )
 
   def evaluate(self) -> dict[str, float]:
     """Metrics of the current parameters on the evaluation split."""
@@ -180,23 +161,16 @@ class _Session:
       self.last_saved = state.cycle
       self.clock.saved(state.cycle)
       return
+    meta = dict(ledger=state.ledger.to_json(), cycle=state.cycle)
+    meta.update(secret=self.secret.hex(), data=self.data)
     with preemption.deferred_signals(raise_after=not stopping):
-      self._write_checkpoint(state)
+      self.checkpointer.save(
+          state.cycle,
+          {"trainable": state.trainable, "opt": state.opt_states},
+          dict(meta, wall_time_s=self.wall_time_s()),
+      )
     self.last_saved = state.cycle
     self.clock.saved(state.cycle)
-
-  def _write_checkpoint(self, state: TrainState) -> None:
-    self.checkpointer.save(
-        state.cycle,
-        {"trainable": state.trainable, "opt": state.opt_states},
-        {
-            "ledger": state.ledger.to_json(),
-            "cycle": state.cycle,
-            "secret": self.secret.hex(),
-            "data": self.data,
-            "wall_time_s": self.wall_time_s(),
-        },
-    )
 
   def log_cycle(self, progress) -> None:
     """Public per-cycle output: epoch, epsilon spent, dev metrics at epoch ends."""
@@ -223,32 +197,20 @@ class _Session:
     ):
       dev = self.evaluate()
       self.writer.write(cycle, {f"dev/{k}": v for k, v in dev.items()})
-      eps = outputs.epsilon_spent(plan, self.state)
-      line = f"cycle {cycle}: dev " + ", ".join(
-          f"{k} {v:.4f}" for k, v in dev.items()
+      line = outputs.dev_line(
+          cycle, dev, outputs.epsilon_spent(plan, self.state)
       )
-      line += "" if eps is None else f", epsilon spent {eps:.3f}"
       if progress is not None:
         progress.write(line)  # above the bar, not glued onto it
       else:
         log.info("%s", line)
 
-  def _checkpoint_due(self) -> bool:
-    """Whether to save now; every process of a multi-host run agrees (the
-    time-based period reads each host's clock, and orbax saves jointly)."""
-    due = self.clock.due(self.state.cycle)
-    if self.clock.seconds and jax.process_count() > 1:
-      due = bool(parallel.agree(int(due)))
-    return due
-
   def train(self) -> None:
     """Cycles until the plan (or config.stop_after_cycles) ends, checkpointing."""
     config, plan = self.run.config, self.run.plan
-    stop_at = (
-        plan.cycles
-        if not config.stop_after_cycles
-        else min(plan.cycles, self.state.cycle + config.stop_after_cycles)
-    )
+    stop_at = plan.cycles
+    if config.stop_after_cycles:
+      stop_at = min(stop_at, self.state.cycle + config.stop_after_cycles)
     progress = _progress_bar(config, plan, self.state.cycle)
     start, evaluating = time.perf_counter(), self.seconds["evaluate"]
     try:
@@ -264,7 +226,7 @@ class _Session:
             self.lengths,
         )
         self.log_cycle(progress)
-        if self._checkpoint_due():
+        if _checkpoint_due(self.clock, self.state.cycle):
           self.save()
     except BaseException:
       # A crash or a stop signal (`preemption.Stopped`) loses no checkpoint:
@@ -384,7 +346,15 @@ def _train_and_evaluate(config, workdir, mesh, run, start, dry_run):
     )
   compiled = compilation.totals()  # the owner passes of `build_run`
   session = _Session(run, mesh, workdir, start_time)
-  report = session.compile()
+  report = cycle_lib.compile_run(
+      run,
+      session.phase_fns,
+      session.logits_fn,
+      mesh,
+      session.state,
+      session.frozen,
+      progress=log.info if outputs.is_writer() else None,
+  )
   compile_s = report.seconds + compiled.seconds - start_compiled.seconds
   setup_s = time.time() - start_time - compile_s
   if outputs.is_writer():
@@ -406,7 +376,7 @@ def _train_and_evaluate(config, workdir, mesh, run, start, dry_run):
       dev,
       wall_time_s=session.wall_time_s(),
       session_s=time.time() - start_time,
-      data_digest=session.public_data(),
+      data_digest=secrecy.public_data(session.secret, session.data),
   )
   session.writer.write(
       session.state.cycle, {f"final/dev_{k}": v for k, v in dev.items()}

@@ -299,6 +299,14 @@ def run_header(run: Run, workdir: Path) -> str:
   return "\n".join(lines)
 
 
+def dev_line(cycle: int, dev: dict, eps: float | None) -> str:
+  """The console's line of one evaluation: dev metrics and epsilon spent."""
+  line = f"cycle {cycle}: dev " + ", ".join(
+      f"{k} {v:.4f}" for k, v in dev.items()
+  )
+  return line + ("" if eps is None else f", epsilon spent {eps:.3f}")
+
+
 def run_summary(
     run: Run,
     results: dict,
