@@ -344,28 +344,8 @@ def _train_and_evaluate(config, workdir, mesh, run, start, dry_run):
         "layer selection:\n%s",
         ownership.format_layer_table(run.layer_table, run.expert_layer),
     )
-  compiled = compilation.totals()  # the owner passes of `build_run`
   session = _Session(run, mesh, workdir, start_time)
-  report = cycle_lib.compile_run(
-      run,
-      session.phase_fns,
-      session.logits_fn,
-      mesh,
-      session.state,
-      session.frozen,
-      progress=log.info if outputs.is_writer() else None,
-  )
-  compile_s = report.seconds + compiled.seconds - start_compiled.seconds
-  setup_s = time.time() - start_time - compile_s
-  if outputs.is_writer():
-    log.info("%s", outputs.run_header(run, workdir))
-    log.info(
-        "time: set-up %.1f s, compile %.1f s (%d programs of the run; %s)",
-        setup_s,
-        compile_s,
-        report.programs + compiled.programs - start_compiled.programs,
-        _cache_line(config),
-    )
+  setup_s, compile_s = _compile_ahead(session, workdir, start)
   session.train()
   dev = session.evaluate()
   results = outputs.write_reports(
@@ -391,6 +371,35 @@ def _train_and_evaluate(config, workdir, mesh, run, start, dry_run):
     )
     log.info("%s", outputs.run_summary(run, results, dev, workdir, timing))
   return results
+
+
+def _compile_ahead(session: _Session, workdir, start) -> tuple[float, float]:
+  """Compiles the session's programs ahead and logs the run header and the
+  time line; returns (set-up, compile) seconds since `start` (the owner
+  passes of `build_run` count as compile)."""
+  run, (start_time, start_compiled) = session.run, start
+  cycle_lib.compile_run(
+      run,
+      session.phase_fns,
+      session.logits_fn,
+      session.mesh,
+      session.state,
+      session.frozen,
+      progress=log.info if outputs.is_writer() else None,
+  )
+  total = compilation.totals()
+  compile_s = total.seconds - start_compiled.seconds
+  setup_s = time.time() - start_time - compile_s
+  if outputs.is_writer():
+    log.info("%s", outputs.run_header(run, workdir))
+    log.info(
+        "time: set-up %.1f s, compile %.1f s (%d programs of the run; %s)",
+        setup_s,
+        compile_s,
+        total.programs - start_compiled.programs,
+        _cache_line(run.config),
+    )
+  return setup_s, compile_s
 
 
 def _cache_line(config) -> str:
