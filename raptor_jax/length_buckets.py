@@ -26,7 +26,7 @@ results.json, privacy_report.json, checkpoints) names a bucket or counts
 its records or microbatches.
 
 Where buckets are used (`data.length_buckets`, `resolve`): the trainer's
-cycle (`train.loop`, `train.parallel.local_bucketed_microbatches`), the
+cycle (`train.cycle`, `train.parallel.local_bucketed_microbatches`), the
 evaluation (`train.metrics.evaluate`) and the forward passes before the
 mechanism (`ownership.owners_per_layer`: l* on the public corpus, the
 private owner map). `()` switches them off: every record is padded to

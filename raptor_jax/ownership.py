@@ -17,6 +17,8 @@ layer costs no privacy budget.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Callable, Sequence
 
@@ -24,10 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from raptor_jax import _validate, length_buckets
+from raptor_jax import _validate, compilation, length_buckets
 from raptor_jax.models import moe
 
 WEIGHTINGS = ("count", "prob")
+_log = logging.getLogger("raptor_jax")
 
 
 def owners(
@@ -216,11 +219,13 @@ def select_layer(
 # -- a backbone's owner maps (the trainer's glue) ---------------------------------
 
 
-def _router_fn(backbone, params, layer_positions=None) -> RouterFn:
-  """Jitted (ids, mask) -> router logits of every (or the given) sparse layer."""
+def _router_program(backbone, layer_positions=None):
+  """Jitted (params, ids, mask) -> router logits of every (or the given)
+  sparse layer. The parameters are an argument, not constants folded into
+  the program: it compiles fast, and its cache entry holds no weights."""
 
   @jax.jit
-  def fn(ids, mask):
+  def fn(params, ids, mask):
     logits = backbone.apply({"params": params}, ids, mask).router_logits
     return (
         logits
@@ -229,6 +234,80 @@ def _router_fn(backbone, params, layer_positions=None) -> RouterFn:
     )
 
   return fn
+
+
+def _router_fn(backbone, params, layer_positions=None) -> RouterFn:
+  """(ids, mask) -> router logits of every (or the given) sparse layer."""
+  return functools.partial(_router_program(backbone, layer_positions), params)
+
+
+def owner_program(backbone, layer_positions, rule: dict):
+  """Jitted (params, ids, mask) -> int32 [batch, layers] owners of the
+  sparse layers at `layer_positions` (None: all) by `rule` (`owner_rule`):
+  the router and `owners` in one program, one compile per batch shape.
+  The parameters are an argument, not constants folded into the program."""
+
+  @jax.jit
+  def fn(params, ids, mask):
+    logits = backbone.apply({"params": params}, ids, mask).router_logits
+    if layer_positions is not None:
+      logits = tuple(logits[i] for i in layer_positions)
+    return jnp.stack([owners(l, mask, **rule) for l in logits], axis=1)
+
+  return fn
+
+
+def owner_pass(
+    config,
+    backbone,
+    params,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    layer_positions=None,
+    *,
+    what: str = "owner map",
+) -> np.ndarray:
+  """Owners (int32 [layers, N]) of the records by `owner_rule`, compiled ahead.
+
+  The pass runs batches of `config.eval_batch_size` records, by length
+  bucket (`data.length_buckets`); its program is compiled for EVERY bucket
+  first (`compilation.compile_ahead`), whether or not the records fill it,
+  so which programs exist, and their compile time, depend on the public
+  config only.
+  """
+  rule = owner_rule(backbone.config, config.raptor.owner_weighting)
+  program = owner_program(backbone, layer_positions, rule)
+  buckets = length_buckets.from_config(config)
+  batch = int(config.eval_batch_size)
+  dtypes = [
+      jax.dtypes.canonicalize_dtype(a.dtype)
+      for a in (input_ids, attention_mask)
+  ]
+  widths = buckets or (np.shape(input_ids)[1],)
+  compilation.compile_ahead(
+      [
+          compilation.Program(
+              f"{what} {width}",
+              program,
+              (
+                  compilation.abstract(params),
+                  *(jax.ShapeDtypeStruct((batch, width), d) for d in dtypes),
+              ),
+          )
+          for width in widths
+      ],
+      progress=_log.info,
+      what=what,
+  )
+  return np.ascontiguousarray(
+      length_buckets.map_split(
+          lambda ids, mask: program(params, ids, mask),
+          input_ids,
+          attention_mask,
+          buckets,
+          batch,
+      ).T
+  )
 
 
 def owner_weighting(weighting: str, backbone_config) -> str:
@@ -276,13 +355,8 @@ def select_expert_layer(
           "the public corpus is empty; set --config.data.public_corpus or "
           "--config.data.public_path to a corpus with texts"
       )
-    public_owners = owners_per_layer(
-        _router_fn(backbone, params),
-        ids,
-        mask,
-        batch_size=config.eval_batch_size,
-        buckets=length_buckets.from_config(config),
-        **owner_rule(bc, config.raptor.owner_weighting),
+    public_owners = owner_pass(
+        config, backbone, params, ids, mask, what="layer selection"
     )
     table = layer_table(public_owners, bc.sparse_layers, bc.num_experts)
   return select_layer(how, bc.sparse_layers, table), table
@@ -300,13 +374,13 @@ def private_owner_map(
   """
   bc = backbone.config
   position = bc.sparse_layers.index(layer)
-  result = owners_per_layer(
-      _router_fn(backbone, params, (position,)),
+  result = owner_pass(
+      config,
+      backbone,
+      params,
       records.input_ids,
       records.attention_mask,
-      batch_size=config.eval_batch_size,
-      buckets=length_buckets.from_config(config),
-      **owner_rule(bc, config.raptor.owner_weighting),
+      (position,),
   )
   return result[0]
 

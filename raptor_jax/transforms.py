@@ -69,6 +69,7 @@ from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from raptor_jax import _validate
@@ -118,11 +119,32 @@ def fold_in(key: jax.Array, data) -> jax.Array:
   return jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, data)
 
 
+def _normal_like(key: jax.Array, like: PyTree) -> PyTree:
+  """Float32 N(0, 1) noise shaped like `like` from ONE key.
+
+  One flat draw of as many elements as `like` holds, cut into its leaves in
+  order: every element is an independent standard normal, as with one
+  draw per leaf, and the program hashes the key once (one threefry) however
+  many leaves there are. A tree of one leaf (a packed vector,
+  `train.packed`) then compiles one sampler.
+  """
+  leaves, treedef = jax.tree.flatten(like)
+  sizes = [int(np.prod(jnp.shape(leaf), dtype=np.int64)) for leaf in leaves]
+  flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+  cuts = np.cumsum(sizes)[:-1].tolist()
+  return treedef.unflatten(
+      [
+          part.reshape(jnp.shape(leaf))
+          for part, leaf in zip(jnp.split(flat, cuts), leaves)
+      ]
+  )
+
+
 def _standard_normal(key: jax.Array, like: PyTree) -> PyTree:
   """N(0, 1) noise shaped like `like`: the normalised sum of one draw per key."""
   if key.ndim == _single_key_ndim(key):
-    return optax.tree.random_like(key, like, jax.random.normal)
-  draws = [optax.tree.random_like(k, like, jax.random.normal) for k in key]
+    return _normal_like(key, like)
+  draws = [_normal_like(k, like) for k in key]
   scale = 1.0 / len(draws) ** 0.5
   return jax.tree.map(lambda *d: sum(d) * scale, *draws)
 

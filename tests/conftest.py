@@ -38,9 +38,14 @@ import jax  # noqa: E402
 # per test session: a persistent cache keyed by the XLA program, one directory
 # for the whole session (the pytest-xdist workers inherit it from the
 # controller, which loads this file first).
-_CACHE = os.environ.setdefault(
+# The trainer's default cache ('auto': $XDG_CACHE_HOME/raptor_jax/xla) is
+# this session's directory too: tests never write the user's cache.
+_ROOT_CACHE = os.environ.setdefault(
     "RAPTOR_JAX_TEST_CACHE", tempfile.mkdtemp(prefix="raptor_jax_cache_")
 )
+os.environ["XDG_CACHE_HOME"] = _ROOT_CACHE
+_CACHE = os.path.join(_ROOT_CACHE, "raptor_jax", "xla")
+os.makedirs(_CACHE, exist_ok=True)
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -397,6 +397,7 @@ def test_scripts_define_flags_only_when_run():
       "bench_dispatch",
       "benchmark",
       "bench_parallel",
+      "compile_time",
       "gpu_dispatch",
       "scan_compile",
       "vs_opacus",
@@ -808,3 +809,44 @@ def test_epoch_time_without_a_tokenizer_is_one_line():
       .splitlines()[-1]
       .startswith("error: --tokenizer is required")
   )
+
+
+def test_compile_time_parses_trip_counts_and_instructions():
+  bench = _load("compile_time")
+  xs, w = jnp.ones((7, 4, 16)), jnp.ones((16, 8))
+  body = lambda c, x: (jnp.tanh(c + x @ w), None)
+  scanned = jax.jit(lambda xs: jax.lax.scan(body, xs[0] @ w, xs)[0])
+  text = scanned.lower(xs).compile().as_text()
+  assert bench.max_while_trip_count(text) == 7
+  assert bench.max_while_trip_count("ROOT %x = f32[] constant(0)") == 0
+  assert 0 < bench.hlo_instructions(text) <= text.count(" = ")
+
+
+@pytest.mark.slow
+def test_compile_time_quick_times_every_program_of_the_trainer():
+  bench = _load("compile_time")
+  out = []
+  (row,) = bench.run(
+      ["switch"],
+      ["full"],
+      [2],
+      [True],
+      quick=True,
+      seq_len=16,
+      vocab_size=64,
+      echo=out.append,
+  )
+  assert row["blocks"] == bench.QUICK["switch"]["full"]
+  programs = re.findall(r"switch +\d+ +2 +True +(\w+(?: \w+)?) ", out[0])
+  assert programs == [
+      "owner pass",
+      *(
+          f"{s} {p}"
+          for s in ("shared", "expert")
+          for p in ("zero", "accumulate", "update", "unpack")
+      ),
+      "evaluate",
+  ]
+  for key in ("setup_s", "shared_s", "expert_s", "shared_update_s", "all_s"):
+    assert _positive(row[key]), (key, row)
+  assert row["max_hlo"] > 0 and row["max_trip"] >= 0

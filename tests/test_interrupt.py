@@ -18,7 +18,7 @@ import pytest
 
 from raptor_jax import sampling
 from raptor_jax.ledger import PrivacyLedger
-from raptor_jax.train import loop, metrics, parallel, secrecy
+from raptor_jax.train import cycle, loop, metrics, parallel, secrecy
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import build_run
 
@@ -68,7 +68,7 @@ def harness(tmp_path_factory):
   run = build_run(_config())
   mesh = parallel.make_mesh(run.config.num_devices)
   cache = {}
-  make = loop._phase_functions
+  make = cycle.phase_functions
 
   def phase_functions(run_, mesh_, secret):
     key = bytes(secret) if isinstance(secret, bytes) else secret
@@ -79,7 +79,7 @@ def harness(tmp_path_factory):
         fns.update = wire.wrap("update", fns.update)
     return cache[key]
 
-  patch.setattr(loop, "_phase_functions", phase_functions)
+  patch.setattr(cycle, "phase_functions", phase_functions)
   for owner, name in [
       (sampling, "poisson_sample"),
       (parallel, "local_microbatches"),

@@ -17,7 +17,7 @@ import pytest
 
 from raptor_jax import length_buckets, models, ownership, sampling
 from raptor_jax.models import hf
-from raptor_jax.train import loop, metrics, parallel, setup, step
+from raptor_jax.train import cycle, metrics, parallel, setup, step
 from raptor_jax.train import train_and_evaluate
 from raptor_jax.train.run import build_run, validate
 
@@ -184,11 +184,11 @@ def _sums(fns, run, trainable, frozen, sample, mesh, buckets):
   """A phase's clipped sums of `sample`, by the trainer's microbatches."""
   lengths = length_buckets.record_lengths(run.data.train.attention_mask)
   sums = fns.zero_sums(trainable)
-  for length, mb in loop._microbatches(
+  for length, mb in cycle.microbatches(
       sample, run.config.microbatch_size, buckets, lengths
   ):
     batch, mask = parallel.shard_records(
-        (loop._batch(run.data.train, run.owners, mb.indices, length), mb.mask),
+        (cycle.batch(run.data.train, run.owners, mb.indices, length), mb.mask),
         mesh,
     )
     assert batch["input_ids"].shape[1] == (length or 32)
@@ -214,8 +214,8 @@ def test_bucketed_update_equals_the_unbucketed_one(family):
   run = build_run(_config(family))
   mesh = parallel.make_mesh(1)
   secret = bytes(32)
-  phase_fns = loop._phase_functions(run, mesh, secret)
-  state, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
+  phase_fns = cycle.phase_functions(run, mesh, secret)
+  state, frozen = cycle.initial_state(run, phase_fns, mesh)
   trainable = state.trainable
   lengths = length_buckets.record_lengths(run.data.train.attention_mask)
   for phase, fns in zip(run.plan.phases, phase_fns):
@@ -224,11 +224,11 @@ def test_bucketed_update_equals_the_unbucketed_one(family):
     )
     # Per record: every record of the sample, at its bucket and at 32.
     per_record = jax.jit(fns.released_per_record)
-    for length, mb in loop._microbatches(
+    for length, mb in cycle.microbatches(
         sample, run.config.microbatch_size, BUCKETS, lengths
     ):
-      short = loop._batch(run.data.train, run.owners, mb.indices, length)
-      full = loop._batch(run.data.train, run.owners, mb.indices)
+      short = cycle.batch(run.data.train, run.owners, mb.indices, length)
+      full = cycle.batch(run.data.train, run.owners, mb.indices)
       _assert_close(
           per_record(trainable, frozen, short, mb.mask),
           per_record(trainable, frozen, full, mb.mask),
@@ -241,8 +241,8 @@ def test_bucketed_update_equals_the_unbucketed_one(family):
     assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(plain))
   # Per step, noise on (the run's noise keys): a whole cycle of both phases.
   writer = metrics.MetricWriter(None, just_logging=True)
-  got = loop._train_cycle(run, phase_fns, mesh, state, frozen, secret, writer)
-  want = loop._train_cycle(
+  got = cycle.train_cycle(run, phase_fns, mesh, state, frozen, secret, writer)
+  want = cycle.train_cycle(
       _unbucketed(run), phase_fns, mesh, state, frozen, secret, writer
   )
   _assert_close(got.trainable, want.trainable)
@@ -265,14 +265,14 @@ def test_one_compile_per_phase_and_bucket_and_the_same_cycles(monkeypatch):
   run = build_run(_config())
   mesh = parallel.make_mesh(1)
   secret = bytes(32)
-  phase_fns = loop._phase_functions(run, mesh, secret)
-  start, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
+  phase_fns = cycle.phase_functions(run, mesh, secret)
+  start, frozen = cycle.initial_state(run, phase_fns, mesh)
   writer = metrics.MetricWriter(None, just_logging=True)
   states = {}
   for name, r in (("bucketed", run), ("plain", _unbucketed(run))):
     state = start
     for _ in range(3):
-      state = loop._train_cycle(
+      state = cycle.train_cycle(
           r, phase_fns, mesh, state, frozen, secret, writer
       )
     states[name] = state
@@ -349,8 +349,15 @@ def _shape(value):
 
 def _public_outputs(workdir, log_text):
   """{name: what a run logs and writes publicly}, numbers masked, paths cut."""
-  # (the fixed-seed warning is given once per process: left out)
-  lines = [l for l in log_text.splitlines() if "secret_seed is fixed" not in l]
+  # (the fixed-seed warning is given once per process: left out; so are
+  # the compile progress lines: one per program of every bucket the config
+  # names, in the order the threads finish, whatever the data holds)
+  lines = [
+      l
+      for l in log_text.splitlines()
+      if "secret_seed is fixed" not in l
+      and not re.search(r" compiling .*\d+/\d+ \(", l)
+  ]
   text = "\n".join(lines).replace(str(workdir), "W")
   outputs = {"log": re.sub(r"\d+(\.\d+)?", "#", text)}
   for name in ("results.json", "privacy_report.json", "layer_selection.json"):

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from raptor_jax import roles, transforms
-from raptor_jax.train import loop, parallel, secrecy, step
+from raptor_jax.train import cycle, parallel, secrecy, step
 from raptor_jax.train.run import build_run
 
 from helpers import micro_config, micro_vl_config
@@ -124,9 +124,9 @@ def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads(
   assert stacked or not any(len(roles.blocks_of(p)) > 1 for p in leaves)
   mesh = parallel.make_mesh(1)
   secret = bytes(range(32))
-  phase_fns = loop._phase_functions(run, mesh, secret)
-  state, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
-  batch = loop._batch(run.data.train, run.owners, np.arange(ROWS))
+  phase_fns = cycle.phase_functions(run, mesh, secret)
+  state, frozen = cycle.initial_state(run, phase_fns, mesh)
+  batch = cycle.batch(run.data.train, run.owners, np.arange(ROWS))
   mask = jnp.asarray(np.r_[np.ones(ROWS - PADDING), np.zeros(PADDING)])
   assert [p.name for p in run.plan.phases] == ["shared", "expert"]
   for phase_index, (phase, fns) in enumerate(zip(run.plan.phases, phase_fns)):

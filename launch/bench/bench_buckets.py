@@ -4,9 +4,8 @@ One run of `configs/switch_sst2.py:small` (the small pretrained Switch on
 the real SST-2 files, B = 500, microbatch 100, max length 64), built once
 by `train.run.build_run` as the trainer builds it; the same cycles (same
 secret, so the same Poisson samples and noise) are then run through
-the trainer's cycle (`train.loop._train_cycle`, rebuilt here from its
-public pieces: `sampling.poisson_sample`, `train.parallel`'s microbatches,
-`train.step.PhaseFunctions`) with `data.length_buckets` at its default
+the trainer's own cycle (`train.cycle.train_cycle`) with
+`data.length_buckets` at its default
 ((16, 32, 64)) and at `()` (every record padded to 64), variants
 interleaved cycle by cycle. Prints the first cycle of each (it compiles:
 once per (phase, bucket)) and the mean of the later ones, their ratio, the
@@ -20,6 +19,7 @@ and the records' lengths (private on private data, see `log_wall_time`);
 SST-2 here is public.
 """
 
+import dataclasses
 import time
 
 from absl import app
@@ -27,8 +27,8 @@ from absl import flags
 import jax
 import numpy as np
 
-from raptor_jax import length_buckets, sampling
-from raptor_jax.train import metrics, parallel, secrecy, step
+from raptor_jax import length_buckets
+from raptor_jax.train import cycle, metrics, parallel, step
 from raptor_jax.train.config import glue_config
 from raptor_jax.train.run import build_run
 
@@ -53,56 +53,11 @@ def _config(buckets):
   return config
 
 
-def _phase_functions(run, mesh, secret):
-  """Every phase's jitted step, as the trainer builds them."""
-  config = run.config
-  return [
-      step.PhaseFunctions(
-          run.model,
-          phase,
-          mesh=mesh,
-          expert_layer=run.expert_layer,
-          num_experts=run.num_experts,
-          learning_rate=config.learning_rate,
-          residual=config.raptor.residual,
-          residual_gamma=config.raptor.residual_gamma,
-          key=secrecy.noise_key(secret, i),
-      )
-      for i, phase in enumerate(run.plan.phases)
-  ]
-
-
-def _cycle(run, phase_fns, mesh, state, frozen, secret, cycle, buckets):
-  """One cycle of every phase, as `train.loop._train_cycle` runs it."""
-  trainable, opt_states = state
-  train, size = run.data.train, run.config.microbatch_size
-  lengths = length_buckets.record_lengths(train.attention_mask)
-  for phase, fns in zip(run.plan.phases, phase_fns):
-    sample = sampling.poisson_sample(
-        run.n,
-        run.plan.sample_rate,
-        seed=secrecy.sampler_seed(secret),
-        stream=phase.stream,
-        step=cycle,
-    )
-    items = (
-        parallel.local_bucketed_microbatches(sample, lengths, buckets, size)
-        if buckets
-        else [(None, mb) for mb in parallel.local_microbatches(sample, size)]
-    )
-    sums = fns.zero_sums(trainable)
-    for length, mb in items:
-      i = mb.indices
-      batch = dict(
-          input_ids=train.input_ids[i, :length],
-          attention_mask=train.attention_mask[i, :length],
-          labels=train.labels[i],
-          owners=run.owners[i],
-      )
-      placed = parallel.shard_records((batch, mb.mask), mesh)
-      sums = fns.accumulate(trainable, frozen, sums, *placed)
-    trainable, opt_states = fns.update(trainable, opt_states, sums)
-  return trainable, opt_states
+def _unbucketed(run):
+  """`run` with every record padded to max_length (`data.length_buckets=()`)."""
+  config = run.config.copy_and_resolve_references()
+  config.data.length_buckets = ()
+  return dataclasses.replace(run, config=config)
 
 
 def main(argv):
@@ -120,23 +75,18 @@ def main(argv):
   )
   mesh = parallel.make_mesh(1)
   secret = bytes(32)
-  phase_fns = _phase_functions(run, mesh, secret)
-  opt_states = {}
-  for fns in phase_fns:
-    opt_states.update(fns.init_opt_states(run.trainable))
-  trainable, frozen, opt_states = parallel.replicate(
-      (run.trainable, run.frozen, opt_states), mesh
-  )
-  variants = {"buckets": buckets, "max_length": ()}
-  states = {name: (trainable, opt_states) for name in variants}
+  phase_fns = cycle.phase_functions(run, mesh, secret)
+  start, frozen = cycle.initial_state(run, phase_fns, mesh)
+  variants = {"buckets": run, "max_length": _unbucketed(run)}
+  states = {name: start for name in variants}
   times = {name: [] for name in variants}
-  for cycle in range(_CYCLES.value):
-    for name, b in variants.items():
+  for _ in range(_CYCLES.value):
+    for name, r in variants.items():
       t = time.time()
-      states[name] = _cycle(
-          run, phase_fns, mesh, states[name], frozen, secret, cycle, b
+      states[name] = cycle.train_cycle(
+          r, phase_fns, mesh, states[name], frozen, secret
       )
-      jax.block_until_ready(states[name][0])
+      jax.block_until_ready(states[name].trainable)
       times[name].append(time.time() - t)
   for name, ts in times.items():
     print(
@@ -148,8 +98,8 @@ def main(argv):
   diff = max(
       float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
       for a, b in zip(
-          jax.tree.leaves(states["buckets"][0]),
-          jax.tree.leaves(states["max_length"][0]),
+          jax.tree.leaves(states["buckets"].trainable),
+          jax.tree.leaves(states["max_length"].trainable),
       )
   )
   print(
@@ -163,7 +113,7 @@ def main(argv):
       t = time.time()
       result = metrics.evaluate(
           lambda ids, mask: logits_fn(
-              states["buckets"][0],
+              states["buckets"].trainable,
               frozen,
               *parallel.replicate((ids, mask), mesh),
           ),

@@ -43,7 +43,7 @@ from raptor_jax import accounting, data, diagnostics, models, ownership
 from raptor_jax import roles, sampling, transforms
 from raptor_jax.models import hf
 from raptor_jax.studies import controlled_data as gen
-from raptor_jax.train import methods, metrics, parallel, plans, secrecy
+from raptor_jax.train import cycle, methods, metrics, parallel, plans, secrecy
 from raptor_jax.train import setup, step
 from raptor_jax.train.run import Run
 
@@ -304,48 +304,27 @@ def _with_noise_keys(opt_state: dict, phase: plans.Phase, key) -> dict:
   return out
 
 
-def _batch(train, owners, indices):
-  return dict(
-      input_ids=train.input_ids[indices],
-      attention_mask=train.attention_mask[indices],
-      labels=train.labels[indices],
-      owners=owners[indices],
-  )
-
-
-def train(run: Run, phase_fns, secret: bytes) -> dict:
+def train(run: Run, phase_fns, secret: bytes, mesh=None) -> dict:
   """Trains `run` for its plan's cycles; returns the final trainable parameters.
 
-  Every cycle runs each phase in order: its own Poisson sample
-  (`sampling.poisson_sample`, stream = the phase's), clipped sums over
-  fixed-size microbatches, one noisy update. Samples and noise derive from
-  `secret` (`secrecy.sampler_seed`, `secrecy.noise_key`) as in the trainer.
+  The trainer's cycle (`train.cycle.train_cycle`) on a one-device mesh:
+  every cycle runs each phase in order, its own Poisson sample, clipped
+  sums over fixed-size microbatches, one noisy update. Samples and noise
+  derive from `secret` (`secrecy.sampler_seed`, `secrecy.noise_key`) as in
+  the trainer; the cached `phase_fns` get the cell's noise keys through
+  their optimiser states (`_with_noise_keys`).
   """
-  config, plan = run.config, run.plan
-  trainable, frozen = jax.tree.map(jnp.asarray, (run.trainable, run.frozen))
-  opt_states = {}
-  for i, (phase, fns) in enumerate(zip(plan.phases, phase_fns)):
-    opt_states.update(
-        _with_noise_keys(
-            fns.init_opt_states(trainable), phase, secrecy.noise_key(secret, i)
-        )
+  mesh = parallel.make_mesh(1) if mesh is None else mesh
+  state, frozen = cycle.initial_state(run, phase_fns, mesh)
+  opt_states = state.opt_states
+  for i, phase in enumerate(run.plan.phases):
+    opt_states = _with_noise_keys(
+        opt_states, phase, secrecy.noise_key(secret, i)
     )
-  seed = secrecy.sampler_seed(secret)
-  for cycle in range(plan.cycles):
-    for phase, fns in zip(plan.phases, phase_fns):
-      sample = sampling.poisson_sample(
-          run.n, plan.sample_rate, seed=seed, stream=phase.stream, step=cycle
-      )
-      sums = fns.zero_sums(trainable)
-      for mb in sampling.microbatches(sample, config.microbatch_size):
-        batch = jax.tree.map(
-            jnp.asarray, _batch(run.data.train, run.owners, mb.indices)
-        )
-        sums = fns.accumulate(
-            trainable, frozen, sums, batch, jnp.asarray(mb.mask)
-        )
-      trainable, opt_states = fns.update(trainable, opt_states, sums)
-  return trainable
+  state = dataclasses.replace(state, opt_states=opt_states)
+  for _ in range(run.plan.cycles):
+    state = cycle.train_cycle(run, phase_fns, mesh, state, frozen, secret)
+  return state.trainable
 
 
 def evaluate(cache: StepCache, run: Run, trainable) -> float:
@@ -441,7 +420,7 @@ def run_cell(
   run = build(config, cond, memo=memo)
   phase_fns = cache.phase_functions(run)
   secret = secrecy.fixed_secret(secrecy.cell_secret_seed(0, secret_key))
-  trainable = train(run, phase_fns, secret)
+  trainable = train(run, phase_fns, secret, cache.mesh)
   row = dict(
       accuracy=evaluate(cache, run, trainable),
       epsilon_spent=epsilon_spent(run.plan),

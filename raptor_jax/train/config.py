@@ -166,6 +166,9 @@ def base_config() -> ml_collections.ConfigDict:
   # opt-in: wall time in results.json, TensorBoard and the progress bar's
   # rates; it depends on realised batch sizes (not DP; warns)
   c.log_wall_time = False
+  # persistent compilation cache: 'auto' ($XDG_CACHE_HOME/raptor_jax/xla,
+  # else ~/.cache/raptor_jax/xla), a directory, or 'off'
+  c.compilation_cache = "auto"
   return c
 
 
@@ -377,6 +380,7 @@ RESUME_INSENSITIVE = (
     "log_private_stats",
     "log_wall_time",
     "progress_bar",
+    "compilation_cache",
     "microbatch_size",
     "num_devices",
     # the computation's layout only (as microbatch_size): the same update

@@ -1,20 +1,11 @@
 """`train_and_evaluate`: one loop for RAPTOR, its baselines and ablations.
 
-Per cycle (Alg. 1), every phase of the plan draws its own Poisson sample
-(`numpy.random.default_rng((seed, stream, cycle))`, the seed a KDF of the
-run's secret: `secrecy`), accumulates clipped per-record gradient sums over
-fixed-size microbatches, and makes ONE noisy DP-Adam update; the ledger
-records the release in the same immutable `TrainState`. The realised sample size only
-decides how many microbatches run; nothing reads, branches on or logs it.
-
-Length buckets (`data.length_buckets`, `raptor_jax.length_buckets`): each
-sample's records run in fixed-shape microbatches of the smallest bucket
-length that holds them, so each phase's step compiles once per bucket; the
-clipped sums of every bucket add into the phase's one noisy update, the same
-function of the sample as unbucketed (up to float summation order). Which
-bucket a record lands in depends on its private length, so it changes the
-layout and the wall time only; no bucket, count of records per bucket or
-microbatches per bucket reaches a log, metric, progress bar or file.
+A session restores or starts the run's state, compiles every program the
+run calls ahead of its first cycle (`train.cycle.compile_run`, with the
+persistent cache of `compilation_cache`), then runs `train.cycle.train_cycle`
+until the plan ends, checkpointing, evaluating and logging as it goes. The
+cycle itself (sampling, microbatches, the noisy updates, length buckets) is
+`train.cycle`'s.
 """
 
 from __future__ import annotations
@@ -27,11 +18,10 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
-from raptor_jax import _validate, accounting, data, length_buckets, ownership
-from raptor_jax import sampling
+from raptor_jax import _validate, accounting, compilation, ownership
 from raptor_jax.ledger import PrivacyLedger
+from raptor_jax.train import cycle as cycle_lib
 from raptor_jax.train import methods, metrics, parallel, preemption, secrecy, step
 from raptor_jax.train import curves, outputs, workdir as workdir_lib
 from raptor_jax.train.outputs import TrainState
@@ -41,78 +31,14 @@ from raptor_jax.train.run import Run, build_run, validate
 log = logging.getLogger("raptor_jax")
 
 
-def _batch(
-    train: data.TextClassificationData,
-    owners: np.ndarray,
-    indices: np.ndarray,
-    length: int | None = None,
-):
-  """The records `indices`, their tokens cut to `length` (None: max_length).
-
-  Records are right padded, so cutting a record to a bucket that holds it
-  drops padding only (a padding row, mask 0, may lose tokens: its weight is
-  zero whatever it holds).
-  """
-  return dict(
-      input_ids=train.input_ids[indices, :length],
-      attention_mask=train.attention_mask[indices, :length],
-      labels=train.labels[indices],
-      owners=owners[indices],
-  )
-
-
-def _microbatches(sample, local_size, buckets, lengths):
-  """[(length or None, Microbatch)]: this host's microbatches of `sample`.
-
-  No buckets: `parallel.local_microbatches` (every record at max_length).
-  Buckets: `parallel.local_bucketed_microbatches`, bucket by bucket. The
-  layout is private (it follows the records' lengths and the realised
-  sample); it is iterated over, never logged or counted anywhere public.
-  """
-  if not buckets:
-    return [
-        (None, mb) for mb in parallel.local_microbatches(sample, local_size)
-    ]
-  return list(
-      parallel.local_bucketed_microbatches(sample, lengths, buckets, local_size)
-  )
-
-
-def _phase_functions(
-    run: Run, mesh, secret: bytes
-) -> list[step.PhaseFunctions]:
-  """The jitted step of every phase; phase i's noise key is the KDF 'noise/i'."""
-  config = run.config
-  return [
-      step.PhaseFunctions(
-          run.model,
-          phase,
-          mesh=mesh,
-          expert_layer=run.expert_layer,
-          num_experts=run.num_experts,
-          learning_rate=config.learning_rate,
-          residual=config.raptor.residual,
-          residual_gamma=config.raptor.residual_gamma,
-          key=secrecy.noise_key(secret, i),
-      )
-      for i, phase in enumerate(run.plan.phases)
-  ]
-
-
 def _initial_state(
     run: Run, phase_fns, mesh, checkpointer: Checkpointer, meta: dict | None
 ) -> tuple[TrainState, Any]:
   """(state, frozen) placed on the mesh: fresh, or the latest checkpoint's."""
-  opt_states = {}
-  for fns in phase_fns:
-    opt_states.update(fns.init_opt_states(run.trainable))
-  trainable, frozen, opt_states = parallel.replicate(
-      (run.trainable, run.frozen, opt_states), mesh
-  )
-  state = TrainState(trainable, opt_states, PrivacyLedger(), 0)
+  state, frozen = cycle_lib.initial_state(run, phase_fns, mesh)
   if meta:
     restored = checkpointer.restore_state(
-        {"trainable": trainable, "opt": opt_states}
+        {"trainable": state.trainable, "opt": state.opt_states}
     )
     state = TrainState(
         restored["trainable"],
@@ -146,56 +72,6 @@ def _warn_if_not_private(config) -> None:
     )
 
 
-def _train_cycle(
-    run: Run,
-    phase_fns,
-    mesh,
-    state: TrainState,
-    frozen,
-    secret: bytes,
-    writer: metrics.MetricWriter,
-    lengths: np.ndarray | None = None,
-) -> TrainState:
-  """Runs every phase of one cycle and returns the committed next state.
-
-  Each phase draws its own Poisson sample, sums clipped gradients over
-  fixed-size microbatches (by length bucket with `data.length_buckets`;
-  `lengths`: this host's record lengths, computed here when None) and makes
-  one noisy update. The new state (and the ledger entry of every private
-  phase) only exists once all phases ran, so an interruption leaves the
-  previous state consistent.
-  """
-  config, plan, cycle = run.config, run.plan, state.cycle
-  local_microbatch = config.microbatch_size * len(mesh.local_devices)
-  buckets = length_buckets.from_config(config)
-  if buckets and lengths is None:
-    lengths = length_buckets.record_lengths(run.data.train.attention_mask)
-  trainable, opt_states = state.trainable, state.opt_states
-  seed = secrecy.sampler_seed(secret)
-  for phase, fns in zip(plan.phases, phase_fns):
-    sample = sampling.poisson_sample(
-        run.n, plan.sample_rate, seed=seed, stream=phase.stream, step=cycle
-    )
-    sums, loss_sum = fns.zero_sums(trainable), 0.0
-    for length, mb in _microbatches(sample, local_microbatch, buckets, lengths):
-      batch, mask = parallel.shard_records(
-          (_batch(run.data.train, run.owners, mb.indices, length), mb.mask),
-          mesh,
-      )
-      if config.log_private_stats:
-        loss_sum += float(fns.loss_sum(trainable, frozen, batch, mask))
-      sums = fns.accumulate(trainable, frozen, sums, batch, mask)
-    trainable, opt_states = fns.update(trainable, opt_states, sums)
-    if config.log_private_stats:  # opted in, warned: a non-private statistic
-      writer.write(
-          cycle,
-          {f"private/{phase.name}_train_loss": loss_sum / max(len(sample), 1)},
-      )
-  return TrainState(
-      trainable, opt_states, outputs.accounted(plan, state.ledger), cycle + 1
-  )
-
-
 def _progress_bar(config, plan: methods.Plan, cycle: int):
   if not config.progress_bar or not outputs.is_writer():
     return None
@@ -213,6 +89,15 @@ def _progress_bar(config, plan: methods.Plan, cycle: int):
   )
 
 
+def _checkpoint_due(clock: preemption.CheckpointClock, cycle: int) -> bool:
+  """Whether to save now; every process of a multi-host run agrees (the
+  time-based period reads each host's clock, and orbax saves jointly)."""
+  due = clock.due(cycle)
+  if clock.seconds and jax.process_count() > 1:
+    due = bool(parallel.agree(int(due)))
+  return due
+
+
 class _Session:
   """One training session of a run: its mesh, jitted steps, state, writers."""
 
@@ -225,7 +110,7 @@ class _Session:
     self.secret = workdir_lib.run_secret(
         config, meta, self.data, self.checkpointer
     )
-    self.phase_fns = _phase_functions(run, mesh, self.secret)
+    self.phase_fns = cycle_lib.phase_functions(run, mesh, self.secret)
     self.state, self.frozen = _initial_state(
         run, self.phase_fns, mesh, self.checkpointer, meta
     )
@@ -240,14 +125,8 @@ class _Session:
         wall_time=config.log_wall_time,
     )
     self.logits_fn = step.make_eval_fn(run.model)
-    # Length buckets and this host's record lengths (private: the layout
-    # of each cycle's microbatches only, never logged or saved).
-    self.buckets = length_buckets.from_config(config)
-    self.lengths = (
-        length_buckets.record_lengths(run.data.train.attention_mask)
-        if self.buckets
-        else None
-    )
+    self.lengths = cycle_lib.record_lengths(run)  # private: layout only
+    self.seconds = dict(train=0.0, evaluate=0.0)
     self.cycles_per_epoch = accounting.steps_per_epoch(run.plan.sample_rate)
     self.last_saved = self.state.cycle
     self.clock = preemption.CheckpointClock(
@@ -256,35 +135,17 @@ class _Session:
         saved_cycle=self.state.cycle,
     )
 
-  def public_data(self) -> dict:
-    """The report's data field: the public source, or a keyed file digest."""
-    if self.data["source"] != "file":
-      return dict(self.data)
-    return dict(
-        source="file",
-        keyed_sha256=secrecy.keyed_digest(self.secret, self.data),
-    )
-
   def wall_time_s(self) -> float:
     return self.earlier_wall_s + time.time() - self.start_time
 
   def evaluate(self) -> dict[str, float]:
     """Metrics of the current parameters on the evaluation split."""
-    dev, state = self.run.data.dev, self.state
-    logits = lambda ids, mask: self.logits_fn(
-        state.trainable,
-        self.frozen,
-        *parallel.replicate((ids, mask), self.mesh),
+    start = time.perf_counter()
+    result = cycle_lib.evaluate(
+        self.run, self.logits_fn, self.state, self.frozen, self.mesh
     )
-    return metrics.evaluate(
-        logits,
-        dev.input_ids,
-        dev.attention_mask,
-        dev.labels,
-        self.run.data.task.metrics,
-        self.run.config.eval_batch_size,
-        buckets=self.buckets,
-    )
+    self.seconds["evaluate"] += time.perf_counter() - start
+    return result
 
   def save(self, stopping: bool = False) -> None:
     """Checkpoints the current state, once per cycle.
@@ -300,23 +161,16 @@ class _Session:
       self.last_saved = state.cycle
       self.clock.saved(state.cycle)
       return
+    meta = dict(ledger=state.ledger.to_json(), cycle=state.cycle)
+    meta.update(secret=self.secret.hex(), data=self.data)
     with preemption.deferred_signals(raise_after=not stopping):
-      self._write_checkpoint(state)
+      self.checkpointer.save(
+          state.cycle,
+          {"trainable": state.trainable, "opt": state.opt_states},
+          dict(meta, wall_time_s=self.wall_time_s()),
+      )
     self.last_saved = state.cycle
     self.clock.saved(state.cycle)
-
-  def _write_checkpoint(self, state: TrainState) -> None:
-    self.checkpointer.save(
-        state.cycle,
-        {"trainable": state.trainable, "opt": state.opt_states},
-        {
-            "ledger": state.ledger.to_json(),
-            "cycle": state.cycle,
-            "secret": self.secret.hex(),
-            "data": self.data,
-            "wall_time_s": self.wall_time_s(),
-        },
-    )
 
   def log_cycle(self, progress) -> None:
     """Public per-cycle output: epoch, epsilon spent, dev metrics at epoch ends.
@@ -355,18 +209,13 @@ class _Session:
         and (cycle // self.cycles_per_epoch) % config.eval_every_epochs == 0
     ):
       dev = self.evaluate()
+      if eps is None:
+        eps = outputs.epsilon_spent(plan, self.state)
       # The evaluation row carries the spend it was made at (48.4).
       self.writer.write(
-          cycle,
-          {
-              **{f"dev/{k}": v for k, v in dev.items()},
-              **({} if eps is None else {"epsilon_spent": eps}),
-          },
+          cycle, {**{f"dev/{k}": v for k, v in dev.items()}, "epsilon_spent": eps}
       )
-      line = f"cycle {cycle}: dev " + ", ".join(
-          f"{k} {v:.4f}" for k, v in dev.items()
-      )
-      line += "" if eps is None else f", epsilon spent {eps:.3f}"
+      line = outputs.dev_line(cycle, dev, eps)
       if progress is not None and progress.n < progress.total:
         progress.write(line)  # above the bar, not glued onto it
       else:
@@ -374,26 +223,17 @@ class _Session:
           progress.close()  # the full bar once, then the last line
         log.info("%s", line)
 
-  def _checkpoint_due(self) -> bool:
-    """Whether to save now; every process of a multi-host run agrees (the
-    time-based period reads each host's clock, and orbax saves jointly)."""
-    due = self.clock.due(self.state.cycle)
-    if self.clock.seconds and jax.process_count() > 1:
-      due = bool(parallel.agree(int(due)))
-    return due
-
   def train(self) -> None:
     """Cycles until the plan (or config.stop_after_cycles) ends, checkpointing."""
     config, plan = self.run.config, self.run.plan
-    stop_at = (
-        plan.cycles
-        if not config.stop_after_cycles
-        else min(plan.cycles, self.state.cycle + config.stop_after_cycles)
-    )
+    stop_at = plan.cycles
+    if config.stop_after_cycles:
+      stop_at = min(stop_at, self.state.cycle + config.stop_after_cycles)
     progress = _progress_bar(config, plan, self.state.cycle)
+    start, evaluating = time.perf_counter(), self.seconds["evaluate"]
     try:
       while self.state.cycle < stop_at:
-        self.state = _train_cycle(
+        self.state = cycle_lib.train_cycle(
             self.run,
             self.phase_fns,
             self.mesh,
@@ -404,7 +244,7 @@ class _Session:
             self.lengths,
         )
         self.log_cycle(progress)
-        if self._checkpoint_due():
+        if _checkpoint_due(self.clock, self.state.cycle):
           self.save()
     except BaseException:
       # A crash or a stop signal (`preemption.Stopped`) loses no checkpoint:
@@ -415,6 +255,9 @@ class _Session:
     finally:
       if progress is not None:
         progress.close()
+      self.seconds["train"] += (
+          time.perf_counter() - start - (self.seconds["evaluate"] - evaluating)
+      )
     if self.state.cycle > self.last_saved:
       self.save()
     self.checkpointer.close()
@@ -461,6 +304,9 @@ def train_and_evaluate(
   start_time = time.time()
   if run is None or not run.validated:
     validate(config)  # before any data or model is loaded; once per run
+  # Before the model and the owner passes compile: they are cached too.
+  compilation.enable_cache(config.get("compilation_cache", "auto"))
+  compiled = compilation.totals()
   mesh = parallel.make_mesh(config.num_devices)
   workdir = Path(workdir).expanduser().resolve()
   if not dry_run:  # a dry run writes nothing, not even the workdir's lock
@@ -473,15 +319,19 @@ def train_and_evaluate(
   with lock, preemption.stop_on_signals():
     try:
       return _train_and_evaluate(
-          config, workdir, mesh, run, start_time, dry_run
+          config, workdir, mesh, run, (start_time, compiled), dry_run
       )
     except preemption.Stopped as stopped:
       stopped.cycle = preemption.latest_checkpoint(workdir)
       raise
 
 
-def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
-  """`train_and_evaluate` inside the workdir lock and the stop signals."""
+def _train_and_evaluate(config, workdir, mesh, run, start, dry_run):
+  """`train_and_evaluate` inside the workdir lock and the stop signals.
+
+  `start`: (wall time, `compilation.totals()`) when the call began.
+  """
+  start_time, start_compiled = start
   workdir_lib.check_workdir(config, workdir)
   finished = None if dry_run else workdir_lib.finished_results(workdir)
   if finished is not None:  # nothing to load, train or write
@@ -522,9 +372,8 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
         "layer selection:\n%s",
         ownership.format_layer_table(run.layer_table, run.expert_layer),
     )
-  if outputs.is_writer():
-    log.info("%s", outputs.run_header(run, workdir))
   session = _Session(run, mesh, workdir, start_time)
+  setup_s, compile_s = _compile_ahead(session, workdir, start)
   session.train()
   dev = session.evaluate()
   results = outputs.write_reports(
@@ -535,7 +384,7 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
       dev,
       wall_time_s=session.wall_time_s(),
       session_s=time.time() - start_time,
-      data_digest=session.public_data(),
+      data_digest=secrecy.public_data(session.secret, session.data),
   )
   session.writer.write(
       session.state.cycle, {f"final/dev_{k}": v for k, v in dev.items()}
@@ -547,5 +396,47 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
         f"{run.plan.method} on {run.data.task.name}",
         config.data.eval_split,
     )
-    log.info("%s", outputs.run_summary(run, results, dev, workdir))
+    timing = outputs.Timing(
+        setup_s,
+        compile_s,
+        session.seconds["train"],
+        session.seconds["evaluate"],
+    )
+    log.info("%s", outputs.run_summary(run, results, dev, workdir, timing))
   return results
+
+
+def _compile_ahead(session: _Session, workdir, start) -> tuple[float, float]:
+  """Compiles the session's programs ahead and logs the run header and the
+  time line; returns (set-up, compile) seconds since `start` (the owner
+  passes of `build_run` count as compile)."""
+  run, (start_time, start_compiled) = session.run, start
+  cycle_lib.compile_run(
+      run,
+      session.phase_fns,
+      session.logits_fn,
+      session.mesh,
+      session.state,
+      session.frozen,
+      progress=log.info if outputs.is_writer() else None,
+  )
+  total = compilation.totals()
+  compile_s = total.seconds - start_compiled.seconds
+  setup_s = time.time() - start_time - compile_s
+  if outputs.is_writer():
+    log.info("%s", outputs.run_header(run, workdir))
+    log.info(
+        "time: set-up %.1f s, compile %.1f s (%d programs of the run; %s)",
+        setup_s,
+        compile_s,
+        total.programs - start_compiled.programs,
+        _cache_line(run.config),
+    )
+  return setup_s, compile_s
+
+
+def _cache_line(config) -> str:
+  directory = compilation.cache_directory(
+      config.get("compilation_cache", "auto")
+  )
+  return "cache off" if directory is None else f"cache {directory}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -46,6 +46,21 @@ class TrainState:
   opt_states: dict
   ledger: PrivacyLedger
   cycle: int
+
+
+class Timing(NamedTuple):
+  """Where a session's wall seconds went (operator output, like the log).
+
+  Set-up (data, model, owner passes, state) and compile (every program,
+  compiled ahead: `train.cycle.compile_run`) follow the public config; train
+  and evaluate follow the realised sample sizes too (`log_wall_time`), so
+  they are printed on the console only, never written to a file.
+  """
+
+  setup_s: float
+  compile_s: float
+  train_s: float
+  evaluate_s: float
 
 
 def is_writer() -> bool:
@@ -332,9 +347,23 @@ def export_script() -> str:
   return str(script) if script.is_file() else "launch/export.py"
 
 
-def run_summary(run: Run, results: dict, dev: dict, workdir: Path) -> str:
-  """The run's last lines: a table of the public results and the export
-  command."""
+def dev_line(cycle: int, dev: dict, eps: float | None) -> str:
+  """The console's line of one evaluation: dev metrics and epsilon spent."""
+  line = f"cycle {cycle}: dev " + ", ".join(
+      f"{k} {v:.4f}" for k, v in dev.items()
+  )
+  return line + ("" if eps is None else f", epsilon spent {eps:.3f}")
+
+
+def run_summary(
+    run: Run,
+    results: dict,
+    dev: dict,
+    workdir: Path,
+    timing: Timing | None = None,
+) -> str:
+  """The run's last lines: a table of the public results (and, on the
+  console, where this session's time went) and the export command."""
   rows = [
       ("cycles", f"{results['cycles']} of {run.plan.cycles}"),
       (
@@ -349,6 +378,14 @@ def run_summary(run: Run, results: dict, dev: dict, workdir: Path) -> str:
       ),
       ("reports", f"{workdir}/privacy_report.json, results.json"),
   ]
+  if timing is not None:
+    rows.append(
+        (
+            "time",
+            f"set-up {timing.setup_s:.1f} s, compile {timing.compile_s:.1f} s,"
+            f" train {timing.train_s:.1f} s, evaluate {timing.evaluate_s:.1f} s",
+        )
+    )
   width = max(len(name) for name, _ in rows)
   done = "finished" if results["finished"] else "stopped (stop_after_cycles)"
   lines = [f"run {done}:"]

@@ -17,7 +17,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from raptor_jax import _validate, data, length_buckets, models, ownership
+from raptor_jax import _validate, compilation, data, length_buckets, models
+from raptor_jax import ownership
 from raptor_jax import roles, sampling
 from raptor_jax.models import hf
 from raptor_jax.train import canaries as canaries_lib
@@ -46,6 +47,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   setup.check_data_fields(config)
   sampling.check_microbatch_size(config.microbatch_size)
   length_buckets.from_config(config)  # data.length_buckets
+  compilation.cache_directory(config.get("compilation_cache", "auto"))
   _validate.positive_int(
       "checkpoint_every_cycles",
       config.checkpoint_every_cycles,

@@ -170,6 +170,13 @@ def keyed_digest(secret: bytes, fingerprint: dict) -> str:
   ).hexdigest()
 
 
+def public_data(secret: bytes, fingerprint: dict) -> dict:
+  """The report's data field: the public source, or a keyed file digest."""
+  if fingerprint["source"] != "file":
+    return dict(fingerprint)
+  return dict(source="file", keyed_sha256=keyed_digest(secret, fingerprint))
+
+
 def _flatten(tree, prefix=""):
   if isinstance(tree, dict):
     for key, value in tree.items():

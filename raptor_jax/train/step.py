@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from raptor_jax import grads, roles, transforms
 from raptor_jax.models.common import OwnerOverride
-from raptor_jax.train import parallel, setup
+from raptor_jax.train import packed, parallel, setup
 from raptor_jax.train.plans import Phase
 from raptor_jax.train.parallel import AXIS
 
@@ -120,7 +120,8 @@ class PhaseFunctions:
         ),
         donate_argnums=(2,),
     )
-    self.update = jax.jit(self._update)
+    self.packed_update = jax.jit(self._packed_update)
+    self.unpack = jax.jit(self._unpack, static_argnums=0)
     self.loss_sum = jax.jit(
         jax.shard_map(
             self._loss_sum,
@@ -370,7 +371,7 @@ class PhaseFunctions:
         lambda g: g.astype(jnp.float32), jax.grad(total_loss)(dense)
     )
 
-  def _update(
+  def update(
       self,
       trainable: dict[str, Flat],
       opt_states: dict[str, Any],
@@ -380,20 +381,67 @@ class PhaseFunctions:
 
     Each part's `optax.chain(privatize_sums, adam)` adds N(0, (sigma C)^2) to
     its clipped sums, divides by the public denominator, then takes the Adam
-    step: the release is the privatized sum, Adam is post-processing.
+    step: the release is the privatized sum, Adam is post-processing. The
+    update runs on each part's packed vector (`train.packed`: one program
+    whatever the number of leaves), then a program of slices unpacks it.
+
+    Returns:
+      (trainable with the phase's parts updated, opt_states).
     """
-    trainable, opt_states = dict(trainable), dict(opt_states)
+    new, opt_states = self.packed_update(trainable, opt_states, sums)
+    layouts = self.layouts(trainable)
+    unpacked = self.unpack(
+        tuple(sorted(layouts.items())), {n: new.pop(n) for n in layouts}
+    )
+    return {**trainable, **new, **unpacked}, opt_states
+
+  def layouts(self, trainable: Mapping[str, Flat]) -> dict[str, packed.Layout]:
+    """The packed layout of each part of the phase that packs (one dtype)."""
+    out = {}
     for part in self.phase.parts:
+      layout = packed.Layout.of(trainable[part.name])
+      if layout is not None:
+        out[part.name] = layout
+    return out
+
+  def _packed_update(
+      self,
+      trainable: Mapping[str, Flat],
+      opt_states: dict[str, Any],
+      sums: Mapping[str, Flat],
+  ):
+    """({part: new packed vector, or new leaves if it does not pack},
+    new opt_states): `update` before unpacking."""
+    layouts, opt_states, out = self.layouts(trainable), dict(opt_states), {}
+    for part in self.phase.parts:
+      params, part_sums = trainable[part.name], sums[part.name]
+      layout = layouts.get(part.name)
+      if layout is not None:
+        params = layout.pack(params)
+        part_sums = layout.pack(part_sums, jnp.float32)
       updates, opt_states[part.name] = self.optimizers[part.name].update(
-          sums[part.name], opt_states[part.name], trainable[part.name]
+          part_sums, opt_states[part.name], params
       )
-      trainable[part.name] = optax.apply_updates(trainable[part.name], updates)
-    return trainable, opt_states
+      out[part.name] = optax.apply_updates(params, updates)
+    return out, opt_states
+
+  @staticmethod
+  def _unpack(layouts, vectors) -> dict[str, Flat]:
+    """{part: leaves} of the packed vectors; `layouts`: sorted (part,
+    `packed.Layout`) pairs (static)."""
+    layouts = dict(layouts)
+    return {name: layouts[name].unpack(v) for name, v in vectors.items()}
 
   def init_opt_states(self, trainable: Mapping[str, Flat]) -> dict[str, Any]:
-    """Per part: the chain's state (noise transform's PRNG state, Adam state)."""
+    """Per part: the chain's state (noise transform's PRNG state, Adam
+    state), over the part's packed vector where it packs."""
+    layouts = self.layouts(trainable)
     return {
-        p.name: self.optimizers[p.name].init(trainable[p.name])
+        p.name: self.optimizers[p.name].init(
+            layouts[p.name].pack(trainable[p.name])
+            if p.name in layouts
+            else trainable[p.name]
+        )
         for p in self.phase.parts
     }
 

@@ -1,0 +1,399 @@
+r"""Compile time of every program the trainer builds, by model, depth and batch.
+
+For each model shape (switch-base-8, OLMoE-1B-7B, the DeepSeek-VL2-Tiny
+language model; reduced vocabulary), depth (2 blocks and the model's full
+depth), microbatch (1, 8, 32) and `scan_layers` setting, in one process:
+
+* parameter set-up: `models.init_params` (shapes from `jax.eval_shape`,
+  leaves drawn directly; the forward pass is never compiled);
+* lower and compile seconds of every program the trainer compiles ahead
+  (`train.cycle.programs`, `ownership.owner_pass`): the owner pass, and per
+  stream (RAPTOR's shared stream: attention LoRA + head; its expert stream:
+  the owner slices of l*'s expert LoRA, kept out of the scan) zero sums,
+  accumulate, the packed noisy update and its unpacking; and evaluation;
+* the optimised HLO size (instructions, fused computations included) and
+  the largest `known_trip_count` of a while loop in it (a scan's steps: on a
+  GPU each iteration is driven from the host).
+
+  python -m launch.bench.compile_time --models=switch --dtype=bfloat16 \
+      --microbatches=32 --depths=2,full
+  python -m launch.bench.compile_time --quick   # a tiny shape, seconds
+
+Rows print as they finish; the per-setting summary table comes last.
+"""
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import sys
+
+if __name__ == '__main__':  # first, before any library starts a thread
+  from raptor_jax import host_memory as _host_memory
+
+  _host_memory.keep_unless_disabled(sys.argv)
+
+import dataclasses
+import itertools
+import re
+import time
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+from launch.bench import benchmark
+from launch.bench import harness
+from raptor_jax import models, ownership
+from raptor_jax.train import parallel
+from raptor_jax.train import step as step_lib
+
+FLAGS = flags.FLAGS
+
+# Published shapes (HF config.json), depth `full`; vocabularies reduced.
+SHAPES = {
+    'switch': dict(
+        full=12,
+        config=dict(
+            d_model=768,
+            d_kv=64,
+            d_ff=3072,
+            num_heads=12,
+            num_experts=8,
+            expert_capacity=64,
+        ),
+    ),
+    'olmoe': dict(
+        full=16,
+        config=dict(
+            hidden_size=2048,
+            intermediate_size=1024,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            num_experts=64,
+            num_experts_per_tok=8,
+        ),
+    ),
+    'deepseek': dict(
+        full=12,
+        config=dict(
+            hidden_size=1280,
+            intermediate_size=6848,
+            moe_intermediate_size=896,
+            num_attention_heads=10,
+            num_key_value_heads=10,
+            use_mla=False,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            first_k_dense_replace=1,
+        ),
+    ),
+}
+
+# `--quick`: every family at toy width, for the CPU tests.
+QUICK = {
+    'switch': dict(
+        full=4,
+        config=dict(
+            d_model=32,
+            d_kv=8,
+            d_ff=32,
+            num_heads=2,
+            num_experts=4,
+            expert_capacity=8,
+        ),
+    ),
+    'olmoe': dict(
+        full=3,
+        config=dict(
+            hidden_size=32,
+            intermediate_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
+    'deepseek': dict(
+        full=3,
+        config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            use_mla=False,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+        ),
+    ),
+}
+
+
+def define_flags() -> None:
+  """Defines the command-line flags; only when run as a script, so that tests
+  can import several scripts into one process."""
+  flags.DEFINE_list('models', list(SHAPES), 'Model shapes.')
+  flags.DEFINE_list('depths', ['2', 'full'], 'Blocks: numbers or "full".')
+  flags.DEFINE_list('microbatches', ['1', '8', '32'], 'Records per batch.')
+  flags.DEFINE_list('scan', ['true', 'false'], 'scan_layers settings.')
+  flags.DEFINE_string('dtype', 'bfloat16', 'Compute dtype.')
+  flags.DEFINE_integer('seq_len', 128, 'Tokens per record.')
+  flags.DEFINE_integer('vocab_size', 8000, 'Reduced vocabulary.')
+  flags.DEFINE_bool('quick', False, 'Toy shapes, depths 2 and full, m = 2.')
+
+
+def max_while_trip_count(hlo_text: str) -> int:
+  """The largest `known_trip_count` of a while loop in optimised HLO text
+  (0 when no loop has a known count)."""
+  counts = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', hlo_text)
+  return max(map(int, counts), default=0)
+
+
+def hlo_instructions(hlo_text: str) -> int:
+  """Instructions in optimised HLO text, fused computations included."""
+  return sum(
+      1
+      for line in hlo_text.splitlines()
+      if re.match(r'\s+(ROOT )?%\S+ = ', line)
+  )
+
+
+def model(name: str, depth: int, *, shapes, vocab_size, dtype, scan):
+  """(classifier module, its config) of `name`'s shape at `depth` blocks,
+  LoRA on attention and on l*'s experts (l* = the last sparse block, kept
+  out of the scan as the trainer keeps it)."""
+  options = dict(
+      vocab_size=vocab_size,
+      lora_rank=8,
+      attention_lora=True,
+      dtype=dtype,
+      scan_layers=scan,
+  )
+  sizes = shapes[name]['config']
+  if name == 'switch':
+    config = models.SwitchConfig(
+        **sizes, **options, num_layers=depth, sparse_step=2
+    )
+    backbone, pooling = models.SwitchEncoder, 'mean'
+  elif name == 'olmoe':
+    config = models.OlmoeConfig(**sizes, **options, num_hidden_layers=depth)
+    backbone, pooling = models.OlmoeDecoder, 'last'
+  else:
+    config = models.DeepseekConfig(**sizes, **options, num_hidden_layers=depth)
+    backbone, pooling = models.DeepseekDecoder, 'last'
+  layer = config.sparse_layers[-1]
+  config = dataclasses.replace(
+      config, expert_lora_layers=(layer,), unscanned_layers=(layer,)
+  )
+  return models.SequenceClassifier(backbone(config), 2, pooling=pooling), config
+
+
+def programs(module, config, params, m: int, seq_len: int, vocab_size: int):
+  """[(name, jitted fn, args)]: the trainer's programs at microbatch `m`."""
+  records, owners = benchmark.batch(m, seq_len, vocab_size, config.num_experts)
+  ids, mask = records[:2]
+  layer = config.sparse_layers[-1]
+  rule = ownership.owner_rule(config, 'count')
+  out = [
+      (
+          'owner pass',
+          ownership.owner_program(
+              module.backbone, (config.sparse_layers.index(layer),), rule
+          ),
+          (params['backbone'], ids, mask),
+      )
+  ]
+  state = None
+  for stream in ('shared', 'expert'):
+    denominator = float(m) / (config.num_experts if stream == 'expert' else 1)
+    phase, extra = benchmark.stream_phase(stream, denominator, layer)
+    dp = benchmark.phase_step(
+        module, phase, key=jax.random.key(1), devices=1, **extra
+    )
+    state = dp.init(params)
+    fns = dp.functions
+    sums = jax.eval_shape(fns.zero_sums, state.trainable)  # not compiled
+    placed = parallel.shard_records(
+        (benchmark.host_batch(*records, owners), np.ones(m, np.float32)),
+        dp.mesh,
+    )
+    update_args = (state.trainable, state.opt_state, sums)
+    layouts = tuple(sorted(fns.layouts(state.trainable).items()))
+    vectors = jax.eval_shape(fns.packed_update, *update_args)[0]
+    out += [
+        (f'{stream} zero', fns.zero_sums, (state.trainable,)),
+        (
+            f'{stream} accumulate',
+            fns.accumulate,
+            (state.trainable, state.frozen, sums, *placed),
+        ),
+        (f'{stream} update', fns.packed_update, update_args),
+        (
+            f'{stream} unpack',
+            fns.unpack,
+            (layouts, {n: vectors[n] for n, _ in layouts}),
+        ),
+    ]
+  replicated = parallel.replicate((ids, mask), dp.mesh)
+  out.append(
+      (
+          'evaluate',
+          step_lib.make_eval_fn(module),
+          (state.trainable, state.frozen, *replicated),
+      )
+  )
+  return out
+
+
+def measure(fn, args) -> dict:
+  """Lower and compile seconds, HLO instructions, largest while trip count."""
+  start = time.perf_counter()
+  lowered = fn.lower(*args)
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  done = time.perf_counter()
+  text = compiled.as_text() or ''
+  return dict(
+      lower_s=lowered_at - start,
+      compile_s=done - lowered_at,
+      hlo=hlo_instructions(text),
+      max_trip=max_while_trip_count(text),
+  )
+
+
+def setting_rows(name, depth, m, scan, *, shapes, seq_len, vocab_size, dtype):
+  """(set-up seconds, one dict per program) of one setting."""
+  module, config = model(
+      name,
+      depth,
+      shapes=shapes,
+      vocab_size=vocab_size,
+      dtype=dtype,
+      scan=scan,
+  )
+  jax.clear_caches()  # every setting compiles from scratch
+  ids = np.zeros((1, seq_len), np.int32)
+  start = time.perf_counter()
+  params = jax.block_until_ready(
+      models.init_params(module, jax.random.key(0), (ids, np.ones_like(ids)))
+  )
+  setup_s = time.perf_counter() - start
+  rows = []
+  for program, fn, args in programs(
+      module, config, params, m, seq_len, vocab_size
+  ):
+    rows.append(dict(program=program, **measure(fn, args)))
+  return setup_s, rows
+
+
+def summary(rows) -> dict:
+  """Per stream: lower + compile seconds of its zero, accumulate, update and
+  unpack; the update's compile; the largest HLO and trip count."""
+  out = {}
+  for stream in ('shared', 'expert'):
+    mine = [r for r in rows if r['program'].startswith(stream)]
+    out[f'{stream}_s'] = sum(r['lower_s'] + r['compile_s'] for r in mine)
+    (update,) = [r for r in mine if r['program'].endswith('update')]
+    out[f'{stream}_update_s'] = update['lower_s'] + update['compile_s']
+  out['all_s'] = sum(r['lower_s'] + r['compile_s'] for r in rows)
+  out['max_hlo'] = max(r['hlo'] for r in rows)
+  out['max_trip'] = max(r['max_trip'] for r in rows)
+  return out
+
+
+PROGRAM_COLUMNS = (
+    ('model', 'model', ''),
+    ('blocks', 'blocks', 'd'),
+    ('m', 'm', 'd'),
+    ('scan', 'scan', ''),
+    ('program', 'program', ''),
+    ('lower s', 'lower_s', '.2f'),
+    ('compile s', 'compile_s', '.2f'),
+    ('HLO instr', 'hlo', 'd'),
+    ('max while trips', 'max_trip', 'd'),
+)
+SUMMARY_COLUMNS = (
+    ('model', 'model', ''),
+    ('blocks', 'blocks', 'd'),
+    ('m', 'm', 'd'),
+    ('scan', 'scan', ''),
+    ('set-up s', 'setup_s', '.2f'),
+    ('shared stream s', 'shared_s', '.2f'),
+    ('expert stream s', 'expert_s', '.2f'),
+    (
+        'updates s (shared, expert)',
+        ('shared_update_s', 'expert_update_s'),
+        '.2f',
+    ),
+    ('all programs s', 'all_s', '.2f'),
+    ('max HLO instr', 'max_hlo', 'd'),
+    ('max while trips', 'max_trip', 'd'),
+)
+
+
+def run(
+    names,
+    depths,
+    microbatches,
+    scans,
+    *,
+    quick=False,
+    seq_len=128,
+    vocab_size=8000,
+    dtype='bfloat16',
+    echo=print,
+):
+  """Every setting's summary dict (and each program's row through `echo`)."""
+  shapes = QUICK if quick else SHAPES
+  summaries = []
+  for name, depth, m, scan in itertools.product(
+      names, depths, microbatches, scans
+  ):
+    blocks = shapes[name]['full'] if depth == 'full' else int(depth)
+    setup_s, rows = setting_rows(
+        name,
+        blocks,
+        m,
+        scan,
+        shapes=shapes,
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+        dtype=dtype,
+    )
+    key = dict(model=name, blocks=blocks, m=m, scan=str(scan))
+    echo(
+        harness.dict_table(PROGRAM_COLUMNS, [dict(key, **r) for r in rows]),
+    )
+    summaries.append(dict(key, setup_s=setup_s, **summary(rows)))
+  echo(harness.dict_table(SUMMARY_COLUMNS, summaries))
+  return summaries
+
+
+def main(argv):
+  del argv
+  quick = FLAGS.quick
+  print(
+      f'# python -m launch.bench.compile_time {" ".join(sys.argv[1:])}'
+      f' ({jax.default_backend()}, jax {jax.__version__}, dtype'
+      f' {FLAGS.dtype}, seq_len {16 if quick else FLAGS.seq_len},'
+      f' vocab {FLAGS.vocab_size})',
+      flush=True,
+  )
+  run(
+      FLAGS.models,
+      FLAGS.depths,
+      [2] if quick else [int(m) for m in FLAGS.microbatches],
+      [s.lower() in ('1', 'true', 'yes') for s in FLAGS.scan],
+      quick=quick,
+      seq_len=16 if quick else FLAGS.seq_len,
+      vocab_size=FLAGS.vocab_size,
+      dtype=FLAGS.dtype,
+      echo=lambda text: print(text, '\n', flush=True),
+  )
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
