@@ -191,13 +191,7 @@ def test_studies_stand_above_the_trainer_and_diagnostics():
   assert not up, up
 
 
-# Calls into another module's private names that wait for a rewrite planned
-# elsewhere: the dispatch kernels' shared scaffold (issue 45.4) lands after
-# the batched GPU dispatch, which adds a third user of these helpers.
-_PENDING_PRIVATE_CALLS = {
-    ("raptor_jax/models/ragged.py", "dispatch._rowwise"),
-    ("raptor_jax/models/ragged.py", "dispatch._stacked_lora_grads"),
-}
+_PENDING_PRIVATE_CALLS = set()  # none: every call above is to a public name
 
 
 def _private_uses(path: pathlib.Path, rel: str) -> list[tuple[str, str]]:

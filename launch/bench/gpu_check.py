@@ -163,7 +163,9 @@ def stream(name, module, params, config, *, probe, seq_len, repeats):
   plan = profiling.memory_stats(accumulate.compiled) or {}
   m = choose_microbatch(plan, probe, device_bytes)
   mib = lambda b: f'{b / 2**20:.0f} MiB'
-  memory = 'no device memory reported' if not device_bytes else mib(device_bytes)
+  memory = (
+      'no device memory reported' if not device_bytes else mib(device_bytes)
+  )
   say(
       f'{name}: probe m={probe}: compile'
       f' {accumulate.lower_s + accumulate.compile_s:.1f} s, plan'

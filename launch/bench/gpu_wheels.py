@@ -78,7 +78,10 @@ def missing(wheel_dir: pathlib.Path, image: set[str]) -> list[str]:
     for line in meta.get_all('Requires-Dist') or ():
       try:
         requirement = requirements.Requirement(line)
-      except (requirements.InvalidRequirement, markers.UndefinedEnvironmentName):
+      except (
+          requirements.InvalidRequirement,
+          markers.UndefinedEnvironmentName,
+      ):
         continue
       if applies(requirement):
         wanted.setdefault(normalise(requirement.name), requirement)

@@ -211,7 +211,7 @@ def _grouped_linear_flat(
   return jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
 
 
-def _rowwise(fn):
+def rowwise(fn):
   """Wraps a row-wise fn(x[T, d], experts[T], *ws) so that vmap flattens rows."""
   wrapped = custom_vmap(fn)
 
@@ -234,7 +234,7 @@ def _rowwise(fn):
   return wrapped
 
 
-def _stacked_lora_grads(x, experts, a, b, dy, forward, backward):
+def stacked_lora_grads(x, experts, a, b, dy, forward, backward):
   """Gradients of sum(dy * x @ a[e] @ b[e]) for EVERY expert's factors.
 
   The rank-r factors of each row, u = x @ a[e] and g = dy @ b[e]^T, come
@@ -252,14 +252,14 @@ def _stacked_lora_grads(x, experts, a, b, dy, forward, backward):
   return da.astype(a.dtype), db.astype(b.dtype)
 
 
-def _dispatch_vjps(forward, backward, weight_grad):
+def dispatch_vjps(forward, backward, weight_grad):
   """(frozen, trainable): the custom VJPs of one row-wise expert dispatch.
 
   `forward(x, experts, w, *lora)` and `backward` (its transpose, the input
-  gradient) are `_rowwise` functions; `weight_grad(x, experts, dy, E)` is
+  gradient) are `rowwise` functions; `weight_grad(x, experts, dy, E)` is
   dw[e] = sum_{t: e_t = e} x[t]^T dy[t] in float32. `frozen(x, experts, w,
   *lora)` treats `w` as a constant and differentiates the LoRA pair (every
-  expert's factors, `_stacked_lora_grads`); `trainable(x, experts, w)`
+  expert's factors, `stacked_lora_grads`); `trainable(x, experts, w)`
   differentiates `w`. Shared by the grouped, batched and ragged dispatches.
   """
 
@@ -281,7 +281,7 @@ def _dispatch_vjps(forward, backward, weight_grad):
     dx = backward(dy, experts, w, *lora)
     if not lora:
       return dx, None, None
-    grads = _stacked_lora_grads(x, experts, *lora, dy, forward, backward)
+    grads = stacked_lora_grads(x, experts, *lora, dy, forward, backward)
     return (dx, None, None) + grads
 
   frozen.defvjp(frozen_fwd, frozen_bwd)
@@ -314,9 +314,9 @@ def _block_outer(x, experts, dy, num_experts, block):
   return jax.ops.segment_sum(per_block, block_expert, num_segments=num_experts)
 
 
-_grouped_linear, _grouped_linear_trainable = _dispatch_vjps(
-    _rowwise(functools.partial(_grouped_linear_flat, transpose=False)),
-    _rowwise(functools.partial(_grouped_linear_flat, transpose=True)),
+_grouped_linear, _grouped_linear_trainable = dispatch_vjps(
+    rowwise(functools.partial(_grouped_linear_flat, transpose=False)),
+    rowwise(functools.partial(_grouped_linear_flat, transpose=True)),
     lambda x, experts, dy, num_experts: _block_outer(
         x, experts, dy, num_experts, block_size(x.shape[0], num_experts)
     ),
@@ -440,9 +440,9 @@ def _batched_linear_flat(
   return jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
 
 
-_batched_linear, _batched_linear_trainable = _dispatch_vjps(
-    _rowwise(functools.partial(_batched_linear_flat, transpose=False)),
-    _rowwise(functools.partial(_batched_linear_flat, transpose=True)),
+_batched_linear, _batched_linear_trainable = dispatch_vjps(
+    rowwise(functools.partial(_batched_linear_flat, transpose=False)),
+    rowwise(functools.partial(_batched_linear_flat, transpose=True)),
     lambda x, experts, dy, num_experts: _block_outer(
         x, experts, dy, num_experts, batched_block_size(x.shape[0], num_experts)
     ),

@@ -138,7 +138,7 @@ def _ragged_dispatch(ragged_dot_general):
   """(frozen, trainable) fast ragged dispatches over one grouped GEMM.
 
   The custom VJPs of `ragged_linear` / `ragged_linear_trainable`
-  (`dispatch._dispatch_vjps`), whose products are
+  (`dispatch.dispatch_vjps`), whose products are
   `ragged_dot_general(lhs, rhs, group_sizes, dims, ...)`:
   `jax.lax.ragged_dot_general` or a kernel library's function of the same
   signature (`tokamax_linear`).
@@ -146,9 +146,9 @@ def _ragged_dispatch(ragged_dot_general):
   flat = functools.partial(
       _ragged_linear_flat, ragged_dot_general=ragged_dot_general
   )
-  return grouped._dispatch_vjps(
-      grouped._rowwise(functools.partial(flat, transpose=False)),
-      grouped._rowwise(functools.partial(flat, transpose=True)),
+  return grouped.dispatch_vjps(
+      grouped.rowwise(functools.partial(flat, transpose=False)),
+      grouped.rowwise(functools.partial(flat, transpose=True)),
       lambda x, experts, dy, num_experts: _group_outer(
           num_experts, ragged_dot_general
       )(x, experts, dy),

@@ -72,7 +72,7 @@ def _warn_if_not_private(config) -> None:
     )
 
 
-def _progress_bar(config, plan: methods.Plan, cycle: int):
+def _progress_bar(config, plan: plans.Plan, cycle: int):
   if not config.progress_bar or not outputs.is_writer():
     return None
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
@@ -213,7 +213,8 @@ class _Session:
         eps = outputs.epsilon_spent(plan, self.state)
       # The evaluation row carries the spend it was made at (48.4).
       self.writer.write(
-          cycle, {**{f"dev/{k}": v for k, v in dev.items()}, "epsilon_spent": eps}
+          cycle,
+          {**{f"dev/{k}": v for k, v in dev.items()}, "epsilon_spent": eps},
       )
       line = outputs.dev_line(cycle, dev, eps)
       if progress is not None and progress.n < progress.total:

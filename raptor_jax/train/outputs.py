@@ -24,7 +24,7 @@ import numpy as np
 
 from raptor_jax import roles
 from raptor_jax.ledger import PrivacyLedger
-from raptor_jax.train import plans, step
+from raptor_jax.train import methods, plans, step
 
 if TYPE_CHECKING:
   from raptor_jax.train.run import Run
@@ -319,7 +319,7 @@ def header_warnings(run: Run) -> list[str]:
   """
   plan, config = run.plan, run.config
   warnings = []
-  if not methods.is_private(plan):
+  if not plans.is_private(plan):
     return warnings
   if plan.cycles < methods.FEW_STEPS:
     per_epoch = plan.cycles // max(plan.epochs or config.epochs, 1)

@@ -316,7 +316,10 @@ def load_run_data(
   if task.name == "synthetic":
     return _synthetic_run_data(config, task, host)
   if vision.is_image_task(task.name):
-    return vision.image_run_data(config, task, host)
+    fields = vision.image_run_data(config, task)
+    if host[1] > 1:
+      fields["train"] = _shard_of(fields["train"], *host)
+    return RunData(task, public=None, token_groups=None, **fields)
   texts = public_texts(dc)
   tokenizer = _run_tokenizer(config, texts)
   kwargs = dict(
