@@ -10,6 +10,13 @@ Declare the task with four fields (there is no default for them):
                      or, online, data.hub_dataset=<Hub id> with train and
                      validation splits
 
+Sizes are chosen from the number of training records n (every preset):
+batch_size = 0 gives an expected batch of n / 10 (at most 1000), epochs = 0
+the fewest epochs with at least 200 noisy steps (600 records: batch 60, 20
+epochs of 10 steps), so that the noise averages out; set either to a number
+to override it. The default delta is 1/(10 n) (privacy.delta = 0). n is
+treated as public, as the sample rate B / n is.
+
 The task reports accuracy and macro-F1. Presets, as for GLUE
 (`configs/glue.py`): empty (paper scale, google/switch-base-8) | cpu (the
 tiny random model with a word vocabulary from the PUBLIC corpus; CPU) |
@@ -46,4 +53,7 @@ def get_config(arg: str = ""):
   config.data.task = "custom"
   config.data.label_names = ""  # comma-separated class names (id = position)
   config.data.hub_dataset = ""  # a Hub dataset id instead of files (online)
-  return with_preset(config, arg)
+  config = with_preset(config, arg)
+  config.batch_size = 0  # chosen from n: n / 10, at most 1000
+  config.epochs = 0  # chosen from n: at least 200 noisy steps
+  return config

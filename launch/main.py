@@ -26,14 +26,80 @@ from raptor_jax import _validate, host_memory, process  # pylint: disable=g-mult
 with _validate.errors_exit_in_one_line():
   process.setup(argv=sys.argv)
 
+import difflib
+import json
 import logging
 import os
 import re
+from pathlib import Path
+
+# The record of a finished run's command (`_exit_if_finished`).
+_COMMAND = "command.json"
+
+
+def _flag_value(argv, name: str) -> str | None:
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      return arg.split("=", 1)[1]
+    if arg == f"--{name}" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _command(argv) -> dict:
+  return dict(argv=list(argv[1:]), cwd=os.getcwd())
+
+
+def _exit_if_finished(argv) -> None:
+  """Rerunning the very command of a finished run: one line, at once.
+
+  Before anything heavy is imported: the workdir's `command.json` (written
+  when the run finished) names the same arguments and directory, its
+  privacy report says finished, and its latest checkpoint is the last
+  cycle. Anything else (another command that may name the same config)
+  takes the full path, which checks the config and says the same.
+  """
+  workdir = _flag_value(argv[1:], "workdir")
+  if not workdir or "--dry_run" in argv:
+    return
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  try:
+    with open(os.path.join(workdir, _COMMAND), encoding="utf-8") as f:
+      if json.load(f) != _command(argv):
+        return
+    with open(
+        os.path.join(workdir, "privacy_report.json"), encoding="utf-8"
+    ) as f:
+      report = json.load(f)
+    steps = [
+        int(name)
+        for name in os.listdir(os.path.join(workdir, "checkpoints"))
+        if name.isdigit()
+    ]
+  except (OSError, ValueError):
+    return
+  if not report.get("finished") or max(steps, default=-1) != report.get(
+      "cycles"
+  ):
+    return
+  print(
+      f"already finished: {workdir} holds this command's finished run"
+      f" ({report['cycles']} of {report.get('planned_cycles')} cycles);"
+      f" results in {workdir}/results.json; export: python"
+      f" {os.path.join(os.path.dirname(os.path.abspath(__file__)), 'export.py')}"
+      f" --workdir={workdir} --out={workdir}_model"
+  )
+  sys.exit(0)
+
+
+_exit_if_finished(sys.argv)
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
 from ml_collections import config_flags
 
+import jax
 from raptor_jax.train import parallel, preemption, train_and_evaluate
+from raptor_jax.train import workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training configuration file.", lock_config=True
@@ -142,9 +208,31 @@ def _with_config_help(argv) -> None:
     )
 
 
+def _check_config_file(argv) -> None:
+  """A --config file that does not exist: ONE line listing the config files
+  (ml_collections would print its loader's traceback, whatever else is set)."""
+  given = next(
+      (a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), None
+  )
+  if given is None:
+    return
+  path = given.split(":", 1)[0]
+  if os.path.isfile(path):
+    return
+  files = sorted(f for f in os.listdir(_CONFIGS) if f.endswith(".py"))
+  close = difflib.get_close_matches(os.path.basename(path), files, n=1)
+  hint = f"did you mean configs/{close[0]}? " if close else ""
+  sys.exit(
+      f"error: --config={path}: no such config file; {hint}the config files"
+      f" are configs/{{{','.join(f[:-3] for f in files)}}}.py (run from the"
+      " repository root, or give the file's path)"
+  )
+
+
 def _parse_flags(argv):
   """absl's flag parsing, with a bad --config as ONE line, not a traceback."""
   _with_config_help(argv)
+  _check_config_file(argv)
   try:
     return flags.FLAGS(argv)
   except (flags.Error, AttributeError, KeyError, ValueError) as e:
@@ -164,15 +252,27 @@ def main(argv):
     parallel.initialize_distributed(
         _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
     )
+    # Data paths as typed and as resolved: config.json holds resolved ones,
+    # so export and a resume work from any directory (workdir.PATHS_FILE).
+    config, paths = workdir_lib.with_resolved_paths(
+        _CONFIG.value, _WORKDIR.value
+    )
+    if not _DRY_RUN.value and jax.process_index() == 0:
+      os.makedirs(_WORKDIR.value, exist_ok=True)
+      workdir_lib.store_paths(Path(_WORKDIR.value), paths)
     try:
-      train_and_evaluate(_CONFIG.value, _WORKDIR.value, dry_run=_DRY_RUN.value)
+      results = train_and_evaluate(
+          config, _WORKDIR.value, dry_run=_DRY_RUN.value
+      )
     except preemption.Stopped as stopped:  # SIGINT or SIGTERM, checkpointed
       print(stopped.one_line(), file=sys.stderr)
       sys.exit(128 + stopped.signum)
+    if results.get("finished") and jax.process_index() == 0:
+      Path(_WORKDIR.value, _COMMAND).write_text(json.dumps(_command(sys.argv)))
     if _DIAGNOSTICS.value:
       from raptor_jax import diagnostics  # pylint: disable=g-import-not-at-top
 
-      diagnostics.write_for_run(_CONFIG.value, _WORKDIR.value)
+      diagnostics.write_for_run(config, _WORKDIR.value)
 
 
 if __name__ == "__main__":

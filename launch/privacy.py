@@ -262,15 +262,15 @@ def rows_of(plan, delta: float) -> list[tuple[str, str]]:
         )
         for phase in plan.phases
     ]
+    # The run's epsilon first; each stream's own figure is a bound at a
+    # share of delta (above the composed one: it is not what the run spends).
     share = f'delta/{len(plan.phases)}'
+    rows.append(('epsilon (PLD, composed)', f'{spent:.4f}'))
     rows += [
-        (f'epsilon {p.name} alone ({share})', f'{e:.4f}')
+        (f'bound: {p.name} stream alone at {share}', f'{e:.4f}')
         for p, e in zip(plan.phases, alone)
     ]
-    rows += [
-        ('epsilon (PLD, composed)', f'{spent:.4f}'),
-        ('basic composition (sum)', f'{sum(alone):.4f}'),
-    ]
+    rows.append(('bound: basic composition (sum)', f'{sum(alone):.4f}'))
   elif len(plan.phases[0].parts) > 1 and not plan.phases[0].joint_clip:
     rows += [
         ('sigma_eff (one sample)', f'{plan.phases[0].noise_multiplier:.6g}'),
@@ -299,12 +299,13 @@ def main(argv: list[str]) -> None:
       n = train_records(config)
     _validate.positive_int('--n', n, 'pass the number of training records')
     noise = given_noise(config)
+    batch_size, epochs = methods.run_sizes(config, n)  # 0: chosen from n
     _validate.check(
-        1 <= config.batch_size <= n,
+        1 <= batch_size <= n,
         'batch_size',
         f'in [1, n] for n={n}',
-        config.batch_size,
-        'lower --batch_size (or --config.batch_size), or check --n',
+        batch_size,
+        f'set --batch_size={max(1, n // 10)} (n / 10), or check --n',
     )
     start = time.perf_counter()
     plan = methods.build_plan(
@@ -319,8 +320,8 @@ def main(argv: list[str]) -> None:
     rc = config.raptor
     rho = config.method == 'raptor' and not (rc.joint_clip and not rc.alternate)
     print(
-        f'{config.method}: n={n} B={config.batch_size} q={plan.sample_rate:.6g}'
-        f' epochs={config.epochs} steps={plan.cycles} delta={plan.delta:.3g}'
+        f'{config.method}: n={n} B={batch_size} q={plan.sample_rate:.6g}'
+        f' epochs={epochs} steps={plan.cycles} delta={plan.delta:.3g}'
         + (
             f' target epsilon={config.privacy.epsilon:g}'
             if noise is None

@@ -466,7 +466,7 @@ def compute(
           signals,
           trainable,
           num_records=n,
-          batch_size=float(config.batch_size),
+          batch_size=float(plan.batch_size or config.batch_size),
           num_experts=bc.num_experts,
       ),
       noise_sensitivity=dict(

@@ -73,7 +73,16 @@ def default_buckets(max_length: int, smallest: int = 16) -> tuple[int, ...]:
 def check_buckets(buckets, max_length: int) -> tuple[int, ...]:
   """`buckets` as a sorted tuple, refused in one line unless it ends at
   `max_length` (every record must fit some bucket)."""
-  buckets = tuple(int(b) for b in buckets)
+  fix = f"set --config.data.length_buckets, e.g. {default_buckets(max_length)}"
+  try:
+    buckets = tuple(int(b) for b in buckets)
+  except (TypeError, ValueError):
+    _validate.fail(
+        "data.length_buckets",
+        f"increasing positive lengths ending at max_length {max_length}",
+        tuple(buckets),
+        fix,
+    )
   _validate.check(
       bool(buckets)
       and all(b > 0 for b in buckets)
@@ -82,7 +91,7 @@ def check_buckets(buckets, max_length: int) -> tuple[int, ...]:
       "data.length_buckets",
       f"increasing positive lengths ending at max_length {max_length}",
       buckets,
-      f"set --config.data.length_buckets, e.g. {default_buckets(max_length)}",
+      fix,
   )
   return buckets
 

@@ -40,6 +40,11 @@ default delta = 1/n^1.1 are functions of it (either gives n back), and the
 accountant takes them as public parameters, as DP-SGD accounting does. The
 guarantee covers whether any one record was in the data, given n.
 
+An image task (`train.vision`, DeepSeek-VL2) is written in DeepSeek-VL2's
+own layout instead (`vision.write_model`): the checkpoint's config.json,
+frozen tower and projector, the merged language model and the LM head with
+the trained letter rows; its records' image table is never written.
+
 Nothing else: no secret, no noise key, no optimizer state, no wall time or
 timestamp, no batch size, no owner map or per-expert statistic, no metric of
 the private data.
@@ -50,6 +55,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
@@ -61,7 +67,7 @@ import numpy as np
 from raptor_jax import models
 from raptor_jax.models import export as hf_export
 from raptor_jax.models import hf, lora
-from raptor_jax.train import step
+from raptor_jax.train import step, vision
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import Run, build_run
 
@@ -78,7 +84,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-DIR = {directory!r}  # this directory
+DIR = {directory!r}  # this directory (its path, from where you run this)
 tokenizer = transformers.AutoTokenizer.from_pretrained(DIR)
 config = transformers.AutoConfig.from_pretrained(DIR)
 backbone = getattr(transformers, config.architectures[0])
@@ -111,7 +117,7 @@ print(predict({examples!r}))
 INFERENCE_CLASSIFIER = """\
 import transformers
 
-DIR = {directory!r}  # this directory
+DIR = {directory!r}  # this directory (its path, from where you run this)
 classifier = transformers.pipeline("text-classification", model=DIR)
 
 
@@ -193,7 +199,7 @@ def trained_model(workdir: str | os.PathLike) -> tuple[Run, dict, dict]:
           f"{workdir}/checkpoints holds no checkpoint; train there first"
       )
     report = _finished_report(workdir, int(meta["cycle"]))
-    run = build_run(config, owner_records="dev")
+    run = _rebuilt_run(config, workdir)
     if run.plan.cycles != report["cycles"]:
       raise ValueError(
           f"{workdir}: {report['cycles']} cycles ran but the config plans "
@@ -205,6 +211,25 @@ def trained_model(workdir: str | os.PathLike) -> tuple[Run, dict, dict]:
     checkpointer.close()
   params = step.merged_params(run.frozen, trainable["trainable"])
   return run, params, report
+
+
+def _rebuilt_run(config: ml_collections.ConfigDict, workdir: Path) -> Run:
+  """`build_run` of the run's config.json, its errors in export's terms.
+
+  A training error names a `--config.*` flag, which export does not have:
+  export reads the workdir's config.json (its data paths resolved when the
+  run started), so the fix is to restore what it names, or edit that file.
+  """
+  try:
+    return build_run(config, owner_records="dev")
+  except (ValueError, FileNotFoundError) as e:
+    message = re.sub(r";? ?(set|declare) [^;]*--config[^;]*$", "", str(e))
+    message = message.replace("--config.", "")
+    raise type(e)(
+        f"{message}; export rebuilds the run from {workdir}/config.json:"
+        " restore what it names (the data where the run read it), or edit"
+        f" that file, then rerun launch/export.py --workdir={workdir}"
+    ) from None
 
 
 def privacy_card(report: dict) -> dict[str, Any]:
@@ -283,6 +308,13 @@ def write_model(
   directory = Path(directory)
   backbone = model.backbone
   config = backbone.config
+  if getattr(config, "image_table_size", 0):
+    # The table holds the private records' image features (train.vision).
+    raise ValueError(
+        "write_model: this model holds its records' image table (an image"
+        " task), which must never be published; export image-task runs with"
+        " release.export (train.vision.write_model)"
+    )
   merged = lora.merge(params["backbone"], config.lora_alpha, config.lora_rank)
   classifier = hf.sequence_classification_class(backbone, model.pooling)
   extra = dict(
@@ -356,7 +388,10 @@ def model_card(card: dict, run: Run, directory: Path) -> str:
       run.model.backbone, run.model.pooling
   )
   code = (INFERENCE if classifier is None else INFERENCE_CLASSIFIER).format(
-      directory=str(directory),
+      # The directory's name, not the path it was exported to: the card
+      # travels with the model, and an absolute path names the exporter's
+      # machine (and goes stale once the directory moves).
+      directory=directory.name,
       max_length=int(config.data.max_length),
       examples=["an example text", "another example text"],
   )
@@ -422,13 +457,21 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike) -> Path:
   _check_out(out)
   run, params, report = trained_model(workdir)
   tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+  image_task = vision.is_image_task(run.config.data.task)
   try:
-    write_model(
-        tmp, run.model, params, run.data.tokenizer, run.data.task.label_names
-    )
+    if image_task:  # DeepSeek-VL2's own layout, the image table left out
+      vision.write_model(tmp, run, params)
+    else:
+      write_model(
+          tmp, run.model, params, run.data.tokenizer, run.data.task.label_names
+      )
     card = privacy_card(report)
     (tmp / CARD).write_text(json.dumps(card, indent=2, sort_keys=True))
-    (tmp / MODEL_CARD).write_text(model_card(card, run, out))
+    (tmp / MODEL_CARD).write_text(
+        vision.model_card(_in_words(card), run)
+        if image_task
+        else model_card(card, run, out)
+    )
     _check_out(out)
     if out.exists():
       out.rmdir()

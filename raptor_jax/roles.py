@@ -108,6 +108,11 @@ def is_adapter(path: str) -> bool:
   return path.rsplit("/", 1)[-1] in ADAPTER_LEAVES
 
 
+def is_image_table(path: str) -> bool:
+  """Whether the leaf is an image task's frozen table of image tokens."""
+  return path.endswith("image_table/embedding")
+
+
 def diagnostic_role(path: str) -> str:
   """The App. G role (shared | shared_expert | router | head | experts) of a path.
 
@@ -160,6 +165,10 @@ def select(
 ) -> list[str]:
   """Sorted flat paths of the leaves with one of `roles` (in `blocks`, if given).
 
+  An image task's `image_table` (role 'base') is never selected: it holds
+  the records' frozen image tokens (`train.vision`), so no method trains it,
+  not even those that train every weight.
+
   Raises:
     ValueError: `blocks` holds some but not all of the blocks of a stacked
       leaf with one of `roles` (a selection by block never cuts a leaf).
@@ -171,7 +180,7 @@ def select(
   blocks = None if blocks is None else set(blocks)
   selected = []
   for path in flatten(params):
-    if role_of(path) not in roles:
+    if role_of(path) not in roles or is_image_table(path):
       continue
     covered = set(blocks_of(path))
     if blocks is not None and covered & blocks and not covered <= blocks:
@@ -191,8 +200,14 @@ def has_shared_experts(params: Mapping[str, Any]) -> bool:
 
 
 def count_by_role(params: Mapping[str, Any]) -> dict[str, int]:
-  """Number of scalars per role (for results.json)."""
+  """Number of scalars per role (for results.json).
+
+  An image task's frozen `image_table` (`train.vision`) is not counted: its
+  size is the records' total image tokens, a statistic of the private data.
+  """
   counts = dict.fromkeys(ROLES, 0)
   for path, leaf in flatten(params).items():
+    if is_image_table(path):
+      continue
     counts[role_of(path)] += int(np.prod(np.shape(leaf)))
   return counts

@@ -48,6 +48,24 @@ def micro_config(**overrides):
   return config
 
 
+def micro_vl_config(**overrides):
+  """The DeepSeek-VL2 :tiny preset (image task) shrunk to seconds."""
+  config = load_config_module("deepseek_vl2_scienceqa").get_config("tiny")
+  config.vision.n_train = 300
+  config.vision.n_dev = 64
+  config.vision.random.update(width=16, layers=1, heads=2, mlp_dim=32)
+  config.model.random.update(d_model=32, d_ff=32, num_heads=2, d_kv=16)
+  config.batch_size = 50
+  config.microbatch_size = 32
+  config.epochs = 1
+  config.eval_batch_size = 64
+  config.progress_bar = False
+  config.checkpoint_every_cycles = 2
+  config.privacy.secret_seed = 0
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
 def latest_state(workdir, step=None):
   """(step, state as numpy, meta) of a checkpoint (default: the latest), whatever
   devices wrote it."""

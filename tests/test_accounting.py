@@ -370,10 +370,15 @@ def test_planner_meets_target_and_compares(method):
     assert {
         'sigma_shared',
         'sigma_expert',
-        'epsilon shared alone (delta/2)',
-        'epsilon expert alone (delta/2)',
+        'bound: shared stream alone at delta/2',
+        'bound: expert stream alone at delta/2',
     } <= set(rows)
-    assert float(rows['basic composition (sum)']) >= spent[0]
+    assert float(rows['bound: basic composition (sum)']) >= spent[0]
+    # The run's epsilon comes first, above the per-stream bounds (48.6).
+    labels = list(rows)
+    assert labels.index('epsilon (PLD, composed)') < labels.index(
+        'bound: shared stream alone at delta/2'
+    )
 
 
 def test_planner_rejects_large_delta():

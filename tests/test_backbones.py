@@ -92,6 +92,11 @@ PARITY = [
     for family, spec in SPECS.items()
     for dispatch, names in (("auto", spec.configs), ("ragged", spec.ragged))
     for name in names
+] + [
+    # The GPU's 'auto' (tests/test_moe.py checks it against the scan fast).
+    pytest.param(family, name, "batched", marks=pytest.mark.slow)
+    for family, spec in SPECS.items()
+    for name in spec.dispatch
 ]
 SCAN = pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
 

@@ -600,9 +600,10 @@ def test_kernels_benchmark_quick_checks_both_settings_and_prints_ratios():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # five parts, each a fresh process, on 2 cores
 def test_gpu_check_script_quick_runs_on_cpu(tmp_path):
-  """`launch/bench/gpu_check.sh --quick`: the classifier rows (both streams)
-  and the OLMoE layer rows, every part within its budget."""
+  """`launch/bench/gpu_check.sh --quick`: the five parts in order, each
+  finished within its budget (exit 0) and printing what it measures."""
   env = dict(
       os.environ,
       PYTHON=sys.executable,
@@ -610,24 +611,93 @@ def test_gpu_check_script_quick_runs_on_cpu(tmp_path):
       GPU_CHECK_WHEELS=str(tmp_path),  # no carried wheels here
   )
   env.pop("XLA_FLAGS", None)
+  env.pop("JAX_PLATFORMS", None)
   out = subprocess.run(
       ["bash", "launch/bench/gpu_check.sh", "--quick"],
       cwd=_ROOT,
       env=env,
       capture_output=True,
       text=True,
-      timeout=900,
+      timeout=1500,
   )
-  assert out.returncode == 0, out.stderr[-3000:]
   text = out.stdout
-  assert "gpu_check exit status: 0" in text, text[-3000:]
-  assert "gpu_dispatch exit status: 0" in text, text[-3000:]
-  rows = [l.split() for l in text.splitlines() if l.startswith("float32")]
-  assert [r[3] for r in rows] == ["shared", "expert"], text[-3000:]
-  assert "did not run" not in text
-  assert any(
-      l.startswith("olmoe") and "tokamax" in l for l in text.splitlines()
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = text.splitlines()
+  heads = [l.split()[1] for l in lines if l.startswith("== ")]
+  assert heads == ["1/5", "2/5", "3/5", "4/5", "5/5"], text[-3000:]
+  ends = [l for l in lines if l.startswith("-- ")]
+  assert [l.split(": exit ")[0] for l in ends] == [
+      "-- toolchain",
+      "-- README tiny run",
+      "-- gpu_check",
+      "-- pytest",
+      "-- gpu_dispatch switch",
+      "-- gpu_dispatch olmoe",
+  ]
+  assert all(": exit 0 in " in l for l in ends), "\n".join(ends)
+  assert any("jax.jit(lambda x: x + 1): lower + compile" in l for l in lines)
+  assert any("parallel compilation" in l for l in lines)
+  assert "results.json" in text  # the tiny run's header and end
+  for stream in ("shared", "expert"):
+    assert any(l.startswith(f"{stream}: compile ") for l in lines)
+    assert any(l.startswith(f"{stream}: step B=1000: ") for l in lines)
+  assert re.search(r"^\d+ passed", text, re.M), text[-3000:]
+  rows = [l.split()[:3] for l in lines if l.startswith(("switch ", "olmoe "))]
+  assert rows[:2] == [["switch", "lora", "grouped"], ["switch", "lora", "batched"]]
+  assert ["olmoe", "lora", "batched"] in rows
+  assert rows.index(["olmoe", "lora", "grouped"]) > rows.index(
+      ["switch", "lora", "batched"]
   )
+  assert "did not run" not in text
+
+
+def test_gpu_check_chooses_the_microbatch_from_the_memory_plan():
+  bench = _load("gpu_check")
+  gib = 2**30
+  plan = {"argument": 1 * gib, "output": 0, "temp": 16 * gib}  # 1 GiB a record
+  assert bench.choose_microbatch(plan, 16, 100 * gib) == 32  # 59 fit
+  assert bench.choose_microbatch(plan, 16, None) == 16  # no device memory
+  assert bench.choose_microbatch(plan, 16, gib) == 1
+  small = {"argument": 0, "output": 0, "temp": 16 * 2**20}
+  assert bench.choose_microbatch(small, 16, 100 * gib) == bench.MAX_MICROBATCH
+
+
+def _wheel(path, name, *requires):
+  """A minimal wheel: its METADATA with `Requires-Dist` lines."""
+  import zipfile  # pylint: disable=g-import-not-at-top
+
+  meta = [f"Metadata-Version: 2.1", f"Name: {name}", "Version: 1.0"]
+  meta += [f"Requires-Dist: {r}" for r in requires]
+  with zipfile.ZipFile(path / f"{name}-1.0-py3-none-any.whl", "w") as z:
+    z.writestr(f"{name}-1.0.dist-info/METADATA", "\n".join(meta) + "\n")
+
+
+def test_gpu_wheels_carry_every_dependency_the_image_lacks(tmp_path):
+  """The closure the script downloads next: requirements of the carried
+  wheels, for Python 3.12 on Linux without extras, minus the image's
+  packages and the wheels already carried (names normalised)."""
+  wheels = _load("gpu_wheels")
+  _wheel(
+      tmp_path,
+      "tokamax",
+      "pydantic>=2.11",
+      "jax>=0.8",
+      "Typing_Inspection>=0.4; python_version >= '3.9'",
+      "old-backport; python_version < '3.10'",
+      "pytest; extra == 'test'",
+      "pywin; sys_platform == 'win32'",
+  )
+  _wheel(tmp_path, "pydantic", "annotated-types>=0.6", "typing-extensions")
+  image = wheels.image_packages(_ROOT / "launch/bench/gpu_image_packages.txt")
+  assert {"jax", "flax", "optax", "transformers", "torch"} <= image
+  assert "typing-inspection" not in image and "pydantic" not in image
+  assert wheels.missing(tmp_path, image) == [
+      "annotated-types>=0.6",
+      "typing-inspection>=0.4",
+  ]
+  _wheel(tmp_path, "typing_inspection")
+  _wheel(tmp_path, "annotated_types")
+  assert wheels.missing(tmp_path, image) == []
 
 
 def test_gpu_check_names_missing_modules_in_one_line(tmp_path):

@@ -156,6 +156,12 @@ def test_the_config_reference_covers_every_field_preset_and_method():
   assert "configs/glue.py  presets: (none) | :preset=tiny |" in text
   assert "pretrain_" not in text  # launch/pretrain.py's configs
   assert all(f"\n  {m}\n" in text for m in methods.METHODS)
+  # Every field a task of your own needs, those of configs/custom.py only
+  # included (48.8: label_names and hub_dataset were missing).
+  assert "Your own data (--config=configs/custom.py:cpu" in text
+  for field in ("train_path", "dev_path", "text_fields", "label_field"):
+    assert f"\n  data.{field} " in text, field
+  assert "    label_names = ''" in text and "    hub_dataset = ''" in text
 
 
 @pytest.mark.slow

@@ -280,13 +280,21 @@ def test_missing_label_column(tmp_path, tokenizer):
     data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path)
 
 
-def test_bad_label_names_the_row_not_the_value(tmp_path, tokenizer):
+def test_bad_label_names_the_row_and_never_a_text(tmp_path, tokenizer):
+  """A one-word label is shown (it is how a typo is found); a value of
+  several words may be a text (a wrongly chosen label column): not shown."""
   path = _write(
-      tmp_path / "t.tsv", "sentence\tlabel\ntea\t1\nsoup\tsecret-text\n"
+      tmp_path / "t.tsv", "sentence\tlabel\ntea\t1\nsoup\ta secret text\n"
   )
-  with pytest.raises(ValueError, match=r"data row 2: not a sst2 label") as info:
+  with pytest.raises(
+      ValueError,
+      match=r"data row 2: a value of 13 characters \(not shown\) is not a sst2",
+  ) as info:
     data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path)
-  assert "secret-text" not in str(info.value)
+  assert "secret" not in str(info.value)
+  path = _write(tmp_path / "u.tsv", "sentence\tlabel\ntea\tpositve\n")
+  with pytest.raises(ValueError, match=r"row 1: 'positve' is not a sst2 label"):
+    data.load_task_split("sst2", "train", tokenizer=tokenizer, path=path)
 
 
 def test_file_errors(tmp_path, tokenizer):
@@ -315,7 +323,7 @@ def test_check_batch_size():
   data.check_batch_size(872, 872)
   message = (
       r"^batch_size: must be in \[1, n\] for the n = 872 training records, got"
-      r" {}; set --config.batch_size$"
+      r" {}; set --config.batch_size=87 \(n / 10\), or 0 to choose it from n$"
   )
   with pytest.raises(ValueError, match=message.format(1000)):
     data.check_batch_size(1000, 872)
@@ -649,7 +657,9 @@ def _file_config(tmp_path, private, public=PUBLIC):
   config.data.train_path = str(
       _write(tmp_path / name, "sentence\tlabel\n" + rows)
   )
-  config.data.dev_path = config.data.train_path
+  config.data.dev_path = str(
+      _write(tmp_path / f"dev_{name}", "sentence\tlabel\n" + rows)
+  )
   config.data.public_corpus = ""
   config.data.public_path = str(_write(tmp_path / "pub.txt", "\n".join(public)))
   return config

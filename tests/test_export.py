@@ -637,7 +637,7 @@ def test_export_refuses_a_used_out_dir_and_an_unfinished_run(trained, tmp_path):
 
 @pytest.mark.slow
 def test_the_model_card_states_the_guarantee_and_its_snippet_predicts(
-    trained, capsys
+    trained, capsys, monkeypatch
 ):
   _, workdir, out, run = trained
   card_text = (out / release.MODEL_CARD).read_text()
@@ -652,6 +652,10 @@ def test_the_model_card_states_the_guarantee_and_its_snippet_predicts(
   assert "labels: 0 `negative`, 1 `positive`" in card_text
   assert "raptor_jax 0.1.0" in card_text
   code = re.search(r"```python\n(.*?)```", card_text, flags=re.S).group(1)
+  # The card names the directory, never the path it was exported to.
+  assert str(out.parent) not in card_text
+  assert f"DIR = {out.name!r}" in code
+  monkeypatch.chdir(out.parent)
   namespace = {}
   exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
   assert capsys.readouterr().out.startswith("['")  # the example's labels

@@ -298,9 +298,11 @@ def _flat(tree) -> dict[str, np.ndarray]:
   }
 
 
-def flax_grads(path, kernels, ids, mask, proj, scan=True):
+def flax_grads(
+    path, kernels, ids, mask, proj, scan=True, dispatch="auto_train"
+):
   """(loss, flat per-layer gradient of every parameter, router logits, config)."""
-  module, params = load(path, kernels, dispatch="auto_train", scan_layers=scan)
+  module, params = load(path, kernels, dispatch=dispatch, scan_layers=scan)
   weights = jnp.asarray(mask[..., None] * proj, jnp.float32)
 
   def loss(p):
@@ -380,12 +382,16 @@ class Parity:
 
 
 def parity(
-    ref: Reference, name: str, kernels: str | None, scan: bool = True
+    ref: Reference,
+    name: str,
+    kernels: str | None,
+    scan: bool = True,
+    dispatch: str = "auto_train",
 ) -> Parity:
   """Every parameter's gradient in raptor_jax against torch's, per layer."""
   ids, mask, proj = batch()
   value, got, logits, config = flax_grads(
-      ref.path, kernels, ids, mask, proj, scan
+      ref.path, kernels, ids, mask, proj, scan, dispatch
   )
   want_value, want = torch_grads(ref, config, ids, mask, proj)
   assert set(got) == set(want), set(got) ^ set(want)
@@ -461,34 +467,48 @@ def test_every_parameter_gradient_matches_torch(
   assert not bad, f"gradients differ from torch's beyond {TOLERANCE}: {bad}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_gpu_default_dispatch_gradients_match_torch(references, name):
+  """The GPU's default expert dispatch ('batched', no loop) differentiated
+  in every parameter, expert kernels included, against torch."""
+  row = parity(references[name], name, "fast", dispatch="batched_train")
+  assert row.loss_error < 1e-5
+  assert any("/experts/" in p for p in row.errors)
+  bad = {p: e for p, e in row.errors.items() if not e <= TOLERANCE}
+  assert not bad, f"gradients differ from torch's beyond {TOLERANCE}: {bad}"
+
+
 # ---------------------------------------------------------------------------
 # Per-record gradients of the adapters (the DP training path).
 
 
-def _lora_options(path) -> dict[str, Any]:
+def _lora_options(path, dispatch="auto") -> dict[str, Any]:
   """Adapters on attention and the last sparse block's experts (and on
-  DeepSeek's shared experts); base weights frozen, the default dispatch.
-  The blocks before it that are alike are one scanned segment."""
+  DeepSeek's shared experts); base weights frozen, the default dispatch
+  unless told. The blocks before it that are alike are one scanned segment."""
   family = _family(path)
   config = family.config_from_hf(hf_lib.read_config(pathlib.Path(path)))
   options = dict(
       lora_rank=4,
       attention_lora=True,
       expert_lora_layers=(config.sparse_layers[-1],),
-      dispatch="auto",
+      dispatch=dispatch,
   )
   if "shared_expert_lora" in family.extra_options:
     options["shared_expert_lora"] = True
   return options
 
 
-def per_record_setup(path, scan=True):
+def per_record_setup(path, scan=True, dispatch="auto"):
   """(module with the adapters, adapter leaves, frozen leaves, records).
 
   B factors are set non-zero so that every A factor has a gradient; the
   records are a right-padded batch as in `batch`.
   """
-  module, params = load(path, "fast", scan_layers=scan, **_lora_options(path))
+  module, params = load(
+      path, "fast", scan_layers=scan, **_lora_options(path, dispatch)
+  )
   flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(params), sep="/")
   key = jax.random.PRNGKey(3)
   for i, p in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
@@ -525,14 +545,23 @@ def _per_layer(flat, config, leading=0):
   return flax.traverse_util.flatten_dict(tree, sep="/")
 
 
-@SCAN
+@pytest.mark.parametrize(
+    "scan,dispatch",
+    [
+        (True, "auto"),
+        (False, "auto"),
+        # The GPU's 'auto'; tests/test_kernels.py checks it fast.
+        pytest.param(True, "batched", marks=pytest.mark.slow),
+    ],
+    ids=["scan", "unrolled", "scan-batched"],
+)
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_per_record_adapter_gradients_fast_equal_reference_and_a_loop(
-    references, name, scan
+    references, name, scan, dispatch
 ):
   """Compared per layer: a stacked leaf's error is its layers' worst."""
   module, adapters, frozen, records = per_record_setup(
-      references[name].path, scan
+      references[name].path, scan, dispatch
   )
   # The same model and parameters with the other kernels (no new adapters).
   reference = type(module)(

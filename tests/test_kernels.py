@@ -226,7 +226,9 @@ def _expert_inputs(num_experts=4, rows=40, records=3, seed=0):
   return x, experts, w, a, b, normal(records, rows, 7)
 
 
-@pytest.mark.parametrize("linear", [moe.grouped_linear, moe.ragged_linear])
+@pytest.mark.parametrize(
+    "linear", [moe.grouped_linear, moe.batched_linear, moe.ragged_linear]
+)
 def test_frozen_expert_dispatch_with_lora_per_record(linear):
   """Per-record gradients of the input and of every expert's LoRA factors:
   the sorted dispatch ('fast') against its definition ('reference', every
@@ -248,7 +250,12 @@ def test_frozen_expert_dispatch_with_lora_per_record(linear):
 
 
 @pytest.mark.parametrize(
-    "linear", [moe.grouped_linear_trainable, moe.ragged_linear_trainable]
+    "linear",
+    [
+        moe.grouped_linear_trainable,
+        moe.batched_linear_trainable,
+        moe.ragged_linear_trainable,
+    ],
 )
 def test_trainable_expert_dispatch_batch_gradients(linear):
   """Pretraining's dispatch: the stacked kernels' and the input's gradient."""

@@ -395,8 +395,9 @@ def test_model_dispatch_comes_from_the_config_unless_expert_kernels_train():
   with pytest.raises(
       ValueError,
       match=(
-          r"^model.dispatch: must be one of 'auto', 'grouped', 'ragged', "
-          r"'tokamax', 'dense', got 'ragged_train'; set --config.model.dispatch"
+          r"^model.dispatch: must be one of 'auto', 'grouped', 'batched', "
+          r"'ragged', 'tokamax', 'dense', got 'ragged_train'; set "
+          r"--config.model.dispatch"
       ),
   ):
     methods.check_config(micro_config(**{"model.dispatch": "ragged_train"}))

@@ -1,7 +1,8 @@
-"""Expert dispatch: the ragged grouped-GEMM path against the sorted-block path.
+"""Expert dispatch: the batched and ragged paths against the sorted-block scan.
 
-`moe.ragged_linear` / `moe.ragged_linear_trainable` must compute the same
-functions and gradients as `moe.grouped_linear` / `grouped_linear_trainable`
+`moe.batched_linear`, `moe.ragged_linear` (and their `*_trainable`) must
+compute the same functions and gradients as `moe.grouped_linear` /
+`grouped_linear_trainable`
 (dropped rows included, per record under vmap); the every-expert autodiff
 reference (`dense_linear` + `expert_lora`) pins both independently.
 """
@@ -17,6 +18,7 @@ import pytest
 from raptor_jax import models
 from raptor_jax.models import lora as lora_lib
 from raptor_jax.models import dispatch as dispatch_lib
+from raptor_jax.models import kernels as kernels_lib
 from raptor_jax.models import moe
 from raptor_jax.models import ragged
 from raptor_jax.models import olmoe
@@ -54,6 +56,9 @@ _needs_tokamax = pytest.mark.skipif(
     not HAS_TOKAMAX, reason="tokamax (the [gpu] extra) is not installed"
 )
 RAGGED_KINDS = ["ragged", pytest.param("tokamax", marks=_needs_tokamax)]
+# The grouped scan's twins in whole layers: also the loop-free batched blocks
+# (the GPU's 'auto'; tests/test_kernels.py checks it row by row).
+DISPATCH_KINDS = ["batched"] + RAGGED_KINDS
 
 
 def _close_to_scale(got, want, tol=1e-4):
@@ -148,7 +153,7 @@ LAYERS = {
 }
 
 
-@pytest.mark.parametrize("other", RAGGED_KINDS)
+@pytest.mark.parametrize("other", DISPATCH_KINDS)
 @pytest.mark.parametrize("trainable", [False, True])
 @pytest.mark.parametrize("family", list(LAYERS))
 def test_sparse_layer_ragged_equals_grouped_per_record(
@@ -221,9 +226,13 @@ def test_auto_resolves_by_backend():
   assert jax.default_backend() == "cpu"
   assert moe.resolve_dispatch("auto") == "grouped"
   assert moe.resolve_dispatch("auto_train") == "grouped_train"
-  for backend in ("gpu", "tpu"):  # unmeasured there: the CPU's choice
-    assert moe.resolve_dispatch("auto", backend) == "grouped"
-    assert moe.resolve_dispatch("auto_train", backend) == "grouped_train"
+  for backend in ("gpu", "tpu"):  # no host-driven loop off CPU
+    assert moe.resolve_dispatch("auto", backend) == "batched"
+    assert moe.resolve_dispatch("auto_train", backend) == "batched_train"
+  with kernels_lib.defaults_of("gpu"):
+    assert moe.resolve_dispatch("auto") == "batched"
+    assert kernels_lib.resolve("auto") == "reference"
+  assert moe.resolve_dispatch("auto") == "grouped"
   for forced in ("grouped", "ragged", "dense", "ragged_train"):
     assert moe.resolve_dispatch(forced, "gpu") == forced
   assert models.SwitchConfig().dispatch == "auto"
@@ -235,6 +244,7 @@ def test_auto_resolves_by_backend():
         ("auto", "scan", "ragged_dot"),
         ("grouped", "scan", "ragged_dot"),
         ("ragged", "ragged_dot", "scan"),
+        ("batched", "dot_general", "scan"),
     ],
 )
 def test_expert_layer_runs_the_dispatch_it_resolves_to(
@@ -251,9 +261,9 @@ def test_expert_layer_runs_the_dispatch_it_resolves_to(
 
 def test_bad_dispatch_gives_one_clear_error():
   want = (
-      r"^dispatch: must be one of 'auto', 'grouped', 'ragged', 'tokamax', "
-      r"'dense', 'auto_train', 'grouped_train', 'ragged_train', "
-      r"'tokamax_train', got 'scan'; pass "
+      r"^dispatch: must be one of 'auto', 'grouped', 'batched', 'ragged', "
+      r"'tokamax', 'dense', 'auto_train', 'grouped_train', 'batched_train', "
+      r"'ragged_train', 'tokamax_train', got 'scan'; pass "
       r"dispatch= .*--config\.model\.dispatch"
   )
   with pytest.raises(ValueError, match=want):

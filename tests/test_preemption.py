@@ -331,3 +331,33 @@ def test_a_workdir_of_another_config_is_refused_naming_the_fields(tmp_path):
 def test_checkpoint_every_minutes_is_validated():
   with pytest.raises(ValueError, match="checkpoint_every_minutes: must be"):
     loop.validate(micro_config(checkpoint_every_minutes=-1.0))
+
+
+@pytest.mark.slow
+def test_a_signal_during_evaluation_keeps_the_cycles_rows(
+    tmp_path, monkeypatch
+):
+  """SIGTERM in the end-of-epoch evaluation: the evaluation ends and its rows
+  are written, then the run stops with that cycle checkpointed (a resumed run
+  starts after it, so rows skipped then were lost for good)."""
+  config = micro_config(epochs=2)  # 6 cycles per epoch: evaluations at 6, 12
+  evaluate = loop._Session.evaluate
+  signalled = []
+
+  def evaluate_and_signal(session):
+    if not signalled:
+      signalled.append(session.state.cycle)
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(0.1)  # the handler runs here
+    return evaluate(session)
+
+  monkeypatch.setattr(loop._Session, "evaluate", evaluate_and_signal)
+  with pytest.raises(preemption.Stopped) as stopped:
+    loop.train_and_evaluate(config, str(tmp_path))
+  assert signalled == [6] and stopped.value.cycle == 6
+  rows = [
+      json.loads(line)
+      for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+  ]
+  assert [r["step"] for r in rows if "dev/accuracy" in r] == [6]
+  assert preemption.latest_checkpoint(tmp_path) == 6

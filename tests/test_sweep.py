@@ -508,3 +508,38 @@ def test_report_pairs_raptor_with_every_baseline_and_lists_every_cell(
   assert tmp_path / "cells.csv" in paths and len(cells) == 1 + 7
   assert cells[1].startswith("qnli,baseline_a,8,0,0.680000")
   assert cells[-1].startswith("qnli,nonprivate_lora,inf,0,0.800000")
+
+
+def test_the_plot_legend_uses_the_method_names(tmp_path, monkeypatch):
+  """48.4: the legend said "Ours, entropy-sel." where the config, the CLI and
+  the tables say raptor."""
+  import matplotlib.figure
+
+  saved = []
+  monkeypatch.setattr(
+      matplotlib.figure.Figure,
+      "savefig",
+      lambda fig, *a, **k: saved.append(fig),
+  )
+  entry = lambda variant, epsilon, mean: dict(
+      task="sst2",
+      variant=variant,
+      epsilon=epsilon,
+      mean=mean,
+      std=1.0,
+      values=[mean],
+  )
+  report.plot_accuracy(
+      [
+          entry("raptor", 8.0, 70.0),
+          entry("monolithic_lora", 8.0, 71.0),
+          entry("nonprivate_lora", None, 75.0),
+      ],
+      tmp_path / "a.png",
+  )
+  legend = saved[0].axes[0].get_legend()
+  assert sorted(t.get_text() for t in legend.get_texts()) == [
+      "monolithic_lora",
+      "nonprivate_lora",
+      "raptor",
+  ]

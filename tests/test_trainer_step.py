@@ -19,7 +19,7 @@ from raptor_jax import roles, transforms
 from raptor_jax.train import loop, parallel, secrecy, step
 from raptor_jax.train.run import build_run
 
-from helpers import micro_config
+from helpers import micro_config, micro_vl_config
 
 ROWS, PADDING = 32, 3  # one microbatch; its last rows are padding
 
@@ -99,15 +99,26 @@ FOUR_SPARSE = {
 SETTINGS = {
     "unrolled": ({"model.scan_layers": False}, None),
     "scan": (FOUR_SPARSE, "backbone/blocks_1_2/attention/q/lora_a"),
+    # DeepSeek-VL2 on the image task: records of two tilings (two lengths),
+    # image tokens from the frozen table, shared experts in the shared stream.
+    "images": (micro_vl_config, None),
 }
 
 
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize(
+    "setting",
+    [
+        pytest.param(s, marks=pytest.mark.slow) if s == "images" else s
+        for s in sorted(SETTINGS)
+    ],
+)
 def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads(
     setting,
 ):
   overrides, stacked = SETTINGS[setting]
-  run = build_run(micro_config(**overrides))
+  run = build_run(
+      overrides() if callable(overrides) else micro_config(**overrides)
+  )
   leaves = [p for part in run.trainable.values() for p in part]
   assert stacked is None or stacked in leaves
   assert stacked or not any(len(roles.blocks_of(p)) > 1 for p in leaves)

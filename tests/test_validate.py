@@ -128,8 +128,14 @@ def test_no_value_is_clamped():
             "raptor.residual_gamma: must be in (0, 1]",
         ),
         (
-            {"epochs": 0},
-            "epochs: must be an int >= 1, got 0; set --config.epochs",
+            {"epochs": -1},
+            "epochs: must be an int >= 0, got -1; set --config.epochs (0:"
+            " chosen from n)",
+        ),
+        (
+            {"batch_size": -1},
+            "batch_size: must be an int >= 0, got -1; set --config.batch_size"
+            " (0: n / 10)",
         ),
         ({"data.eval_split": "test"}, "data.eval_split: must be one of 'dev'"),
         ({"microbatch_size": 0}, "microbatch_size: must be an int >= 1, got 0"),

@@ -1,25 +1,26 @@
-r"""The one GPU check: the trainer's steps of a switch-base-8-shaped classifier.
+r"""Part 3 of the GPU check: switch-base-8's DP steps at B = 1000, GPU defaults.
 
-For a lent accelerator (`launch/bench/gpu_check.sh` runs it with the OLMoE
-layer of `gpu_dispatch` and a time budget). Each row is one (dtype,
-expert dispatch, kernels) setting of a randomly initialised classifier of
-switch-base-8's shape (12 blocks, every 2nd sparse, E = 8, d_model 768,
-d_ff 3072, 12 heads; LoRA r = 8 on attention and on l*'s experts, l* the
-last sparse block), timed through the trainer's `PhaseStep` (`benchmark.
-dp_step`): the shared DP step and the expert DP step at expected batch
-1000, run as the trainer runs it, ceil(1000 / m) microbatches of m records
-(seq 128) accumulated, then one noisy update. Printed per row and stream:
+`launch/bench/gpu_check.sh` runs it under its own time budget. A randomly
+initialised classifier of switch-base-8's shape (12 blocks, every 2nd
+sparse, E = 8, d_model 768, d_ff 3072, 12 heads; LoRA r = 8 on attention
+and on l*'s experts, l* the last sparse block) in bfloat16, with every
+option at its default ('auto' dispatch and kernels, resolved for this
+backend: on a GPU the loop-free 'batched' dispatch and the reference
+kernels). Each line is printed as soon as it is known:
 
-* ms per microbatch (median of --repeats) and the projected step at B=1000
-  (microbatches x that + one update);
-* XLA's buffers of the compiled accumulate (arguments + outputs + temps) and
-  the device's peak memory in use (process-wide: each row runs in its own
-  child process where the device reports it);
-* the fraction of the device's measured matmul peak (a GEMM of the model's
-  d_model x d_ff shape in the row's dtype, timed in the same process) that
-  the microbatch's FLOPs reach (XLA's cost analysis of the compiled
-  accumulate, scans counted fully: `profiling.loop_corrected_flops`; every
-  executed FLOP, padding tokens included).
+* set-up: building the model and drawing its parameters;
+* per stream (RAPTOR's shared step, then its expert step), through the
+  trainer's `PhaseStep` as the trainer runs it:
+  - a probe compile of the accumulate at m = --probe records, whose XLA
+    memory plan (`compiled.memory_analysis()`: arguments, outputs,
+    temporaries) gives the bytes per record, and from it and the device's
+    memory the microbatch m (`choose_microbatch`; the probe's m where the
+    device reports no memory, e.g. on CPU);
+  - the lower-and-compile seconds of the accumulate and the update at m;
+  - the step at expected batch 1000, timed end to end: ceil(1000 / m)
+    microbatches accumulated, then the one noisy update (median of
+    --repeats), and the accumulate's TFLOP/s (XLA's cost analysis; the GPU
+    step has no loop, so nothing is counted once for many trips).
 
   python -m launch.bench.gpu_check                  # on the GPU
   python -m launch.bench.gpu_check --quick          # toy sizes, any backend
@@ -32,20 +33,19 @@ from raptor_jax import host_memory
 host_memory.keep_unless_disabled(sys.argv)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import json
 import math
-import os
-import subprocess
 import time
 
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from launch.bench import benchmark
-from launch.bench import harness
 from launch.bench import profiling
+from raptor_jax.models import dispatch as dispatch_lib
+from raptor_jax.models import kernels as kernels_lib
+from raptor_jax.train import parallel
 
 SWITCH_BASE_8 = dict(
     vocab_size=32128,
@@ -69,241 +69,170 @@ QUICK = dict(
     lora_rank=2,
 )
 EXPECTED_BATCH = 1000
-# (dtype, dispatch, kernels) rows: every dispatch in bfloat16 with the
-# default kernels, and the grouped dispatch in float32 and with the plain
-# reference kernels (what 'auto' runs on a GPU for attention and LoRA).
-ROWS = (
-    ('bfloat16', 'grouped', 'auto'),
-    ('bfloat16', 'ragged', 'auto'),
-    ('bfloat16', 'tokamax', 'auto'),
-    ('bfloat16', 'grouped', 'fast'),
-    ('float32', 'grouped', 'auto'),
-)
+# Of the device's memory, the share the accumulate's plan may take (the rest:
+# the update, the runtime, fragmentation).
+MEMORY_SHARE = 0.6
+MAX_MICROBATCH = 512
 
 
 def define_flags() -> None:
   flags.DEFINE_bool('quick', False, 'Toy sizes, one repeat: a smoke test.')
-  flags.DEFINE_integer('microbatch', 64, 'Records per microbatch (m).')
+  flags.DEFINE_integer('probe', 16, 'Records of the probe compile.')
   flags.DEFINE_integer('seq_len', 128, 'Tokens per record.')
-  flags.DEFINE_integer('repeats', 5, 'Timed calls per step.')
-  flags.DEFINE_enum(
-      'isolate',
-      'auto',
-      ['auto', 'yes', 'no'],
-      'Each row in its own process (auto: where the device reports a peak).',
-  )
-  flags.DEFINE_string('child', '', 'Internal: one row as JSON.')
+  flags.DEFINE_integer('repeats', 3, 'Timed steps per stream (median).')
+  flags.DEFINE_string('dtype', 'bfloat16', 'Activation dtype.')
   flags.DEFINE_bool(
       'keep_host_memory', True, host_memory.FLAG_HELP, short_name=None
   )
 
 
-def matmul_peak_tflops(m: int, k: int, n: int, dtype: str, repeats: int):
-  """TFLOP/s of an [m, k] @ [k, n] product in `dtype` on this device."""
-  keys = jax.random.split(jax.random.PRNGKey(0), 2)
-  a = jax.random.normal(keys[0], (m, k), dtype)
-  b = jax.random.normal(keys[1], (k, n), dtype)
-  product = jax.jit(lambda a, b: a @ b)
-  jax.block_until_ready(product(a, b))
-  times = []
-  for _ in range(max(repeats, 3)):
-    start = time.perf_counter()
-    jax.block_until_ready(product(a, b))
-    times.append(time.perf_counter() - start)
-  return 2 * m * k * n / harness.median(times) / 1e12
+def say(line: str) -> None:
+  print(line, flush=True)
 
 
-def _peak_bytes() -> int | None:
+def device_memory_bytes() -> int | None:
+  """The device's memory (`bytes_limit`), or None where it reports none."""
   stats = jax.devices()[0].memory_stats()
-  return None if not stats else stats.get('peak_bytes_in_use')
+  return (stats or {}).get('bytes_limit')
 
 
-def _time(call, repeats: int) -> float:
-  jax.block_until_ready(call())
+def choose_microbatch(
+    plan: dict[str, int], probe: int, device_bytes: int | None
+) -> int:
+  """The microbatch m that the memory plan of a probe compile allows.
+
+  The probe's temporaries are taken as all per record (an over-estimate:
+  part of them does not grow with m), its arguments and outputs as fixed;
+  m is the largest power of two whose plan fits in `MEMORY_SHARE` of the
+  device, at most `MAX_MICROBATCH` and the expected batch, at least 1. A
+  public function of the shapes and the device, never of the data.
+
+  Args:
+    plan: `profiling.memory_stats` of the probe compile.
+    probe: its records per microbatch.
+    device_bytes: the device's memory, or None (then m = probe).
+  """
+  if not device_bytes:
+    return probe
+  fixed = plan.get('argument', 0) + plan.get('output', 0)
+  per_record = max(plan.get('temp', 0) / probe, 1.0)
+  fits = (MEMORY_SHARE * device_bytes - fixed) / per_record
+  cap = min(MAX_MICROBATCH, EXPECTED_BATCH)
+  if fits < 1:
+    return 1
+  return int(min(cap, 2 ** int(math.log2(fits))))
+
+
+def _median_seconds(call, repeats: int) -> float:
+  jax.block_until_ready(call())  # warm-up
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     jax.block_until_ready(call())
     times.append(time.perf_counter() - start)
-  return harness.median(times)
+  return float(np.median(times))
 
 
-def measure(
-    dtype: str,
-    dispatch: str,
-    kernels: str,
-    *,
-    quick: bool,
-    microbatch: int,
-    seq_len: int,
-    repeats: int,
-) -> dict:
-  """One row: both streams' times, memory and peak fraction (or `error`)."""
-  row = dict(dtype=dtype, dispatch=dispatch, kernels=kernels)
-  sizes = dict(QUICK if quick else SWITCH_BASE_8)
-  try:
-    config = benchmark.model_config(
-        **sizes, dispatch=dispatch, kernels=kernels, dtype=dtype
-    )
-    module, params = benchmark.build(config, seq_len)
-    records, owners = benchmark.batch(
-        microbatch, seq_len, config.vocab_size, config.num_experts
-    )
-    layer = config.sparse_layers[-1]
-    phases = {
-        'shared': benchmark.stream_phase('shared', float(EXPECTED_BATCH)),
-        'expert': benchmark.stream_phase(
-            'expert', EXPECTED_BATCH / config.num_experts, layer
-        ),
-    }
-    peak = matmul_peak_tflops(
-        4096, config.d_model, config.d_ff, jnp.dtype(dtype), repeats
-    )
-    row['matmul_tflops'] = peak
-    microbatches = math.ceil(EXPECTED_BATCH / microbatch)
-    for stream, (phase, extra) in phases.items():
-      state, (accumulate, compiled, args), _, call = benchmark.dp_step(
-          module,
-          params,
-          phase,
-          records,
-          owners,
-          key=jax.random.key(0),
-          **extra,
-      )
-      accumulate_s = _time(lambda: compiled.compiled(*args), repeats)
-      step_s = _time(call, repeats)
-      update_s = max(step_s - accumulate_s, 0.0)
-      stats = profiling.memory_stats(compiled.compiled) or {}
-      _, flops = profiling.loop_corrected_flops(
-          accumulate, *args, compiled=compiled.compiled
-      )
-      row[stream] = dict(
-          microbatch_ms=accumulate_s * 1e3,
-          step_ms=(microbatches * accumulate_s + update_s) * 1e3,
-          xla_mib=sum(stats.get(k, 0) for k in ('argument', 'output', 'temp'))
-          / 2**20,
-          peak_fraction=(
-              flops / accumulate_s / 1e12 / peak if flops == flops else None
-          ),
-      )
-      del state, accumulate
-  except Exception as e:  # pylint: disable=broad-except
-    return dict(row, error=str(e).strip().splitlines()[0][:160])
-  peak_bytes = _peak_bytes()
-  row['peak_mib'] = None if peak_bytes is None else peak_bytes / 2**20
-  return row
-
-
-def _measure_in_child(spec: dict) -> dict:
-  """`measure(**spec)` in a fresh process (its own device peak)."""
-  done = subprocess.run(
-      [
-          sys.executable,
-          '-m',
-          'launch.bench.gpu_check',
-          '--child=' + json.dumps(spec),
-      ],
-      capture_output=True,
-      text=True,
-      check=False,
-      env=dict(os.environ),
+def _programs(dp, state, microbatch: int, seq_len: int, config):
+  """(compiled accumulate, compiled update, accumulate's arguments) at m."""
+  records, owners = benchmark.batch(
+      microbatch, seq_len, config.vocab_size, config.num_experts
   )
-  for line in done.stdout.splitlines():
-    if line.startswith('ROW '):
-      return json.loads(line[4:])
-  tail = (done.stderr.strip().splitlines() or ['no output'])[-1]
-  keys = ('dtype', 'dispatch', 'kernels')
-  return dict({k: spec[k] for k in keys}, error=tail[:160])
+  placed = parallel.shard_records(
+      (benchmark.host_batch(*records, owners), np.ones(microbatch, np.float32)),
+      dp.mesh,
+  )
+  sums = dp.zero_sums(state)
+  args = (state.trainable, state.frozen, sums, *placed)
+  accumulate = profiling.compile_timed(dp.functions.accumulate, *args)
+  update = profiling.compile_timed(
+      dp.functions.update, state.trainable, state.opt_state, sums
+  )
+  return accumulate, update, args
 
 
-def table(rows: list[dict], microbatch: int) -> str:
-  header = [
-      'dtype',
-      'dispatch',
-      'kernels',
-      'stream',
-      f'ms / microbatch (m={microbatch})',
-      f'ms / step (B={EXPECTED_BATCH})',
-      'XLA MiB',
-      'device peak MiB',
-      'matmul TF/s',
-      'of peak',
-  ]
-  body = []
-  for r in rows:
-    cells = [r['dtype'], r['dispatch'], r['kernels']]
-    if 'error' in r:
-      body.append(cells + ['-', 'did not run: ' + r['error']] + [''] * 5)
-      continue
-    for stream in ('shared', 'expert'):
-      s = r[stream]
-      fraction = s['peak_fraction']
-      body.append(
-          cells
-          + [
-              stream,
-              f"{s['microbatch_ms']:.1f}",
-              f"{s['step_ms']:.0f}",
-              f"{s['xla_mib']:.0f}",
-              '-' if r['peak_mib'] is None else f"{r['peak_mib']:.0f}",
-              f"{r['matmul_tflops']:.2f}",
-              '-' if fraction is None else f'{fraction:.1%}',
-          ]
-      )
-  return harness.format_table(header, body)
+def stream(name, module, params, config, *, probe, seq_len, repeats):
+  """Prints one stream's lines: probe, compile, step at B = 1000."""
+  layer = config.sparse_layers[-1]
+  denominator = EXPECTED_BATCH / (config.num_experts if name == 'expert' else 1)
+  phase, extra = benchmark.stream_phase(name, float(denominator), layer)
+  dp = benchmark.phase_step(module, phase, key=jax.random.key(0), **extra)
+  state = dp.init(params)
+  device_bytes = device_memory_bytes()
+  accumulate, update, args = _programs(dp, state, probe, seq_len, config)
+  plan = profiling.memory_stats(accumulate.compiled) or {}
+  m = choose_microbatch(plan, probe, device_bytes)
+  mib = lambda b: f'{b / 2**20:.0f} MiB'
+  memory = 'no device memory reported' if not device_bytes else mib(device_bytes)
+  say(
+      f'{name}: probe m={probe}: compile'
+      f' {accumulate.lower_s + accumulate.compile_s:.1f} s, plan'
+      f" {mib(sum(plan.get(k, 0) for k in ('argument', 'output', 'temp')))}"
+      f' (temp {mib(plan.get("temp", 0))}) of {memory} -> m={m}'
+  )
+  if m != probe:
+    accumulate, update, args = _programs(dp, state, m, seq_len, config)
+  acc_s = accumulate.lower_s + accumulate.compile_s
+  upd_s = update.lower_s + update.compile_s
+  say(
+      f'{name}: compile {acc_s + upd_s:.1f} s at m={m} (accumulate'
+      f' {accumulate.lower_s:.1f} + {accumulate.compile_s:.1f} s, update'
+      f' {update.lower_s:.1f} + {update.compile_s:.1f} s; lower + compile)'
+  )
+  trainable, frozen, _, batch, mask = args
+  acc, upd = accumulate.compiled, update.compiled
+  microbatches = math.ceil(EXPECTED_BATCH / m)
 
+  def one_microbatch():
+    return acc(trainable, frozen, dp.zero_sums(state), batch, mask)
 
-# --quick: one row per dispatch family of code paths (a smoke test).
-QUICK_ROWS = (('float32', 'grouped', 'auto'), ('bfloat16', 'tokamax', 'auto'))
+  def one_step():
+    sums = dp.zero_sums(state)
+    for _ in range(microbatches):
+      sums = acc(trainable, frozen, sums, batch, mask)
+    return upd(trainable, state.opt_state, sums)
 
-
-def run(*, quick: bool, microbatch: int, seq_len: int, repeats: int, isolate):
-  rows = []
-  for dtype, dispatch, kernels in QUICK_ROWS if quick else ROWS:
-    spec = dict(
-        dtype=dtype,
-        dispatch=dispatch,
-        kernels=kernels,
-        quick=quick,
-        microbatch=microbatch,
-        seq_len=seq_len,
-        repeats=repeats,
-    )
-    rows.append(_measure_in_child(spec) if isolate else measure(**spec))
-    print('.', end='', flush=True, file=sys.stderr)
-  print(file=sys.stderr)
-  return rows
+  micro_s = _median_seconds(one_microbatch, repeats)
+  step_s = _median_seconds(one_step, repeats)
+  flops = profiling.flops(acc)
+  rate = f'{flops / micro_s / 1e12:.1f} TFLOP/s' if flops == flops else '-'
+  say(
+      f'{name}: step B={EXPECTED_BATCH}: {step_s:.3f} s ({microbatches} x m={m};'
+      f' one microbatch {micro_s * 1e3:.1f} ms, accumulate {rate})'
+  )
 
 
 def main(argv) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  if FLAGS.child:
-    spec = json.loads(FLAGS.child)
-    print('ROW ' + json.dumps(measure(**spec)), flush=True)
-    return
   quick = FLAGS.quick
-  microbatch, seq_len = (2, 8) if quick else (FLAGS.microbatch, FLAGS.seq_len)
+  probe, seq_len = (2, 8) if quick else (FLAGS.probe, FLAGS.seq_len)
+  repeats = 1 if quick else FLAGS.repeats
   device = jax.devices()[0]
-  isolate = FLAGS.isolate == 'yes' or (
-      FLAGS.isolate == 'auto' and _peak_bytes() is not None
+  backend = jax.default_backend()
+  say(
+      f'{device.device_kind} ({device.platform}), jax {jax.__version__};'
+      f" {'toy sizes' if quick else 'switch-base-8 shape'}, {FLAGS.dtype},"
+      f' seq {seq_len}, B={EXPECTED_BATCH}; defaults: dispatch'
+      f" {dispatch_lib.resolve_dispatch('auto', backend)}, kernels"
+      f" {kernels_lib.resolve('auto', backend)}"
   )
-  print(
-      f'{device.device_kind} ({device.platform}), jax {jax.__version__}; '
-      f"{'toy sizes' if quick else 'switch-base-8 shape'}, m={microbatch}, "
-      f'seq {seq_len}, B={EXPECTED_BATCH}; rows '
-      f"{'in child processes' if isolate else 'in this process'}",
-      flush=True,
-  )
-  rows = run(
-      quick=quick,
-      microbatch=microbatch,
-      seq_len=seq_len,
-      repeats=1 if quick else FLAGS.repeats,
-      isolate=isolate,
-  )
-  print(table(rows, microbatch))
+  start = time.perf_counter()
+  sizes = dict(QUICK if quick else SWITCH_BASE_8)
+  config = benchmark.model_config(**sizes, dtype=FLAGS.dtype)
+  module, params = benchmark.build(config, seq_len)
+  jax.block_until_ready(params)
+  say(f'set-up: {time.perf_counter() - start:.1f} s (model and parameters)')
+  for name in ('shared', 'expert'):
+    stream(
+        name,
+        module,
+        params,
+        config,
+        probe=probe,
+        seq_len=seq_len,
+        repeats=repeats,
+    )
 
 
 if __name__ == '__main__':

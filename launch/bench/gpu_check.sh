@@ -1,31 +1,59 @@
 #!/usr/bin/env bash
-# The one GPU check (at most 8 minutes on one H200), run from the repository
-# root on the GPU machine:
+# The one GPU check: five parts, within 9 minutes on one H200, each printed
+# as soon as it is done and each under its own time budget (`timeout`), so a
+# slow part cannot eat the others'. From the repository root:
 #
-#   bash launch/bench/gpu_check.sh            # on the GPU
-#   bash launch/bench/gpu_check.sh --quick    # toy sizes, any backend (CPU tests)
+#   bash launch/bench/gpu_wheels.sh           # here, once: .whl/ for the image
+#   bash launch/bench/gpu_check.sh            # on the GPU (carry ['.whl'])
+#   bash launch/bench/gpu_check.sh --quick    # toy sizes on the CPU (the tests)
 #
-# 1. Wheels carried in .whl/ (packages the machine's image lacks: made here
-#    by launch/bench/gpu_wheels.sh, carried with the run as ['.whl']) are
-#    installed into a private target first; a module that still cannot be
-#    imported is named in one line before anything runs.
-# 2. launch.bench.gpu_check: the trainer's shared and expert DP steps of a
-#    switch-base-8-shaped classifier at B=1000 (microbatched), bf16 and
-#    float32, per expert dispatch (grouped, XLA ragged, tokamax), with step
-#    times, peak memory and the fraction of the measured matmul peak.
-# 3. launch.bench.gpu_dispatch: the OLMoE-1B-7B-shaped sparse layer (and
-#    switch-base-8's) per dispatch and ragged_dot lowering.
-# Each part has its own time budget, so a slow part cannot eat the others'.
+# 0. The carried wheels (.whl/) go into a private target; a module that still
+#    cannot be imported is named in one line before anything runs.
+# 1. Toolchain: jax, jaxlib and devices; the compile and first-call seconds
+#    of jax.jit(lambda x: x + 1); any XLA line about parallel compilation.
+# 2. The README's tiny run end to end (launch/main.py, switch_sst2.py:tiny):
+#    the tail of its output (its header's set-up and compile times, its
+#    end-of-run table) and its total seconds.
+# 3. launch.bench.gpu_check: switch-base-8's shape in bf16 with the GPU's
+#    defaults: set-up, each stream's compile, the step at B = 1000 with m
+#    chosen from the compiled program's memory plan.
+# 4. pytest under JAX_PLATFORMS=cuda: the fast-against-reference kernel
+#    tests, the per-record gradients against brute force (tests/test_grads.py)
+#    and the models' per-record adapter gradients against a loop of single
+#    records (tests/test_grad_parity.py), in float32 at full matmul
+#    precision. --quick: JAX_PLATFORMS=cpu and a few of them.
+# 5. launch.bench.gpu_dispatch: switch-base-8's sparse layer per dispatch,
+#    then OLMoE-1B-7B's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-quick=() layers=(--families=olmoe,switch --repeats=5)
-budget_check=330 budget_layer=120
-if [[ "${1:-}" == "--quick" ]]; then
-  quick=(--quick) layers=(--families=olmoe --modes=lora --variants=grouped,tokamax)
-  budget_check=600 budget_layer=600
-fi
 python="${PYTHON:-python3}"
 wheels="${GPU_CHECK_WHEELS:-.whl}"
+quick=()
+# Seconds per part: 30 + 75 + 170 + 130 + 45 + 60 = 510 of the 540.
+b1=30 b2=75 b3=170 b4=130 b5a=45 b5b=60
+platform=cuda
+tiny=()
+tests=(
+  tests/test_kernels.py tests/test_grads.py
+  tests/test_grad_parity.py::test_per_record_adapter_gradients_fast_equal_reference_and_a_loop
+)
+select=()
+dispatch=(--modes=lora --variants=grouped,batched,ragged,tokamax,dense
+  --ragged_lowerings=xla --isolate=no --repeats=5)
+if [[ "${1:-}" == "--quick" ]]; then
+  quick=(--quick)
+  b1=60 b2=300 b3=400 b4=240 b5a=120 b5b=120
+  platform=cpu
+  tiny=(--config.data.synthetic.n_train=200 --config.data.synthetic.n_dev=64
+    --config.data.n_pub=64 --config.batch_size=50 --config.epochs=1
+    --config.model.random.d_model=32 --config.model.random.d_ff=32
+    --config.model.random.num_heads=2 --config.model.random.d_kv=8
+    --config.model.random.num_layers=2)
+  tests=(tests/test_kernels.py tests/test_grads.py)
+  select=(-k "frozen_expert_dispatch or clipped_grad_sum_equals_brute_force")
+  dispatch=(--quick --modes=lora --variants=grouped,batched --isolate=no
+    --repeats=1)
+fi
 if compgen -G "$wheels/*.whl" >/dev/null; then
   if ! "$python" -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/gpu_check_site "$wheels"/*.whl; then
@@ -35,6 +63,7 @@ if compgen -G "$wheels/*.whl" >/dev/null; then
   export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 missing=$("$python" - <<'PY'
 import importlib.util
 need = ["jax", "flax", "optax", "ml_collections", "dp_accounting", "absl",
@@ -46,8 +75,59 @@ if [[ -n "$missing" ]]; then
   echo "error: missing Python modules: $missing; carry their wheels in .whl/ (see the device notes) and rerun"
   exit 1
 fi
-"$python" -c "import jax; print('devices:', jax.devices())"
-timeout "$budget_check" "$python" -m launch.bench.gpu_check "${quick[@]}"
-echo "gpu_check exit status: $?"
-timeout "$budget_layer" "$python" -m launch.bench.gpu_dispatch "${quick[@]}" "${layers[@]}"
-echo "gpu_dispatch exit status: $?"
+logs=$(mktemp -d)
+start=$SECONDS
+# part NAME BUDGET: the header line of a part.
+part() { echo; echo "== $1 (budget $2 s; ${SECONDS} s in)"; start=$SECONDS; }
+# done_ NAME STATUS: its last line (124: stopped at its budget).
+done_() { echo "-- $1: exit $2 in $((SECONDS - start)) s"; }
+
+part "1/5 toolchain" "$b1"
+TF_CPP_MIN_LOG_LEVEL=0 timeout "$b1" "$python" - >"$logs/1.out" 2>"$logs/1.err" <<'PY'
+import time
+start = time.perf_counter()
+import jax
+import jaxlib
+print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, devices {jax.devices()}")
+print(f"import jax: {time.perf_counter() - start:.1f} s")
+add = jax.jit(lambda x: x + 1)
+t = time.perf_counter()
+compiled = add.lower(1.0).compile()
+print(f"jax.jit(lambda x: x + 1): lower + compile {time.perf_counter() - t:.2f} s")
+t = time.perf_counter()
+jax.block_until_ready(compiled(1.0))
+print(f"first call {time.perf_counter() - t:.3f} s")
+PY
+status=$?
+cat "$logs/1.out"
+if grep -i "parallel" "$logs/1.err"; then :; else
+  echo "(no XLA line mentions parallel compilation)"
+fi
+done_ toolchain $status
+
+part "2/5 README tiny run (launch/main.py --config=configs/switch_sst2.py:tiny)" "$b2"
+timeout "$b2" "$python" launch/main.py --config=configs/switch_sst2.py:tiny \
+  --workdir="$logs/tiny" "${tiny[@]}" >"$logs/2.out" 2>&1
+status=$?
+tail -n 30 "$logs/2.out"
+done_ "README tiny run" $status
+
+part "3/5 switch-base-8 DP steps at B=1000 (launch.bench.gpu_check)" "$b3"
+timeout "$b3" "$python" -m launch.bench.gpu_check "${quick[@]}" 2>&1 \
+  | grep -v "^WARNING\|Unable to initialize backend"
+done_ gpu_check "${PIPESTATUS[0]}"
+
+part "4/5 pytest under JAX_PLATFORMS=$platform" "$b4"
+JAX_PLATFORMS=$platform JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$b4" \
+  "$python" -m pytest -q -p no:cacheprovider -rfE "${tests[@]}" "${select[@]}" 2>&1
+done_ pytest $?
+
+part "5/5 expert dispatch rows: switch-base-8's layer, then OLMoE-1B-7B's" "$((b5a + b5b))"
+timeout "$b5a" "$python" -m launch.bench.gpu_dispatch --families=switch \
+  "${dispatch[@]}" 2>&1 | grep -v "^WARNING\|Unable to initialize backend"
+done_ "gpu_dispatch switch" "${PIPESTATUS[0]}"
+timeout "$b5b" "$python" -m launch.bench.gpu_dispatch --families=olmoe \
+  "${dispatch[@]}" 2>&1 | grep -v "^WARNING\|Unable to initialize backend"
+done_ "gpu_dispatch olmoe" "${PIPESTATUS[0]}"
+echo
+echo "gpu_check.sh: done in $SECONDS s"

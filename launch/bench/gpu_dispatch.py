@@ -3,6 +3,7 @@ r"""Step time and memory of one sparse layer per expert dispatch, on an accelera
   python -m launch.bench.gpu_dispatch               # on the GPU machine
   python -m launch.bench.gpu_dispatch --ragged_lowerings=xla   # one lowering
   python -m launch.bench.gpu_dispatch --quick       # toy sizes, any backend
+  python -m launch.bench.gpu_dispatch --compile_only --isolate=no   # CPU
 
 What it measures, how, and what it checks: docs/performance.md, "The
 benchmark scripts in detail".
@@ -40,15 +41,17 @@ SHAPES = {
     ),
 }
 MODES = ('lora', 'train')
-VARIANTS = ('grouped', 'ragged', 'tokamax', 'dense')
+VARIANTS = ('grouped', 'batched', 'ragged', 'tokamax', 'dense')
 # The `dispatch` of each (mode, variant): frozen kernels for LoRA, trainable
 # kernels otherwise ('dense' is differentiable in both).
 DISPATCH = {
     ('lora', 'grouped'): 'grouped',
+    ('lora', 'batched'): 'batched',
     ('lora', 'ragged'): 'ragged',
     ('lora', 'tokamax'): 'tokamax',
     ('lora', 'dense'): 'dense',
     ('train', 'grouped'): 'grouped_train',
+    ('train', 'batched'): 'batched_train',
     ('train', 'ragged'): 'ragged_train',
     ('train', 'tokamax'): 'tokamax_train',
     ('train', 'dense'): 'dense',
@@ -70,6 +73,9 @@ def define_flags() -> None:
   flags.DEFINE_list('variants', list(VARIANTS), 'Dispatches to run.')
   flags.DEFINE_integer('seq_len', None, 'Tokens per record (128; quick 8).')
   flags.DEFINE_integer('repeats', 10, 'Timed calls per row (median).')
+  flags.DEFINE_bool(
+      'compile_only', False, 'Compile each row, run nothing (no times).'
+  )
   flags.DEFINE_list(
       'ragged_lowerings',
       None,
@@ -86,7 +92,7 @@ def define_flags() -> None:
 
 
 def _step(family: str, mode: str, variant: str, quick: bool, seq_len: int):
-  """(compiled step, its arguments) of one row, in bfloat16."""
+  """(step function, its arguments, compiler options) of one row, in bfloat16."""
   shape = SHAPES[family]['quick' if quick else 'full']
   config = bench_dispatch.layer_config(
       family,
@@ -139,7 +145,7 @@ def _step(family: str, mode: str, variant: str, quick: bool, seq_len: int):
     args = (params, x, cotangent)
   # Toy sizes: skip XLA's LLVM optimisation, which dominates their compile.
   options = {'xla_backend_optimization_level': 0} if quick else None
-  return jax.jit(step, compiler_options=options).lower(*args).compile(), args
+  return step, args, options
 
 
 def _peak_bytes() -> int | None:
@@ -156,8 +162,10 @@ def measure(
     quick: bool = False,
     seq_len: int | None = None,
     repeats: int = 10,
+    compile_only: bool = False,
 ) -> dict:
-  """One row: median step ms, XLA buffer MiB and device peak MiB (or None).
+  """One row: median step ms, GFLOP, longest loop, XLA buffer MiB and device
+  peak MiB (or None); no ms with `compile_only`.
 
   `lowering` is the ragged_dot lowering of a ragged row ('xla', or 'triton'
   for JAX's Pallas Triton kernel; 'cudnn' is set by `_measure_in_child`). A
@@ -169,13 +177,16 @@ def measure(
   seq_len = seq_len or (8 if quick else 128)
   try:
     with _triton_lowering(lowering == 'triton'):
-      compiled, args = _step(family, mode, variant, quick, seq_len)
-    jax.block_until_ready(compiled(*args))
+      step, args, options = _step(family, mode, variant, quick, seq_len)
+      compiled = jax.jit(step, compiler_options=options).lower(*args).compile()
+      _, flops = profiling.loop_corrected_flops(step, *args, compiled=compiled)
     times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
+    if not compile_only:
       jax.block_until_ready(compiled(*args))
-      times.append(time.perf_counter() - start)
+      for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
   except Exception as e:  # pylint: disable=broad-except
     return dict(row, error=str(e).strip().splitlines()[0][:120])
   stats = profiling.memory_stats(compiled) or {}
@@ -183,7 +194,9 @@ def measure(
   peak = _peak_bytes()
   return dict(
       row,
-      ms=harness.median(times) * 1e3,
+      ms=harness.median(times) * 1e3 if times else None,
+      gflop=flops / 1e9,
+      trips=harness.max_while_trip_count(compiled.as_text()),
       xla_mib=xla / 2**20,
       peak_mib=None if peak is None else peak / 2**20,
   )
@@ -236,37 +249,46 @@ def _measure_in_child(spec: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
   """The printed table; ratios are to the grouped row of the same layer and mode."""
-  grouped = {
-      (r['family'], r['mode']): r['ms']
-      for r in rows
-      if r['variant'] == 'grouped' and 'ms' in r
-  }
-  header = [
-      'layer',
-      'mode',
-      'dispatch',
-      'step ms',
-      'vs grouped',
-      'XLA MiB',
-      'device peak MiB',
+  return harness.format_table(HEADER, [_cells(r, rows) for r in rows])
+
+
+HEADER = [
+    'layer',
+    'mode',
+    'dispatch',
+    'step ms',
+    'vs grouped',
+    'GFLOP',
+    'longest loop',
+    'XLA MiB',
+    'device peak MiB',
+]
+
+
+def _cells(r: dict, rows: list[dict]) -> list[str]:
+  """One row of `table`; the ratio is to `rows`' grouped row of its layer."""
+  cells = [r['family'], r['mode'], r['dispatch']]
+  if 'error' in r:
+    return cells + ['did not run: ' + r['error']] + [''] * 5
+  base = next(
+      (
+          g.get('ms')
+          for g in rows
+          if g['variant'] == 'grouped'
+          and (g['family'], g['mode']) == (r['family'], r['mode'])
+      ),
+      None,
+  )
+  ms = r.get('ms')
+  gflop = r.get('gflop', float('nan'))
+  return cells + [
+      '-' if ms is None else f'{ms:.2f}',
+      '-' if ms is None or not base else f'{ms / base:.2f}',
+      f'{gflop:.1f}' if gflop >= 1 else f'{gflop:.3g}',
+      str(r.get('trips', '-')),
+      f"{r['xla_mib']:.1f}",
+      '-' if r['peak_mib'] is None else f"{r['peak_mib']:.1f}",
   ]
-  body = []
-  for r in rows:
-    cells = [r['family'], r['mode'], r['dispatch']]
-    if 'error' in r:
-      body.append(cells + ['did not run: ' + r['error'], '', '', ''])
-      continue
-    base = grouped.get((r['family'], r['mode']))
-    body.append(
-        cells
-        + [
-            f"{r['ms']:.2f}",
-            '-' if base is None else f"{r['ms'] / base:.2f}",
-            f"{r['xla_mib']:.1f}",
-            '-' if r['peak_mib'] is None else f"{r['peak_mib']:.1f}",
-        ]
-    )
-  return harness.format_table(header, body)
 
 
 def run(
@@ -279,11 +301,13 @@ def run(
     seq_len=None,
     repeats=10,
     isolate=False,
+    compile_only=False,
+    report=None,
 ) -> list[dict]:
   """Every (family, mode, variant) row, ragged once per lowering, in order.
 
   With `isolate` each row runs in a child process (`--child`); the 'cudnn'
-  lowering needs one.
+  lowering needs one. `report(row, rows)` is called as each row is done.
   """
   if 'cudnn' in lowerings and not isolate:
     raise ValueError("the 'cudnn' lowering needs isolate=True (an XLA flag)")
@@ -300,11 +324,19 @@ def run(
               quick=quick,
               seq_len=seq_len,
               repeats=repeats,
+              compile_only=compile_only,
           )
           rows.append(_measure_in_child(spec) if isolate else measure(**spec))
-          print('.', end='', flush=True, file=sys.stderr)
-  print(file=sys.stderr)
+          if report is not None:
+            report(rows[-1], rows)
   return rows
+
+
+def print_row(row: dict, rows: list[dict]) -> None:
+  """Prints one row as soon as it is measured (the header before the first)."""
+  if len(rows) == 1:
+    print('  '.join(HEADER), flush=True)
+  print('  '.join(_cells(row, rows)), flush=True)
 
 
 def main(argv: list[str]) -> None:
@@ -348,8 +380,10 @@ def main(argv: list[str]) -> None:
       seq_len=FLAGS.seq_len,
       repeats=FLAGS.repeats,
       isolate=isolate,
+      compile_only=FLAGS.compile_only,
+      report=print_row,
   )
-  print(table(rows))
+  print(table(rows), flush=True)
 
 
 if __name__ == '__main__':

@@ -25,6 +25,8 @@ the columns on the same input.
 from __future__ import annotations
 
 import json
+import math
+import re
 import statistics
 import subprocess
 import sys
@@ -221,3 +223,91 @@ def error_line(e: Exception) -> str:
   """'Type: the first line of its message' (120 characters at most): how a
   column that could not be built is reported."""
   return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+
+
+# ---------------------------------------------------------------------------
+# While loops of a compiled program (its optimised HLO text).
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OP = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_WHILE_BODY = re.compile(r"\swhile\(.*?\bbody=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLEE = re.compile(
+    r"\b(?:calls|to_apply|condition|true_computation|false_computation)"
+    r"=%?([\w.\-]+)|\bbranch_computations=\{([^}]*)\}"
+)
+
+
+def while_loops(hlo_text: str) -> list[dict[str, Any]]:
+  """Every while op of an optimised HLO module, with its trip count.
+
+  Reads `compiled.as_text()` (`jax.jit(f).lower(...).compile()`): XLA
+  records a loop's static trip count in the op's backend_config
+  (`"known_trip_count":{"n":"100"}`); a loop without one (a data-dependent
+  `while_loop`) gets `None`. On a GPU each iteration is driven from the host
+  (jax issue 2491), so these are the host round trips a call pays.
+
+  Returns:
+    One dict per while op: `name`, `trip_count` (int or None) and
+    `per_call`, its iterations per call of the program: the trip count
+    times those of the loops it is nested in (None if any is unknown; the
+    largest over the paths that reach it).
+  """
+  body_of, trips, callees = {}, {}, {}
+  computation = None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header and not line.startswith(" "):
+      computation = header.group(1)
+      callees.setdefault(computation, [])
+      if line.startswith("ENTRY"):
+        callees.setdefault("__entry__", []).append((computation, 1))
+      continue
+    op = _OP.match(line)
+    if not op or computation is None:
+      continue
+    body = _WHILE_BODY.search(line)
+    if body:
+      trip = _TRIP_COUNT.search(line)
+      name = op.group(1)
+      body_of[name] = body.group(1)
+      trips[name] = int(trip.group(1)) if trip else None
+      callees[computation].append((body.group(1), name))
+    for called, branches in _CALLEE.findall(line):
+      names = [called] if called else re.findall(r"%?([\w.\-]+)", branches)
+      callees[computation].extend((n, 1) for n in names)
+  per_call: dict[str, int | None] = {}
+
+  def visit(computation, factor, seen):
+    for callee, via in callees.get(computation, ()):
+      if callee in seen:
+        continue
+      inner = factor
+      if via != 1:  # a while op's body: its trip count multiplies
+        trip = trips[via]
+        inner = None if factor is None or trip is None else factor * trip
+        best = per_call.get(via, 0)
+        if inner is None or best is None:
+          per_call[via] = None
+        else:
+          per_call[via] = max(best, inner)
+      visit(callee, inner, seen | {callee})
+
+  visit("__entry__", 1, frozenset())
+  return [
+      {"name": name, "trip_count": trips[name], "per_call": per_call.get(name)}
+      for name in trips
+  ]
+
+
+def max_while_trip_count(hlo_text: str) -> float:
+  """The largest trip count of any while loop in an optimised HLO module.
+
+  0 without loops; `math.inf` if some loop's trip count is not static (its
+  length then depends on the data, which no bound here can promise). See
+  `while_loops`.
+  """
+  counts = [loop["trip_count"] for loop in while_loops(hlo_text)]
+  if any(c is None for c in counts):
+    return math.inf
+  return max(counts, default=0)

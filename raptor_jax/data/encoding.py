@@ -62,12 +62,14 @@ def check_batch_size(expected_batch_size: int, num_records: int) -> None:
   Raises:
       ValueError: ``B < 1`` or ``B > n``.
   """
+  suggested = max(1, num_records // 10)
   _validate.check(
       1 <= expected_batch_size <= num_records,
       "batch_size",
       f"in [1, n] for the n = {num_records} training records",
       expected_batch_size,
-      _validate.config_fix("batch_size"),
+      _validate.config_fix("batch_size", suggested)
+      + " (n / 10), or 0 to choose it from n",
   )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,13 @@ import pyarrow.parquet as pq
 Columns = dict[str, list[Any]]
 
 LOCAL_FORMATS = (".tsv", ".csv", ".parquet", ".jsonl", ".txt")
+
+# A field of a TSV/CSV file may be as long as a document: the tokenizer, not
+# the reader, truncates it (Python's csv module stops at 131,072 characters).
+_FIELD_LIMIT = 2**31 - 1
+# A column name as errors show it: a short name, never a record's text (a
+# file without a header row has a record where its names should be).
+_COLUMN_NAME = re.compile(r"[A-Za-z_][\w.\-]{0,39}")
 
 
 def read_columns(path: str | Path, split: str | None = None) -> Columns:
@@ -34,12 +42,16 @@ def read_columns(path: str | Path, split: str | None = None) -> Columns:
     That is how the official GLUE files are written: some QNLI dev sentences
     start with a literal ``"`` and SST-2 sentences end with a space, and both
     must survive unchanged.
-  * ``.csv``: comma-separated, a header row, standard CSV quoting.
-
-  Blank lines in TSV/CSV files are skipped.
+  * ``.csv``: comma-separated, a header row, standard CSV quoting. A quoted
+    field that spans lines is refused (it is how an unterminated quote
+    reads, merging the records after it into one).
   * ``.parquet``: any parquet file (read with pyarrow).
   * ``.jsonl``: one JSON object per line; a missing key reads as ``None``.
-  * ``.txt``: one text per line, returned as the single column ``text``.
+  * ``.txt``: one text per line, returned as the single column ``text``; a
+    line with a tab is refused (a table belongs in a ``.tsv``).
+
+  Blank lines in TSV/CSV files are skipped; header names must be distinct;
+  a field may be of any length.
 
   Args:
       path: the local file or ``save_to_disk`` directory.
@@ -51,8 +63,9 @@ def read_columns(path: str | Path, split: str | None = None) -> Columns:
 
   Raises:
       FileNotFoundError: the file does not exist.
-      ValueError: unknown extension, an empty TSV/CSV, a TSV/CSV row whose
-          field count differs from the header's, a file that is not UTF-8,
+      ValueError: unknown extension, an empty TSV/CSV, a repeated header
+          name, a TSV/CSV row whose field count differs from the header's,
+          a CSV quote left open across lines, a file that is not UTF-8,
           a bad JSON line, an unreadable parquet file or saved dataset (one
           line naming the file and the fix).
   """
@@ -89,11 +102,24 @@ def _read_file(path: Path) -> Columns:
   if suffix == ".jsonl":
     return _read_jsonl(path)
   if suffix == ".txt":
-    return {"text": path.read_text(encoding="utf-8").splitlines()}
+    return _read_text_lines(path)
   raise ValueError(
       f"Cannot read {path}: unknown extension {suffix!r}; use one of"
       f" {', '.join(LOCAL_FORMATS)}, or a datasets.save_to_disk directory."
   )
+
+
+def _read_text_lines(path: Path) -> Columns:
+  """A `.txt` file: one text per line; a line with a tab is a table's row."""
+  lines = path.read_text(encoding="utf-8").splitlines()
+  tabbed = next((i for i, line in enumerate(lines, 1) if "\t" in line), 0)
+  if tabbed:
+    raise ValueError(
+        f"{path} line {tabbed} holds a tab, but a .txt file is one text per"
+        " line; for a table of columns rename it to .tsv (with a header row"
+        " naming the columns)"
+    )
+  return {"text": lines}
 
 
 def _read_saved(path: Path, split: str | None) -> Columns:
@@ -119,24 +145,52 @@ def _read_saved(path: Path, split: str | None) -> Columns:
 
 
 def _read_delimited(path: Path, *, delimiter: str, quoting: int) -> Columns:
+  if csv.field_size_limit() < _FIELD_LIMIT:
+    csv.field_size_limit(_FIELD_LIMIT)
   with path.open(encoding="utf-8-sig", newline="") as f:
     rows = csv.reader(f, delimiter=delimiter, quoting=quoting)
-    header = next(rows, None)
-    if header is None:
+    try:
+      return _delimited_columns(path, rows)
+    except csv.Error as e:
+      kind = "TSV" if delimiter == "\t" else "CSV"
       raise ValueError(
-          f"{path} is empty; it needs a header row naming the columns."
+          f"{path} line {rows.line_num} is not valid {kind} ({e}); fix that"
+          " line"
+      ) from None
+
+
+def _delimited_columns(path: Path, rows) -> Columns:
+  header = next(rows, None)
+  if header is None:
+    raise ValueError(
+        f"{path} is empty; it needs a header row naming the columns."
+    )
+  repeated = sorted({name for name in header if header.count(name) > 1})
+  if repeated:
+    raise ValueError(
+        f"{path}: the header row repeats a column name"
+        f" ({shown_names(repeated)}); give every column its own name"
+    )
+  columns: Columns = {name: [] for name in header}
+  line = rows.line_num
+  for row in rows:
+    first, line = line + 1, rows.line_num
+    if not row:  # a blank line holds no record
+      continue
+    if line > first and any("\n" in value or "\r" in value for value in row):
+      raise ValueError(
+          f"{path} lines {first}-{line} read as one record: a quote opened"
+          f" on line {first} is closed on line {line} or never; close the"
+          " quote on its line (a quote inside a field is written twice), or"
+          " replace the line breaks inside the field with spaces"
       )
-    columns: Columns = {name: [] for name in header}
-    for row in rows:
-      if not row:  # a blank line holds no record
-        continue
-      if len(row) != len(header):
-        raise ValueError(
-            f"{path} line {rows.line_num} has {len(row)} fields but the header has"
-            f" {len(header)}; fix or remove that line."
-        )
-      for name, value in zip(header, row):
-        columns[name].append(value)
+    if len(row) != len(header):
+      raise ValueError(
+          f"{path} line {line} has {len(row)} fields but the header has"
+          f" {len(header)}; fix or remove that line."
+      )
+    for name, value in zip(header, row):
+      columns[name].append(value)
   return columns
 
 
@@ -189,7 +243,24 @@ def pick_column(
       return name
   raise ValueError(
       f"{source} has no {kind} column (looked for {', '.join(candidates)}; it has"
-      f" {', '.join(columns) or 'no columns'}); set --config.data.{option}."
+      f" {shown_names(list(columns))}); set --config.data.{option}."
+  )
+
+
+def shown_names(names: Sequence[str]) -> str:
+  """Column names for an error: never a record's text.
+
+  A file without a header row has its first record where the names should
+  be, so names are shown only when every one is a short name; otherwise
+  the count, and the hint that the header row may be missing.
+  """
+  if not names:
+    return "no columns"
+  if all(_COLUMN_NAME.fullmatch(str(name)) for name in names):
+    return ", ".join(map(str, names))
+  return (
+      f"{len(names)} columns whose names are not shown: the first row does"
+      " not read as a header row of column names; add one"
   )
 
 

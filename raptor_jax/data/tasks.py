@@ -15,6 +15,7 @@ duplicate=1; SST-2 negative=0, positive=1.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -169,10 +170,7 @@ def custom_task(
   fix = lambda field, example: (
       _validate.config_fix(f"data.{field}", example) + " (configs/custom.py)"
   )
-  if isinstance(text_fields, str):
-    text_fields = (text_fields,)
-  if len(text_fields) == 1 and "," in text_fields[0]:  # --config...=q,s
-    text_fields = tuple(text_fields[0].split(","))
+  text_fields = names_list(text_fields)
   _validate.check(
       len(text_fields) in (1, 2)
       and all(isinstance(f, str) and f for f in text_fields),
@@ -188,8 +186,15 @@ def custom_task(
       label_field,
       fix("label_field", "label"),
   )
-  if isinstance(label_names, str):
-    label_names = tuple(filter(None, label_names.split(",")))
+  _validate.check(
+      label_field not in text_fields,
+      "data.label_field",
+      f"a column other than the text column(s) {', '.join(text_fields)} (the"
+      " label would be part of the model's input)",
+      label_field,
+      "set --config.data.text_fields to the text column(s) only",
+  )
+  label_names = names_list(label_names)
   _validate.check(
       len(label_names) >= 2
       and all(isinstance(n, str) and n for n in label_names)
@@ -211,6 +216,32 @@ def custom_task(
   )
 
 
+def names_list(value: str | Sequence[str]) -> tuple[str, ...]:
+  """Column or class names as given on a command line, as a tuple.
+
+  Accepts a sequence, one comma-separated string (``"neg, pos"``) or a
+  Python tuple or list literal (``"('neg', 'pos')"``, as ml_collections
+  users write them); spaces around each name are stripped and empty names
+  dropped.
+  """
+  if isinstance(value, str):
+    text = value.strip()
+    if text[:1] in "([" and text[-1:] in ")]":
+      try:
+        value = ast.literal_eval(text)
+      except (ValueError, SyntaxError):
+        value = text[1:-1].split(",")
+      if isinstance(value, str):
+        value = (value,)
+    else:
+      value = text.split(",")
+  names = (
+      str(name).strip().strip("'\"").strip() if isinstance(name, str) else name
+      for name in value
+  )
+  return tuple(name for name in names if name != "")
+
+
 def _spec(task: str | TaskSpec) -> TaskSpec:
   return task if isinstance(task, TaskSpec) else get_task(task)
 
@@ -220,8 +251,8 @@ def _check_split_args(spec, split, text_fields, limit, offset):
   _validate.one_of(f"split of task {spec.name}", split, spec.splits)
   _validate.check(limit is None or limit >= 1, "limit", ">= 1 or None", limit)
   _validate.check(offset >= 0, "offset", ">= 0", offset)
-  if isinstance(text_fields, str):
-    text_fields = (text_fields,)
+  if text_fields is not None:
+    text_fields = names_list(text_fields)
   _validate.check(
       text_fields is None or len(text_fields) in (1, 2),
       "data.text_fields",
@@ -239,19 +270,33 @@ def _pick_columns(spec, columns, source, text_fields, label_field):
       if text_fields is not None
       else spec.text_fields
   )
-  text_names = [
-      tables.pick_column(
-          columns, names, source=source, kind="text", option="text_fields"
-      )
-      for names in text_candidates
-  ]
-  label_name = tables.pick_column(
-      columns,
-      (label_field,) if label_field is not None else spec.label_fields,
-      source=source,
-      kind="label",
-      option="label_field",
-  )
+  try:
+    text_names = [
+        tables.pick_column(
+            columns, names, source=source, kind="text", option="text_fields"
+        )
+        for names in text_candidates
+    ]
+    label_name = tables.pick_column(
+        columns,
+        (label_field,) if label_field is not None else spec.label_fields,
+        source=source,
+        kind="label",
+        option="label_field",
+    )
+  except ValueError as e:
+    if spec.hub_id != _GLUE:
+      raise
+    raise ValueError(
+        f"{str(e).rstrip('.')}, or, if this is not {spec.name} but a task of"
+        f" your own, {_CUSTOM_FIX}"
+    ) from None
+  if label_name in text_names:
+    raise ValueError(
+        f"{source}: column {label_name!r} is both the label and a text"
+        " column, so the label would be part of the model's input; set"
+        " --config.data.text_fields to the text column(s) only"
+    )
   return text_names, label_name
 
 
@@ -337,16 +382,9 @@ def load_task_split(
   index, count = shard
   _validate.check(0 <= index < count, "shard index", f"in [0, {count})", index)
   stop = _records_stop(source, len(columns[label_name]), offset, limit)
-  labels = [
-      _label_id(value, spec, row=row, column=label_name, source=source)
-      for row, value in enumerate(
-          columns[label_name][offset:stop], start=offset + 1
-      )
-  ][index::count]
-  texts = [
-      [_as_text(value) for value in columns[name][offset:stop][index::count]]
-      for name in text_names
-  ]
+  labels, texts = _labels_and_texts(
+      spec, columns, source, text_names, label_name, (offset, stop), shard
+  )
   return encoding.encode(
       tokenizer,
       texts[0],
@@ -354,6 +392,32 @@ def load_task_split(
       pair_texts=texts[1] if len(texts) == 2 else None,
       max_length=max_length,
   )
+
+
+def _labels_and_texts(
+    spec, columns, source, text_names, label_name, rows, shard
+):
+  """(class ids, [texts of each text column]) of records rows[0]..rows[1]-1,
+  this shard's; every label and text is checked (one line for the first bad
+  one)."""
+  offset, stop = rows
+  index, count = shard
+  raw_labels = columns[label_name][offset:stop]
+  labels = [
+      _label_id(value, spec)
+      if _is_label(value, spec)
+      else _bad_label(
+          value, raw_labels, spec, row=row, column=label_name, source=source
+      )
+      for row, value in enumerate(raw_labels, start=offset + 1)
+  ][index::count]
+  for name in text_names:
+    _check_texts(columns[name][offset:stop], name, source, offset)
+  texts = [
+      [_as_text(value) for value in columns[name][offset:stop][index::count]]
+      for name in text_names
+  ]
+  return labels, texts
 
 
 def load_task_texts(
@@ -417,29 +481,94 @@ def _as_text(value: Any) -> str:
   return "" if value is None else str(value)
 
 
-def _label_id(
-    value: Any, spec: TaskSpec, *, row: int, column: str, source: str
-) -> int:
-  """Maps a raw label (class name, integer, or integer string) to its class id.
+def _check_texts(values: Sequence[Any], column: str, source: str, offset: int):
+  """Refuses a record without its text (a missing JSON key, or null)."""
+  missing = next((i for i, v in enumerate(values) if v is None), None)
+  if missing is not None:
+    raise ValueError(
+        f"{source}, data row {offset + missing + 1} has no {column!r} (missing"
+        " or null); give every record its text, or drop the record"
+    )
 
-  The error names the row, never the value: a wrongly chosen label column can
-  hold private text, and this package never prints record contents.
-  """
+
+def _is_label(value: Any, spec: TaskSpec) -> bool:
+  """Whether `value` is a class name or a class id of `spec` (no bool)."""
+  if isinstance(value, str):
+    value = value.strip()
+    return value in spec.label_names or (
+        value.isdecimal() and int(value) < spec.num_labels
+    )
+  return (
+      isinstance(value, int)
+      and not isinstance(value, bool)
+      and 0 <= value < spec.num_labels
+  )
+
+
+def _label_id(value: Any, spec: TaskSpec) -> int:
+  """The class id of a raw label that `_is_label` accepted (a class name, an
+  integer, or an integer string)."""
   if isinstance(value, str):
     value = value.strip()
     if value in spec.label_names:
       return spec.label_names.index(value)
-    if value.isdecimal():
-      value = int(value)
-  if isinstance(value, int) and 0 <= value < spec.num_labels:
-    return int(value)
+  return int(value)
+
+
+def _shown_label(value: Any) -> str:
+  """A label value for an error: a short word is shown; a longer value
+  (a wrongly chosen label column may hold private text) is not."""
+  text = str(value)
+  if isinstance(value, bool):
+    return f"JSON {str(value).lower()}"
+  if len(text) <= 24 and not any(c.isspace() for c in text.strip()):
+    return repr(value)
+  return f"a value of {len(text)} characters (not shown)"
+
+
+def _one_based(values: Sequence[Any], k: int) -> bool:
+  """Whether every label is an integer id in 1..K (and one is K)."""
+  ids = []
+  for value in values:
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.isdecimal():
+      text = int(text)
+    if not isinstance(text, int) or isinstance(text, bool):
+      return False
+    ids.append(text)
+  return bool(ids) and min(ids) >= 1 and max(ids) == k
+
+
+def _bad_label(
+    value: Any,
+    values: Sequence[Any],
+    spec: TaskSpec,
+    *,
+    row: int,
+    column: str,
+    source: str,
+):
+  """Raises the one line for `value`, the label of data row `row` (`values`:
+  the whole label column, to recognise one-based ids)."""
+  where = f"{source}, column {column!r}, data row {row}"
+  expected = f"{'/'.join(spec.label_names)} or 0..{spec.num_labels - 1}"
+  if _one_based(values, spec.num_labels):
+    raise ValueError(
+        f"{where}: the labels are one-based ids 1..{spec.num_labels}, but class"
+        f" ids start at 0 ({expected}); subtract 1 from every label, or write"
+        " the class names"
+    )
+  if isinstance(value, bool):
+    raise ValueError(
+        f"{where}: a JSON {str(value).lower()} is not a class (expected"
+        f" {expected}); write the class name or id"
+    )
   fix = (
       "fix the file, or list its classes in --config.data.label_names"
       if spec.name == CUSTOM
       else "fix the file or set --config.data.label_field"
   )
   raise ValueError(
-      f"{source}, column {column!r}, data row {row}: not a {spec.name} label (expected"
-      f" {'/'.join(spec.label_names)} or 0..{spec.num_labels - 1}; an unlabelled test"
-      f" split?); {fix}."
+      f"{where}: {_shown_label(value)} is not a {spec.name} label (expected"
+      f" {expected}; an unlabelled test split?); {fix}."
   )

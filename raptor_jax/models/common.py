@@ -85,7 +85,7 @@ class FineTuningOptions:
   attention_lora: bool = False  # adapters on q, k, v, o of every block.
   expert_lora_layers: tuple[int, ...] = ()  # blocks whose experts get adapters.
   dispatch: str = (
-      "auto"  # expert dispatch, one of moe.DISPATCHES ('auto': grouped).
+      "auto"  # expert dispatch, one of moe.DISPATCHES (`resolve_dispatch`).
   )
   dtype: str = (
       "float32"  # activation dtype; routers and norm statistics use float32.

@@ -19,9 +19,12 @@ expert's factors) computed only where asked for. RAPTOR's owner slices use
 `owner_lora_delta` / `owner_linear`, whose cost does not grow with E;
 `dense_linear` and `expert_lora` are the every-expert references.
 
-`raptor_jax.models.ragged` computes the same functions with native grouped
-GEMMs (`jax.lax.ragged_dot`, tokamax); `resolve_dispatch` picks the scan on
-every backend until a GPU or TPU measures otherwise. Routing
+`batched_linear` is the same sorted blocks without the scan: every block in
+one batched product, each block's expert weights gathered (at most 1.5x the
+rows' FLOPs, no loop), the default off CPU, where XLA drives each loop step
+from the host (`resolve_dispatch`). `raptor_jax.models.ragged` computes the
+same functions with native grouped GEMMs (`jax.lax.ragged_dot`, tokamax).
+Routing
 (`raptor_jax.models.routing`), and so capacity drops, is decided before any
 dispatch: a dropped row has expert E and gets no expert output.
 """
@@ -98,18 +101,17 @@ def _dispatch_plan(experts: jax.Array, num_experts: int, block: int):
   """
   num_rows = experts.shape[0]
   num_blocks = static_num_blocks(num_rows, num_experts, block)
-  counts = (
-      jnp.zeros((num_experts + 1,), jnp.int32).at[experts].add(1)[:num_experts]
-  )
+  # Loop-free throughout (no `searchsorted` scan): on a GPU every loop step
+  # is a round trip driven by the host.
+  counts_all = jnp.zeros((num_experts + 1,), jnp.int32).at[experts].add(1)
+  counts = counts_all[:num_experts]
   padded = jnp.maximum(1, -(-counts // block)) * block
   group_end = jnp.cumsum(padded)
   group_start = group_end - padded
   # Rank of each row among the rows of its expert (stable, by position).
   order = jnp.argsort(experts, stable=True)
   sorted_experts = experts[order]
-  first_of_expert = jnp.searchsorted(
-      sorted_experts, jnp.arange(num_experts + 1)
-  )
+  first_of_expert = jnp.cumsum(counts_all) - counts_all
   rank_sorted = jnp.arange(num_rows) - first_of_expert[sorted_experts]
   rank = (
       jnp.zeros((num_rows,), jnp.int32)
@@ -120,7 +122,10 @@ def _dispatch_plan(experts: jax.Array, num_experts: int, block: int):
   safe_expert = jnp.minimum(experts, num_experts - 1)
   dest = jnp.where(dropped, num_blocks * block, group_start[safe_expert] + rank)
   block_expert = jnp.searchsorted(
-      group_end, jnp.arange(num_blocks) * block, side="right"
+      group_end,
+      jnp.arange(num_blocks) * block,
+      side="right",
+      method="compare_all",
   )
   block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)
   return dest, block_expert, num_blocks
@@ -229,48 +234,15 @@ def _rowwise(fn):
   return wrapped
 
 
-_grouped_forward = _rowwise(
-    functools.partial(_grouped_linear_flat, transpose=False)
-)
-_grouped_backward = _rowwise(
-    functools.partial(_grouped_linear_flat, transpose=True)
-)
-
-
-@jax.custom_vjp
-def _grouped_linear(x, experts, w, *lora):
-  return _grouped_forward(x, experts, w, *lora)
-
-
-def _grouped_linear_fwd(x, experts, w, *lora):
-  # x is kept only for the adapter's gradient.
-  return _grouped_forward(x, experts, w, *lora), (
-      x if lora else None,
-      experts,
-      w,
-      lora,
-  )
-
-
-def _grouped_linear_bwd(residuals, dy):
-  x, experts, w, lora = residuals
-  dx = _grouped_backward(dy, experts, w, *lora)
-  if not lora:
-    return dx, None, None
-  return (dx, None, None) + _stacked_lora_grads(x, experts, *lora, dy)
-
-
-def _stacked_lora_grads(
-    x, experts, a, b, dy, forward=_grouped_forward, backward=_grouped_backward
-):
+def _stacked_lora_grads(x, experts, a, b, dy, forward, backward):
   """Gradients of sum(dy * x @ a[e] @ b[e]) for EVERY expert's factors.
 
   The rank-r factors of each row, u = x @ a[e] and g = dy @ b[e]^T, come
-  from the dispatch (`forward` / `backward`: the grouped one unless given);
-  the outer products are then summed into every expert's slice with a
-  one-hot over E (rows x E x r x (d_in + d_out)), the size of the result.
-  Only computed where the stacked factors are differentiated (e.g.
-  monolithic LoRA); XLA drops it everywhere else.
+  from the dispatch (`forward` / `backward`); the outer products are then
+  summed into every expert's slice with a one-hot over E (rows x E x r x
+  (d_in + d_out)), the size of the result. Only computed where the stacked
+  factors are differentiated (e.g. monolithic LoRA); XLA drops it
+  everywhere else.
   """
   one_hot = jax.nn.one_hot(experts, a.shape[0], dtype=dy.dtype)  # dropped -> 0
   u = forward(x, experts, a).astype(dy.dtype)
@@ -280,7 +252,75 @@ def _stacked_lora_grads(
   return da.astype(a.dtype), db.astype(b.dtype)
 
 
-_grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
+def _dispatch_vjps(forward, backward, weight_grad):
+  """(frozen, trainable): the custom VJPs of one row-wise expert dispatch.
+
+  `forward(x, experts, w, *lora)` and `backward` (its transpose, the input
+  gradient) are `_rowwise` functions; `weight_grad(x, experts, dy, E)` is
+  dw[e] = sum_{t: e_t = e} x[t]^T dy[t] in float32. `frozen(x, experts, w,
+  *lora)` treats `w` as a constant and differentiates the LoRA pair (every
+  expert's factors, `_stacked_lora_grads`); `trainable(x, experts, w)`
+  differentiates `w`. Shared by the grouped, batched and ragged dispatches.
+  """
+
+  @jax.custom_vjp
+  def frozen(x, experts, w, *lora):
+    return forward(x, experts, w, *lora)
+
+  def frozen_fwd(x, experts, w, *lora):
+    # x is kept only for the adapter's gradient.
+    return forward(x, experts, w, *lora), (
+        x if lora else None,
+        experts,
+        w,
+        lora,
+    )
+
+  def frozen_bwd(residuals, dy):
+    x, experts, w, lora = residuals
+    dx = backward(dy, experts, w, *lora)
+    if not lora:
+      return dx, None, None
+    grads = _stacked_lora_grads(x, experts, *lora, dy, forward, backward)
+    return (dx, None, None) + grads
+
+  frozen.defvjp(frozen_fwd, frozen_bwd)
+
+  @jax.custom_vjp
+  def trainable(x, experts, w):
+    return forward(x, experts, w)
+
+  def trainable_fwd(x, experts, w):
+    return forward(x, experts, w), (x, experts, w)
+
+  def trainable_bwd(residuals, dy):
+    x, experts, w = residuals
+    dw = weight_grad(x, experts, dy, w.shape[0])
+    return backward(dy, experts, w), None, dw.astype(w.dtype)
+
+  trainable.defvjp(trainable_fwd, trainable_bwd)
+  return frozen, trainable
+
+
+def _block_outer(x, experts, dy, num_experts, block):
+  """dw[e] = sum_{t: e_t = e} x[t]^T dy[t] (float32), one product per block."""
+  dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
+  per_block = jnp.einsum(
+      "nbi,nbo->nio",
+      _to_blocks(x, dest, num_blocks, block),
+      _to_blocks(dy, dest, num_blocks, block),
+      preferred_element_type=jnp.float32,
+  )
+  return jax.ops.segment_sum(per_block, block_expert, num_segments=num_experts)
+
+
+_grouped_linear, _grouped_linear_trainable = _dispatch_vjps(
+    _rowwise(functools.partial(_grouped_linear_flat, transpose=False)),
+    _rowwise(functools.partial(_grouped_linear_flat, transpose=True)),
+    lambda x, experts, dy, num_experts: _block_outer(
+        x, experts, dy, num_experts, block_size(x.shape[0], num_experts)
+    ),
+)
 
 
 def grouped_linear(
@@ -315,36 +355,6 @@ def grouped_linear(
   return reference_linear(x, experts, w, lora)
 
 
-@jax.custom_vjp
-def _grouped_linear_trainable(x, experts, w):
-  return _grouped_forward(x, experts, w)
-
-
-def _grouped_linear_trainable_fwd(x, experts, w):
-  return _grouped_forward(x, experts, w), (x, experts, w)
-
-
-def _grouped_linear_trainable_bwd(residuals, dy):
-  x, experts, w = residuals
-  num_experts = w.shape[0]
-  block = block_size(x.shape[0], num_experts)
-  dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
-
-  per_block = jnp.einsum(
-      "nbi,nbo->nio",
-      _to_blocks(x, dest, num_blocks, block),
-      _to_blocks(dy, dest, num_blocks, block),
-      preferred_element_type=jnp.float32,
-  )
-  dw = jax.ops.segment_sum(per_block, block_expert, num_segments=num_experts)
-  return _grouped_backward(dy, experts, w), None, dw.astype(w.dtype)
-
-
-_grouped_linear_trainable.defvjp(
-    _grouped_linear_trainable_fwd, _grouped_linear_trainable_bwd
-)
-
-
 def grouped_linear_trainable(
     x: jax.Array, experts: jax.Array, w: jax.Array, kernels: str = "auto"
 ) -> jax.Array:
@@ -371,52 +381,166 @@ def grouped_linear_trainable(
 
 
 # ---------------------------------------------------------------------------
+# Batched dispatch: the sorted blocks as one batched product, no loop (GPU).
+
+
+def batched_block_size(num_rows: int, num_experts: int) -> int:
+  """Rows per block of `batched_linear`: ceil(rows / 2E), 8-aligned above 8.
+
+  The dispatch computes all `static_num_blocks` = rows // block + E blocks,
+  i.e. at most rows + E * block <= 1.5 x rows (+ 8 E) rows of products, and
+  gathers one weight matrix per block: at most 3E of them (+ 1), about 3x
+  the layer's stacked weights, whatever the number of rows. Blocks of 8k
+  rows suit tensor-core tiles. Shapes only, never the routing.
+  """
+  block = -(-num_rows // (2 * num_experts))
+  if block > 8:
+    block = -(-block // 8) * 8
+  return int(max(1, block))
+
+
+def _batched_linear_flat(
+    x: jax.Array,
+    experts: jax.Array,
+    w: jax.Array,
+    *lora: jax.Array,
+    transpose: bool,
+) -> jax.Array:
+  """`_grouped_linear_flat` with every block in one batched product.
+
+  The same sorted, padded blocks (`_dispatch_plan`: every routing fits, no
+  row is dropped), but each block's expert matrices are gathered
+  ([blocks, d_in, d_out]) and all blocks are multiplied at once: one
+  batched GEMM per matrix instead of a `lax.scan` over the blocks, so the
+  compiled program has no loop (on a GPU each scan step is a round trip
+  driven by the host). `lora` and `transpose` as in `_grouped_linear_flat`.
+  """
+  num_rows = x.shape[0]
+  num_experts = w.shape[0]
+  block = batched_block_size(num_rows, num_experts)
+  dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
+  buf = _to_blocks(x, dest, num_blocks, block)
+  # rows[n, b, i] @ matrix[n, i, j], or @ matrix[n, j, i]^T (the transpose).
+  spec = "nbi,nji->nbj" if transpose else "nbi,nij->nbj"
+  factors = tuple(reversed(lora)) if transpose else lora
+
+  def matmul(rows, stacked):
+    return jnp.einsum(
+        spec,
+        rows,
+        jnp.take(stacked, block_expert, axis=0, mode="clip"),
+        preferred_element_type=jnp.float32,
+    )
+
+  out = matmul(buf, w)
+  if factors:
+    first, second = factors
+    out = out + matmul(matmul(buf, first).astype(x.dtype), second)
+  out = out.astype(x.dtype).reshape(num_blocks * block, out.shape[-1])
+  return jnp.take(out, dest, axis=0, mode="fill", fill_value=0)
+
+
+_batched_linear, _batched_linear_trainable = _dispatch_vjps(
+    _rowwise(functools.partial(_batched_linear_flat, transpose=False)),
+    _rowwise(functools.partial(_batched_linear_flat, transpose=True)),
+    lambda x, experts, dy, num_experts: _block_outer(
+        x, experts, dy, num_experts, batched_block_size(x.shape[0], num_experts)
+    ),
+)
+
+
+def batched_linear(
+    x: jax.Array,
+    experts: jax.Array,
+    w: jax.Array,
+    lora: tuple[jax.Array, jax.Array] | None = None,
+    kernels: str = "auto",
+) -> jax.Array:
+  """`grouped_linear` without its loop: the GPU's default dispatch.
+
+  The same function, arguments and gradients as `grouped_linear`; the
+  sorted blocks (`batched_block_size`, at most 1.5x the rows) are
+  multiplied in one batched product per matrix, their experts' weights
+  gathered per block, so the compiled step has no host-driven loop
+  (docs/performance.md, "GPU dispatch"). Under `vmap` the records share one
+  dispatch (`kernels` 'fast' or 'auto'); 'reference' is the definition
+  (`reference_linear`).
+  """
+  w = jax.lax.stop_gradient(w)
+  if kernels_lib.resolve_expert(kernels) == "fast":
+    return _batched_linear(x, experts, w, *(lora or ()))
+  return reference_linear(x, experts, w, lora)
+
+
+def batched_linear_trainable(
+    x: jax.Array, experts: jax.Array, w: jax.Array, kernels: str = "auto"
+) -> jax.Array:
+  """`batched_linear` differentiable in the stacked weights (pretraining).
+
+  As `grouped_linear_trainable`, without a loop: the weight gradient is one
+  outer product per block summed into its expert. Not for per-record
+  gradients (the weights must stay unbatched under `vmap`). `kernels`
+  'reference' is `dense_linear` (the definition).
+  """
+  if kernels_lib.resolve_expert(kernels) == "fast":
+    return _batched_linear_trainable(x, experts, w)
+  return dense_linear(x, experts, w)
+
+
+# ---------------------------------------------------------------------------
 # Ragged dispatch: native grouped GEMMs (`jax.lax.ragged_dot`).
 
 # Every `dispatch` an expert layer accepts. 'auto' and 'auto_train' resolve
-# to the grouped ones (`resolve_dispatch`); '*_train' makes the stacked kernels
+# per backend (`resolve_dispatch`); '*_train' makes the stacked kernels
 # trainable (pretraining) and takes no adapters.
 DISPATCHES = (
     "auto",
     "grouped",
+    "batched",
     "ragged",
     "tokamax",
     "dense",
     "auto_train",
     "grouped_train",
+    "batched_train",
     "ragged_train",
     "tokamax_train",
 )
 DISPATCH_FIX = (
     "pass dispatch= to from_pretrained / with_options (or set"
-    " --config.model.dispatch); 'auto' is 'grouped'"
+    " --config.model.dispatch); 'auto' is 'grouped' on CPU, 'batched'"
+    " elsewhere"
 )
 
 
 def resolve_dispatch(dispatch: str, backend: str | None = None) -> str:
-  """The dispatch to run: 'auto' is 'grouped', any other value is kept.
+  """The dispatch to run: 'auto' per backend, any other value is kept.
 
-  On CPU the sorted-block `lax.scan` (`grouped_linear`) was measured to win:
-  XLA CPU has no grouped-GEMM kernel and lowers `ragged_dot` to a masked
-  product over every expert. No GPU or TPU has measured either yet, and
-  public reports put XLA's default NVIDIA lowering of `ragged_dot` at a dense
-  masked product too, so 'auto' resolves to 'grouped' on every backend
-  ('auto_train' to 'grouped_train') until a measurement there says
-  otherwise (`launch/bench/gpu_dispatch.py`). Both dispatches compute the
-  same function; 'ragged' stays available by name.
+  On CPU the sorted-block `lax.scan` (`grouped_linear`) was measured to
+  win: XLA CPU has no grouped-GEMM kernel and lowers `ragged_dot` to a
+  masked product over every expert. Elsewhere 'auto' is the same sorted
+  blocks without the scan (`batched_linear`): XLA:GPU drives a loop from
+  the host, a round trip per step, and the scan runs about 9E steps per
+  product (over a thousand per layer at E = 64); the batched product has
+  no loop, at most 1.5x the expert FLOPs of the rows, where XLA's own
+  NVIDIA lowering of `ragged_dot` is a masked product over every expert (E
+  x) and tokamax is an optional package. The argument is in
+  docs/performance.md ("GPU dispatch"); `launch/bench/gpu_dispatch.py`
+  measures it. Every dispatch computes the same function.
 
   Args:
     dispatch: one of `DISPATCHES`.
-    backend: 'cpu', 'gpu', 'tpu'...; default `jax.default_backend()`. Kept
-      for the day the choice depends on it.
+    backend: 'cpu', 'gpu', 'tpu'...; default `kernels.default_backend()`
+      (JAX's, unless `kernels.defaults_of` says otherwise).
 
   Returns:
-    `dispatch` with 'auto' replaced by 'grouped'.
+    `dispatch` with 'auto' replaced by 'grouped' (CPU) or 'batched'.
   """
-  del backend  # unmeasured off CPU: the measured choice everywhere
   if not dispatch.startswith("auto"):
     return dispatch
-  return "grouped" + dispatch[len("auto") :]
+  backend = backend or kernels_lib.default_backend()
+  chosen = "grouped" if backend == "cpu" else "batched"
+  return chosen + dispatch[len("auto") :]
 
 
 def reference_linear(

@@ -22,6 +22,9 @@ releases.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import jax
 
 from raptor_jax import _validate
@@ -33,12 +36,39 @@ KERNELS_FIX = (
 )
 
 
+# The backend whose defaults 'auto' takes; None: `jax.default_backend()`.
+_DEFAULTS_OF: list[str] = []
+
+
+@contextlib.contextmanager
+def defaults_of(backend: str) -> Iterator[None]:
+  """Within the block, every 'auto' resolves as on `backend` when traced.
+
+  `resolve` here and `dispatch.resolve_dispatch` read it, so
+  `with defaults_of('gpu'):` traces and compiles on a CPU the programs a GPU
+  run builds by default: how the tests read a GPU step's optimised HLO
+  (`tests/test_gpu_defaults.py`). It acts when a function is traced, not
+  when it runs: trace inside the block. Process-wide (compile threads see
+  it too).
+  """
+  _DEFAULTS_OF.append(backend)
+  try:
+    yield
+  finally:
+    _DEFAULTS_OF.pop()
+
+
+def default_backend() -> str:
+  """The backend 'auto' resolves for: `defaults_of`'s, else JAX's default."""
+  return _DEFAULTS_OF[-1] if _DEFAULTS_OF else jax.default_backend()
+
+
 def resolve(kernels: str, backend: str | None = None) -> str:
   """'fast' or 'reference': `kernels` with 'auto' resolved for `backend`.
 
   Args:
     kernels: one of `KERNELS`.
-    backend: 'cpu', 'gpu', 'tpu'...; default `jax.default_backend()`.
+    backend: 'cpu', 'gpu', 'tpu'...; default `default_backend()`.
 
   Returns:
     'fast' or 'reference'.
@@ -46,7 +76,7 @@ def resolve(kernels: str, backend: str | None = None) -> str:
   _validate.one_of("kernels", kernels, KERNELS, KERNELS_FIX)
   if kernels != "auto":
     return kernels
-  backend = backend or jax.default_backend()
+  backend = backend or default_backend()
   return "fast" if backend == "cpu" else "reference"
 
 

@@ -145,12 +145,14 @@ class ExpertLinear(nn.Module):
     rank: LoRA rank (0 = no adapter).
     alpha: LoRA alpha; the update is scaled by alpha / rank.
     dispatch: 'grouped' (sorted blocks, work ~ rows; base kernel frozen),
+      'batched' (the same blocks in one batched product, no loop),
       'ragged' (the same with grouped GEMMs, `jax.lax.ragged_dot`),
       'tokamax' (the same with tokamax's grouped-GEMM kernels), 'auto'
-      (grouped: the measured choice, on every backend), 'dense' (every expert on every
-      row; differentiable in the kernel, used when full expert weights
-      train) or 'grouped_train' / 'ragged_train' / 'auto_train'
-      (differentiable in the kernel; pretraining, without adapters).
+      (grouped on CPU, batched elsewhere: `moe.resolve_dispatch`), 'dense'
+      (every expert on every row; differentiable in the kernel, used when
+      full expert weights train) or 'grouped_train' / 'batched_train' /
+      'ragged_train' / 'auto_train' (differentiable in the kernel;
+      pretraining, without adapters).
     kernels: 'fast' (the dispatches' custom VJPs and `custom_vmap` rules),
       'reference' (autodiff of the same dispatch functions) or 'auto' (see
       `kernels.py`).
@@ -276,11 +278,13 @@ def _stacked_output(
   with_kernels = lambda fn: functools.partial(fn, kernels=kernels)
   frozen = {
       "grouped": with_kernels(moe.grouped_linear),
+      "batched": with_kernels(moe.batched_linear),
       "ragged": with_kernels(moe.ragged_linear),
       "tokamax": with_kernels(moe.tokamax_linear),
   }
   trainable = {
       "grouped_train": with_kernels(moe.grouped_linear_trainable),
+      "batched_train": with_kernels(moe.batched_linear_trainable),
       "ragged_train": with_kernels(moe.ragged_linear_trainable),
       "tokamax_train": with_kernels(moe.tokamax_linear_trainable),
   }

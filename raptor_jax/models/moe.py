@@ -3,7 +3,8 @@
 * `raptor_jax.models.routing`: top-1 routing with per-sequence capacity
   (Switch), top-k (OLMoE, DeepSeek) and DeepSeek's group limit.
 * `raptor_jax.models.dispatch`: the expert computations (the grouped block
-  scan and the dense reference) and RAPTOR's owner slices.
+  scan, its loop-free batched twin for GPUs, and the dense reference) and
+  RAPTOR's owner slices.
 * `raptor_jax.models.ragged`: the same computations on grouped GEMMs (XLA's
   `ragged_dot`, tokamax's kernels).
 
@@ -18,6 +19,9 @@ from raptor_jax.models.dispatch import (
     ACTIVATIONS,
     DISPATCH_FIX,
     DISPATCHES,
+    batched_block_size,
+    batched_linear,
+    batched_linear_trainable,
     block_size,
     dense_linear,
     expert_lora,

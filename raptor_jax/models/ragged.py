@@ -4,9 +4,9 @@
 `dispatch.grouped_linear` (and `grouped_linear_trainable`) with native
 grouped GEMMs: one sort of the rows by expert, then one kernel per matrix,
 with the realised group sizes passed as data. That is the shape GPU and TPU
-kernels want; on CPU the block scan wins, and until a GPU or TPU measures
-otherwise `dispatch='auto'` is the scan on every backend
-(`dispatch.resolve_dispatch`). `tokamax_linear` runs the same dispatch over
+kernels want; on CPU the block scan wins, and `dispatch='auto'` is the scan
+there and the loop-free batched blocks elsewhere
+(`dispatch.resolve_dispatch`), until a GPU measures a grouped GEMM faster. `tokamax_linear` runs the same dispatch over
 tokamax's kernels (the optional `[gpu]` extra). Under `vmap` the records
 share one dispatch (`custom_vmap`), exactly as the scan; `kernels='reference'`
 is the dense definition (`dispatch.reference_linear`).
@@ -137,55 +137,22 @@ def _group_outer(num_groups: int, ragged_dot_general):
 def _ragged_dispatch(ragged_dot_general):
   """(frozen, trainable) fast ragged dispatches over one grouped GEMM.
 
-  The custom VJPs of `ragged_linear` / `ragged_linear_trainable`, whose
-  products are `ragged_dot_general(lhs, rhs, group_sizes, dims, ...)`:
+  The custom VJPs of `ragged_linear` / `ragged_linear_trainable`
+  (`dispatch._dispatch_vjps`), whose products are
+  `ragged_dot_general(lhs, rhs, group_sizes, dims, ...)`:
   `jax.lax.ragged_dot_general` or a kernel library's function of the same
   signature (`tokamax_linear`).
   """
   flat = functools.partial(
       _ragged_linear_flat, ragged_dot_general=ragged_dot_general
   )
-  forward = grouped._rowwise(functools.partial(flat, transpose=False))
-  backward = grouped._rowwise(functools.partial(flat, transpose=True))
-
-  @jax.custom_vjp
-  def frozen(x, experts, w, *lora):
-    return forward(x, experts, w, *lora)
-
-  def frozen_fwd(x, experts, w, *lora):
-    return forward(x, experts, w, *lora), (
-        x if lora else None,
-        experts,
-        w,
-        lora,
-    )
-
-  def frozen_bwd(residuals, dy):
-    x, experts, w, lora = residuals
-    dx = backward(dy, experts, w, *lora)
-    if not lora:
-      return dx, None, None
-    grads = grouped._stacked_lora_grads(
-        x, experts, *lora, dy, forward, backward
-    )
-    return (dx, None, None) + grads
-
-  frozen.defvjp(frozen_fwd, frozen_bwd)
-
-  @jax.custom_vjp
-  def trainable(x, experts, w):
-    return forward(x, experts, w)
-
-  def trainable_fwd(x, experts, w):
-    return forward(x, experts, w), (x, experts, w)
-
-  def trainable_bwd(residuals, dy):
-    x, experts, w = residuals
-    dw = _group_outer(w.shape[0], ragged_dot_general)(x, experts, dy)
-    return backward(dy, experts, w), None, dw.astype(w.dtype)
-
-  trainable.defvjp(trainable_fwd, trainable_bwd)
-  return frozen, trainable
+  return grouped._dispatch_vjps(
+      grouped._rowwise(functools.partial(flat, transpose=False)),
+      grouped._rowwise(functools.partial(flat, transpose=True)),
+      lambda x, experts, dy, num_experts: _group_outer(
+          num_experts, ragged_dot_general
+      )(x, experts, dy),
+  )
 
 
 _ragged_linear, _ragged_linear_trainable = _ragged_dispatch(

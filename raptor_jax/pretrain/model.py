@@ -9,7 +9,8 @@
 
 Every parameter trains, routers included: the expert kernels use a grouped
 dispatch that is differentiable in the kernels (`dispatch='auto_train'`:
-the sorted blocks of `grouped_train`), so training costs tokens x k
+the sorted blocks of `grouped_train` on CPU, `batched_train` elsewhere), so
+training costs tokens x k
 expert work, not tokens x E. Each family adds its
 own router auxiliary losses (Switch: load balancing and z-loss per sparse
 layer, averaged over layers; OLMoE: load balancing over all layers' tokens;

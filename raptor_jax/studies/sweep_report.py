@@ -238,7 +238,7 @@ def plot_accuracy(entries: Sequence[dict[str, Any]], path: Path) -> None:
           (e for e in mine if e["variant"] == variant),
           key=lambda e: _epsilon_key(e["epsilon"]),
       )
-      label = sweep.LABELS.get(variant, variant)
+      label = variant  # the config's method name, as the tables and CLI
       if points[0]["epsilon"] is None:
         ax.axhline(
             points[0]["mean"],

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -57,6 +59,33 @@ def fingerprint(
   return hashlib.sha256(
       json.dumps(values, sort_keys=True, default=str).encode()
   ).hexdigest()
+
+
+def _closed_loop_error(exc_type, exc) -> bool:
+  return exc_type is RuntimeError and str(exc) == "Event loop is closed"
+
+
+def _quiet_in_flight_reads() -> None:
+  """Drops the tracebacks of a failed restore's reads still in flight.
+
+  When one array of a checkpoint cannot be read, orbax's restore fails and
+  closes its event loop while tensorstore still completes the other reads;
+  each completion then reports `RuntimeError('Event loop is closed')` from
+  a tensorstore thread, a screenful of tracebacks after the one line that
+  says what to do (issue 44). Those errors, and only those, are dropped
+  from here on (the process is about to stop on the unreadable checkpoint).
+  """
+  previous_hook, previous_thread_hook = sys.excepthook, threading.excepthook
+
+  def hook(exc_type, exc, tb):
+    if not _closed_loop_error(exc_type, exc):
+      previous_hook(exc_type, exc, tb)
+
+  def thread_hook(args):
+    if not _closed_loop_error(args.exc_type, args.exc_value):
+      previous_thread_hook(args)
+
+  sys.excepthook, threading.excepthook = hook, thread_hook
 
 
 class Checkpointer:
@@ -107,6 +136,7 @@ class Checkpointer:
         else ""
     )
     reason = (str(error).splitlines() or [""])[0][:200]
+    _quiet_in_flight_reads()
     return ValueError(
         f"checkpoint {self.directory / str(step)} is unreadable"
         f" ({type(error).__name__}: {reason}); {fallback}train in a new"

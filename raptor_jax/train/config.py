@@ -42,7 +42,7 @@ def _model_config() -> ml_collections.ConfigDict:
   m.lora_rank = 8  # LoRA rank r of every adapter
   m.lora_alpha = 16.0  # LoRA alpha (scale alpha / r)
   m.dtype = "float32"  # activation dtype ('bfloat16' on GPUs); DP sums and noise stay float32
-  m.dispatch = "auto"  # expert dispatch: auto (= grouped, on every backend) | grouped | ragged
+  m.dispatch = "auto"  # expert dispatch: auto (= grouped on CPU, batched elsewhere) | grouped | batched | ragged
   m.kernels = "auto"  # hand-written backwards: auto (fast on CPU, reference elsewhere) | fast | reference
   m.scan_layers = True  # identical blocks as one nn.scan (compile time flat in depth); False = unrolled
   m.pooling = (
@@ -92,7 +92,7 @@ def _privacy_config() -> ml_collections.ConfigDict:
   """`privacy`: the (epsilon, delta) target, budget split, clips, seed."""
   p = ml_collections.ConfigDict()
   p.epsilon = 8.0  # target epsilon of the whole run
-  p.delta = 0.0  # 0 = 1 / n**1.1
+  p.delta = 0.0  # 0 = 1 / n**1.1 (1 / (10 n) for a custom task)
   p.rho = 0.9  # shared stream's share of the budget (RAPTOR)
   p.clip_shared = 1.0  # C_s (and C of one-stream methods)
   p.clip_expert = 1.0  # C_e
@@ -134,12 +134,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.model = _model_config()
   c.data = _data_config()
 
-  c.batch_size = 1000  # expected batch size B (public); sample rate q = B / n
+  c.batch_size = 1000  # expected batch size B (public); sample rate q = B / n; 0 = n / 10 (at most 1000)
   c.microbatch_size = 32  # records per device per vmap(grad) call (memory only; no effect on privacy)
   c.num_devices = (
       0  # data-parallel devices; 0 = all (of every host in a multi-host run)
   )
-  c.epochs = 20  # one epoch = ceil(1/q) cycles (docs/method.md §1.8)
+  c.epochs = (
+      20  # one epoch = ceil(1/q) cycles (docs/method.md §1.8); 0 = enough for 200 steps
+  )
   c.learning_rate = 5e-4  # Adam learning rate of every stream
 
   c.privacy = _privacy_config()

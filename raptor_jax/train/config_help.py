@@ -29,6 +29,49 @@ _SECTIONS = {
     "_privacy_config": "privacy",
     "_raptor_config": "raptor",
 }
+# Fields only configs/custom.py declares (setup.CUSTOM_TASK_ONLY): not in
+# the base config, so listed here with their defaults and meaning.
+CUSTOM_ONLY = (
+    (
+        "data.label_names",
+        "''",
+        "your task's class names, comma-separated; position = class id"
+        " (configs/custom.py only)",
+    ),
+    (
+        "data.hub_dataset",
+        "''",
+        "a Hub dataset id with train and validation splits instead of files"
+        " (configs/custom.py only)",
+    ),
+)
+# What a task of your own sets (configs/custom.py; docs/data.md).
+YOUR_OWN_DATA = (
+    (
+        "data.train_path",
+        "your train file: .tsv .csv .jsonl .parquet, or a"
+        " datasets.save_to_disk directory",
+    ),
+    (
+        "data.dev_path",
+        "your evaluation file (or data.eval_split=holdout with"
+        " data.train_limit and data.holdout)",
+    ),
+    ("data.text_fields", "the text column, or two for a sentence pair: q,s"),
+    ("data.label_field", "the label column: class names or ids 0..K-1"),
+    ("data.label_names", "the K class names, comma-separated"),
+    (
+        "data.public_path",
+        "public text of your language and domain (never"
+        " the private file), with data.public_corpus= (empty)",
+    ),
+    (
+        "batch_size, epochs",
+        "0 in configs/custom.py: chosen from n (n / 10,"
+        " at least 200 noisy steps); set a number to override",
+    ),
+    ("privacy.delta", "0 in configs/custom.py: 1/(10 n)"),
+)
 # Presets tried on each config file, as `file:<p>` and `file:preset=<p>`.
 _PRESETS = ("tiny", "cpu", "small")
 
@@ -86,6 +129,8 @@ def fields(
         rows.append((dotted, repr(value), comments.get(dotted, "")))
 
   walk(config, "")
+  if "label_names" not in config.data:  # the base: add the custom fields
+    rows += [row for row in CUSTOM_ONLY]
   return rows
 
 
@@ -164,6 +209,9 @@ def reference(directory: str | Path) -> str:
     lines.append(f"  {name}  presets: {_presets_line(presets)}")
     if doc:
       lines.append(f"      {doc}")
+  lines += ["", "Your own data (--config=configs/custom.py:cpu; docs/data.md):"]
+  width = max(len(name) for name, _ in YOUR_OWN_DATA)
+  lines += [f"  {name:<{width}}  {meaning}" for name, meaning in YOUR_OWN_DATA]
   lines += ["", "Config fields (--config.<field>=<value>), default, meaning:"]
   for section, keys in _sections(fields()).items():
     lines.append(f"  [{section or 'top level'}]")

@@ -33,7 +33,7 @@ from raptor_jax import _validate, accounting, data, length_buckets, ownership
 from raptor_jax import sampling
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.train import methods, metrics, parallel, preemption, secrecy, step
-from raptor_jax.train import outputs, workdir as workdir_lib
+from raptor_jax.train import curves, outputs, workdir as workdir_lib
 from raptor_jax.train.outputs import TrainState
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import Run, build_run, validate
@@ -319,11 +319,19 @@ class _Session:
     )
 
   def log_cycle(self, progress) -> None:
-    """Public per-cycle output: epoch, epsilon spent, dev metrics at epoch ends."""
+    """Public per-cycle output: epoch, epsilon spent, dev metrics at epoch ends.
+
+    A stop signal waits for the cycle's rows (its evaluation included), then
+    stops the run: the checkpoint of this cycle is saved next, and a resumed
+    run starts after it, so rows skipped now would be lost for good.
+    """
+    with preemption.deferred_signals():
+      self._log_cycle(progress)
+
+  def _log_cycle(self, progress) -> None:
     config, plan, cycle = self.run.config, self.run.plan, self.state.cycle
-    if progress is not None:
-      progress.update(1)
     end_of_epoch = cycle % self.cycles_per_epoch == 0 or cycle == plan.cycles
+    eps = None
     if cycle % config.log_every_cycles == 0 or end_of_epoch:
       eps = outputs.epsilon_spent(plan, self.state)
       self.writer.write(
@@ -333,24 +341,37 @@ class _Session:
               **({} if eps is None else {"epsilon_spent": eps}),
           },
       )
-      if progress is not None:
-        progress.set_postfix(
-            eps="n/a" if eps is None else f"{eps:.3f}", refresh=False
+      if progress is not None:  # before the update that draws this cycle
+        progress.set_postfix_str(
+            "eps n/a" if eps is None else f"eps {eps:.3f} after cycle {cycle}",
+            refresh=False,
         )
+    if progress is not None and progress.n + 1 < progress.total:
+      progress.update(1)
+    elif progress is not None:  # the full bar is drawn once, by its close
+      progress.n += 1
     if (
         end_of_epoch
         and (cycle // self.cycles_per_epoch) % config.eval_every_epochs == 0
     ):
       dev = self.evaluate()
-      self.writer.write(cycle, {f"dev/{k}": v for k, v in dev.items()})
-      eps = outputs.epsilon_spent(plan, self.state)
+      # The evaluation row carries the spend it was made at (48.4).
+      self.writer.write(
+          cycle,
+          {
+              **{f"dev/{k}": v for k, v in dev.items()},
+              **({} if eps is None else {"epsilon_spent": eps}),
+          },
+      )
       line = f"cycle {cycle}: dev " + ", ".join(
           f"{k} {v:.4f}" for k, v in dev.items()
       )
       line += "" if eps is None else f", epsilon spent {eps:.3f}"
-      if progress is not None:
+      if progress is not None and progress.n < progress.total:
         progress.write(line)  # above the bar, not glued onto it
       else:
+        if progress is not None:
+          progress.close()  # the full bar once, then the last line
         log.info("%s", line)
 
   def _checkpoint_due(self) -> bool:
@@ -442,10 +463,11 @@ def train_and_evaluate(
     validate(config)  # before any data or model is loaded; once per run
   mesh = parallel.make_mesh(config.num_devices)
   workdir = Path(workdir).expanduser().resolve()
-  workdir.mkdir(parents=True, exist_ok=True)
+  if not dry_run:  # a dry run writes nothing, not even the workdir's lock
+    workdir.mkdir(parents=True, exist_ok=True)
   lock = (
       preemption.WorkdirLock(workdir)
-      if outputs.is_writer()
+      if outputs.is_writer() and not dry_run
       else contextlib.nullcontext()
   )
   with lock, preemption.stop_on_signals():
@@ -461,6 +483,15 @@ def train_and_evaluate(
 def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
   """`train_and_evaluate` inside the workdir lock and the stop signals."""
   workdir_lib.check_workdir(config, workdir)
+  finished = None if dry_run else workdir_lib.finished_results(workdir)
+  if finished is not None:  # nothing to load, train or write
+    log.info(
+        "already finished: %s holds the finished run of this config; results"
+        " in %s",
+        workdir,
+        workdir / "results.json",
+    )
+    return finished
   if outputs.is_writer() and not dry_run:
     workdir_lib.start_fresh(workdir)
   # This host tokenises and keeps only its records (i % P == p); n counts all.
@@ -511,5 +542,10 @@ def _train_and_evaluate(config, workdir, mesh, run, start_time, dry_run):
   )
   session.writer.close()
   if outputs.is_writer():
+    curves.write(
+        workdir,
+        f"{run.plan.method} on {run.data.task.name}",
+        config.data.eval_split,
+    )
     log.info("%s", outputs.run_summary(run, results, dev, workdir))
   return results

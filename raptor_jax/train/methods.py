@@ -63,6 +63,7 @@ private method is calibrated to the same (epsilon, delta).
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from raptor_jax import _validate, accounting, calibration, roles, sampling
@@ -71,7 +72,14 @@ from raptor_jax.train import plans
 
 # Expert dispatches of a fine-tuning run (`moe.DISPATCHES` without the
 # pretraining '*_train' ones); runs that train expert kernels use 'dense'.
-FINE_TUNING_DISPATCHES = ("auto", "grouped", "ragged", "tokamax", "dense")
+FINE_TUNING_DISPATCHES = (
+    "auto",
+    "grouped",
+    "batched",
+    "ragged",
+    "tokamax",
+    "dense",
+)
 
 METHODS = (
     "raptor",
@@ -101,7 +109,8 @@ def check_config(config) -> None:
       "model.dispatch",
       config.model.get("dispatch", "auto"),
       FINE_TUNING_DISPATCHES,
-      fix("model.dispatch") + " ('auto' is 'grouped')",
+      fix("model.dispatch")
+      + " ('auto' is 'grouped' on CPU, 'batched' elsewhere)",
   )
   _validate.one_of(
       "model.kernels",
@@ -137,7 +146,12 @@ def check_config(config) -> None:
         rc.residual,
         fix("raptor.residual", "full"),
     )
-  _validate.positive_int("epochs", config.epochs, fix("epochs"))
+  _validate.non_negative_int(
+      "epochs", config.epochs, fix("epochs") + " (0: chosen from n)"
+  )
+  _validate.non_negative_int(
+      "batch_size", config.batch_size, fix("batch_size") + " (0: n / 10)"
+  )
   _validate.positive(
       "learning_rate", config.learning_rate, fix("learning_rate")
   )
@@ -368,7 +382,8 @@ def _model_options(
 
   A non-owner part that trains expert kernels needs the dense dispatch (the
   grouped and ragged ones treat expert kernels as frozen constants); every
-  other run uses `model.dispatch` ('auto' is 'grouped').
+  other run uses `model.dispatch` ('auto' is 'grouped' on CPU, 'batched'
+  elsewhere).
   Blocks that a part selects by block (l*) stay out of any scan, so their
   parameters and owner slices keep their per-layer paths
   (`models.stack`).
@@ -408,6 +423,44 @@ def _model_options(
   return options
 
 
+# `batch_size = 0` and `epochs = 0` (configs/custom.py) choose both from n.
+AUTO_BATCH_FRACTION = 10  # B = n / 10: a Poisson sample rate q of 0.1 ...
+AUTO_BATCH_MAX = 1000  # ... up to B = 1000 (q = 1000 / n below that)
+AUTO_STEPS = 200  # the fewest epochs that give at least this many steps
+# Fewer noisy steps than this get a warning in the run header: the noise of
+# a few large steps does not average out (48: 18 steps gave 0.42 where 200
+# gave 0.76 and more).
+FEW_STEPS = 100
+
+
+def run_sizes(config, n: int) -> tuple[int, int]:
+  """(expected batch size B, epochs) of a run on n records.
+
+  The config's, or, where it sets 0 (configs/custom.py does), chosen from n:
+  B = n / 10, at most `AUTO_BATCH_MAX`, so that the sample rate stays at
+  most 0.1 and the noise of one step is spread over many records; and the
+  fewest epochs that give `AUTO_STEPS` noisy steps, so that the noise of
+  the steps averages out. n is public (the sample rate and the default
+  delta are functions of it; see docs/privacy.md), so a choice made from n
+  spends no privacy budget.
+  """
+  b = config.batch_size or max(1, min(n // AUTO_BATCH_FRACTION, AUTO_BATCH_MAX))
+  epochs = config.epochs or max(
+      1, math.ceil(AUTO_STEPS / accounting.steps_per_epoch(min(b / n, 1.0)))
+  )
+  return b, epochs
+
+
+def default_delta(config, n: int) -> float:
+  """`privacy.delta = 0`: 1/n**1.1 (the paper's, SPEC), and for a task of
+  the user's own (`data.task='custom'`) the smaller 1/(10 n), so that a small
+  dataset's delta stays well below 1/n (1/n**1.1 is 1/(1.9 n) at n = 600)."""
+  delta = accounting.default_delta(n)
+  if config.data.task == "custom":  # data.CUSTOM
+    delta = min(delta, 1.0 / (10 * n))
+  return delta
+
+
 def build_plan(
     config,
     *,
@@ -444,10 +497,11 @@ def build_plan(
   """
   if not validated:
     check_config(config)
-  q = config.batch_size / n
+  batch_size, epochs = run_sizes(config, n)
+  q = batch_size / n
   sampling.check_sample_rate(q)
-  cycles = config.epochs * accounting.steps_per_epoch(q)
-  delta = config.privacy.delta or accounting.default_delta(n)
+  cycles = epochs * accounting.steps_per_epoch(q)
+  delta = config.privacy.delta or default_delta(config, n)
   accounting.validate_delta(delta, n)
   private = config.method in PRIVATE_METHODS
   calibration = (
@@ -457,7 +511,7 @@ def build_plan(
   )
   phases = _phases(
       config,
-      b=float(config.batch_size),
+      b=float(batch_size),
       num_experts=num_experts,
       expert_layer=expert_layer,
       sigmas=calibration,
@@ -473,4 +527,6 @@ def build_plan(
       _model_options(
           config, phases, sparse_layers, expert_layer, shared_experts
       ),
+      batch_size=batch_size,
+      epochs=epochs,
   )

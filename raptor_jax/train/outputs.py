@@ -170,7 +170,7 @@ def privacy_report(
       streams=streams(plan, state),
       ledger=state.ledger.to_dict(),
       expert_layer=run.expert_layer,
-      batch_size=config.batch_size,
+      batch_size=plan.batch_size or config.batch_size,
       n=run.n,
   )
   if private:
@@ -197,7 +197,12 @@ def write_reports(
     session_s: float,
     data_digest: dict | None = None,
 ) -> dict[str, Any]:
-  """Writes privacy_report.json and results.json (public quantities only); returns results."""
+  """Writes privacy_report.json and results.json (public quantities only); returns results.
+
+  results.json holds each metric of the evaluation split once, under its
+  name (`accuracy`, `f1`, `macro_f1`; `eval_split` says which split), and
+  the (epsilon, delta) the run spent.
+  """
   config, plan, cycle = run.config, run.plan, state.cycle
   finished = cycle >= plan.cycles
   report = privacy_report(run, state, data_digest)
@@ -219,8 +224,8 @@ def write_reports(
           step.merged_params(frozen, state.trainable)
       ),
       expert_layer=run.expert_layer,
-      **{f"dev_{k}": v for k, v in dev.items()},
-      **dev,
+      delta=report["delta"],
+      **dev,  # the metrics of `eval_split`, once
   )
   if config.log_wall_time:  # opted in, warned: a non-private quantity
     results["wall_time_s"] = wall_time_s  # every segment of the run
@@ -256,8 +261,10 @@ def run_header(run: Run, workdir: Path) -> str:
   plan, config = run.plan, run.config
   lines = [
       f"{plan.method} on {run.data.task.name}: n = {run.n} training records,"
-      f" expected batch B = {config.batch_size}, sample rate q ="
-      f" {plan.sample_rate:.4g}, {plan.cycles} cycles ({config.epochs} epochs)",
+      f" expected batch B = {plan.batch_size or config.batch_size}, sample"
+      f" rate q = {plan.sample_rate:.4g}, {plan.cycles} cycles"
+      f" ({plan.epochs or config.epochs} epochs"
+      f"{', chosen from n' if not config.epochs else ''})",
       (
           f"privacy: target epsilon {plan.target_epsilon:g} at delta"
           f" {plan.delta:.3g} (PLD accountant, Poisson sampling)"
@@ -273,15 +280,56 @@ def run_header(run: Run, workdir: Path) -> str:
           if phase.private
           else "no noise"
       )
-      lines.append(
-          f"  stream {phase.name}, part {part.name}: {noise},"
-          f" {count:,} trainable parameters"
+      name = (
+          f"stream {phase.name}"
+          if part.name == phase.name
+          else f"stream {phase.name}, part {part.name}"
       )
+      lines.append(f"  {name}: {noise}, {count:,} trainable parameters")
+  lines += header_warnings(run)
   lines.append(
       f"outputs: {workdir} (checkpoints/, metrics.jsonl, tensorboard/;"
       " at the end privacy_report.json and results.json)"
   )
   return "\n".join(lines)
+
+
+def header_warnings(run: Run) -> list[str]:
+  """The run header's warnings: settings a run on little data gets wrong.
+
+  * Few noisy steps: the noise of a few large steps does not average out;
+    the line names `epochs`, the setting to raise, with a value.
+  * A delta above 1/(10 n) set by the user: the guarantee then fails with
+    a probability close to one in n records; the line gives 1/(10 n).
+  """
+  plan, config = run.plan, run.config
+  warnings = []
+  if not methods.is_private(plan):
+    return warnings
+  if plan.cycles < methods.FEW_STEPS:
+    per_epoch = plan.cycles // max(plan.epochs or config.epochs, 1)
+    epochs = -(-methods.AUTO_STEPS // max(per_epoch, 1))
+    warnings.append(
+        f"warning: only {plan.cycles} noisy steps; the noise of few steps"
+        " does not average out and accuracy suffers: raise"
+        f" --config.epochs (e.g. {epochs} for {epochs * per_epoch} steps),"
+        " or set it to 0 to choose it from n"
+    )
+  smaller = 1.0 / (10 * run.n)
+  if config.privacy.delta and plan.delta > smaller:
+    warnings.append(
+        f"warning: delta {plan.delta:.3g} is above 1/(10 n) = {smaller:.3g}:"
+        " the guarantee may fail with a probability close to one in n"
+        f" records; set --config.privacy.delta={smaller:.2g} or smaller"
+    )
+  return warnings
+
+
+def export_script() -> str:
+  """launch/export.py by its absolute path (it runs from any directory), or
+  as `launch/export.py` where the package is installed without launch/."""
+  script = Path(__file__).resolve().parents[2] / "launch" / "export.py"
+  return str(script) if script.is_file() else "launch/export.py"
 
 
 def run_summary(run: Run, results: dict, dev: dict, workdir: Path) -> str:
@@ -306,8 +354,15 @@ def run_summary(run: Run, results: dict, dev: dict, workdir: Path) -> str:
   lines = [f"run {done}:"]
   lines += [f"  {name:<{width}}  {value}" for name, value in rows]
   if results["finished"]:
+    if results["epsilon"] is not None and run.config.privacy.secret_seed < 0:
+      lines.append(
+          "note: each run draws a fresh secret (its Poisson samples and"
+          " noise), so the same command gives another accuracy; for the"
+          " spread, train seeds side by side with launch/sweep.py"
+          " (docs/data.md, 'Results vary')"
+      )
     lines.append(
-        f"export: python launch/export.py --workdir={workdir}"
+        f"export: python {export_script()} --workdir={workdir}"
         f" --out={workdir}_model"
     )
   else:

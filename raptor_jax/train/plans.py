@@ -112,6 +112,10 @@ class Plan:
   target_epsilon: float | None
   expert_layer: int
   model_options: dict
+  # The expected batch size B and the epochs: the config's, or chosen from
+  # n (`methods.run_sizes`); 0 where a plan is built by hand.
+  batch_size: int = 0
+  epochs: int = 0
 
   def __post_init__(self):
     streams = [phase.stream for phase in self.phases]

@@ -21,7 +21,7 @@ from raptor_jax import _validate, data, length_buckets, models, ownership
 from raptor_jax import roles, sampling
 from raptor_jax.models import hf
 from raptor_jax.train import canaries as canaries_lib
-from raptor_jax.train import methods, parallel, plans, setup
+from raptor_jax.train import methods, parallel, plans, setup, vision
 
 Flat = dict[str, Any]
 
@@ -141,7 +141,7 @@ def build_run(
       if host[1] == 1
       else parallel.global_count(len(run_data.train))
   )
-  data.check_batch_size(config.batch_size, n)
+  data.check_batch_size(methods.run_sizes(config, n)[0], n)
   backbone, backbone_params = setup.load_backbone(config, run_data)
   bc = backbone.config
   if not bc.sparse_layers:
@@ -176,6 +176,7 @@ def build_run(
   model, params = setup.classifier(
       backbone, backbone_params, run_data.task.num_labels, pooling, config.seed
   )
+  params = vision.with_letter_head(params, run_data)  # image tasks only
   del backbone_params
   split = setup.partition(params, plan.parts)  # (trainable, frozen)
   built = (config, run_data, n, plan, table, model, *split, owners, bc)

@@ -15,6 +15,7 @@ import numpy as np
 from raptor_jax import _validate, data, models, roles
 from raptor_jax.models import hf, initializers
 from raptor_jax.train import config as config_lib
+from raptor_jax.train import vision
 
 # model.tokenizer value: a word-level tokenizer over the public corpus's words.
 PUBLIC_WORDS = "public-words"
@@ -34,6 +35,12 @@ class RunData:
   public: tuple[np.ndarray, np.ndarray] | None  # (input_ids, attention_mask)
   tokenizer: Any
   token_groups: np.ndarray | None  # synthetic task: token -> topic (-1 none)
+  # image tasks (`train.vision`): every record's image tokens, float32
+  # [rows, hidden]; PRIVATE (the records' image features), never released
+  image_table: np.ndarray | None = None
+  # image tasks with a pretrained LM head: its rows of the choice letters,
+  # the classifier head's initial kernel [hidden, num_labels] (public)
+  letter_head: np.ndarray | None = None
 
 
 def _shard_of(
@@ -54,6 +61,8 @@ def task_spec(dc: ml_collections.ConfigDict) -> data.TaskSpec:
   """The task `dc` names: a GLUE or the generated task, or the user's own
   (`data.task='custom'`: `data.text_fields`, `data.label_field`,
   `data.label_names`, `configs/custom.py`)."""
+  if vision.is_image_task(dc.task):
+    return vision.IMAGE_TASKS[dc.task.lower()]
   if dc.task != data.CUSTOM:
     return data.get_task(dc.task)
   return data.custom_task(
@@ -65,7 +74,8 @@ def task_spec(dc: ml_collections.ConfigDict) -> data.TaskSpec:
 
 
 def check_eval_split(dc: ml_collections.ConfigDict) -> None:
-  """The evaluation split exists and the holdout never overlaps training records.
+  """The evaluation split exists, is not the train file, and the holdout
+  never overlaps training records.
 
   Run before `check_data_fields`, which refuses a holdout on the generated task.
   """
@@ -77,7 +87,9 @@ def check_eval_split(dc: ml_collections.ConfigDict) -> None:
       fix("data.eval_split"),
   )
   _validate.non_negative_int("data.holdout", dc.holdout, fix("data.holdout"))
-  if task_spec(dc).name == "synthetic":
+  if dc.eval_split == "dev":
+    _check_dev_is_not_train(dc)
+  if task_spec(dc).name == "synthetic" or vision.is_image_task(dc.task):
     return  # no holdout: `check_data_fields` refuses one
   _validate.check(
       not dc.holdout or dc.train_limit,
@@ -95,6 +107,29 @@ def check_eval_split(dc: ml_collections.ConfigDict) -> None:
         dc.holdout,
         fix("data.holdout", "N"),
     )
+
+
+def _check_dev_is_not_train(dc: ml_collections.ConfigDict) -> None:
+  """Evaluating on the training file would report training accuracy as dev
+  accuracy."""
+  fix = _validate.config_fix
+  same = (
+      dc.train_path
+      and dc.dev_path
+      and Path(dc.train_path).expanduser().resolve()
+      == Path(dc.dev_path).expanduser().resolve()
+  )
+  _validate.check(
+      not same,
+      "data.dev_path",
+      "another file than data.train_path (evaluating on the training"
+      " records reports training accuracy as dev accuracy)",
+      dc.dev_path,
+      fix("data.dev_path")
+      + " to held-out records, or evaluate on train records never trained"
+      " on: --config.data.eval_split=holdout --config.data.train_limit=N"
+      " --config.data.holdout=M",
+  )
 
 
 # Fields the generated task (data.task='synthetic', the :tiny preset) never
@@ -201,6 +236,8 @@ def check_data_fields(config: ml_collections.ConfigDict) -> None:
   dc, fix = config.data, _validate.config_fix
   if config.model.name != "random":
     _check_random_model_unset(config)
+  if vision.is_image_task(dc.task):
+    return vision.check_fields(config)
   task = task_spec(dc)
   _check_custom_fields(dc, task)
   if task.name == "synthetic":
@@ -278,6 +315,8 @@ def load_run_data(
   check_data_fields(config)
   if task.name == "synthetic":
     return _synthetic_run_data(config, task, host)
+  if vision.is_image_task(task.name):
+    return vision.image_run_data(config, task, host)
   texts = public_texts(dc)
   tokenizer = _run_tokenizer(config, texts)
   kwargs = dict(
@@ -473,6 +512,8 @@ def load_backbone(
 ) -> tuple[nn.Module, dict]:
   """The frozen pretrained backbone, without adapters."""
   mc = config.model
+  if run_data.image_table is not None or vision.is_image_task(config.data.task):
+    return vision.image_backbone(config, run_data)
   if mc.name == "random":
     return random_backbone(
         mc.random, len(run_data.tokenizer), run_data.token_groups, config.seed

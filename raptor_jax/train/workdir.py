@@ -120,3 +120,81 @@ def start_fresh(workdir: Path) -> None:
       and not (workdir / "privacy_report.json").exists()
   ):
     preemption.move_aside_unfinished_logs(workdir)
+
+
+# Data files a config names; a run reads them by their resolved paths.
+DATA_PATHS = ("train_path", "dev_path", "public_path")
+# The workdir's record of them: {field: {"given": ..., "resolved": ...}}.
+PATHS_FILE = "data_paths.json"
+
+
+def stored_paths(workdir: str | Path) -> dict:
+  """The workdir's data paths as given and as resolved ({} if none)."""
+  try:
+    stored = json.loads((Path(workdir) / PATHS_FILE).read_text())
+  except (OSError, ValueError):
+    return {}
+  return stored if isinstance(stored, dict) else {}
+
+
+def with_resolved_paths(
+    config: ml_collections.ConfigDict, workdir: str | Path
+) -> tuple[ml_collections.ConfigDict, dict]:
+  """`config` with its data paths absolute, and what to store of them.
+
+  A relative path is resolved against the current directory, or, where no
+  such file exists there, taken from the workdir's `PATHS_FILE` when the run
+  was started with that same relative path: rerunning the same command from
+  another directory resumes the same run, and the workdir's config.json
+  holds paths that export and resume read from any directory.
+
+  Returns:
+    (config, {field: {"given": as typed, "resolved": absolute path}}).
+  """
+  stored = stored_paths(workdir)
+  record, resolved = {}, {}
+  for field in DATA_PATHS:
+    given = config.data.get(field) or ""
+    path = Path(given).expanduser()
+    if not given or path.is_absolute():
+      continue
+    earlier = stored.get(field) or {}
+    if not path.exists() and earlier.get("given") == given:
+      resolved[field] = str(earlier.get("resolved"))
+    else:
+      resolved[field] = str(path.resolve())
+    record[field] = dict(given=given, resolved=resolved[field])
+  if not resolved:
+    return config, record
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    for field, path in resolved.items():
+      config.data[field] = path
+  return config, record
+
+
+def store_paths(workdir: Path, record: dict) -> None:
+  """Writes `record` (`with_resolved_paths`) once, at a run's start."""
+  path = workdir / PATHS_FILE
+  if record and not path.exists():
+    path.write_text(json.dumps(record, indent=2, sort_keys=True))
+
+
+def finished_results(workdir: Path) -> dict | None:
+  """results.json of the finished run in `workdir` (None: not finished).
+
+  Finished: privacy_report.json says so and the latest checkpoint is its
+  last cycle. Read before anything loads, so that rerunning the command of
+  a finished run answers at once.
+  """
+  try:
+    report = json.loads((workdir / "privacy_report.json").read_text())
+    results = json.loads((workdir / "results.json").read_text())
+  except (OSError, ValueError):
+    return None
+  if not (
+      report.get("finished")
+      and preemption.latest_checkpoint(workdir) == report.get("cycles")
+  ):
+    return None
+  return results

@@ -23,8 +23,10 @@ DeepSeek's own code selects with `use_mla: false` (DeepSeek-VL2-Tiny):
   routed SwiGLU experts in the grouped dispatch (tokens x k work), plus
   `n_shared_experts` always-active shared experts run as ONE dense SwiGLU MLP
   of width n_shared_experts x moe_intermediate_size (tokens x 1 work).
-* `norm_topk_prob` is ignored, as transformers 5.x's DeepseekV2 ignores it
-  (DeepSeek's original code renormalises the top-k weights when it is set).
+* `norm_topk_prob`: a `deepseek_v2` checkpoint's is ignored, as transformers
+  5.x's DeepseekV2 ignores it; a `deepseek_vl_v2` checkpoint's is applied
+  (`DeepseekConfig.norm_topk_prob`), as DeepSeek's own code, its reference,
+  renormalises the top-k weights when it is set and top_k > 1.
 
 Routing is per token, so a record never affects another. RAPTOR's roles:
 shared experts see every token, so they join the shared stream (role

@@ -54,6 +54,15 @@ class DeepseekConfig(FineTuningOptions):
   rope_theta: float = 10000.0
   hidden_act: str = "silu"
   shared_expert_lora: bool = dataclasses.field(default=False, kw_only=True)
+  # DeepSeek-VL2 fine-tuning with a frozen vision tower (`train.vision`):
+  # rows of precomputed image-token embeddings, read by token ids >=
+  # vocab_size (id vocab_size + r reads row r). 0 = text only (no table).
+  image_table_size: int = dataclasses.field(default=0, kw_only=True)
+  # Renormalise the top-k weights (then times routed_scaling_factor), as
+  # DeepSeek's own code does when top_k > 1 (modeling_deepseek.py, MoEGate).
+  # Set from a `deepseek_vl_v2` checkpoint, whose reference is that code;
+  # transformers' DeepseekV2 ignores the key, so `deepseek_v2` ones leave it off.
+  norm_topk_prob: bool = dataclasses.field(default=False, kw_only=True)
 
   def __post_init__(self):
     _validate.one_of("hidden_act", self.hidden_act, sorted(moe.ACTIVATIONS))
@@ -362,7 +371,7 @@ class DeepseekSparseMLP(nn.Module):
     routing = moe.route_topk(
         router_logits,
         cfg.top_k,
-        False,
+        cfg.norm_topk_prob and cfg.top_k > 1,
         cfg.routing_groups,
         cfg.routed_scaling_factor,
     )
@@ -438,6 +447,8 @@ class DeepseekDecoder(nn.Module):
       input_ids: jax.Array,
       attention_mask: jax.Array | None = None,
       owner_override: OwnerOverride | None = None,
+      image_embeds: jax.Array | None = None,
+      image_mask: jax.Array | None = None,
   ) -> BackboneOutput:
     """Decodes a batch (right padding).
 
@@ -448,6 +459,11 @@ class DeepseekDecoder(nn.Module):
       owner_override: optional `OwnerOverride` of a sparse block whose params
         are {'gate': ..., 'up': ..., 'down': ...} (routed experts only); only
         for a single record (B = 1), e.g. inside `jax.vmap` over records.
+      image_embeds: optional [B, S, D] embeddings that replace the token
+        embedding where `image_mask` is true (DeepSeek-VL2's image tokens,
+        `models.deepseek_vl2`); None (text only) leaves the computation
+        exactly as without them.
+      image_mask: bool [B, S], with `image_embeds`.
 
     Returns:
       BackboneOutput(hidden_states [B, S, D] after the final norm,
@@ -457,12 +473,39 @@ class DeepseekDecoder(nn.Module):
     common.check_owner_layer(owner_override, cfg.sparse_layers)
     dtype = jnp.dtype(cfg.dtype)
     allowed = common.causal_mask(input_ids, attention_mask)  # [B, S_q, S_k]
-    x = nn.Embed(
+    embed = nn.Embed(
         cfg.vocab_size,
         cfg.hidden_size,
         embedding_init=initializers.EMBEDDING,
         name="embed_tokens",
-    )(input_ids).astype(dtype)
+    )
+    if cfg.image_table_size:
+      x = self._with_image_table(embed, input_ids, dtype)
+    else:
+      x = embed(input_ids).astype(dtype)
+    if image_embeds is not None:
+      x = jnp.where(image_mask[..., None], image_embeds.astype(dtype), x)
     x, router_logits = stack.run(DeepseekBlock, cfg, x, allowed, owner_override)
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
     return BackboneOutput(x, router_logits)
+
+  def _with_image_table(self, embed, input_ids, dtype):
+    """Token embeddings, with ids >= vocab_size read from `image_table`.
+
+    `image_table/embedding` holds the precomputed image tokens of the run's
+    records (`train.vision`). The table is frozen (`roles.select` never
+    picks it) and each record's ids point only at its own rows,
+    so a record's gradient depends on that record alone.
+    """
+    cfg = self.config
+    table = nn.Embed(
+        cfg.image_table_size,
+        cfg.hidden_size,
+        embedding_init=initializers.EMBEDDING,  # always overwritten
+        name="image_table",
+    )
+    is_image = input_ids >= cfg.vocab_size
+    text = embed(jnp.minimum(input_ids, cfg.vocab_size - 1)).astype(dtype)
+    row = jnp.clip(input_ids - cfg.vocab_size, 0, cfg.image_table_size - 1)
+    image = table(row).astype(dtype)
+    return jnp.where(is_image[..., None], image, text)

@@ -88,8 +88,15 @@ def config_from_hf(hf: Mapping[str, Any], **options) -> DeepseekConfig:
 
 
 def vl2_config_from_hf(hf: Mapping[str, Any], **options) -> DeepseekConfig:
-  """The DeepseekConfig of a DeepSeek-VL2 checkpoint's language model."""
-  return config_from_hf(hf["language_config"], **options)
+  """The DeepseekConfig of a DeepSeek-VL2 checkpoint's language model.
+
+  DeepSeek's own code is this checkpoint's reference, and it renormalises
+  the top-k gate weights when `norm_topk_prob` is set (MoEGate.forward,
+  deepseek_vl2/models/modeling_deepseek.py): so does the port.
+  """
+  language = dict(hf["language_config"])
+  norm = bool(language.pop("norm_topk_prob", False))
+  return config_from_hf(language, norm_topk_prob=norm, **options)
 
 
 # HF attention projection name -> Flax module name (MLA and the MHA variant).
