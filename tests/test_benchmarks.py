@@ -643,7 +643,10 @@ def test_gpu_check_script_quick_runs_on_cpu(tmp_path):
     assert any(l.startswith(f"{stream}: step B=1000: ") for l in lines)
   assert re.search(r"^\d+ passed", text, re.M), text[-3000:]
   rows = [l.split()[:3] for l in lines if l.startswith(("switch ", "olmoe "))]
-  assert rows[:2] == [["switch", "lora", "grouped"], ["switch", "lora", "batched"]]
+  assert rows[:2] == [
+      ["switch", "lora", "grouped"],
+      ["switch", "lora", "batched"],
+  ]
   assert ["olmoe", "lora", "batched"] in rows
   assert rows.index(["olmoe", "lora", "grouped"]) > rows.index(
       ["switch", "lora", "batched"]

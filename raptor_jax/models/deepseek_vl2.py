@@ -321,7 +321,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: VL2Config) -> dict:
   return params
 
 
-def _vl2_checkpoint(path: str | os.PathLike):
+def vl2_checkpoint(path: str | os.PathLike):
   """(directory, config.json dict) of a `deepseek_vl_v2` checkpoint."""
   from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
 
@@ -346,7 +346,7 @@ def from_pretrained(path: str | os.PathLike, **options):
   from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
   from raptor_jax.models import stack  # pylint: disable=g-import-not-at-top
 
-  model_dir, hf = _vl2_checkpoint(path)
+  model_dir, hf = vl2_checkpoint(path)
   config = config_from_hf(hf, **options)
   tensors = hf_lib.load_tensors(model_dir, keep=lambda n: True)
   params = params_from_hf(tensors, config)
@@ -368,7 +368,7 @@ def encoder_from_pretrained(path: str | os.PathLike):
   """
   from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
 
-  model_dir, hf = _vl2_checkpoint(path)
+  model_dir, hf = vl2_checkpoint(path)
   config = config_from_hf(hf)
   tensors = hf_lib.load_tensors(
       model_dir, keep=lambda n: not n.startswith("language.")
@@ -383,7 +383,7 @@ def language_head(path: str | os.PathLike) -> tuple[int, np.ndarray | None]:
   """(vocab_size, `language.lm_head.weight` [V, D] or None) of a checkpoint."""
   from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
 
-  model_dir, hf = _vl2_checkpoint(path)
+  model_dir, hf = vl2_checkpoint(path)
   vocab = int(hf["language_config"]["vocab_size"])
   tensors = hf_lib.load_tensors(
       model_dir, keep=lambda n: n == "language.lm_head.weight"

@@ -139,9 +139,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.num_devices = (
       0  # data-parallel devices; 0 = all (of every host in a multi-host run)
   )
-  c.epochs = (
-      20  # one epoch = ceil(1/q) cycles (docs/method.md §1.8); 0 = enough for 200 steps
-  )
+  c.epochs = 20  # one epoch = ceil(1/q) cycles (docs/method.md §1.8); 0 = enough for 200 steps
   c.learning_rate = 5e-4  # Adam learning rate of every stream
 
   c.privacy = _privacy_config()

@@ -316,7 +316,11 @@ def load_run_data(
   if task.name == "synthetic":
     return _synthetic_run_data(config, task, host)
   if vision.is_image_task(task.name):
-    return vision.image_run_data(config, task, host)
+    pieces = vision.image_run_data(config, task)
+    train = pieces.pop("train")
+    if host[1] > 1:
+      train = _shard_of(train, *host)
+    return RunData(task, train, public=None, token_groups=None, **pieces)
   texts = public_texts(dc)
   tokenizer = _run_tokenizer(config, texts)
   kwargs = dict(

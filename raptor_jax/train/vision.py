@@ -299,10 +299,10 @@ def _tokenizer(config):
   return data.load_tokenizer(config.model.tokenizer or config.model.name)
 
 
-def image_run_data(config, task: data.TaskSpec, host: tuple[int, int]):
-  """`setup.load_run_data` for an image task: ids, labels and the image table."""
-  from raptor_jax.train import setup  # pylint: disable=g-import-not-at-top
-
+def image_run_data(config, task: data.TaskSpec) -> dict:
+  """`setup.load_run_data`'s pieces for an image task: the encoded splits,
+  the tokenizer, the image table and the LM head's choice-letter rows
+  (`setup.RunData`'s fields of those names; `setup` takes the host's share)."""
   tokenizer = _tokenizer(config)
   letter_head = None
   if config.model.name == "random":
@@ -342,15 +342,10 @@ def image_run_data(config, task: data.TaskSpec, host: tuple[int, int]):
   )
   tables = [t for t in (train_table, dev_table) if t.size]
   table = np.concatenate(tables) if tables else None
-  if host[1] > 1:
-    train = setup._shard_of(train, *host)  # pylint: disable=protected-access
-  return setup.RunData(
-      task,
-      train,
-      dev,
-      None,
-      tokenizer,
-      None,
+  return dict(
+      train=train,
+      dev=dev,
+      tokenizer=tokenizer,
       image_table=table,
       letter_head=letter_head,
   )
@@ -447,7 +442,7 @@ def write_model(directory, run, params: dict) -> Path:
   merged.pop("image_table", None)  # private: the records' image tokens
   language = deepseek.HF_NAMES.to_hf(stack.unstack_layers(merged, config))
   tensors = {f"language.{n}": w for n, w in language.items()}
-  model_dir, hf = deepseek_vl2._vl2_checkpoint(name)  # pylint: disable=protected-access
+  model_dir, hf = deepseek_vl2.vl2_checkpoint(name)
   frozen = hf_lib.load_tensors(
       model_dir,
       keep=lambda n: not n.startswith("language.")
