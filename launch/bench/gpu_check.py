@@ -21,6 +21,15 @@ dp_step`): the shared DP step and the expert DP step at expected batch
   accumulate, scans counted fully: `profiling.loop_corrected_flops`; every
   executed FLOP, padding tokens included).
 
+A second table times DeepSeek-VL2-Tiny's language model (12 blocks, the
+first dense, E = 64 routed top-6 + 2 shared, hidden 1280, 10 heads, plain
+multi-head attention; LoRA r = 8 on attention, the shared experts and the
+last block's routed experts) at the sequence lengths real image records
+have: 1 + 421 image tokens (one local tile) or 1 + 617 (two) plus the
+prompt, run in the image config's buckets 512 and 768. The frozen tower
+runs once per record before training (`train.vision`), so a step costs
+what a text step of that length costs.
+
   python -m launch.bench.gpu_check                  # on the GPU
   python -m launch.bench.gpu_check --quick          # toy sizes, any backend
 """
@@ -32,6 +41,7 @@ from raptor_jax import host_memory
 host_memory.keep_unless_disabled(sys.argv)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import dataclasses
 import json
 import math
 import os
@@ -46,6 +56,7 @@ import jax.numpy as jnp
 from launch.bench import benchmark
 from launch.bench import harness
 from launch.bench import profiling
+from raptor_jax import models
 
 SWITCH_BASE_8 = dict(
     vocab_size=32128,
@@ -68,6 +79,36 @@ QUICK = dict(
     expert_capacity=5,
     lora_rank=2,
 )
+# DeepSeek-VL2-Tiny's language model (docs/models.md) and a toy twin.
+VL2_TINY = dict(
+    vocab_size=129280,
+    hidden_size=1280,
+    intermediate_size=6848,
+    moe_intermediate_size=896,
+    num_hidden_layers=12,
+    num_attention_heads=10,
+    num_key_value_heads=10,
+    use_mla=False,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    first_k_dense_replace=1,
+)
+VL2_QUICK = dict(
+    VL2_TINY,
+    vocab_size=50,
+    hidden_size=16,
+    intermediate_size=32,
+    moe_intermediate_size=8,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+)
+# (seq_len, microbatch): the image config's buckets for one and two local
+# tiles (configs/deepseek_vl2_scienceqa.py), in bfloat16, grouped dispatch.
+VL2_ROWS = ((512, 16), (768, 16))
 EXPECTED_BATCH = 1000
 # (dtype, dispatch, kernels) rows: every dispatch in bfloat16 with the
 # default kernels, and the grouped dispatch in float32 and with the plain
@@ -128,6 +169,37 @@ def _time(call, repeats: int) -> float:
   return harness.median(times)
 
 
+def vl2_config(quick: bool, **options):
+  """DeepSeek-VL2-Tiny's decoder (or its toy twin) with the trainer's LoRA:
+  attention and shared experts (shared stream), l*'s routed experts."""
+  config = models.deepseek.DeepseekConfig(
+      **(VL2_QUICK if quick else VL2_TINY),
+      lora_rank=8,
+      attention_lora=True,
+      shared_expert_lora=True,
+      **options,
+  )
+  layer = config.sparse_layers[-1]
+  return dataclasses.replace(
+      config, expert_lora_layers=(layer,), unscanned_layers=(layer,)
+  )
+
+
+def vl2_build(config, seq_len: int, seed: int = 0):
+  """(module, params): the decoder under a 5-letter bias-free head, last token."""
+  module = models.SequenceClassifier(
+      models.deepseek.DeepseekDecoder(config),
+      num_labels=5,
+      pooling='last',
+      head_bias=False,
+  )
+  ids = jnp.zeros((1, seq_len), jnp.int32)
+  params = models.init_params(
+      module, jax.random.PRNGKey(seed), (ids, jnp.ones_like(ids))
+  )
+  return module, params
+
+
 def measure(
     dtype: str,
     dispatch: str,
@@ -137,15 +209,29 @@ def measure(
     microbatch: int,
     seq_len: int,
     repeats: int,
+    family: str = 'switch',
 ) -> dict:
-  """One row: both streams' times, memory and peak fraction (or `error`)."""
+  """One row: both streams' times, memory and peak fraction (or `error`).
+
+  `family`: 'switch' (switch-base-8's shape) or 'deepseek_vl2'
+  (DeepSeek-VL2-Tiny's language model, `VL2_TINY`).
+  """
   row = dict(dtype=dtype, dispatch=dispatch, kernels=kernels)
-  sizes = dict(QUICK if quick else SWITCH_BASE_8)
   try:
-    config = benchmark.model_config(
-        **sizes, dispatch=dispatch, kernels=kernels, dtype=dtype
-    )
-    module, params = benchmark.build(config, seq_len)
+    if family == 'deepseek_vl2':
+      row.update(model='deepseek-vl2-tiny', seq_len=seq_len)
+      config = vl2_config(
+          quick, dispatch=dispatch, kernels=kernels, dtype=dtype
+      )
+      module, params = vl2_build(config, seq_len)
+      d_model, d_ff = config.hidden_size, config.moe_intermediate_size
+    else:
+      sizes = dict(QUICK if quick else SWITCH_BASE_8)
+      config = benchmark.model_config(
+          **sizes, dispatch=dispatch, kernels=kernels, dtype=dtype
+      )
+      module, params = benchmark.build(config, seq_len)
+      d_model, d_ff = config.d_model, config.d_ff
     records, owners = benchmark.batch(
         microbatch, seq_len, config.vocab_size, config.num_experts
     )
@@ -156,9 +242,7 @@ def measure(
             'expert', EXPECTED_BATCH / config.num_experts, layer
         ),
     }
-    peak = matmul_peak_tflops(
-        4096, config.d_model, config.d_ff, jnp.dtype(dtype), repeats
-    )
+    peak = matmul_peak_tflops(4096, d_model, d_ff, jnp.dtype(dtype), repeats)
     row['matmul_tflops'] = peak
     microbatches = math.ceil(EXPECTED_BATCH / microbatch)
     for stream, (phase, extra) in phases.items():
@@ -214,7 +298,10 @@ def _measure_in_child(spec: dict) -> dict:
       return json.loads(line[4:])
   tail = (done.stderr.strip().splitlines() or ['no output'])[-1]
   keys = ('dtype', 'dispatch', 'kernels')
-  return dict({k: spec[k] for k in keys}, error=tail[:160])
+  row = dict({k: spec[k] for k in keys}, error=tail[:160])
+  if spec.get('family') == 'deepseek_vl2':
+    row.update(model='deepseek-vl2-tiny', seq_len=spec['seq_len'])
+  return row
 
 
 def table(rows: list[dict], microbatch: int) -> str:
@@ -230,9 +317,14 @@ def table(rows: list[dict], microbatch: int) -> str:
       'matmul TF/s',
       'of peak',
   ]
+  vl2 = any('model' in r for r in rows)
+  if vl2:
+    header = ['model', 'seq'] + header
   body = []
   for r in rows:
     cells = [r['dtype'], r['dispatch'], r['kernels']]
+    if vl2:
+      cells = [r.get('model', ''), str(r.get('seq_len', ''))] + cells
     if 'error' in r:
       body.append(cells + ['-', 'did not run: ' + r['error']] + [''] * 5)
       continue
@@ -276,6 +368,26 @@ def run(*, quick: bool, microbatch: int, seq_len: int, repeats: int, isolate):
   return rows
 
 
+def run_vl2(*, quick: bool, repeats: int, isolate) -> list[dict]:
+  """DeepSeek-VL2-Tiny rows at the image records' lengths (`VL2_ROWS`)."""
+  rows = []
+  for seq_len, microbatch in ((24, 2), (32, 2)) if quick else VL2_ROWS:
+    spec = dict(
+        dtype='bfloat16',
+        dispatch='grouped',
+        kernels='auto',
+        quick=quick,
+        microbatch=microbatch,
+        seq_len=seq_len,
+        repeats=repeats,
+        family='deepseek_vl2',
+    )
+    rows.append(_measure_in_child(spec) if isolate else measure(**spec))
+    print('.', end='', flush=True, file=sys.stderr)
+  print(file=sys.stderr)
+  return rows
+
+
 def main(argv) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
@@ -304,6 +416,10 @@ def main(argv) -> None:
       isolate=isolate,
   )
   print(table(rows, microbatch))
+  vl2 = run_vl2(
+      quick=quick, repeats=1 if quick else FLAGS.repeats, isolate=isolate
+  )
+  print(table(vl2, 'per row'))
 
 
 if __name__ == '__main__':

@@ -12,7 +12,8 @@
 # 2. launch.bench.gpu_check: the trainer's shared and expert DP steps of a
 #    switch-base-8-shaped classifier at B=1000 (microbatched), bf16 and
 #    float32, per expert dispatch (grouped, XLA ragged, tokamax), with step
-#    times, peak memory and the fraction of the measured matmul peak.
+#    times, peak memory and the fraction of the measured matmul peak; then
+#    DeepSeek-VL2-Tiny's language model at image records' lengths (512, 768).
 # 3. launch.bench.gpu_dispatch: the OLMoE-1B-7B-shaped sparse layer (and
 #    switch-base-8's) per dispatch and ragged_dot lowering.
 # Each part has its own time budget, so a slow part cannot eat the others'.
