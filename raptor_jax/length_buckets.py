@@ -123,6 +123,8 @@ def resolve(value, max_length: int, task: str = "") -> tuple[int, ...]:
   """
   if value is None:
     return () if task in UNBUCKETED_TASKS else default_buckets(max_length)
+  if not isinstance(value, str) and any(isinstance(v, str) for v in value):
+    value = ",".join(map(str, value))  # ('16,32,64',) from ml_collections
   if isinstance(value, str):  # '16,32,64' from a shell
     value = [v for v in value.replace(" ", "").strip("()").split(",") if v]
   if len(tuple(value)) == 0:

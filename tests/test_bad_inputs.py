@@ -189,7 +189,10 @@ COMMANDS = [
         " configs/custom.py? the config files are configs/{controlled,custom,",
     ),
     (  # 44: length_buckets='a,b' named neither the file nor the field
-        ["--config=configs/custom.py:cpu", "--config.data.length_buckets=a,b"],
+        [
+            "--config=configs/glue.py:preset=cpu",
+            "--config.data.length_buckets=a,b",
+        ],
         "error: data.length_buckets: must be increasing positive lengths"
         " ending at max_length 64, got ('a', 'b')",
     ),

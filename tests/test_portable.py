@@ -26,6 +26,16 @@ def _write(directory, name, n, seed):
   (directory / name).write_text("text\tlabel\n" + "\n".join(rows) + "\n")
 
 
+def _data(home):
+  """`home`/data: a two-class train, dev and public file."""
+  (home / "data").mkdir(parents=True)
+  _write(home / "data", "train.tsv", 120, 1)
+  _write(home / "data", "dev.tsv", 20, 3)
+  (home / "data" / "public.tsv").write_text(
+      "text\n" + "\n".join(["the film was awful and superb and long"] * 40)
+  )
+
+
 def _command(workdir, *extra):
   return [
       sys.executable,
@@ -64,13 +74,8 @@ def _run(args, cwd):
 
 def test_resume_and_export_from_another_directory(tmp_path):
   home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
-  (home / "data").mkdir(parents=True)
+  _data(home)
   elsewhere.mkdir()
-  _write(home / "data", "train.tsv", 120, 1)
-  _write(home / "data", "dev.tsv", 20, 3)
-  (home / "data" / "public.tsv").write_text(
-      "text\n" + "\n".join(["the film was awful and superb and long"] * 40)
-  )
   workdir = tmp_path / "run"
 
   # A dry run writes nothing, not even the workdir.
@@ -129,12 +134,7 @@ def test_an_unreadable_checkpoint_is_one_line(tmp_path):
   """44.5: a corrupt checkpoint printed its one line, then screenfuls of
   `RuntimeError: Event loop is closed` from the restore's reads in flight
   (measured: 14 tracebacks after the line)."""
-  (tmp_path / "data").mkdir()
-  _write(tmp_path / "data", "train.tsv", 120, 1)
-  _write(tmp_path / "data", "dev.tsv", 20, 3)
-  (tmp_path / "data" / "public.tsv").write_text(
-      "text\n" + "\n".join(["the film was awful and superb and long"] * 40)
-  )
+  _data(tmp_path)
   workdir = tmp_path / "run"
   proc, _ = _run(_command(workdir, "--config.stop_after_cycles=2"), tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]

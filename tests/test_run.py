@@ -19,7 +19,7 @@ BAD = [
     ({"data.eval_split": "test"}, "eval_split"),
     ({"raptor.residual": "half"}, "raptor.residual"),
     ({"raptor.expert_full_weights": True}, "raptor.expert_full_weights"),
-    ({"epochs": -1}, "epochs"),
+    ({"epochs": -1}, "epochs"),  # 0: chosen from n
     ({"microbatch_size": 0}, "microbatch"),
 ]
 
