@@ -12,10 +12,10 @@ which turns them off). Here:
   against the Hugging Face PyTorch model, with the expert adapters nonzero,
   zeroed outside the program and zeroed inside it.
 
-The other places that zero parameters inside a program (the residual
-weights, the `D_e = B` ablation, diagnostics) have their jit-versus-eager
-tests next to their code's tests (tests/test_methods.py,
-tests/test_diagnostics.py).
+* the other places that zero parameters inside a program (the residual
+  weights, the `D_e = B` ablation, diagnostics), each compiled afresh
+  several times. The per-record brute force of every family is in
+  tests/test_trainer_step.py.
 """
 
 import os
@@ -31,7 +31,7 @@ from raptor_jax import roles, xla_workarounds
 from raptor_jax.models import export, lora, olmoe
 from raptor_jax import models
 
-from helpers import fresh_compiles, max_rel_err
+from helpers import fresh_compiles, max_rel_err, micro_config
 import hf_references as refs
 
 
@@ -264,3 +264,140 @@ def test_jit_equals_eager_equals_pytorch(family_case, family, dispatch, kernels)
   for variant, (jit_eager, hidden, logits) in errors.items():
     assert jit_eager <= JIT_EAGER_TOL, (variant, jit_eager)
     assert max(hidden, logits) <= TORCH_TOL, (variant, hidden, logits)
+
+
+# ---------------------------------------------------------------------------
+# The places that zero parameters inside a program (issue 44.3): the residual
+# weights ("the model without the expert adapters": l*'s expert lora_b at
+# zero), the D_e = B ablation's release, and the diagnostics' per-record
+# statistics (both run the residual weights). jit against eager, compiled
+# afresh several times, with the dense reference dispatch the defect hit.
+
+AUDIT_FAMILIES = {  # the micro task's models (tests/test_length_buckets.py)
+    "switch": {},
+    "olmoe": {
+        "model.random.family": "olmoe",
+        "model.random.num_experts": 4,
+        "model.random.top_k": 2,
+        "model.random.num_kv_heads": 1,
+    },
+    "deepseek": {
+        "model.random.family": "deepseek",
+        "model.random.num_experts": 4,
+        "model.random.top_k": 2,
+        "model.random.num_layers": 2,
+        "model.random.first_k_dense": 1,
+        "model.random.num_shared_experts": 2,
+        "model.random.kv_lora_rank": 16,
+    },
+}
+AUDIT_COMPILES = 3
+AUDIT_ROWS = 6  # the last one padding
+
+
+@pytest.fixture(scope="module")
+def audit_run():
+  """family -> (run, its expert phase's functions, trainable, frozen, batch, mask).
+
+  The D_e = B ablation (`raptor.expert_denominator='B'`) with
+  `dispatch='dense'`, `kernels='reference'`, and nonzero LoRA B factors.
+  """
+  cache = {}
+
+  def get(family):
+    if family in cache:
+      return cache[family]
+    from raptor_jax.train import loop, parallel  # pylint: disable=g-import-not-at-top
+    from raptor_jax.train.run import build_run  # pylint: disable=g-import-not-at-top
+
+    config = micro_config(
+        **AUDIT_FAMILIES[family],
+        **{
+            "raptor.expert_denominator": "B",
+            "model.dispatch": "dense",
+            "model.kernels": "reference",
+        },
+    )
+    run = build_run(config)
+    mesh = parallel.make_mesh(1)
+    phase_fns = loop._phase_functions(run, mesh, bytes(32))
+    state, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
+    rng = np.random.RandomState(5)
+    trainable = {
+        name: {
+            p: (0.3 * rng.randn(*v.shape).astype(np.float32) if p.endswith("lora_b") else v)
+            for p, v in part.items()
+        }
+        for name, part in state.trainable.items()
+    }
+    batch = loop._batch(run.data.train, run.owners, np.arange(AUDIT_ROWS))
+    mask = jnp.asarray(np.r_[np.ones(AUDIT_ROWS - 1), 0.0])
+    (expert_fns,) = [f for f in phase_fns if f.phase.name == "expert"]
+    cache[family] = run, expert_fns, trainable, frozen, batch, mask
+    return cache[family]
+
+  return get
+
+
+def _assert_jit_equals_eager(fn, *args):
+  eager = fn(*args)
+  errors = [max_rel_err(out, eager) for out in fresh_compiles(fn, *args, times=AUDIT_COMPILES)]
+  print(f"\njit vs eager over {AUDIT_COMPILES} fresh compiles: {max(errors):.1e}")
+  assert max(errors) <= JIT_EAGER_TOL, errors
+  return eager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(AUDIT_FAMILIES))
+def test_residual_weights_jit_equals_eager(audit_run, family):
+  """w_i from the model with l*'s expert adapters zeroed inside the program."""
+  run, fns, trainable, frozen, batch, _ = audit_run(family)
+  assert fns.residual == "shared"
+  current = {**frozen, **{p: v for t in trainable.values() for p, v in t.items()}}
+  weights = _assert_jit_equals_eager(fns._residual_weights, current, batch)
+  assert np.all((np.asarray(weights) > 0) & (np.asarray(weights) < 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(AUDIT_FAMILIES))
+def test_denominator_b_release_jit_equals_eager(audit_run, family):
+  """The D_e = B ablation's expert release: clipped, residual-weighted sums,
+  noise from the step's key, divided by B."""
+  run, fns, trainable, frozen, batch, mask = audit_run(family)
+  (part,) = fns.phase.parts
+  assert part.denominator == run.config.batch_size  # D_e = B
+
+  def release(trainable):
+    sums = fns._sum(
+        fns.released_per_record(trainable, frozen, batch, mask),
+        batch["owners"],
+    )
+    privatizer = fns.privatizers[part.name]
+    params = trainable[part.name]
+    return privatizer.update(sums[part.name], privatizer.init(params))[0]
+
+  _assert_jit_equals_eager(release, trainable)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(AUDIT_FAMILIES))
+def test_diagnostic_statistics_jit_equals_eager(audit_run, family):
+  """diagnostics' per-role squared norms and l* signal sums (they run the
+  step's per-record release, residual weights included)."""
+  from raptor_jax import diagnostics  # pylint: disable=g-import-not-at-top
+
+  run, fns, trainable, frozen, batch, mask = audit_run(family)
+
+  def statistics(trainable):
+    return diagnostics._phase_statistics(
+        fns,
+        run.expert_layer,
+        run.backbone_config.num_experts,
+        trainable,
+        frozen,
+        batch,
+        mask,
+    )
+
+  squared, _ = _assert_jit_equals_eager(statistics, trainable)
+  assert float(squared["experts"]) > 0
