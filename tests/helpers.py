@@ -150,6 +150,8 @@ def max_rel_err(got, want):
   errs = []
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    err = np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0), 1e-30)
+    err = np.max(np.abs(a - b), initial=0.0) / max(
+        np.max(np.abs(b), initial=0.0), 1e-30
+    )
     errs.append(float(err) if np.isfinite(err) else float("inf"))
   return max(errs, default=0.0)

@@ -174,24 +174,26 @@ def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads(
 
 # -- every family: the trainer's per-record release against a dense brute force
 
-FAMILIES = {  # the micro task's model of each family (tests/test_length_buckets.py)
-    "switch": {},
-    "olmoe": {
-        "model.random.family": "olmoe",
-        "model.random.num_experts": 4,
-        "model.random.top_k": 2,
-        "model.random.num_kv_heads": 1,
-    },
-    "deepseek": {
-        "model.random.family": "deepseek",
-        "model.random.num_experts": 4,
-        "model.random.top_k": 2,
-        "model.random.num_layers": 2,
-        "model.random.first_k_dense": 1,
-        "model.random.num_shared_experts": 2,
-        "model.random.kv_lora_rank": 16,
-    },
-}
+FAMILIES = (
+    {  # the micro task's model of each family (tests/test_length_buckets.py)
+        "switch": {},
+        "olmoe": {
+            "model.random.family": "olmoe",
+            "model.random.num_experts": 4,
+            "model.random.top_k": 2,
+            "model.random.num_kv_heads": 1,
+        },
+        "deepseek": {
+            "model.random.family": "deepseek",
+            "model.random.num_experts": 4,
+            "model.random.top_k": 2,
+            "model.random.num_layers": 2,
+            "model.random.first_k_dense": 1,
+            "model.random.num_shared_experts": 2,
+            "model.random.kv_lora_rank": 16,
+        },
+    }
+)
 BRUTE_ROWS, BRUTE_PADDING = 8, 2
 BRUTE_TOL = 1e-6  # of C: a record's release against the brute force
 _BRUTE_TABLE = []
@@ -251,7 +253,11 @@ def _dense_brute_force(run, model, flat, batch, mask, part):
   for i in range(len(mask)):
     g = record_grad(jax.tree.map(lambda a: a[i], batch))
     norm = float(
-        np.sqrt(sum(np.sum(np.square(np.asarray(v, np.float64))) for v in g.values()))
+        np.sqrt(
+            sum(
+                np.sum(np.square(np.asarray(v, np.float64))) for v in g.values()
+            )
+        )
     )
     factor = float(mask[i]) * min(1.0, part.l2_clip / max(norm, 1e-30))
     out.append({p: factor * np.asarray(v, np.float64) for p, v in g.items()})
@@ -262,7 +268,12 @@ def _distance(a, b):
   return float(
       np.sqrt(
           sum(
-              np.sum(np.square(np.asarray(a[p], np.float64) - np.asarray(b[p], np.float64)))
+              np.sum(
+                  np.square(
+                      np.asarray(a[p], np.float64)
+                      - np.asarray(b[p], np.float64)
+                  )
+              )
               for p in a
           )
       )
@@ -281,11 +292,15 @@ def test_each_records_release_equals_a_dense_brute_force(family, kernels):
   padding at the end) moves the phase's sums by at most C, and by exactly
   that record's release.
   """
-  run = build_run(micro_config(**FAMILIES[family], **{"model.kernels": kernels}))
+  run = build_run(
+      micro_config(**FAMILIES[family], **{"model.kernels": kernels})
+  )
   mesh = parallel.make_mesh(1)
   phase_fns = loop._phase_functions(run, mesh, bytes(32))
   state, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
-  flat_trainable = {p: v for t in state.trainable.values() for p, v in t.items()}
+  flat_trainable = {
+      p: v for t in state.trainable.values() for p, v in t.items()
+  }
   keys = jax.random.split(jax.random.PRNGKey(3), len(flat_trainable))
   noisy_b = {  # nonzero LoRA B factors: every adapter has a gradient
       p: 0.3 * jax.random.normal(k, v.shape, v.dtype)
@@ -331,10 +346,16 @@ def test_each_records_release_equals_a_dense_brute_force(family, kernels):
         mine = releases[0][part.name]
         if part.owner:
           owner = int(batch["owners"][i])
-          diff = {p: full[part.name][p][owner] - without[part.name][p][owner] for p in mine}
+          diff = {
+              p: full[part.name][p][owner] - without[part.name][p][owner]
+              for p in mine
+          }
         else:
           diff = {p: full[part.name][p] - without[part.name][p] for p in mine}
-        assert _distance(diff, {p: v[i] for p, v in mine.items()}) <= 1e-5 * part.l2_clip
+        assert (
+            _distance(diff, {p: v[i] for p, v in mine.items()})
+            <= 1e-5 * part.l2_clip
+        )
       _BRUTE_TABLE.append(
           f"{family:8s} {kernels:9s} {phase.name:6s} {part.name:8s}"
           f" max |release - brute| / C {max(errors) / part.l2_clip:.1e}"
