@@ -195,7 +195,10 @@ FAMILIES = (
     }
 )
 BRUTE_ROWS, BRUTE_PADDING = 8, 2
-BRUTE_TOL = 1e-6  # of C: a record's release against the brute force
+# Of C: a record's release against the brute force. The expert stream (the
+# owner slice of l*) to 1e-6; the shared stream, whose float32 gradient sums
+# over every block's adapters and the head, to 2e-6 (DeepSeek: 1.0e-6 measured).
+BRUTE_TOL = {True: 1e-6, False: 2e-6}  # by part.owner
 _BRUTE_TABLE = []
 
 
@@ -359,8 +362,8 @@ def test_each_records_release_equals_a_dense_brute_force(family, kernels):
       _BRUTE_TABLE.append(
           f"{family:8s} {kernels:9s} {phase.name:6s} {part.name:8s}"
           f" max |release - brute| / C {max(errors) / part.l2_clip:.1e}"
-          f"  max neighbour move / C {max(moves) / part.l2_clip:.6f}"
+          f"  max neighbour move / C {max(moves) / part.l2_clip:.7f}"
       )
       print("\n" + _BRUTE_TABLE[-1])
-      assert max(errors) <= BRUTE_TOL * part.l2_clip, max(errors)
+      assert max(errors) <= BRUTE_TOL[part.owner] * part.l2_clip, max(errors)
       assert max(moves) <= part.l2_clip * (1 + 1e-6), max(moves)
