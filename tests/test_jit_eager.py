@@ -10,8 +10,7 @@ which turns them off). Here:
 * the minimal reproduction, compiled afresh several times;
 * every family x dispatch x kernels setting, jit against eager and both
   against the Hugging Face PyTorch model, with the expert adapters nonzero,
-  zeroed outside the program and zeroed inside it.
-
+  zeroed outside the program and zeroed inside it;
 * the other places that zero parameters inside a program (the residual
   weights, the `D_e = B` ablation, diagnostics), each compiled afresh
   several times. The per-record brute force of every family is in
@@ -24,12 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import transformers
 
-from raptor_jax import roles, xla_workarounds
+from raptor_jax import models, roles, xla_workarounds
 from raptor_jax.models import export, lora, olmoe
-from raptor_jax import models
 
 from helpers import fresh_compiles, max_rel_err, micro_config
 import hf_references as refs
