@@ -21,6 +21,12 @@ door functions therefore import ``raptor_jax.private`` when called.
 
 __version__ = "0.1.0"
 
+from raptor_jax import xla_workarounds as _xla_workarounds
+
+# Before JAX's first computation: XLA:CPU's YNNPACK reduce fusions return
+# wrong values on jaxlib 0.10.2+ (`xla_workarounds`).
+_xla_workarounds.apply()
+
 __all__ = ["make_private", "make_private_experts"]
 
 

@@ -32,6 +32,10 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 
 import tempfile  # noqa: E402
 
+# Before JAX's backends start: raptor_jax adds its XLA:CPU workaround to
+# XLA_FLAGS on import (raptor_jax.xla_workarounds).
+import raptor_jax  # noqa: E402,F401  pylint: disable=unused-import
+
 import jax  # noqa: E402
 
 # Identical programs (e.g. the same training step in a resumed run) compile once

@@ -140,3 +140,36 @@ def launch_main(tmp_path, config, *flags, fast_compile=False):
       and report["epsilon"] <= report["target_epsilon"] == 8.0
   )
   return results
+
+
+def fresh_compiles(fn, *args, times=3):
+  """`jax.jit(fn)(*args)` compiled afresh `times` times (host numpy outputs).
+
+  Nothing is reused between the compiles: `jax.clear_caches()` drops the
+  in-memory executables and the persistent compilation cache is off meanwhile,
+  so each is a new XLA compile of the same program. XLA:CPU's YNNPACK reduce
+  fusion miscompile (raptor_jax.xla_workarounds) read uninitialised memory,
+  so its error changed from one compile to the next; one compile could pass.
+  """
+  outputs = []
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    for _ in range(times):
+      jax.clear_caches()
+      outputs.append(jax.tree.map(np.asarray, jax.jit(fn)(*args)))
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+  return outputs
+
+
+def max_rel_err(got, want):
+  """max |got - want| / max |want| over every leaf pair of two pytrees (inf on NaN)."""
+  errs = []
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err = np.max(np.abs(a - b), initial=0.0) / max(
+        np.max(np.abs(b), initial=0.0), 1e-30
+    )
+    errs.append(float(err) if np.isfinite(err) else float("inf"))
+  return max(errs, default=0.0)

@@ -745,14 +745,19 @@ def test_full_model_clip_step_equals_a_record_by_record_reference(
       for (p, v), k in zip(flat.items(), keys)
   }
   rows = np.array([0, 1, 2, 3])
-  batch = jax.tree.map(
-      jnp.asarray,
-      dict(
-          input_ids=run_data.train.input_ids[rows],
-          attention_mask=run_data.train.attention_mask[rows],
-          labels=run_data.train.labels[rows],
-          owners=np.array([2, 0, 3, 2], np.int32),
-      ),
+  ids = jnp.asarray(run_data.train.input_ids[rows])
+  attention = jnp.asarray(run_data.train.attention_mask[rows])
+  # Each record's owner from its own routing at l* (Eq. 5, as the trainer's
+  # owner map): a fixed owner that none of a record's tokens reach gives
+  # that record an expert gradient of exactly 0, whatever the step.
+  (router_logits,) = model.apply(
+      {"params": roles.unflatten(flat)}, ids, attention
+  )[1].router_logits
+  batch = dict(
+      input_ids=ids,
+      attention_mask=attention,
+      labels=jnp.asarray(run_data.train.labels[rows]),
+      owners=ownership.owners(router_logits, attention),
   )
   mask = jnp.array([1.0, 1.0, 1.0, 0.0])
   expected, norms = _joint_clip_reference(model, flat, batch, mask, 1, clip)

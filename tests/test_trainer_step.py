@@ -9,6 +9,8 @@ computed one record at a time by plain `jax.grad` of the model's loss (the
 expert stream: the full stacked-expert gradient, row `owner`).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ from raptor_jax import roles, transforms
 from raptor_jax.train import cycle, parallel, secrecy, step
 from raptor_jax.train.run import build_run
 
-from helpers import micro_config, micro_vl_config
+from helpers import fresh_compiles, micro_config, micro_vl_config
 
 ROWS, PADDING = 32, 3  # one microbatch; its last rows are padding
 
@@ -179,3 +181,200 @@ def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads(
       for path, value in want.items():
         # The step moved the parameter (a test that cannot fail otherwise).
         assert not np.allclose(np.asarray(value), np.asarray(params[path]))
+
+
+# -- every family: the trainer's per-record release against a dense brute force
+
+FAMILIES = (
+    {  # the micro task's model of each family (tests/test_length_buckets.py)
+        "switch": {},
+        "olmoe": {
+            "model.random.family": "olmoe",
+            "model.random.num_experts": 4,
+            "model.random.top_k": 2,
+            "model.random.num_kv_heads": 1,
+        },
+        "deepseek": {
+            "model.random.family": "deepseek",
+            "model.random.num_experts": 4,
+            "model.random.top_k": 2,
+            "model.random.num_layers": 2,
+            "model.random.first_k_dense": 1,
+            "model.random.num_shared_experts": 2,
+            "model.random.kv_lora_rank": 16,
+        },
+    }
+)
+BRUTE_ROWS, BRUTE_PADDING = 8, 2
+# Of C: a record's release against the brute force. The expert stream (the
+# owner slice of l*) to 1e-6; the shared stream, whose float32 gradient sums
+# over every block's adapters and the head, to 2e-6 (DeepSeek: 1.0e-6 measured).
+BRUTE_TOL = {True: 1e-6, False: 2e-6}  # by part.owner
+_BRUTE_TABLE = []
+
+
+def _dense_twin(model):
+  """The classifier with the plain dense dispatch and reference kernels."""
+  backbone = model.backbone
+  config = dataclasses.replace(
+      backbone.config, dispatch="dense", kernels="reference"
+  )
+  return model.clone(backbone=type(backbone)(config))
+
+
+def _dense_brute_force(run, model, flat, batch, mask, part):
+  """Each record's clipped (residual-weighted) gradient of `part`, alone.
+
+  Plain `jax.grad` of `model` (the dense twin) on the whole tree, one record
+  at a time (B = 1), the owner's row of the stacked [E, ...] gradient for an
+  owner part, w_i from the same model with l*'s expert LoRA B factors at
+  zero; then clipped to C. Shares no code with the step beyond the model.
+  """
+  paths = sorted(run.trainable[part.name])
+  prefix = roles.expert_prefix(run.expert_layer)
+
+  def loss(values, record):
+    logits, _ = model.apply(
+        {"params": roles.unflatten({**flat, **values})},
+        record["input_ids"][None],
+        record["attention_mask"][None],
+    )
+    return step.cross_entropy(logits[0], record["labels"])
+
+  @jax.jit
+  def record_grad(record):
+    g = jax.grad(loss)({p: flat[p] for p in paths}, record)
+    if part.owner:
+      g = {p: v[record["owners"]] for p, v in g.items()}
+    if part.residual:
+      off = {
+          p: jnp.zeros_like(v)
+          for p, v in flat.items()
+          if p.startswith(prefix) and p.endswith("lora_b")
+      }
+      logits, _ = model.apply(
+          {"params": roles.unflatten({**flat, **off})},
+          record["input_ids"][None],
+          record["attention_mask"][None],
+      )
+      p_true = jax.nn.softmax(logits[0])[record["labels"]]
+      g = jax.tree.map(
+          lambda v: v * (1.0 - p_true) ** run.config.raptor.residual_gamma, g
+      )
+    return g
+
+  out = []
+  for i in range(len(mask)):
+    g = record_grad(jax.tree.map(lambda a: a[i], batch))
+    norm = float(
+        np.sqrt(
+            sum(
+                np.sum(np.square(np.asarray(v, np.float64))) for v in g.values()
+            )
+        )
+    )
+    factor = float(mask[i]) * min(1.0, part.l2_clip / max(norm, 1e-30))
+    out.append({p: factor * np.asarray(v, np.float64) for p, v in g.items()})
+  return out
+
+
+def _distance(a, b):
+  return float(
+      np.sqrt(
+          sum(
+              np.sum(
+                  np.square(
+                      np.asarray(a[p], np.float64)
+                      - np.asarray(b[p], np.float64)
+                  )
+              )
+              for p in a
+          )
+      )
+  )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["fast", "reference"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_records_release_equals_a_dense_brute_force(family, kernels):
+  """Every family and kernels setting, residual weights on, adapters nonzero.
+
+  Per record: the step's clipped release (`released_per_record`, compiled
+  afresh twice) equals the dense dispatch's brute force to BRUTE_TOL * C.
+  Per neighbouring pair: removing one record (its row replaced by
+  padding at the end) moves the phase's sums by at most C, and by exactly
+  that record's release.
+  """
+  run = build_run(
+      micro_config(**FAMILIES[family], **{"model.kernels": kernels})
+  )
+  mesh = parallel.make_mesh(1)
+  phase_fns = loop._phase_functions(run, mesh, bytes(32))
+  state, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
+  flat_trainable = {
+      p: v for t in state.trainable.values() for p, v in t.items()
+  }
+  keys = jax.random.split(jax.random.PRNGKey(3), len(flat_trainable))
+  noisy_b = {  # nonzero LoRA B factors: every adapter has a gradient
+      p: 0.3 * jax.random.normal(k, v.shape, v.dtype)
+      for (p, v), k in zip(flat_trainable.items(), keys)
+      if p.endswith("lora_b")
+  }
+  trainable = {
+      name: {p: noisy_b.get(p, v) for p, v in part.items()}
+      for name, part in state.trainable.items()
+  }
+  flat = {**frozen, **{p: v for t in trainable.values() for p, v in t.items()}}
+  real = BRUTE_ROWS - BRUTE_PADDING
+  batch = loop._batch(run.data.train, run.owners, np.arange(BRUTE_ROWS))
+  mask = jnp.asarray(np.r_[np.ones(real), np.zeros(BRUTE_PADDING)])
+  dense = _dense_twin(run.model)
+  assert all(p.residual for p in run.plan.phases[1].parts)  # the expert stream
+  for phase, fns in zip(run.plan.phases, phase_fns):
+    releases = fresh_compiles(
+        fns.released_per_record, trainable, frozen, batch, mask, times=2
+    )
+    accumulate = jax.jit(fns.accumulate)
+    full = accumulate(trainable, frozen, fns.zero_sums(trainable), batch, mask)
+    for part in phase.parts:
+      want = _dense_brute_force(run, dense, flat, batch, mask, part)
+      errors = [
+          _distance({p: v[i] for p, v in got[part.name].items()}, want[i])
+          for got in releases
+          for i in range(BRUTE_ROWS)
+      ]
+      moves = []
+      for i in range(real):  # the neighbour without record i
+        rows = np.r_[np.delete(np.arange(BRUTE_ROWS), i), 0]
+        neighbour = loop._batch(run.data.train, run.owners, rows)
+        without = accumulate(
+            trainable,
+            frozen,
+            fns.zero_sums(trainable),
+            neighbour,
+            jnp.asarray(np.r_[np.ones(real - 1), np.zeros(BRUTE_PADDING + 1)]),
+        )
+        moves.append(_distance(full[part.name], without[part.name]))
+        # ... by that record's release (its owner row for an owner part)
+        mine = releases[0][part.name]
+        if part.owner:
+          owner = int(batch["owners"][i])
+          diff = {
+              p: full[part.name][p][owner] - without[part.name][p][owner]
+              for p in mine
+          }
+        else:
+          diff = {p: full[part.name][p] - without[part.name][p] for p in mine}
+        assert (
+            _distance(diff, {p: v[i] for p, v in mine.items()})
+            <= 1e-5 * part.l2_clip
+        )
+      _BRUTE_TABLE.append(
+          f"{family:8s} {kernels:9s} {phase.name:6s} {part.name:8s}"
+          f" max |release - brute| / C {max(errors) / part.l2_clip:.1e}"
+          f"  max neighbour move / C {max(moves) / part.l2_clip:.7f}"
+      )
+      print("\n" + _BRUTE_TABLE[-1])
+      assert max(errors) <= BRUTE_TOL[part.owner] * part.l2_clip, max(errors)
+      assert max(moves) <= part.l2_clip * (1 + 1e-6), max(moves)
