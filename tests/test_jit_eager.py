@@ -321,7 +321,7 @@ def audit_run():
   def get(family):
     if family in cache:
       return cache[family]
-    from raptor_jax.train import loop, parallel  # pylint: disable=g-import-not-at-top
+    from raptor_jax.train import cycle, parallel  # pylint: disable=g-import-not-at-top
     from raptor_jax.train.run import build_run  # pylint: disable=g-import-not-at-top
 
     config = micro_config(
@@ -334,8 +334,8 @@ def audit_run():
     )
     run = build_run(config)
     mesh = parallel.make_mesh(1)
-    phase_fns = loop._phase_functions(run, mesh, bytes(32))
-    state, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
+    phase_fns = cycle.phase_functions(run, mesh, bytes(32))
+    state, frozen = cycle.initial_state(run, phase_fns, mesh)
     rng = np.random.RandomState(5)
     trainable = {
         name: {
@@ -348,7 +348,7 @@ def audit_run():
         }
         for name, part in state.trainable.items()
     }
-    batch = loop._batch(run.data.train, run.owners, np.arange(AUDIT_ROWS))
+    batch = cycle.batch(run.data.train, run.owners, np.arange(AUDIT_ROWS))
     mask = jnp.asarray(np.r_[np.ones(AUDIT_ROWS - 1), 0.0])
     (expert_fns,) = [f for f in phase_fns if f.phase.name == "expert"]
     cache[family] = run, expert_fns, trainable, frozen, batch, mask
@@ -394,8 +394,9 @@ def test_denominator_b_release_jit_equals_eager(audit_run, family):
   assert part.denominator == run.config.batch_size  # D_e = B
 
   def release(trainable):
-    sums = fns._sum(
-        fns.released_per_record(trainable, frozen, batch, mask),
+    sums = fns._clip_and_sum(  # pylint: disable=protected-access
+        fns._per_record_grads(trainable, frozen, batch),  # pylint: disable=protected-access
+        mask,
         batch["owners"],
     )
     privatizer = fns.privatizers[part.name]
@@ -415,7 +416,7 @@ def test_diagnostic_statistics_jit_equals_eager(audit_run, family):
   run, fns, trainable, frozen, batch, mask = audit_run(family)
 
   def statistics(trainable):
-    return diagnostics._phase_statistics(
+    return diagnostics.phase_statistics(
         fns,
         run.expert_layer,
         run.backbone_config.num_experts,

@@ -310,8 +310,8 @@ def test_each_records_release_equals_a_dense_brute_force(family, kernels):
       micro_config(**FAMILIES[family], **{"model.kernels": kernels})
   )
   mesh = parallel.make_mesh(1)
-  phase_fns = loop._phase_functions(run, mesh, bytes(32))
-  state, frozen = loop._initial_state(run, phase_fns, mesh, None, None)
+  phase_fns = cycle.phase_functions(run, mesh, bytes(32))
+  state, frozen = cycle.initial_state(run, phase_fns, mesh)
   flat_trainable = {
       p: v for t in state.trainable.values() for p, v in t.items()
   }
@@ -327,7 +327,7 @@ def test_each_records_release_equals_a_dense_brute_force(family, kernels):
   }
   flat = {**frozen, **{p: v for t in trainable.values() for p, v in t.items()}}
   real = BRUTE_ROWS - BRUTE_PADDING
-  batch = loop._batch(run.data.train, run.owners, np.arange(BRUTE_ROWS))
+  batch = cycle.batch(run.data.train, run.owners, np.arange(BRUTE_ROWS))
   mask = jnp.asarray(np.r_[np.ones(real), np.zeros(BRUTE_PADDING)])
   dense = _dense_twin(run.model)
   assert all(p.residual for p in run.plan.phases[1].parts)  # the expert stream
@@ -347,7 +347,7 @@ def test_each_records_release_equals_a_dense_brute_force(family, kernels):
       moves = []
       for i in range(real):  # the neighbour without record i
         rows = np.r_[np.delete(np.arange(BRUTE_ROWS), i), 0]
-        neighbour = loop._batch(run.data.train, run.owners, rows)
+        neighbour = cycle.batch(run.data.train, run.owners, rows)
         without = accumulate(
             trainable,
             frozen,
