@@ -238,5 +238,8 @@ def test_families_import_shared_layers_only():
     owner = path.relative_to(root).parts[0].removesuffix(".py")
     if owner in ("__init__", "hf", "export"):
       continue
-    wrong = (_models_imported(path) & families) - {owner}
+    # DeepSeek-VL2 wraps the DeepSeek language model as it is (issue 46):
+    # the one composite, and it may import only that family.
+    allowed = {owner} | ({"deepseek"} if owner == "deepseek_vl2" else set())
+    wrong = (_models_imported(path) & families) - allowed
     assert not wrong, f"{path.relative_to(root)} imports {sorted(wrong)}"

@@ -529,7 +529,7 @@ def test_the_plot_legend_uses_the_method_names(tmp_path, monkeypatch):
       std=1.0,
       values=[mean],
   )
-  report.plot_accuracy(
+  sweep_report.plot_accuracy(
       [
           entry("raptor", 8.0, 70.0),
           entry("monolithic_lora", 8.0, 71.0),
