@@ -212,7 +212,7 @@ def _grouped_linear_flat(
 
 
 def rowwise(fn):
-  """Wraps a row-wise fn(x[T, d], experts[T], *ws) so that vmap flattens rows."""
+  """Wraps a row-wise `fn(x[T, d], experts[T], *ws)` so that vmap flattens rows."""
   wrapped = custom_vmap(fn)
 
   @wrapped.def_vmap
