@@ -100,6 +100,7 @@ from ml_collections import config_flags
 import jax
 from raptor_jax.train import parallel, preemption, train_and_evaluate
 from raptor_jax.train import workdir as workdir_lib
+from raptor_jax.train.run import validate
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training configuration file.", lock_config=True
@@ -257,7 +258,8 @@ def main(argv):
     config, paths = workdir_lib.with_resolved_paths(
         _CONFIG.value, _WORKDIR.value
     )
-    if not _DRY_RUN.value and jax.process_index() == 0:
+    if paths and not _DRY_RUN.value and jax.process_index() == 0:
+      validate(config)  # a bad config leaves no workdir behind
       os.makedirs(_WORKDIR.value, exist_ok=True)
       workdir_lib.store_paths(Path(_WORKDIR.value), paths)
     try:
