@@ -27,17 +27,6 @@ than `--xla_cpu_collective_call_warn_stuck_timeout_seconds` plus
 0.10.2) after another. On a machine whose cores other processes keep busy a
 device's thread can be descheduled that long, so a split host waits
 `COLLECTIVE_TIMEOUT_S` instead (the flags a user set in `XLA_FLAGS` are kept).
-
-Dispatch is synchronous on a split host (`jax_cpu_enable_async_dispatch`
-off). With asynchronous dispatch, a run whose programs were all compiled
-ahead (and loaded from the persistent cache) queues steps faster than two
-devices run them, and XLA:CPU deadlocked: device 0 waited in the `psum`
-for device 1, whose launch waited for a free execution slot held by a
-queued step waiting on device 0 (gdb: `InProcessCommunicator::AllReduce`
-against `Semaphore::Acquire` in `ExecuteLaunch`; three of three warm-cache
-`:cpu` SST-2 runs on 2 devices, none with synchronous dispatch). The cost is
-the overlap of the host's next batch with the devices' work: small next to
-a step.
 """
 
 from __future__ import annotations
@@ -136,6 +125,4 @@ def one_device_per_core(
     os.environ["XLA_FLAGS"] = with_collective_timeout(
         flags, collective_timeout_s
     )
-    # Synchronous CPU dispatch (module docstring: a deadlock otherwise).
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
   return configured

@@ -39,25 +39,6 @@ def test_splits_the_cpu_backend_into_the_requested_devices():
   assert out == '3 3 cpu'
 
 
-def test_a_split_host_dispatches_synchronously():
-  """Asynchronous CPU dispatch deadlocked two devices at the `psum` of a
-  run compiled ahead (host_devices' docstring); one device keeps it."""
-  out = _run("""
-      from raptor_jax import host_devices
-      host_devices.one_device_per_core(2)
-      import jax
-      print(jax.config.values['jax_cpu_enable_async_dispatch'])
-  """)
-  assert out == 'False'
-  out = _run("""
-      from raptor_jax import host_devices
-      host_devices.one_device_per_core(1)
-      import jax
-      print(jax.config.values['jax_cpu_enable_async_dispatch'])
-  """)
-  assert out == 'True'
-
-
 def test_defaults_to_one_device_per_core_of_the_affinity():
   out = _run("""
       import os
