@@ -122,6 +122,13 @@ def record_lengths(run: Run) -> np.ndarray | None:
   return length_buckets.record_lengths(run.data.train.attention_mask)
 
 
+def _ready(tree):
+  """`tree` once computed. XLA:CPU with several devices deadlocked when a
+  step's launch on one device ran ahead of the launch that computes its
+  input (warm-cache runs, where nothing compiles between launches)."""
+  return jax.block_until_ready(tree)
+
+
 def train_cycle(
     run: Run,
     phase_fns,
@@ -153,7 +160,8 @@ def train_cycle(
     sample = sampling.poisson_sample(
         run.n, plan.sample_rate, seed=seed, stream=phase.stream, step=cycle
     )
-    sums, loss_sum = fns.zero_sums(trainable), 0.0
+    # Ready before the first accumulate is launched (see `_ready`).
+    sums, loss_sum = _ready(fns.zero_sums(trainable)), 0.0
     for length, mb in microbatches(sample, local_microbatch, buckets, lengths):
       records, mask = parallel.shard_records(
           (batch(run.data.train, run.owners, mb.indices, length), mb.mask),
