@@ -121,6 +121,7 @@ def test_every_step_function_compiles_once_per_run(tmp_path, caplog):
   of each phase's microbatch step and update (an invariant of docs/method.md §3),
   compiled ahead of the first cycle.
   """
+  jax.clear_caches()  # not served by another test's programs in this worker
   with caplog.at_level("WARNING"), jax.log_compiles():
     train_and_evaluate(micro_config(stop_after_cycles=3), str(tmp_path))
   compiled = [
