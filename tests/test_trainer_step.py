@@ -174,26 +174,29 @@ def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads(
 
 # -- every family: the trainer's per-record release against a dense brute force
 
-FAMILIES = (
-    {  # the micro task's model of each family (tests/test_length_buckets.py)
-        "switch": {},
-        "olmoe": {
-            "model.random.family": "olmoe",
-            "model.random.num_experts": 4,
-            "model.random.top_k": 2,
-            "model.random.num_kv_heads": 1,
-        },
-        "deepseek": {
-            "model.random.family": "deepseek",
-            "model.random.num_experts": 4,
-            "model.random.top_k": 2,
-            "model.random.num_layers": 2,
-            "model.random.first_k_dense": 1,
-            "model.random.num_shared_experts": 2,
-            "model.random.kv_lora_rank": 16,
-        },
-    }
-)
+# The micro task's model of each family (tests/test_length_buckets.py);
+# OLMoE wide enough for XLA:CPU's YNNPACK fusion to take the expert products
+# (tests/test_jit_eager.py): d_model 64, d_ff 128, E = 8.
+FAMILIES = {
+    "switch": {},
+    "olmoe": {
+        "model.random.family": "olmoe",
+        "model.random.num_experts": 8,
+        "model.random.top_k": 2,
+        "model.random.num_kv_heads": 1,
+        "model.random.d_model": 64,
+        "model.random.d_ff": 128,
+    },
+    "deepseek": {
+        "model.random.family": "deepseek",
+        "model.random.num_experts": 4,
+        "model.random.top_k": 2,
+        "model.random.num_layers": 2,
+        "model.random.first_k_dense": 1,
+        "model.random.num_shared_experts": 2,
+        "model.random.kv_lora_rank": 16,
+    },
+}
 BRUTE_ROWS, BRUTE_PADDING = 8, 2
 # Of C: a record's release against the brute force. The expert stream (the
 # owner slice of l*) to 1e-6; the shared stream, whose float32 gradient sums
