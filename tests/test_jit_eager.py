@@ -339,7 +339,7 @@ def audit_run():
   return get
 
 
-def _assert_jit_equals_eager(fn, *args, scale=None):
+def _assert_jit_equals_eager(fn, *args, scale=None, tol=JIT_EAGER_TOL):
   """jit(fn) over fresh compiles against eager fn: relative (per leaf), or,
   with `scale`, the l2 distance of the whole output in units of `scale`."""
   eager = fn(*args)
@@ -360,7 +360,7 @@ def _assert_jit_equals_eager(fn, *args, scale=None):
       f"\njit vs eager over {AUDIT_COMPILES} fresh compiles: {max(errors):.1e}"
       + ("" if scale is None else " of the scale")
   )
-  assert max(errors) <= JIT_EAGER_TOL, errors
+  assert max(errors) <= tol, errors
   return eager
 
 
@@ -432,5 +432,15 @@ def test_diagnostic_statistics_jit_equals_eager(audit_run, family):
         mask,
     )
 
-  squared, _ = _assert_jit_equals_eager(statistics, trainable)
+  # The squared norms entry by entry (a square doubles a relative error:
+  # Switch 9.4e-7, the same in every compile); the signal sums (sums over
+  # records of terms that cancel) per record in units of C, as the release.
+  (part,) = fns.phase.parts
+  records = float(np.sum(mask))
+  squared = _assert_jit_equals_eager(
+      lambda t: statistics(t)[0], trainable, tol=2 * JIT_EAGER_TOL
+  )
+  _assert_jit_equals_eager(
+      lambda t: statistics(t)[1], trainable, scale=records * part.l2_clip
+  )
   assert float(squared["experts"]) > 0
