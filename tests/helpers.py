@@ -173,3 +173,29 @@ def max_rel_err(got, want):
     )
     errs.append(float(err) if np.isfinite(err) else float("inf"))
   return max(errs, default=0.0)
+
+
+# The micro task's model of each family (`micro_config(**MICRO_FAMILIES[f])`).
+# OLMoE is wide enough (d_model 64, d_ff 128, E = 8) for XLA:CPU's YNNPACK
+# fusion to take the expert products (raptor_jax.xla_workarounds); narrower
+# layers stay below its cost model.
+MICRO_FAMILIES = {
+    "switch": {},
+    "olmoe": {
+        "model.random.family": "olmoe",
+        "model.random.num_experts": 8,
+        "model.random.top_k": 2,
+        "model.random.num_kv_heads": 1,
+        "model.random.d_model": 64,
+        "model.random.d_ff": 128,
+    },
+    "deepseek": {
+        "model.random.family": "deepseek",
+        "model.random.num_experts": 4,
+        "model.random.top_k": 2,
+        "model.random.num_layers": 2,
+        "model.random.first_k_dense": 1,
+        "model.random.num_shared_experts": 2,
+        "model.random.kv_lora_rank": 16,
+    },
+}

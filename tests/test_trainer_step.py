@@ -21,7 +21,7 @@ from raptor_jax import roles, transforms
 from raptor_jax.train import cycle, parallel, secrecy, step
 from raptor_jax.train.run import build_run
 
-from helpers import fresh_compiles, micro_config, micro_vl_config
+from helpers import MICRO_FAMILIES, fresh_compiles, micro_config, micro_vl_config
 
 ROWS, PADDING = 32, 3  # one microbatch; its last rows are padding
 
@@ -185,26 +185,6 @@ def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads(
 
 # -- every family: the trainer's per-record release against a dense brute force
 
-FAMILIES = (
-    {  # the micro task's model of each family (tests/test_length_buckets.py)
-        "switch": {},
-        "olmoe": {
-            "model.random.family": "olmoe",
-            "model.random.num_experts": 4,
-            "model.random.top_k": 2,
-            "model.random.num_kv_heads": 1,
-        },
-        "deepseek": {
-            "model.random.family": "deepseek",
-            "model.random.num_experts": 4,
-            "model.random.top_k": 2,
-            "model.random.num_layers": 2,
-            "model.random.first_k_dense": 1,
-            "model.random.num_shared_experts": 2,
-            "model.random.kv_lora_rank": 16,
-        },
-    }
-)
 BRUTE_ROWS, BRUTE_PADDING = 8, 2
 # Of C: a record's release against the brute force. The expert stream (the
 # owner slice of l*) to 1e-6; the shared stream, whose float32 gradient sums
@@ -296,7 +276,7 @@ def _distance(a, b):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["fast", "reference"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(MICRO_FAMILIES))
 def test_each_records_release_equals_a_dense_brute_force(family, kernels):
   """Every family and kernels setting, residual weights on, adapters nonzero.
 
@@ -307,7 +287,7 @@ def test_each_records_release_equals_a_dense_brute_force(family, kernels):
   that record's release.
   """
   run = build_run(
-      micro_config(**FAMILIES[family], **{"model.kernels": kernels})
+      micro_config(**MICRO_FAMILIES[family], **{"model.kernels": kernels})
   )
   mesh = parallel.make_mesh(1)
   phase_fns = cycle.phase_functions(run, mesh, bytes(32))
