@@ -323,10 +323,13 @@ def _scienceqa_config(path, tmp_path):
         )
     )
   (tmp_path / "d.jsonl").write_text("\n".join(lines))
+  # The same records as dev set: the trainer refuses one file for both.
+  (tmp_path / "dev.jsonl").write_text("\n".join(lines))
   config = load_config_module("deepseek_vl2_scienceqa").get_config()
   config.model.name = str(path)
   config.model.dtype = "float32"
-  config.data.train_path = config.data.dev_path = str(tmp_path / "d.jsonl")
+  config.data.train_path = str(tmp_path / "d.jsonl")
+  config.data.dev_path = str(tmp_path / "dev.jsonl")
   config.data.max_length = 48
   config.data.length_buckets = (48,)
   config.batch_size = 2

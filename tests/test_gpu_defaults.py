@@ -131,7 +131,7 @@ def training_programs_hlo(overrides, microbatch):
         fns.accumulate.lower(state.trainable, state.frozen, sums, *placed)
     )
     texts[f"{phase.name}/update"] = _compiled_text(
-        fns.update.lower(state.trainable, state.opt_state, sums)
+        fns.packed_update.lower(state.trainable, state.opt_state, sums)
     )
   return texts
 

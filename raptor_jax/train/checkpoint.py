@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 import threading
 from pathlib import Path
@@ -76,6 +77,7 @@ def _quiet_in_flight_reads() -> None:
   from here on (the process is about to stop on the unreadable checkpoint).
   """
   previous_hook, previous_thread_hook = sys.excepthook, threading.excepthook
+  previous_unraisable_hook = sys.unraisablehook
 
   def hook(exc_type, exc, tb):
     if not _closed_loop_error(exc_type, exc):
@@ -85,7 +87,22 @@ def _quiet_in_flight_reads() -> None:
     if not _closed_loop_error(args.exc_type, args.exc_value):
       previous_thread_hook(args)
 
+  def unraisable_hook(args):  # a callback's error, raised in a C++ thread
+    if not _closed_loop_error(args.exc_type, args.exc_value):
+      previous_unraisable_hook(args)
+
+  def log_filter(record: logging.LogRecord) -> bool:
+    # asyncio's "Future exception was never retrieved", logged when the
+    # future of a read that failed on the closed loop is collected.
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (
+        _closed_loop_error(type(exc), exc)
+        or "RuntimeError('Event loop is closed')" in record.getMessage()
+    )
+
   sys.excepthook, threading.excepthook = hook, thread_hook
+  sys.unraisablehook = unraisable_hook
+  logging.getLogger("asyncio").addFilter(log_filter)
 
 
 class Checkpointer:

@@ -214,7 +214,10 @@ class _Session:
       # The evaluation row carries the spend it was made at (48.4).
       self.writer.write(
           cycle,
-          {**{f"dev/{k}": v for k, v in dev.items()}, "epsilon_spent": eps},
+          {
+              **{f"dev/{k}": v for k, v in dev.items()},
+              **({} if eps is None else {"epsilon_spent": eps}),
+          },
       )
       line = outputs.dev_line(cycle, dev, eps)
       if progress is not None and progress.n < progress.total:
