@@ -26,7 +26,7 @@ import pytest
 import transformers
 
 from raptor_jax import models, roles, xla_workarounds
-from raptor_jax.models import export, lora, olmoe
+from raptor_jax.models import decoder, export, lora, olmoe
 
 from helpers import MICRO_FAMILIES, fresh_compiles, max_rel_err, micro_config
 import hf_references as refs
@@ -117,7 +117,7 @@ def test_olmoe_layer_with_zeroed_expert_adapters_in_every_compile():
       dispatch="dense",
       kernels="reference",
   )
-  layer = olmoe.OlmoeSparseMLP(cfg, rank=RANK)
+  layer = decoder.SparseMLP(cfg, rank=RANK)
   rng = np.random.RandomState(0)
   x = jnp.asarray(rng.randn(2, 32, 64), jnp.float32)
   params = layer.init(jax.random.PRNGKey(0), x)["params"]

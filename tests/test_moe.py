@@ -19,7 +19,7 @@ from raptor_jax import models
 from raptor_jax.models import lora as lora_lib
 from raptor_jax.models import dispatch as dispatch_lib
 from raptor_jax.models import kernels as kernels_lib
-from raptor_jax.models import moe
+from raptor_jax.models import decoder, moe
 from raptor_jax.models import ragged
 from raptor_jax.models import olmoe
 from raptor_jax.models import switch
@@ -137,7 +137,7 @@ LAYERS = {
         switch.SwitchConfig(d_model=8, d_ff=12, num_experts=4, **o),
         rank=o["lora_rank"],
     ),
-    "olmoe": lambda **o: olmoe.OlmoeSparseMLP(
+    "olmoe": lambda **o: decoder.SparseMLP(
         olmoe.OlmoeConfig(
             hidden_size=8,
             num_attention_heads=2,

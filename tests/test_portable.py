@@ -172,7 +172,9 @@ def test_only_the_closed_loop_errors_of_a_failed_restore_are_dropped(
       exc_info = (type(e), e, e.__traceback__)
     logger.error(
         "Future exception was never retrieved\nfuture: <Future finished"
-        " exception=%r>", exc, exc_info=exc_info,
+        " exception=%r>",
+        exc,
+        exc_info=exc_info,
     )
 
   with caplog.at_level(logging.ERROR, logger="asyncio"):

@@ -23,7 +23,7 @@ import numpy as np
 
 from launch.bench import harness
 from launch.bench import profiling
-from raptor_jax.models import deepseek, initializers, moe, olmoe, switch
+from raptor_jax.models import decoder, deepseek, initializers, moe, olmoe, switch
 
 # Per family: size defaults (switch-base-8/-64, OLMoE-1B-7B, DeepSeek-VL2-Tiny),
 # one expert MLP's matrices in order, and the other variants run.
@@ -147,9 +147,9 @@ def layer_config(
 
 def _sparse_layer(config):
   if isinstance(config, olmoe.OlmoeConfig):
-    return olmoe.OlmoeSparseMLP(config)
+    return decoder.SparseMLP(config)
   if isinstance(config, deepseek.DeepseekConfig):
-    return deepseek.DeepseekSparseMLP(config)
+    return decoder.SparseMLP(config)
   return switch.SwitchSparseMLP(config)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from launch.bench import bench_dispatch
 from launch.bench import harness
 from launch.bench import profiling
-from raptor_jax.models import olmoe
+from raptor_jax.models import decoder, olmoe
 from raptor_jax.models import switch
 
 # Per family: full-size layer and batch, and the --quick toy.
@@ -107,7 +107,7 @@ def _step(family: str, mode: str, variant: str, quick: bool, seq_len: int):
   )
   rank = LORA_RANK if mode == 'lora' else 0
   module = (
-      olmoe.OlmoeSparseMLP(config, rank=rank)
+      decoder.SparseMLP(config, rank=rank)
       if family == 'olmoe'
       else switch.SwitchSparseMLP(config, rank=rank)
   )

@@ -1,7 +1,7 @@
-"""Llama-style layers the decoder families share (OLMoE, DeepSeek-MoE).
+"""Llama-style layers the decoder families share (`decoder`, DeepSeek-MoE).
 
-RMS norm with float32 statistics, default (rotate-half) RoPE, and the stack
-of gated (SwiGLU) routed experts. A shared layer: families import it, it
+RMS norm with float32 statistics, default (rotate-half) RoPE, the dense
+gated (SwiGLU) MLP and the stack of gated routed experts. A shared layer: families import it, it
 imports no family.
 """
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from raptor_jax.models import initializers, moe
-from raptor_jax.models.lora import ExpertLinear
+from raptor_jax.models.lora import ExpertLinear, LoRADense
 
 
 class RMSNorm(nn.Module):
@@ -91,3 +91,38 @@ class GatedExperts(nn.Module):
     gate = linear("gate", self.features, rows)
     up = linear("up", self.features, rows)
     return linear("down", rows.shape[-1], moe.ACTIVATIONS[self.act](gate) * up)
+
+
+class GatedMLP(nn.Module):
+  """Dense gated MLP  down(act(gate(x)) * up(x)): dense blocks, shared experts.
+
+  `output_gate`: the output times sigmoid(x @ output_gate) (Qwen2-MoE's
+  `shared_expert_gate`, a [D, 1] base weight).
+  """
+
+  features: int
+  rank: int = 0
+  alpha: float = 16.0
+  dtype: Any = jnp.float32
+  act: str = "silu"
+  kernels: str = "auto"  # see kernels.py
+  output_gate: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    def proj(name, features, inputs, rank):
+      return LoRADense(
+          features,
+          rank=rank,
+          alpha=self.alpha,
+          dtype=self.dtype,
+          kernels=self.kernels,
+          name=name,
+      )(inputs)
+
+    gate = moe.ACTIVATIONS[self.act](proj("gate", self.features, x, self.rank))
+    hidden = gate * proj("up", self.features, x, self.rank)
+    out = proj("down", x.shape[-1], hidden, self.rank)
+    if self.output_gate:
+      out = out * jax.nn.sigmoid(proj("output_gate", 1, x, 0))
+    return out

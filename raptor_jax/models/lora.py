@@ -31,7 +31,10 @@ Dtype = Any
 
 
 class LoRADense(nn.Module):
-  """Bias-free dense layer with an optional LoRA adapter (rank 0 = none).
+  """Dense layer with an optional LoRA adapter (rank 0 = none).
+
+  Bias-free unless `use_bias` (Qwen2's q, k, v): the bias is a base weight
+  (frozen with the kernel), never part of the adapter.
 
   `kernels` 'fast' (or 'auto' on CPU) runs float32 adapters through
   `low_rank_linear_fast`'s folded backward; 'reference' is the split form
@@ -44,9 +47,17 @@ class LoRADense(nn.Module):
   alpha: float = 16.0
   dtype: Dtype = jnp.float32
   kernels: str = "auto"
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    out = self._linear(x)
+    if self.use_bias:
+      bias = self.param("bias", initializers.ZEROS, (self.features,))
+      out = out + bias.astype(self.dtype)
+    return out
+
+  def _linear(self, x: jax.Array) -> jax.Array:
     d_in = x.shape[-1]
     kernel = self.param("kernel", initializers.KERNEL, (d_in, self.features))
     x = x.astype(self.dtype)

@@ -45,8 +45,6 @@ from raptor_jax.models.deepseek.backbone import (
     DeepseekBlock,
     DeepseekConfig,
     DeepseekDecoder,
-    DeepseekSparseMLP,
-    GatedMLP,
     MultiHeadAttention,
     MultiHeadLatentAttention,
     apply_interleaved_rotary,
@@ -64,7 +62,7 @@ from raptor_jax.models.deepseek.checkpoint import (
     vl2_config_from_hf,
     vl2_params_from_hf,
 )
-from raptor_jax.models.layers import GatedExperts, RMSNorm, apply_rotary, rotary_tables
+from raptor_jax.models.layers import GatedExperts, GatedMLP, RMSNorm, apply_rotary, rotary_tables
 
 __all__ = [
     "DEEPSEEK_ATTENTION",
@@ -75,7 +73,6 @@ __all__ = [
     "DeepseekBlock",
     "DeepseekConfig",
     "DeepseekDecoder",
-    "DeepseekSparseMLP",
     "GatedMLP",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",

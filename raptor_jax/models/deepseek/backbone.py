@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from raptor_jax import _validate
-from raptor_jax.models import attention, common, initializers, moe, stack
+from raptor_jax.models import attention, common, decoder, initializers, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.lora import LoRADense
-from raptor_jax.models.layers import GatedExperts, RMSNorm, apply_rotary, rotary_tables
+from raptor_jax.models.layers import RMSNorm, apply_rotary, rotary_tables
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 # HF builds q_a_layernorm / kv_a_layernorm with the default eps.
@@ -162,6 +162,22 @@ class DeepseekConfig(FineTuningOptions):
   def head_dim(self) -> int:
     """Per-head width of the plain multi-head attention variant."""
     return self.hidden_size // self.num_attention_heads
+
+  @property
+  def topk_renormalised(self) -> bool:
+    """DeepSeek renormalises only when top_k > 1 (MoEGate)."""
+    return self.norm_topk_prob and self.top_k > 1
+
+  @property
+  def expert_width(self) -> int:
+    return self.moe_intermediate_size
+
+  @property
+  def shared_expert_width(self) -> int:
+    """The shared experts as one gated MLP of n_shared times the width."""
+    return self.moe_intermediate_size * self.n_shared_experts
+
+  shared_expert_gate = False  # Qwen2-MoE's sigmoid gate; none here
 
   @property
   def routing_groups(self) -> tuple[int, int] | None:
@@ -319,121 +335,18 @@ class MultiHeadAttention(nn.Module):
     return proj("o", cfg.hidden_size, out)
 
 
-class GatedMLP(nn.Module):
-  """Dense SwiGLU MLP  down(act(gate(x)) * up(x)): the dense blocks and the shared experts."""
-
-  features: int
-  rank: int = 0
-  alpha: float = 16.0
-  dtype: Any = jnp.float32
-  act: str = "silu"
-  kernels: str = "auto"  # see kernels.py
-
-  @nn.compact
-  def __call__(self, x):
-    def proj(name, features, inputs):
-      return LoRADense(
-          features,
-          rank=self.rank,
-          alpha=self.alpha,
-          dtype=self.dtype,
-          kernels=self.kernels,
-          name=name,
-      )(inputs)
-
-    hidden = moe.ACTIVATIONS[self.act](proj("gate", self.features, x)) * proj(
-        "up", self.features, x
-    )
-    return proj("down", x.shape[-1], hidden)
-
-
-class DeepseekSparseMLP(nn.Module):
-  """Frozen float32 router + routed experts (grouped dispatch) + shared experts (dense)."""
+class DeepseekBlock(decoder.DecoderBlock):
+  """The kit's block (`decoder.DecoderBlock`: pre-norm attention, then a
+  pre-norm dense or sparse MLP, the sparse one with shared experts) with
+  DeepSeek's attention: MLA, or plain multi-head attention (VL2-Tiny)."""
 
   config: DeepseekConfig
-  rank: int = 0  # adapters of the routed experts
 
-  @nn.compact
-  def __call__(self, x, owner=None, owner_params=None):
-    cfg = self.config
-    dtype = jnp.dtype(cfg.dtype)
-    batch, seq, d_model = x.shape
-    router = nn.Dense(
-        cfg.num_experts,
-        use_bias=False,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        kernel_init=initializers.KERNEL,
-        bias_init=initializers.ZEROS,
-        name="router",
+  @property
+  def attention_class(self):
+    return (
+        MultiHeadLatentAttention if self.config.use_mla else MultiHeadAttention
     )
-    router_logits = router(x.astype(jnp.float32))
-    routing = moe.route_topk(
-        router_logits,
-        cfg.top_k,
-        cfg.norm_topk_prob and cfg.top_k > 1,
-        cfg.routing_groups,
-        cfg.routed_scaling_factor,
-    )
-    # One row per (token, slot): routed work scales with tokens x k, not tokens x E.
-    rows = jnp.repeat(x.reshape(batch * seq, d_model), cfg.top_k, axis=0)
-    experts = GatedExperts(
-        cfg.num_experts,
-        cfg.moe_intermediate_size,
-        rank=self.rank,
-        alpha=cfg.lora_alpha,
-        dispatch=cfg.dispatch,
-        dtype=dtype,
-        act=cfg.hidden_act,
-        kernels=cfg.kernels,
-        name="experts",
-    )
-    out = experts(rows, routing.experts.reshape(-1), owner, owner_params)
-    out = moe.combine(out, routing.weights)
-    shared = GatedMLP(
-        cfg.moe_intermediate_size * cfg.n_shared_experts,
-        rank=cfg.lora_rank if cfg.shared_expert_lora else 0,
-        alpha=cfg.lora_alpha,
-        dtype=dtype,
-        act=cfg.hidden_act,
-        kernels=cfg.kernels,
-        name="shared_experts",
-    )
-    return out + shared(x), router_logits
-
-
-class DeepseekBlock(nn.Module):
-  """Pre-norm attention sub-layer, then a pre-norm dense or sparse MLP sub-layer."""
-
-  config: DeepseekConfig
-  index: int
-
-  @nn.compact
-  def __call__(self, x, allowed, owner_override=None):
-    """context `allowed` [B, S, S] (the causal mask), passed on unchanged."""
-    cfg = self.config
-    dtype = jnp.dtype(cfg.dtype)
-    norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype=dtype, name=name)
-    attention = MultiHeadLatentAttention if cfg.use_mla else MultiHeadAttention
-    x = x + attention(cfg, name="attention")(norm("attention_norm")(x), allowed)
-    h = norm("mlp_norm")(x)
-    if self.index not in cfg.sparse_layers:
-      mlp = GatedMLP(
-          cfg.intermediate_size,
-          dtype=dtype,
-          act=cfg.hidden_act,
-          kernels=cfg.kernels,
-          name="mlp",
-      )
-      return x + mlp(h), allowed, None
-    rank = cfg.lora_rank if self.index in cfg.expert_lora_layers else 0
-    owner, owner_params = None, None
-    if owner_override is not None and owner_override.layer == self.index:
-      owner, owner_params = owner_override.owner, owner_override.params
-    out, router_logits = DeepseekSparseMLP(cfg, rank=rank, name="mlp")(
-        h, owner, owner_params
-    )
-    return x + out, allowed, router_logits
 
 
 class DeepseekDecoder(nn.Module):
@@ -485,7 +398,9 @@ class DeepseekDecoder(nn.Module):
       x = embed(input_ids).astype(dtype)
     if image_embeds is not None:
       x = jnp.where(image_mask[..., None], image_embeds.astype(dtype), x)
-    x, router_logits = stack.run(DeepseekBlock, cfg, x, allowed, owner_override)
+    x, router_logits = stack.run(
+        DeepseekBlock, cfg, x, (allowed,), owner_override
+    )
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
     return BackboneOutput(x, router_logits)
 

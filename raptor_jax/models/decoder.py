@@ -1,0 +1,357 @@
+"""The sparse decoder kit: one attention, one top-k MoE block, one stack.
+
+The Llama-style MoE decoders differ in a handful of switches, so they share
+these modules and each family (`olmoe`, `qwen3_moe`, `qwen2_moe`, `mixtral`)
+is a config reader, a name table and its defaults. What the switches mean,
+against transformers (eager attention, eval mode):
+
+* **Attention** (`Attention`): grouped-query causal attention with default
+  RoPE (base `rope_theta`) on q and k, scaled by 1/sqrt(head_dim). Options:
+  `qk_norm` 'full' (OLMoE: one RMS norm over all heads' projections) or
+  'head' (Qwen3: an RMS norm per head over head_dim), both before RoPE;
+  `attention_bias` (a bias on q, k and v: Qwen2); `clip_qkv` (OLMoE);
+  `sliding_window` w (Mixtral, Qwen with `use_sliding_window`: query i sees
+  key j iff i - w < j <= i). A query sees real tokens only; padding queries
+  still see every real token before them, so their states are defined.
+* **MoE block** (`SparseMLP`): a frozen float32 router, a float32 softmax
+  over all E logits, the top-k probabilities (renormalised iff
+  `topk_renormalised`: `norm_topk_prob`; Mixtral always), SwiGLU (or GELU)
+  experts with no capacity and no dropped tokens, dispatched by `moe`.
+  Optional always-active shared experts (Qwen2-MoE, DeepSeek-MoE), with an
+  optional sigmoid output gate (Qwen2-MoE's `shared_expert_gate`); they
+  see every token, so they are shared-stream parameters (`roles`).
+* **Block and stack** (`DecoderBlock`, `Decoder`): pre-norm attention, then
+  a pre-norm MoE block, or a dense SwiGLU MLP for the blocks in
+  `dense_layers` (Qwen's `mlp_only_layers` and `decoder_sparse_step`). The
+  blocks run as scanned segments (`models.stack`), the block with expert
+  adapters outside the scan.
+
+Routing is per token and attention per record, so a record never affects
+another record's output: per-record gradients, hence DP clipping, are
+meaningful (docs/method.md §3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from raptor_jax import _validate
+from raptor_jax.models import attention, common, initializers, moe, stack
+from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
+from raptor_jax.models.layers import GatedExperts, GatedMLP, RMSNorm, apply_rotary, rotary_tables
+from raptor_jax.models.lora import LoRADense
+
+QK_NORMS = ("", "full", "head")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig(FineTuningOptions):
+  """A sparse decoder's architecture (HF field names) plus fine-tuning options.
+
+  `intermediate_size` is the dense MLP's width and, when
+  `moe_intermediate_size` is 0 (OLMoE, Mixtral), each expert's.
+  `head_dim` 0 means hidden_size / num_attention_heads.
+  `shared_expert_lora` puts adapters on the shared experts: they are the
+  shared stream's LoRA, with the attention adapters.
+  """
+
+  vocab_size: int = 32000
+  hidden_size: int = 1024
+  intermediate_size: int = 2048
+  moe_intermediate_size: int = 0
+  num_hidden_layers: int = 16
+  num_attention_heads: int = 16
+  num_key_value_heads: int = 16
+  head_dim: int = 0
+  num_experts: int = 8
+  num_experts_per_tok: int = 2
+  norm_topk_prob: bool = False
+  rms_norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  hidden_act: str = "silu"
+  qk_norm: str = ""
+  attention_bias: bool = False
+  clip_qkv: float | None = None
+  sliding_window: int | None = None
+  shared_expert_intermediate_size: int = 0  # 0: no shared experts
+  shared_expert_gate: bool = False
+  dense_layers: tuple[int, ...] = ()
+  shared_expert_lora: bool = dataclasses.field(default=False, kw_only=True)
+
+  def __post_init__(self):
+    _validate.one_of("hidden_act", self.hidden_act, sorted(moe.ACTIVATIONS))
+    _validate.one_of("qk_norm", self.qk_norm, QK_NORMS)
+    if not self.head_dim:
+      if self.hidden_size % self.num_attention_heads:
+        raise ValueError(
+            f"hidden_size {self.hidden_size} is not a multiple of "
+            f"num_attention_heads {self.num_attention_heads}; set head_dim"
+        )
+      object.__setattr__(
+          self, "head_dim", self.hidden_size // self.num_attention_heads
+      )
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(
+          f"num_attention_heads {self.num_attention_heads} is not a multiple "
+          f"of num_key_value_heads {self.num_key_value_heads}"
+      )
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(
+          f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+          f"[1, num_experts={self.num_experts}]"
+      )
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f"sliding_window {self.sliding_window} must be >= 1")
+    super().__post_init__()
+
+  @property
+  def top_k(self) -> int:
+    return self.num_experts_per_tok
+
+  @property
+  def topk_renormalised(self) -> bool:
+    return self.norm_topk_prob
+
+  @property
+  def expert_width(self) -> int:
+    return self.moe_intermediate_size or self.intermediate_size
+
+  @property
+  def shared_expert_width(self) -> int:
+    return self.shared_expert_intermediate_size
+
+  routing_groups = None  # DeepSeek's group-limited routing only
+  routed_scaling_factor = 1.0
+
+  @property
+  def sparse_layers(self) -> tuple[int, ...]:
+    return tuple(
+        i for i in range(self.num_hidden_layers) if i not in self.dense_layers
+    )
+
+  @property
+  def num_blocks(self) -> int:
+    return self.num_hidden_layers
+
+
+class Attention(nn.Module):
+  """Causal grouped-query attention with RoPE and the kit's options."""
+
+  config: DecoderConfig
+
+  @nn.compact
+  def __call__(self, x, allowed_BxSxS, cos, sin):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    rank = cfg.lora_rank if cfg.attention_lora else 0
+    heads, kv_heads, head_dim = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    )
+    batch, seq = x.shape[:2]
+
+    def proj(name, inputs, features, bias=False):
+      return LoRADense(
+          features,
+          rank=rank,
+          alpha=cfg.lora_alpha,
+          dtype=dtype,
+          kernels=cfg.kernels,
+          use_bias=bias,
+          name=name,
+      )(inputs)
+
+    def norm(name, t, num_heads):
+      if cfg.qk_norm == "head":  # over head_dim, each head apart
+        t = t.reshape(batch, seq, num_heads, head_dim)
+      return RMSNorm(cfg.rms_norm_eps, dtype=dtype, name=name)(t)
+
+    bias = cfg.attention_bias
+    q = proj("q", x, heads * head_dim, bias)
+    k = proj("k", x, kv_heads * head_dim, bias)
+    v = proj("v", x, kv_heads * head_dim, bias)
+    if cfg.qk_norm:
+      q, k = norm("q_norm", q, heads), norm("k_norm", k, kv_heads)
+    if cfg.clip_qkv is not None:
+      q, k, v = (jnp.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    q = apply_rotary(q.reshape(batch, seq, heads, head_dim), cos, sin)
+    k = apply_rotary(k.reshape(batch, seq, kv_heads, head_dim), cos, sin)
+    v = v.reshape(batch, seq, kv_heads, head_dim)
+    # Query head h reads key/value head h // (heads / kv_heads) (HF repeat_kv).
+    k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
+    out = attention.attend_tokens(
+        q * head_dim**-0.5,
+        k,
+        v,
+        attention.mask_bias(allowed_BxSxS),
+        kernels=cfg.kernels,
+    )
+    return proj("o", out.reshape(batch, seq, heads * head_dim), cfg.hidden_size)
+
+
+class SparseMLP(nn.Module):
+  """Frozen float32 top-k router, routed experts and optional shared experts.
+
+  `config` is a `DecoderConfig` or any config with the same routing fields
+  (`DeepseekConfig`).
+  """
+
+  config: DecoderConfig
+  rank: int = 0  # adapters of the routed experts
+
+  @nn.compact
+  def __call__(self, x, owner=None, owner_params=None):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    batch, seq, d_model = x.shape
+    router = nn.Dense(
+        cfg.num_experts,
+        use_bias=False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        kernel_init=initializers.KERNEL,
+        name="router",
+    )
+    router_logits = router(x.astype(jnp.float32))
+    routing = moe.route_topk(
+        router_logits,
+        cfg.top_k,
+        cfg.topk_renormalised,
+        cfg.routing_groups,
+        cfg.routed_scaling_factor,
+    )
+    # One row per (token, slot): work scales with tokens x k, not tokens x E.
+    rows = jnp.repeat(x.reshape(batch * seq, d_model), cfg.top_k, axis=0)
+    experts = GatedExperts(
+        cfg.num_experts,
+        cfg.expert_width,
+        rank=self.rank,
+        alpha=cfg.lora_alpha,
+        dispatch=cfg.dispatch,
+        dtype=dtype,
+        act=cfg.hidden_act,
+        kernels=cfg.kernels,
+        name="experts",
+    )
+    out = experts(rows, routing.experts.reshape(-1), owner, owner_params)
+    out = moe.combine(out, routing.weights)
+    if cfg.shared_expert_width:
+      out = out + GatedMLP(
+          cfg.shared_expert_width,
+          rank=cfg.lora_rank if cfg.shared_expert_lora else 0,
+          alpha=cfg.lora_alpha,
+          dtype=dtype,
+          act=cfg.hidden_act,
+          kernels=cfg.kernels,
+          output_gate=cfg.shared_expert_gate,
+          name="shared_experts",
+      )(x)
+    return out, router_logits
+
+
+class DecoderBlock(nn.Module):
+  """Pre-norm attention, then a pre-norm sparse (or dense) MLP sub-layer.
+
+  `attention_class`: the attention module, called as `(config)(x,
+  *context)`; DeepSeek's blocks put MLA there (context `(allowed,)`), the
+  kit's `Attention` reads `(allowed, cos, sin)`.
+  """
+
+  config: DecoderConfig
+  index: int
+  attention_class: ClassVar[type[nn.Module]] = Attention
+
+  @nn.compact
+  def __call__(self, x, context, owner_override=None):
+    """context: what attention reads (a tuple), passed on unchanged."""
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype=dtype, name=name)
+    attend = self.attention_class(cfg, name="attention")
+    x = x + attend(norm("attention_norm")(x), *context)
+    h = norm("mlp_norm")(x)
+    if self.index not in cfg.sparse_layers:
+      mlp = GatedMLP(
+          cfg.intermediate_size,
+          dtype=dtype,
+          act=cfg.hidden_act,
+          kernels=cfg.kernels,
+          name="mlp",
+      )
+      return x + mlp(h), context, None
+    rank = cfg.lora_rank if self.index in cfg.expert_lora_layers else 0
+    owner, owner_params = None, None
+    if owner_override is not None and owner_override.layer == self.index:
+      owner, owner_params = owner_override.owner, owner_override.params
+    out, router_logits = SparseMLP(cfg, rank=rank, name="mlp")(
+        h, owner, owner_params
+    )
+    return x + out, context, router_logits
+
+
+def allowed_keys(
+    input_ids: jax.Array, attention_mask: jax.Array | None, window: int | None
+) -> jax.Array:
+  """bool [B, S_q, S_k]: the causal mask, within `window` keys if set."""
+  allowed = common.causal_mask(input_ids, attention_mask)
+  if window is None:
+    return allowed
+  pos = jnp.arange(input_ids.shape[1])
+  return allowed & (pos[None, :] > pos[:, None] - window)[None]
+
+
+class Decoder(nn.Module):
+  """A kit decoder stack (token embedding to final norm, no lm_head).
+
+  Families subclass it by name only (`OlmoeDecoder`, ...), so that the
+  front door and the export find a module's family by its class.
+  """
+
+  config: DecoderConfig
+
+  @nn.compact
+  def __call__(
+      self,
+      input_ids: jax.Array,
+      attention_mask: jax.Array | None = None,
+      owner_override: OwnerOverride | None = None,
+  ) -> BackboneOutput:
+    """Decodes a batch (right padding).
+
+    Args:
+      input_ids: int [B, S].
+      attention_mask: {0, 1} [B, S] (1 = token, padding on the right); None
+        means all tokens.
+      owner_override: optional `OwnerOverride` of a sparse block whose
+        params are {'gate': ..., 'up': ..., 'down': ...} (routed experts);
+        only for a single record (B = 1), e.g. inside `jax.vmap` over
+        records.
+
+    Returns:
+      BackboneOutput(hidden_states [B, S, D] after the final norm,
+      router_logits: one float32 [B, S, E] per sparse block, in order).
+    """
+    cfg = self.config
+    common.check_owner_layer(owner_override, cfg.sparse_layers)
+    dtype = jnp.dtype(cfg.dtype)
+    allowed = allowed_keys(input_ids, attention_mask, cfg.sliding_window)
+    cos, sin = rotary_tables(
+        input_ids.shape[1], cfg.head_dim, cfg.rope_theta, dtype
+    )
+    x = nn.Embed(
+        cfg.vocab_size,
+        cfg.hidden_size,
+        embedding_init=initializers.EMBEDDING,
+        name="embed_tokens",
+    )(input_ids).astype(dtype)
+    x, router_logits = stack.run(
+        DecoderBlock, cfg, x, (allowed, cos, sin), owner_override
+    )
+    x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
+    return BackboneOutput(x, router_logits)
