@@ -330,3 +330,116 @@ def save_deepseek(path, name):
 
 def deepseek_outputs(model, ids, mask):
   return _outputs(model, ids, mask, model.config.n_routed_experts)
+
+
+# ---------------------------------------------------------------------------
+# The decoder kit's families (Qwen3-MoE, Qwen2-MoE, Mixtral): 3 blocks,
+# grouped kv heads, a dense block or a sliding window where the family has
+# them.
+
+KIT_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    eos_token_id=None,
+    initializer_range=0.2,  # as OLMoE's: routing decisive, states moved
+)
+KIT_CONFIGS = {
+    "qwen3_moe": (
+        "Qwen3Moe",
+        {
+            "e8k2_norm_dense2": dict(
+                intermediate_size=24,
+                moe_intermediate_size=16,
+                num_experts=8,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                head_dim=12,  # not hidden / heads
+                num_hidden_layers=4,  # blocks 0-1 scanned, 2 dense
+                mlp_only_layers=[2],
+            ),
+            "e4k1_step2_theta500": dict(
+                intermediate_size=24,
+                moe_intermediate_size=16,
+                num_experts=4,
+                num_experts_per_tok=1,
+                decoder_sparse_step=2,  # block 1 sparse, 0 and 2 dense
+                rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            ),
+        },
+    ),
+    "qwen2_moe": (
+        "Qwen2Moe",
+        {
+            "e8k2_shared": dict(
+                intermediate_size=24,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=20,
+                num_experts=8,
+                num_experts_per_tok=2,
+            ),
+            "e4k2_norm_dense0": dict(
+                intermediate_size=24,
+                moe_intermediate_size=8,
+                shared_expert_intermediate_size=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                num_hidden_layers=4,  # block 0 dense, 1-2 scanned
+                mlp_only_layers=[0],
+            ),
+        },
+    ),
+    "mixtral": (
+        "Mixtral",
+        {
+            "e4k2": dict(
+                intermediate_size=16, num_local_experts=4, num_experts_per_tok=2
+            ),
+            "e8k2_window4": dict(
+                intermediate_size=16,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                sliding_window=4,  # shorter than SEQ: the window matters
+            ),
+        },
+    ),
+}
+
+
+def kit_hf_config(family, **kwargs):
+  prefix, _ = KIT_CONFIGS[family]
+  return getattr(transformers, prefix + "Config")(**{**KIT_BASE, **kwargs})
+
+
+def save_kit(family):
+  """`Spec.save` of a kit family: (dir, name) -> (dir, dir)."""
+  prefix, configs = KIT_CONFIGS[family]
+
+  def save(path, name):
+    torch.manual_seed(list(configs).index(name))
+    config = kit_hf_config(family, **configs[name])
+    getattr(transformers, prefix + "ForCausalLM")(config).save_pretrained(path)
+    return path, path
+
+  return save
+
+
+def kit_outputs(family):
+  prefix, _ = KIT_CONFIGS[family]
+
+  def outputs(path, ids, mask):
+    model = getattr(transformers, prefix + "Model").from_pretrained(
+        path, attn_implementation="eager"
+    )
+    num_experts = getattr(
+        model.config,
+        "num_experts",
+        getattr(model.config, "num_local_experts", 0),
+    )
+    return _outputs(model.eval(), ids, mask, num_experts)
+
+  return outputs

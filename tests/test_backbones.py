@@ -1,6 +1,7 @@
 """Every family's backbone against its Hugging Face PyTorch model.
 
-One parametrized set for Switch, OLMoE and DeepSeek-MoE: forward parity
+One parametrized set for Switch, DeepSeek-MoE and the decoder kit's
+families (OLMoE, Qwen3-MoE, Qwen2-MoE, Mixtral): forward parity
 with transformers (hidden states and router logits, on padded batches), a
 batch of one equal to its row of a larger batch, padding that changes no
 real token, and the grouped expert dispatch equal to the dense one. Each
@@ -76,6 +77,18 @@ SPECS = {
         batch_of_one=("group_qlora_dense0_s2_norm", "mha_dense1_s2"),
         dispatch=("group_q_dense0_s1",),
     ),
+    # The decoder kit's families: first config batch of one, second grouped
+    # against dense.
+    **{
+        family: Spec(
+            tuple(configs),
+            refs.save_kit(family),
+            refs.kit_outputs(family),
+            batch_of_one=tuple(configs)[:1],
+            dispatch=tuple(configs)[1:2],
+        )
+        for family, (_, configs) in refs.KIT_CONFIGS.items()
+    },
 }
 
 

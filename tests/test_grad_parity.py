@@ -59,6 +59,8 @@ from transformers.models.llama import modeling_llama
 from transformers.models.switch_transformers import modeling_switch_transformers
 
 from raptor_jax import models, roles
+
+import hf_references
 from raptor_jax.models import family as family_lib
 from raptor_jax.models import hf as hf_lib
 from raptor_jax.models import moe
@@ -247,11 +249,34 @@ def _deepseek_mha(path, seed):
   )
 
 
+def _kit(family, name):
+  """A decoder-kit family's reference: tests/hf_references.py's config."""
+  prefix, configs = hf_references.KIT_CONFIGS[family]
+
+  def build(path, seed):
+    torch.manual_seed(seed)
+    config = hf_references.kit_hf_config(family, **configs[name])
+    model = getattr(transformers, prefix + "ForCausalLM")(config)
+    model.save_pretrained(path)
+    return Reference(path, _float64_eval(model), _decoder_hidden)
+
+  return build
+
+
 BUILDERS = {
     "switch": _switch,  # capacity drops, dense and sparse blocks, position bias
     "olmoe": _olmoe,  # top-2 renormalised, GQA, q/k norms, clip_qkv
     "deepseek_mla": _deepseek_mla,  # MLA, q_lora, dense block, 2 shared, groups
     "deepseek_mha": _deepseek_mha,  # plain GQA attention, dense block, groups
+    # per-head q/k norms, head_dim 12 (not 32 / 4), a dense third block
+    "qwen3_moe": _kit("qwen3_moe", "e8k2_norm_dense2"),
+    # q/k/v bias, a sigmoid-gated shared expert, a dense first block
+    "qwen2_moe": _kit("qwen2_moe", "e4k2_norm_dense0"),
+    # No sliding window here: in float64, transformers' eager attention
+    # gives a padding query whose window holds only padding NaN, which the
+    # next block's values carry into the real tokens (0 * NaN); the window
+    # is checked by the forward parity (tests/test_backbones.py).
+    "mixtral": _kit("mixtral", "e4k2"),
 }
 
 

@@ -3,6 +3,8 @@
 module, params = models.from_pretrained("google/switch-base-8")
 # or "allenai/OLMoE-1B-7B-0924" (OlmoeDecoder; every block is sparse)
 # or a DeepSeek-V2 directory (DeepseekDecoder; routed + shared experts)
+# or "Qwen/Qwen3-30B-A3B", "Qwen/Qwen1.5-MoE-A2.7B", "mistralai/Mixtral-8x7B-v0.1"
+# (Qwen3MoeDecoder, Qwen2MoeDecoder, MixtralDecoder: the decoder kit)
 out = module.apply({"params": params}, input_ids, attention_mask)
 out.hidden_states   # [B, S, D]
 out.router_logits   # one float32 [B, S, E] per sparse layer
@@ -16,7 +18,10 @@ from raptor_jax.models.heads import SequenceClassifier, last_token, masked_mean
 from raptor_jax.models.hf import from_pretrained, init_missing, merge_params, with_options
 from raptor_jax.models.initializers import init_params
 from raptor_jax.models.lora import ExpertLinear, LoRADense
+from raptor_jax.models.mixtral import MixtralConfig, MixtralDecoder
 from raptor_jax.models.olmoe import OlmoeConfig, OlmoeDecoder
+from raptor_jax.models.qwen2_moe import Qwen2MoeConfig, Qwen2MoeDecoder
+from raptor_jax.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeDecoder
 from raptor_jax.models.stack import segments, stack_layers, unstack_layers
 from raptor_jax.models.switch import SwitchConfig, SwitchEncoder
 
@@ -27,9 +32,15 @@ __all__ = [
     "ExpertLinear",
     "FineTuningOptions",
     "LoRADense",
+    "MixtralConfig",
+    "MixtralDecoder",
     "OlmoeConfig",
     "OlmoeDecoder",
     "OwnerOverride",
+    "Qwen2MoeConfig",
+    "Qwen2MoeDecoder",
+    "Qwen3MoeConfig",
+    "Qwen3MoeDecoder",
     "SequenceClassifier",
     "SwitchConfig",
     "SwitchEncoder",

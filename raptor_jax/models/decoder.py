@@ -34,15 +34,16 @@ meaningful (docs/method.md §3).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from raptor_jax import _validate
-from raptor_jax.models import attention, common, initializers, moe, stack
+from raptor_jax.models import attention, common, family, initializers, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
+from raptor_jax.models.family import COPY, Rule
 from raptor_jax.models.layers import GatedExperts, GatedMLP, RMSNorm, apply_rotary, rotary_tables
 from raptor_jax.models.lora import LoRADense
 
@@ -355,3 +356,145 @@ class Decoder(nn.Module):
     )
     x = RMSNorm(cfg.rms_norm_eps, dtype=dtype, name="final_layer_norm")(x)
     return BackboneOutput(x, router_logits)
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face: what the kit's families share in config.json and names.
+
+BLOCK, LAYER = "block_{i}/", "layers.{i}."
+# config.json key -> DecoderConfig field, where a family's key is the kit's.
+HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "rms_norm_eps",
+    "hidden_act",
+    "clip_qkv",
+    "shared_expert_intermediate_size",
+)
+
+
+def arch_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """The kit's fields that a config.json states, by their HF names.
+
+  Reads `num_local_experts` (Mixtral), RoPE (default only), and Qwen's
+  dense blocks (`mlp_only_layers`, `decoder_sparse_step`). A sliding window
+  is read only when it applies to every block alike; a per-block pattern
+  (`layer_types` mixing full and sliding attention) is refused.
+  """
+  arch = {k: hf[k] for k in HF_KEYS if hf.get(k) is not None}
+  if "num_experts" not in arch and "num_local_experts" in hf:
+    arch["num_experts"] = hf["num_local_experts"]
+  arch.setdefault(
+      "num_key_value_heads",
+      arch.get("num_attention_heads", DecoderConfig.num_attention_heads),
+  )
+  arch.setdefault("head_dim", 0)  # absent or null: hidden / heads
+  if "clip_qkv" in arch:
+    arch["clip_qkv"] = float(arch["clip_qkv"])
+  layers = arch.get("num_hidden_layers", DecoderConfig.num_hidden_layers)
+  step = hf.get("decoder_sparse_step") or 1
+  arch["dense_layers"] = tuple(
+      i
+      for i in range(layers)
+      if i in (hf.get("mlp_only_layers") or ()) or (i + 1) % step
+  )
+  window = hf.get("sliding_window") or None
+  if "use_sliding_window" in hf and not hf["use_sliding_window"]:
+    window = None
+  kinds = set(hf.get("layer_types") or ())
+  if window is not None and kinds and kinds != {"sliding_attention"}:
+    raise ValueError(
+        f"config.json: layer_types {sorted(kinds)} mix sliding and full"
+        " attention, which the port does not run; set use_sliding_window ="
+        " false (exact whenever data.max_length <= sliding_window"
+        f" = {window})"
+    )
+  arch["sliding_window"] = window
+  return {**arch, "rope_theta": family.rope_theta(hf)}
+
+
+def hf_rules(
+    *, qk_norm: bool = False, qkv_bias: bool = False, dense_mlp: bool = False
+) -> tuple[Rule, ...]:
+  """A kit decoder's names besides its sparse MLP's (under `model.`)."""
+  rules = [
+      Rule("embed_tokens/embedding", "embed_tokens.weight", COPY),
+      Rule(
+          BLOCK + "attention/{p:q|k|v|o}/kernel",
+          LAYER + "self_attn.{p}_proj.weight",
+      ),
+      Rule(
+          BLOCK + "attention_norm/scale", LAYER + "input_layernorm.weight", COPY
+      ),
+      Rule(
+          BLOCK + "mlp_norm/scale",
+          LAYER + "post_attention_layernorm.weight",
+          COPY,
+      ),
+      Rule("final_layer_norm/scale", "norm.weight", COPY),
+  ]
+  if qk_norm:
+    rules.append(
+        Rule(
+            BLOCK + "attention/{p:q|k}_norm/scale",
+            LAYER + "self_attn.{p}_norm.weight",
+            COPY,
+        )
+    )
+  if qkv_bias:
+    rules.append(
+        Rule(
+            BLOCK + "attention/{p:q|k|v}/bias",
+            LAYER + "self_attn.{p}_proj.bias",
+            COPY,
+        )
+    )
+  if dense_mlp:
+    rules.append(
+        Rule(
+            BLOCK + "mlp/{p:gate|up|down}/kernel",
+            LAYER + "mlp.{p}_proj.weight",
+        )
+    )
+  return tuple(rules)
+
+
+def hf_kwargs(config: DecoderConfig) -> dict[str, Any]:
+  """The config.json keys every kit family writes (export)."""
+  return dict(
+      vocab_size=config.vocab_size,
+      hidden_size=config.hidden_size,
+      intermediate_size=config.intermediate_size,
+      num_hidden_layers=config.num_hidden_layers,
+      num_attention_heads=config.num_attention_heads,
+      num_key_value_heads=config.num_key_value_heads,
+      num_experts_per_tok=config.num_experts_per_tok,
+      rms_norm_eps=config.rms_norm_eps,
+      hidden_act=config.hidden_act,
+      rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+      tie_word_embeddings=False,
+  )
+
+
+def sized(sizes: Any, vocab_size: int) -> dict[str, Any]:
+  """The kit's fields from generic sizes (`hf.backbone_from_sizes`)."""
+  return dict(
+      vocab_size=vocab_size,
+      hidden_size=sizes.d_model,
+      intermediate_size=sizes.d_ff,
+      num_hidden_layers=sizes.num_layers,
+      num_attention_heads=sizes.num_heads,
+      num_key_value_heads=sizes.num_kv_heads,
+      num_experts=sizes.num_experts,
+      num_experts_per_tok=sizes.top_k,
+      norm_topk_prob=sizes.norm_topk_prob,
+  )

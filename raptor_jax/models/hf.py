@@ -5,7 +5,8 @@ from a local directory or a Hub snapshot, picks the family by `model_type`
 (`FAMILIES`) and maps the tensors through that family's name table (Switch
 decoder, decoder lm_head and DeepSeek-VL2 vision weights are ignored),
 returning `(module, params)`. Each family's config reader, name table and
-size builder live with its backbone (`switch`, `olmoe`, `deepseek`); the
+size builder live with its backbone (`switch`, `deepseek` and the decoder
+kit's `olmoe`, `qwen3_moe`, `qwen2_moe`, `mixtral`); the
 names below that carry a family's prefix are kept for their callers.
 """
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raptor_jax import roles
-from raptor_jax.models import common, deepseek, heads, initializers, olmoe, stack, switch
+from raptor_jax.models import common, deepseek, heads, initializers, mixtral, olmoe, qwen2_moe, qwen3_moe, stack, switch
 from raptor_jax.models import family as family_lib
 
 Params = Mapping[str, Any]
@@ -156,7 +157,14 @@ def init_missing(
 # Every family by its short name (the trainer's `model=`, the size configs'
 # `family`). A new family adds its module here: its `HF_FAMILIES` entries
 # join `FAMILIES`, its `from_sizes` serves `backbone_from_sizes`.
-FAMILY_MODULES = {"switch": switch, "olmoe": olmoe, "deepseek": deepseek}
+FAMILY_MODULES = {
+    "switch": switch,
+    "olmoe": olmoe,
+    "deepseek": deepseek,
+    "qwen3_moe": qwen3_moe,
+    "qwen2_moe": qwen2_moe,
+    "mixtral": mixtral,
+}
 # HF `model_type` -> how `from_pretrained` reads it (and export writes it).
 FAMILIES: dict[str, family_lib.Family] = {
     model_type: entry
@@ -173,8 +181,8 @@ def backbone_from_sizes(
   One mapping for every model built from sizes rather than a checkpoint (the
   `:tiny` random model, pretraining): `sizes` has d_model, d_kv, d_ff,
   num_layers, num_heads, num_experts, and per family expert_capacity and
-  sparse_step ('switch'), num_kv_heads, top_k and norm_topk_prob ('olmoe')
-  or top_k, num_shared_experts, first_k_dense and kv_lora_rank ('deepseek',
+  sparse_step ('switch'), num_kv_heads, top_k and norm_topk_prob (the
+  kit's families: 'olmoe', 'qwen3_moe', 'qwen2_moe', 'mixtral') or top_k, num_shared_experts, first_k_dense and kv_lora_rank ('deepseek',
   see `deepseek.sized_config`); each family's `from_sizes` reads them.
   `options` go to the family's config (e.g. `dispatch='grouped_train'`).
   """
