@@ -11,7 +11,12 @@ The argument is comma-separated key=value pairs (big_vision style):
           activations; the classifier reads the last non-padding token) |
           deepseek (deepseek-ai/deepseek-vl2-tiny's language model: 64 routed
           experts, top-6, 2 shared experts, a dense first block; its shared
-          experts train in the shared stream)
+          experts train in the shared stream) |
+          qwen3_moe (Qwen/Qwen3-30B-A3B: E=128, top-8) |
+          qwen2_moe (Qwen/Qwen1.5-MoE-A2.7B: E=60, top-4, a gated shared
+          expert that trains in the shared stream) |
+          mixtral (mistralai/Mixtral-8x7B-v0.1: E=8, top-2); the decoder
+          kit's families read the last non-padding token
   preset  empty (default; paper scale) | tiny (embedded offline task, a small
           random model; CPU, minutes) | cpu (the tiny model size on the real
           task's files) | small (a small pretrained model from

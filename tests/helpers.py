@@ -175,6 +175,9 @@ def max_rel_err(got, want):
   return max(errs, default=0.0)
 
 
+# The paper's three families; the decoder kit's others share OLMoE's modules,
+# so the slow checks that are about a module's code run on these only.
+PAPER_FAMILIES = ("switch", "olmoe", "deepseek")
 # The micro task's model of each family (`micro_config(**MICRO_FAMILIES[f])`).
 # OLMoE is wide enough (d_model 64, d_ff 128, E = 8) for XLA:CPU's YNNPACK
 # fusion to take the expert products (raptor_jax.xla_workarounds); narrower
@@ -197,5 +200,18 @@ MICRO_FAMILIES = {
         "model.random.first_k_dense": 1,
         "model.random.num_shared_experts": 2,
         "model.random.kv_lora_rank": 16,
+    },
+    # The decoder kit's other families: what differs from OLMoE's micro
+    # model (per-head q/k norms; q/k/v bias and a gated shared expert;
+    # always renormalised top-k).
+    **{
+        family: {
+            "model.random.family": family,
+            "model.random.num_experts": 4,
+            "model.random.top_k": 2,
+            "model.random.num_kv_heads": 2,
+            "model.random.num_layers": 2,
+        }
+        for family in ("qwen3_moe", "qwen2_moe", "mixtral")
     },
 }

@@ -28,7 +28,7 @@ import transformers
 from raptor_jax import models, roles, xla_workarounds
 from raptor_jax.models import decoder, export, lora, olmoe
 
-from helpers import MICRO_FAMILIES, fresh_compiles, max_rel_err, micro_config
+from helpers import MICRO_FAMILIES, PAPER_FAMILIES, fresh_compiles, max_rel_err, micro_config
 import hf_references as refs
 
 
@@ -365,7 +365,7 @@ def _assert_jit_equals_eager(fn, *args, scale=None, tol=JIT_EAGER_TOL):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(MICRO_FAMILIES))
+@pytest.mark.parametrize("family", PAPER_FAMILIES)
 def test_residual_weights_jit_equals_eager(audit_run, family):
   """w_i from the model with l*'s expert adapters zeroed inside the program."""
   run, fns, trainable, frozen, batch, _ = audit_run(family)
@@ -379,7 +379,7 @@ def test_residual_weights_jit_equals_eager(audit_run, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(MICRO_FAMILIES))
+@pytest.mark.parametrize("family", PAPER_FAMILIES)
 def test_denominator_b_release_jit_equals_eager(audit_run, family):
   """The D_e = B ablation's expert release: the clipped, residual-weighted
   sums divided by B, without and with the step's noise."""
@@ -416,7 +416,7 @@ def test_denominator_b_release_jit_equals_eager(audit_run, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(MICRO_FAMILIES))
+@pytest.mark.parametrize("family", PAPER_FAMILIES)
 def test_diagnostic_statistics_jit_equals_eager(audit_run, family):
   """diagnostics' per-role squared norms and l* signal sums (they run the
   step's per-record release, residual weights included)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -11,7 +13,9 @@ from raptor_jax import _validate, data
 def _random_model_config() -> ml_collections.ConfigDict:
   """`model.random`: the randomly initialised stand-in of a pretrained model."""
   r = ml_collections.ConfigDict()
-  r.family = "switch"  # switch | olmoe | deepseek
+  r.family = (
+      "switch"  # switch | olmoe | deepseek | qwen3_moe | qwen2_moe | mixtral
+  )
   r.d_model = 64  # hidden size
   r.num_layers = 4  # blocks
   r.num_heads = 4  # attention heads
@@ -20,9 +24,9 @@ def _random_model_config() -> ml_collections.ConfigDict:
   r.num_experts = 4  # experts per sparse block
   r.sparse_step = 2  # HF placement: block i sparse iff i % step == 1
   r.expert_capacity = 16  # per-sequence expert capacity (switch)
-  r.top_k = 2  # experts per token (olmoe)
-  r.num_kv_heads = 2  # key/value heads (olmoe)
-  r.norm_topk_prob = False  # renormalise the top-k weights (olmoe)
+  r.top_k = 2  # experts per token (top-k families)
+  r.num_kv_heads = 2  # key/value heads (the decoder kit's families)
+  r.norm_topk_prob = False  # renormalise the top-k weights (the kit's)
   r.num_shared_experts = 2  # always-active shared experts (deepseek)
   r.first_k_dense = 1  # leading dense blocks (deepseek)
   r.kv_lora_rank = (
@@ -275,11 +279,38 @@ def deepseek_family(
   return config
 
 
+def kit_family(
+    family: str, name: str, experts: int, top_k: int
+) -> Callable[[ml_collections.ConfigDict], ml_collections.ConfigDict]:
+  """A decoder-kit family (`models.decoder`) instead of Switch-base-8.
+
+  Paper scale loads `name` in bfloat16 (microbatch 8, as OLMoE); the random
+  stand-in has 8 experts, top-2 (`experts`, `top_k`: the real model's).
+  """
+
+  def apply(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    config.model.name = name
+    config.model.dtype = (
+        "bfloat16"  # activations; DP sums and noise stay float32
+    )
+    config.microbatch_size = 8
+    config.model.random.update(
+        family=family, num_experts=8, top_k=2, num_kv_heads=2
+    )
+    return config
+
+  apply.__doc__ = f"{name} (E={experts}, top-{top_k}) instead of Switch-base-8."
+  return apply
+
+
 # Model family -> its changes to the (Switch) base config.
 FAMILIES = {
     "switch": lambda c: c,
     "olmoe": olmoe_family,
     "deepseek": deepseek_family,
+    "qwen3_moe": kit_family("qwen3_moe", "Qwen/Qwen3-30B-A3B", 128, 8),
+    "qwen2_moe": kit_family("qwen2_moe", "Qwen/Qwen1.5-MoE-A2.7B", 60, 4),
+    "mixtral": kit_family("mixtral", "mistralai/Mixtral-8x7B-v0.1", 8, 2),
 }
 
 
@@ -293,7 +324,8 @@ def with_preset(
     arg: '' (paper scale), 'tiny' (embedded offline task), 'cpu' (tiny
       random model on the real task's files) or 'small' (a small pretrained
       model from launch/pretrain.py on the real task's files).
-    family: 'switch', 'olmoe' or 'deepseek'.
+    family: a key of `FAMILIES` ('switch', 'olmoe', 'deepseek', 'qwen3_moe',
+      'qwen2_moe' or 'mixtral').
   """
   presets = {
       "": lambda c: c,
@@ -316,8 +348,10 @@ def glue_config(
 
   Args:
     task: 'sst2', 'qnli', 'qqp' or 'mnli'.
-    model: 'switch' (google/switch-base-8), 'olmoe' (OLMoE-1B-7B) or
-      'deepseek' (DeepSeek-VL2-Tiny's language model).
+    model: 'switch' (google/switch-base-8), 'olmoe' (OLMoE-1B-7B),
+      'deepseek' (DeepSeek-VL2-Tiny's language model), 'qwen3_moe'
+      (Qwen3-30B-A3B), 'qwen2_moe' (Qwen1.5-MoE-A2.7B) or 'mixtral'
+      (Mixtral-8x7B).
     preset: see `with_preset`.
   """
   _validate.one_of("task", task, data.TASK_CORPUS, _ARG_FIX)
