@@ -182,36 +182,75 @@ def test_olmoe_classifier_export_agrees_with_transformers(tmp_path):
   np.testing.assert_allclose(hf_logits, flax_logits, atol=1e-4, rtol=1e-4)
 
 
+def _sequence_classifier_backbones(vocab):
+  """A small backbone of each family with a transformers classifier class,
+  adapters on attention and the last block's experts."""
+  lora = dict(lora_rank=2, attention_lora=True, expert_lora_layers=(1,))
+  kit = dict(
+      vocab_size=vocab,
+      hidden_size=16,
+      intermediate_size=24,
+      num_hidden_layers=2,
+      num_attention_heads=2,
+      num_key_value_heads=1,
+      num_experts=4,
+      num_experts_per_tok=2,
+      **lora,
+  )
+  return {
+      "deepseek": models.DeepseekDecoder(
+          models.DeepseekConfig(
+              vocab_size=vocab,
+              hidden_size=16,
+              intermediate_size=24,
+              moe_intermediate_size=8,
+              num_hidden_layers=2,
+              num_attention_heads=2,
+              num_key_value_heads=2,
+              kv_lora_rank=8,
+              qk_nope_head_dim=8,
+              qk_rope_head_dim=4,
+              v_head_dim=8,
+              n_routed_experts=4,
+              n_shared_experts=1,
+              num_experts_per_tok=2,
+              **lora,
+          )
+      ),
+      "qwen3_moe": models.Qwen3MoeDecoder(
+          models.Qwen3MoeConfig(**kit, moe_intermediate_size=8, head_dim=4)
+      ),
+      "qwen2_moe": models.Qwen2MoeDecoder(
+          models.Qwen2MoeConfig(
+              **kit,
+              moe_intermediate_size=8,
+              shared_expert_intermediate_size=12,
+              shared_expert_lora=True,
+          )
+      ),
+      "mixtral": models.MixtralDecoder(models.MixtralConfig(**kit)),
+  }
+
+
 @pytest.mark.slow
-def test_deepseek_exports_as_transformers_sequence_classifier(tmp_path):
-  """DeepSeek has a transformers classifier class: the export is a
-  DeepseekV2ForSequenceClassification (head as its bias-free `score`,
-  last non-padding token) that AutoModelForSequenceClassification and
-  pipeline('text-classification') load, with the Flax model's logits."""
+@pytest.mark.parametrize(
+    "family, arch",
+    [
+        ("deepseek", "DeepseekV2ForSequenceClassification"),
+        ("qwen3_moe", "Qwen3MoeForSequenceClassification"),
+        ("qwen2_moe", "Qwen2MoeForSequenceClassification"),
+        ("mixtral", "MixtralForSequenceClassification"),
+    ],
+)
+def test_exports_as_transformers_sequence_classifier(family, arch, tmp_path):
+  """A family with a transformers classifier class: the export is that
+  class (head as its bias-free `score`, last non-padding token) that
+  AutoModelForSequenceClassification and pipeline('text-classification')
+  load, with the Flax model's logits."""
   from raptor_jax.data import synthetic
 
   tokenizer = synthetic.build_tokenizer(16)
-  backbone = models.DeepseekDecoder(
-      models.DeepseekConfig(
-          vocab_size=len(tokenizer),
-          hidden_size=16,
-          intermediate_size=24,
-          moe_intermediate_size=8,
-          num_hidden_layers=2,
-          num_attention_heads=2,
-          num_key_value_heads=2,
-          kv_lora_rank=8,
-          qk_nope_head_dim=8,
-          qk_rope_head_dim=4,
-          v_head_dim=8,
-          n_routed_experts=4,
-          n_shared_experts=1,
-          num_experts_per_tok=2,
-          lora_rank=2,
-          attention_lora=True,
-          expert_lora_layers=(1,),
-      )
-  )
+  backbone = _sequence_classifier_backbones(len(tokenizer))[family]
   params = backbone.init(jax.random.PRNGKey(0), *initializers.example_inputs())
   model, params = hf.with_head(backbone, params["params"], 3)
   assert model.pooling == "last" and set(params["head"]) == {"kernel"}
@@ -229,7 +268,7 @@ def test_deepseek_exports_as_transformers_sequence_classifier(tmp_path):
   out = release.write_model(tmp_path / "m", model, params, tokenizer, "abc")
   assert not (out / release.HEAD).exists()
   config = json.loads((out / "config.json").read_text())
-  assert config["architectures"] == ["DeepseekV2ForSequenceClassification"]
+  assert config["architectures"] == [arch]
   assert config["pad_token_id"] == tokenizer.pad_token_id
   texts = [
       "the movie was great",
@@ -244,7 +283,7 @@ def test_deepseek_exports_as_transformers_sequence_classifier(tmp_path):
           out, output_loading_info=True
       )
   )
-  assert type(hf_model).__name__ == "DeepseekV2ForSequenceClassification"
+  assert type(hf_model).__name__ == arch
   assert not info["missing_keys"] and not info["unexpected_keys"], info
   with torch.no_grad():
     hf_logits = hf_model.eval()(
@@ -283,7 +322,7 @@ def test_deepseek_exports_as_transformers_sequence_classifier(tmp_path):
   assert (mean_out / release.HEAD).exists()
   assert json.loads((mean_out / "config.json").read_text())[
       "architectures"
-  ] == ["DeepseekV2Model"]
+  ] == [arch.replace("ForSequenceClassification", "Model")]
 
 
 @pytest.mark.slow
