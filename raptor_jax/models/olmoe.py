@@ -16,7 +16,6 @@ from typing import Any, Mapping
 import numpy as np
 
 from raptor_jax.models import decoder, family
-from raptor_jax.models.family import COPY, Rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,21 +44,6 @@ class OlmoeDecoder(decoder.Decoder):
 # ---------------------------------------------------------------------------
 # Hugging Face: config.json, the name table, sizes.
 
-_ARCH_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_experts",
-    "num_experts_per_tok",
-    "norm_topk_prob",
-    "rms_norm_eps",
-    "clip_qkv",
-    "hidden_act",
-)
-
 
 def config_from_hf(hf: Mapping[str, Any], **options) -> OlmoeConfig:
   """OlmoeConfig from an HF config.json dict, plus fine-tuning options."""
@@ -68,48 +52,16 @@ def config_from_hf(hf: Mapping[str, Any], **options) -> OlmoeConfig:
         "OLMoE checkpoints with attention_bias=true are not supported "
         "(the port's attention projections are bias-free, as in OLMoE)"
     )
-  arch = {k: hf[k] for k in _ARCH_KEYS if hf.get(k) is not None}
-  if "num_experts" not in arch and "num_local_experts" in hf:
-    arch["num_experts"] = hf["num_local_experts"]
-  arch.setdefault(
-      "num_key_value_heads",
-      arch.get("num_attention_heads", OlmoeConfig.num_attention_heads),
-  )
-  if "clip_qkv" in arch:
-    arch["clip_qkv"] = float(arch["clip_qkv"])
-  return OlmoeConfig(**arch, rope_theta=family.rope_theta(hf), **options)
+  return OlmoeConfig(**decoder.arch_from_hf(hf), **options)
 
 
-_BLOCK, _LAYER = "block_{i}/", "layers.{i}."
 # Names with or without `model.` (OlmoeForCausalLM or OlmoeModel); routed
 # experts per expert as `save_pretrained` and the Hub store them, or fused as
 # transformers v5 holds them in memory (load only).
 HF_NAMES = family.NameTable(
     "OLMoE",
-    (
-        Rule("embed_tokens/embedding", "embed_tokens.weight", COPY),
-        Rule(
-            _BLOCK + "attention/{p:q|k|v|o}/kernel",
-            _LAYER + "self_attn.{p}_proj.weight",
-        ),
-        Rule(
-            _BLOCK + "attention/{p:q|k}_norm/scale",
-            _LAYER + "self_attn.{p}_norm.weight",
-            COPY,
-        ),
-        Rule(
-            _BLOCK + "attention_norm/scale",
-            _LAYER + "input_layernorm.weight",
-            COPY,
-        ),
-        Rule(
-            _BLOCK + "mlp_norm/scale",
-            _LAYER + "post_attention_layernorm.weight",
-            COPY,
-        ),
-        *family.gated_moe_rules(_BLOCK, _LAYER),
-        Rule("final_layer_norm/scale", "norm.weight", COPY),
-    ),
+    decoder.hf_rules(qk_norm=True)
+    + family.gated_moe_rules(decoder.BLOCK, decoder.LAYER),
     prefix="model.",
     ignore=("rotary_emb.inv_freq",),  # a buffer old checkpoints stored
 )
@@ -130,20 +82,10 @@ def hf_config(config: OlmoeConfig, **extra):
   import transformers  # pylint: disable=g-import-not-at-top
 
   return transformers.OlmoeConfig(
-      vocab_size=config.vocab_size,
-      hidden_size=config.hidden_size,
-      intermediate_size=config.intermediate_size,
-      num_hidden_layers=config.num_hidden_layers,
-      num_attention_heads=config.num_attention_heads,
-      num_key_value_heads=config.num_key_value_heads,
+      **decoder.hf_kwargs(config),
       num_experts=config.num_experts,
-      num_experts_per_tok=config.num_experts_per_tok,
       norm_topk_prob=config.norm_topk_prob,
-      rms_norm_eps=config.rms_norm_eps,
       clip_qkv=config.clip_qkv,
-      hidden_act=config.hidden_act,
-      rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-      tie_word_embeddings=False,
       **{"architectures": ["OlmoeForCausalLM"], **extra},
   )
 
@@ -151,18 +93,7 @@ def hf_config(config: OlmoeConfig, **extra):
 def from_sizes(sizes: Any, vocab_size: int, **options) -> OlmoeDecoder:
   """A random OLMoE from generic sizes (`hf.backbone_from_sizes`)."""
   return OlmoeDecoder(
-      OlmoeConfig(
-          vocab_size=vocab_size,
-          hidden_size=sizes.d_model,
-          intermediate_size=sizes.d_ff,
-          num_hidden_layers=sizes.num_layers,
-          num_attention_heads=sizes.num_heads,
-          num_key_value_heads=sizes.num_kv_heads,
-          num_experts=sizes.num_experts,
-          num_experts_per_tok=sizes.top_k,
-          norm_topk_prob=sizes.norm_topk_prob,
-          **options,
-      )
+      OlmoeConfig(**decoder.sized(sizes, vocab_size), **options)
   )
 
 
