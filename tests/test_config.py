@@ -41,6 +41,29 @@ def test_alias_is_glue_with_the_same_parameters(task, model):
     assert expected.model.random.family == model
 
 
+@pytest.mark.parametrize(
+    "model, name",
+    [
+        ("qwen3_moe", "Qwen/Qwen3-30B-A3B"),
+        ("qwen2_moe", "Qwen/Qwen1.5-MoE-A2.7B"),
+        ("mixtral", "mistralai/Mixtral-8x7B-v0.1"),
+    ],
+)
+def test_the_decoder_kits_families_have_every_preset(model, name):
+  glue = load_config_module("glue")
+  paper = glue.get_config(f"task=qnli,model={model}")
+  assert (paper.model.name, paper.model.dtype) == (name, "bfloat16")
+  assert paper.microbatch_size == 8
+  for preset in ("tiny", "cpu", "small"):
+    config = glue.get_config(f"task=qnli,model={model},preset={preset}")
+    assert config.model.dtype == "float32"
+    assert config.model.random.family == model
+    assert (config.model.random.num_experts, config.model.random.top_k) == (
+        8,
+        2,
+    )
+
+
 def test_glue_fields():
   glue = load_config_module("glue")
   assert (
@@ -113,7 +136,8 @@ def test_glue_fields():
         ),
         (
             "model=gpt",
-            "model: must be one of 'switch', 'olmoe', 'deepseek', got 'gpt'",
+            "model: must be one of 'switch', 'olmoe', 'deepseek',"
+            " 'qwen3_moe', 'qwen2_moe', 'mixtral', got 'gpt'",
         ),
         (
             "preset=huge",
