@@ -87,6 +87,44 @@ SHAPES = {
             first_k_dense_replace=1,
         ),
     ),
+    'qwen3_moe': dict(  # Qwen/Qwen3-30B-A3B
+        full=48,
+        config=dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+        ),
+    ),
+    'qwen2_moe': dict(  # Qwen/Qwen1.5-MoE-A2.7B
+        full=24,
+        config=dict(
+            hidden_size=2048,
+            intermediate_size=5632,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            num_experts=60,
+            num_experts_per_tok=4,
+        ),
+    ),
+    'mixtral': dict(  # mistralai/Mixtral-8x7B-v0.1
+        full=32,
+        config=dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
 }
 
 # `--quick`: every family at toy width, for the CPU tests.
@@ -127,6 +165,65 @@ QUICK = {
             num_experts_per_tok=2,
             first_k_dense_replace=1,
         ),
+    ),
+    **{
+        name: dict(
+            full=3,
+            config=dict(
+                hidden_size=32,
+                intermediate_size=32,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                num_experts=4,
+                num_experts_per_tok=2,
+                **extra,
+            ),
+        )
+        for name, extra in (
+            ('qwen3_moe', dict(moe_intermediate_size=16, head_dim=8)),
+            (
+                'qwen2_moe',
+                dict(
+                    moe_intermediate_size=16, shared_expert_intermediate_size=32
+                ),
+            ),
+            ('mixtral', {}),
+        )
+    },
+}
+
+# name -> (config class, backbone, depth field, pooling).
+BACKBONES = {
+    'switch': (models.SwitchConfig, models.SwitchEncoder, 'num_layers', 'mean'),
+    'olmoe': (
+        models.OlmoeConfig,
+        models.OlmoeDecoder,
+        'num_hidden_layers',
+        'last',
+    ),
+    'deepseek': (
+        models.DeepseekConfig,
+        models.DeepseekDecoder,
+        'num_hidden_layers',
+        'last',
+    ),
+    'qwen3_moe': (
+        models.Qwen3MoeConfig,
+        models.Qwen3MoeDecoder,
+        'num_hidden_layers',
+        'last',
+    ),
+    'qwen2_moe': (
+        models.Qwen2MoeConfig,
+        models.Qwen2MoeDecoder,
+        'num_hidden_layers',
+        'last',
+    ),
+    'mixtral': (
+        models.MixtralConfig,
+        models.MixtralDecoder,
+        'num_hidden_layers',
+        'last',
     ),
 }
 
@@ -171,18 +268,11 @@ def model(name: str, depth: int, *, shapes, vocab_size, dtype, scan):
       dtype=dtype,
       scan_layers=scan,
   )
-  sizes = shapes[name]['config']
+  sizes = dict(shapes[name]['config'])
   if name == 'switch':
-    config = models.SwitchConfig(
-        **sizes, **options, num_layers=depth, sparse_step=2
-    )
-    backbone, pooling = models.SwitchEncoder, 'mean'
-  elif name == 'olmoe':
-    config = models.OlmoeConfig(**sizes, **options, num_hidden_layers=depth)
-    backbone, pooling = models.OlmoeDecoder, 'last'
-  else:
-    config = models.DeepseekConfig(**sizes, **options, num_hidden_layers=depth)
-    backbone, pooling = models.DeepseekDecoder, 'last'
+    sizes['sparse_step'] = 2
+  config_class, backbone, depth_field, pooling = BACKBONES[name]
+  config = config_class(**sizes, **options, **{depth_field: depth})
   layer = config.sparse_layers[-1]
   config = dataclasses.replace(
       config, expert_lora_layers=(layer,), unscanned_layers=(layer,)

@@ -23,14 +23,16 @@
 #    records (tests/test_grad_parity.py), in float32 at full matmul
 #    precision. --quick: JAX_PLATFORMS=cpu and a few of them.
 # 5. launch.bench.gpu_dispatch: switch-base-8's sparse layer per dispatch,
-#    then OLMoE-1B-7B's.
+#    then OLMoE-1B-7B's, then Qwen3-30B-A3B's and Mixtral-8x7B's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 python="${PYTHON:-python3}"
 wheels="${GPU_CHECK_WHEELS:-.whl}"
 quick=()
-# Seconds per part: 30 + 75 + 170 + 130 + 45 + 60 = 510 of the 540.
-b1=30 b2=75 b3=170 b4=130 b5a=45 b5b=60
+# Seconds per part: 30 + 75 + 170 + 130 + 45 + 45 + 30 = 525 of the 540
+# (the kit's Qwen3-MoE and Mixtral layers share the last 30: rows as far as
+# they get; OLMoE's gave up 15 for them).
+b1=30 b2=75 b3=170 b4=130 b5a=45 b5b=45 b5c=30
 platform=cuda
 tiny=()
 tests=(
@@ -42,7 +44,7 @@ dispatch=(--modes=lora --variants=grouped,batched,ragged,tokamax,dense
   --ragged_lowerings=xla --isolate=no --repeats=5)
 if [[ "${1:-}" == "--quick" ]]; then
   quick=(--quick)
-  b1=60 b2=300 b3=400 b4=240 b5a=120 b5b=120
+  b1=60 b2=300 b3=400 b4=240 b5a=120 b5b=120 b5c=120
   platform=cpu
   tiny=(--config.data.synthetic.n_train=200 --config.data.synthetic.n_dev=64
     --config.data.n_pub=64 --config.batch_size=50 --config.epochs=1
@@ -122,12 +124,16 @@ JAX_PLATFORMS=$platform JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$b4" \
   "$python" -m pytest -q -p no:cacheprovider -rfE "${tests[@]}" "${select[@]}" 2>&1
 done_ pytest $?
 
-part "5/5 expert dispatch rows: switch-base-8's layer, then OLMoE-1B-7B's" "$((b5a + b5b))"
+part "5/5 expert dispatch rows: switch-base-8's, OLMoE-1B-7B's, Qwen3-30B-A3B's and Mixtral-8x7B's layers" "$((b5a + b5b + b5c))"
 timeout "$b5a" "$python" -m launch.bench.gpu_dispatch --families=switch \
   "${dispatch[@]}" 2>&1 | grep -v "^WARNING\|Unable to initialize backend"
 done_ "gpu_dispatch switch" "${PIPESTATUS[0]}"
 timeout "$b5b" "$python" -m launch.bench.gpu_dispatch --families=olmoe \
   "${dispatch[@]}" 2>&1 | grep -v "^WARNING\|Unable to initialize backend"
 done_ "gpu_dispatch olmoe" "${PIPESTATUS[0]}"
+timeout "$b5c" "$python" -m launch.bench.gpu_dispatch \
+  --families=qwen3_moe,mixtral "${dispatch[@]}" 2>&1 |
+  grep -v "^WARNING\|Unable to initialize backend"
+done_ "gpu_dispatch qwen3_moe, mixtral" "${PIPESTATUS[0]}"
 echo
 echo "gpu_check.sh: done in $SECONDS s"

@@ -26,7 +26,7 @@ import numpy as np
 from launch.bench import bench_dispatch
 from launch.bench import harness
 from launch.bench import profiling
-from raptor_jax.models import decoder, olmoe
+from raptor_jax.models import decoder
 from raptor_jax.models import switch
 
 # Per family: full-size layer and batch, and the --quick toy.
@@ -38,6 +38,16 @@ SHAPES = {
     'olmoe': dict(
         full=dict(num_experts=64, d_model=2048, d_ff=1024, top_k=8, records=8),
         quick=dict(num_experts=8, d_model=16, d_ff=24, top_k=2, records=2),
+    ),
+    # The decoder kit's other families: the same layer (`decoder.SparseMLP`)
+    # at Qwen3-30B-A3B's and Mixtral-8x7B's sizes.
+    'qwen3_moe': dict(
+        full=dict(num_experts=128, d_model=2048, d_ff=768, top_k=8, records=8),
+        quick=dict(num_experts=8, d_model=16, d_ff=8, top_k=4, records=2),
+    ),
+    'mixtral': dict(
+        full=dict(num_experts=8, d_model=4096, d_ff=14336, top_k=2, records=4),
+        quick=dict(num_experts=4, d_model=16, d_ff=32, top_k=2, records=2),
     ),
 }
 MODES = ('lora', 'train')
@@ -95,7 +105,7 @@ def _step(family: str, mode: str, variant: str, quick: bool, seq_len: int):
   """(step function, its arguments, compiler options) of one row, in bfloat16."""
   shape = SHAPES[family]['quick' if quick else 'full']
   config = bench_dispatch.layer_config(
-      family,
+      'switch' if family == 'switch' else 'olmoe',  # the kit's top-k layer
       num_experts=shape['num_experts'],
       d_model=shape['d_model'],
       d_ff=shape['d_ff'],
@@ -107,9 +117,9 @@ def _step(family: str, mode: str, variant: str, quick: bool, seq_len: int):
   )
   rank = LORA_RANK if mode == 'lora' else 0
   module = (
-      decoder.SparseMLP(config, rank=rank)
-      if family == 'olmoe'
-      else switch.SwitchSparseMLP(config, rank=rank)
+      switch.SwitchSparseMLP(config, rank=rank)
+      if family == 'switch'
+      else decoder.SparseMLP(config, rank=rank)
   )
   # Host-side random data: no eager device computation besides the step.
   rng = np.random.default_rng(0)
