@@ -423,6 +423,9 @@ def test_families_share_one_set_of_fine_tuning_options():
       models.SwitchConfig(),
       models.OlmoeConfig(),
       models.DeepseekConfig(),
+      models.Qwen3MoeConfig(),
+      models.Qwen2MoeConfig(),
+      models.MixtralConfig(),
   ):
     assert isinstance(config, common.FineTuningOptions)
   assert set(hf.FAMILIES) == {
@@ -430,4 +433,7 @@ def test_families_share_one_set_of_fine_tuning_options():
       "olmoe",
       "deepseek_v2",
       "deepseek_vl_v2",
+      "qwen3_moe",
+      "qwen2_moe",
+      "mixtral",
   }
