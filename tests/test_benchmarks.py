@@ -634,6 +634,7 @@ def test_gpu_check_script_quick_runs_on_cpu(tmp_path):
       "-- pytest",
       "-- gpu_dispatch switch",
       "-- gpu_dispatch olmoe",
+      "-- gpu_dispatch qwen3_moe, mixtral",
   ]
   assert all(": exit 0 in " in l for l in ends), "\n".join(ends)
   assert any("jax.jit(lambda x: x + 1): lower + compile" in l for l in lines)

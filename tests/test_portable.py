@@ -163,6 +163,7 @@ def test_only_the_closed_loop_errors_of_a_failed_restore_are_dropped(
   monkeypatch.setattr(threading, "excepthook", threading.excepthook)
   logger = logging.getLogger("asyncio")
   monkeypatch.setattr(logger, "filters", list(logger.filters))
+  monkeypatch.setattr(checkpoint, "_QUIET", False)  # installed afresh
   checkpoint._quiet_in_flight_reads()  # pylint: disable=protected-access
 
   def future_with(exc):

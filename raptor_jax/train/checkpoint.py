@@ -66,6 +66,9 @@ def _closed_loop_error(exc_type, exc) -> bool:
   return exc_type is RuntimeError and str(exc) == "Event loop is closed"
 
 
+_QUIET = False  # whether `_quiet_in_flight_reads` has run
+
+
 def _quiet_in_flight_reads() -> None:
   """Drops the tracebacks of a failed restore's reads still in flight.
 
@@ -74,8 +77,13 @@ def _quiet_in_flight_reads() -> None:
   each completion then reports `RuntimeError('Event loop is closed')` from
   a tensorstore thread, a screenful of tracebacks after the one line that
   says what to do (issue 44). Those errors, and only those, are dropped
-  from here on (the process is about to stop on the unreadable checkpoint).
+  from here on. Installed before every restore (once per process): the
+  reads in flight may fail before the restore returns its error.
   """
+  global _QUIET
+  if _QUIET:
+    return
+  _QUIET = True
   previous_hook, previous_thread_hook = sys.excepthook, threading.excepthook
   previous_unraisable_hook = sys.unraisablehook
 
@@ -153,7 +161,6 @@ class Checkpointer:
         else ""
     )
     reason = (str(error).splitlines() or [""])[0][:200]
-    _quiet_in_flight_reads()
     return ValueError(
         f"checkpoint {self.directory / str(step)} is unreadable"
         f" ({type(error).__name__}: {reason}); {fallback}train in a new"
@@ -170,6 +177,7 @@ class Checkpointer:
     step = self.manager.latest_step()
     if step is None:
       return None
+    _quiet_in_flight_reads()
     try:
       meta = self.manager.restore(
           step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
@@ -197,6 +205,7 @@ class Checkpointer:
     """The latest state, placed like `abstract_state` (any device count)."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
     step = self.manager.latest_step()
+    _quiet_in_flight_reads()
     try:
       return self.manager.restore(
           step,
