@@ -31,7 +31,7 @@ from raptor_jax.train import loop, methods, step, train_and_evaluate
 from raptor_jax.train import outputs
 from raptor_jax.train.run import build_run
 
-from helpers import ROOT, latest_state, micro_config
+from helpers import MICRO_FAMILIES, ROOT, latest_state, micro_config
 
 # Distinctive: the scan looks for its bytes, and a seed like 0 would match
 # every run of zero bytes in a weight file.
@@ -613,6 +613,10 @@ def _transformers_logits(out, ids, mask):
         ("switch", "monolithic_lora"),
         ("olmoe", "baseline_a"),
         ("deepseek", "nonprivate_lora"),
+        # The kit's newer families: a RAPTOR run end to end, then the export.
+        ("qwen3_moe", "raptor"),
+        ("qwen2_moe", "raptor"),
+        ("mixtral", "raptor"),
     ],
 )
 def test_every_family_exports_and_loads_in_transformers(
@@ -621,12 +625,21 @@ def test_every_family_exports_and_loads_in_transformers(
   """release.export end to end, outside RAPTOR on Switch: the card of a
   method without RAPTOR's fields, and each family's transformers class
   computing what the trained Flax classifier computes."""
-  config = micro_config(method=method, **_FAMILIES[family])
+  config = micro_config(
+      method=method, **{**MICRO_FAMILIES, **_FAMILIES}[family]
+  )
   workdir = tmp_path / "run"
   train_and_evaluate(config, str(workdir))
   out = release.export(workdir, tmp_path / "model")
   card = json.loads((out / release.CARD).read_text())
-  assert card["method"] == method and "rho" not in card
+  assert card["method"] == method and ("rho" in card) == (method == "raptor")
+  results = json.loads((workdir / "results.json").read_text())
+  if method == "raptor":  # both streams trained, the budget spent
+    assert results["trainable_parameters"]["expert"] > 0
+    report = json.loads((workdir / "privacy_report.json").read_text())
+    assert 0.99 * report["target_epsilon"] < report["epsilon"] <= 8.0
+    shared_experts = results["parameters_by_role"]["shared_expert_adapter"]
+    assert (shared_experts > 0) == (family == "qwen2_moe")
   run, params, _ = release.trained_model(workdir)
   ids = run.data.dev.input_ids[:8]
   mask = run.data.dev.attention_mask[:8]
@@ -638,6 +651,9 @@ def test_every_family_exports_and_loads_in_transformers(
           "switch": "SwitchTransformersEncoderModel",
           "olmoe": "OlmoeModel",
           "deepseek": "DeepseekV2ForSequenceClassification",
+          "qwen3_moe": "Qwen3MoeForSequenceClassification",
+          "qwen2_moe": "Qwen2MoeForSequenceClassification",
+          "mixtral": "MixtralForSequenceClassification",
       }[family]
   )
   np.testing.assert_allclose(hf_logits, flax_logits, atol=1e-4, rtol=1e-4)
