@@ -23,6 +23,7 @@ import pytest
 
 from launch.bench import harness
 from launch.bench import profiling
+from raptor_jax.data import images
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -239,6 +240,16 @@ def test_gpu_dispatch_quick_runs_on_cpu():
   assert child["dispatch"] == "ragged_train (xla)", child
   with pytest.raises(ValueError, match="cudnn"):
     bench.run(lowerings=("cudnn",), quick=True)
+
+
+def test_the_vl2_row_has_an_image_records_length():
+  """DeepSeek-VL2-Tiny's row runs records as long as a tiled image's."""
+  bench = _load("gpu_dispatch")
+  spec = bench.VL2_TILES
+  # A 640 x 480 image: 2 x 2 local tiles + the global view, 14 tokens a side.
+  assert images.tile_grid((640, 480), spec) == (2, 2)
+  assert bench.VL2_SEQ_LEN == 14 * 15 + 1 + 28 * 29 + 64 == 1087
+  assert bench.SHAPES["deepseek_vl2"]["full"]["seq_len"] == bench.VL2_SEQ_LEN
 
 
 def test_gpu_dispatch_table_shows_ratios_and_rows_that_did_not_run():
@@ -634,7 +645,7 @@ def test_gpu_check_script_quick_runs_on_cpu(tmp_path):
       "-- pytest",
       "-- gpu_dispatch switch",
       "-- gpu_dispatch olmoe",
-      "-- gpu_dispatch qwen3_moe, mixtral",
+      "-- gpu_dispatch deepseek_vl2, qwen3_moe, mixtral",
   ]
   assert all(": exit 0 in " in l for l in ends), "\n".join(ends)
   assert any("jax.jit(lambda x: x + 1): lower + compile" in l for l in lines)
@@ -650,6 +661,7 @@ def test_gpu_check_script_quick_runs_on_cpu(tmp_path):
       ["switch", "lora", "batched"],
   ]
   assert ["olmoe", "lora", "batched"] in rows
+  assert any(l.startswith("deepseek_vl2 lora batched") for l in lines)
   assert rows.index(["olmoe", "lora", "grouped"]) > rows.index(
       ["switch", "lora", "batched"]
   )

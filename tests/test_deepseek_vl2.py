@@ -240,7 +240,8 @@ def _records():
 
 def test_logits_match_the_reference(tiny):
   path, ref = tiny
-  module, params = deepseek_vl2.from_pretrained(path)
+  module, params = models.from_pretrained(path)  # the whole model
+  assert isinstance(module, deepseek_vl2.DeepseekVL2)
   ids, mask, tiles, grids, index = _records()
   assert grids == [(2, 1), (1, 1)]
   with torch.no_grad():
@@ -261,11 +262,19 @@ def test_text_only_is_the_decoder_bit_for_bit(tiny):
   """Without images the whole model's states are the text-only decoder's."""
   path, _ = tiny
   module, params = deepseek_vl2.from_pretrained(path)
-  decoder, dparams = models.from_pretrained(path)
+  decoder, dparams = models.from_pretrained(path, language_only=True)
+  assert isinstance(decoder, models.DeepseekDecoder)
   ids, mask = refs.batch()
   _, out = jax.jit(module.apply)({"params": params}, ids, mask)
   want = jax.jit(decoder.apply)({"params": dparams}, ids, mask)
   np.testing.assert_array_equal(out.hidden_states, want.hidden_states)
+
+
+def test_a_text_head_on_the_whole_model_says_language_only(tiny):
+  with pytest.raises(ValueError, match="pass language_only=True"):
+    models.from_pretrained(tiny[0], num_labels=2)
+  clf, _ = models.from_pretrained(tiny[0], num_labels=2, language_only=True)
+  assert isinstance(clf.backbone, models.DeepseekDecoder)
 
 
 def test_norm_topk_prob_is_read_for_vl2(tiny):

@@ -63,7 +63,7 @@ from raptor_jax import models, roles
 import hf_references
 from raptor_jax.models import family as family_lib
 from raptor_jax.models import hf as hf_lib
-from raptor_jax.models import moe
+from raptor_jax.models import loading, moe
 
 KERNELS = ("fast", "reference")
 TOLERANCE = 1e-4  # relative, per tensor: float32 raptor_jax vs float64 torch
@@ -311,7 +311,7 @@ def load(path, kernels: str | None, **options):
 
 
 def _family(path) -> family_lib.Family:
-  return hf_lib.FAMILIES[hf_lib.read_config(pathlib.Path(path))["model_type"]]
+  return hf_lib.FAMILIES[loading.read_config(pathlib.Path(path))["model_type"]]
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
@@ -521,7 +521,7 @@ def _lora_options(path, dispatch="auto") -> dict[str, Any]:
   DeepSeek's shared experts); base weights frozen, the default dispatch
   unless told. The blocks before it that are alike are one scanned segment."""
   family = _family(path)
-  config = family.config_from_hf(hf_lib.read_config(pathlib.Path(path)))
+  config = family.config_from_hf(loading.read_config(pathlib.Path(path)))
   options = dict(
       lora_rank=4,
       attention_lora=True,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from raptor_jax import models, roles
-from raptor_jax.models import hf, initializers
+from raptor_jax.models import initializers, loading
 
 from test_stack import BACKBONES
 
@@ -102,12 +102,12 @@ def test_init_missing_adds_only_the_adapters():
       p: v for p, v in roles.flatten(params).items() if not roles.is_adapter(p)
   }
   merged = roles.flatten(
-      hf.init_missing(module, roles.unflatten(base), jax.random.key(0))
+      loading.init_missing(module, roles.unflatten(base), jax.random.key(0))
   )
   for path, value in roles.flatten(params).items():
     np.testing.assert_array_equal(merged[path], value)
   with pytest.raises(ValueError, match="checkpoint lacks 1 model parameters"):
-    hf.init_missing(
+    loading.init_missing(
         module,
         roles.unflatten(
             {p: v for p, v in base.items() if p != "embed_tokens/embedding"}

@@ -23,16 +23,18 @@
 #    records (tests/test_grad_parity.py), in float32 at full matmul
 #    precision. --quick: JAX_PLATFORMS=cpu and a few of them.
 # 5. launch.bench.gpu_dispatch: switch-base-8's sparse layer per dispatch,
-#    then OLMoE-1B-7B's, then Qwen3-30B-A3B's and Mixtral-8x7B's.
+#    then OLMoE-1B-7B's, then DeepSeek-VL2-Tiny's over image-tile-length
+#    records (a 640 x 480 image: 1,087 positions), Qwen3-30B-A3B's and
+#    Mixtral-8x7B's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 python="${PYTHON:-python3}"
 wheels="${GPU_CHECK_WHEELS:-.whl}"
 quick=()
-# Seconds per part: 30 + 75 + 170 + 130 + 45 + 45 + 30 = 525 of the 540
-# (the kit's Qwen3-MoE and Mixtral layers share the last 30: rows as far as
-# they get; OLMoE's gave up 15 for them).
-b1=30 b2=75 b3=170 b4=130 b5a=45 b5b=45 b5c=30
+# Seconds per part: 30 + 75 + 170 + 120 + 45 + 45 + 40 = 525 of the 540
+# (DeepSeek-VL2-Tiny's, Qwen3-MoE's and Mixtral's layers share the last 40:
+# rows as far as they get; OLMoE's gave up 15 and pytest 10 for them).
+b1=30 b2=75 b3=170 b4=120 b5a=45 b5b=45 b5c=40
 platform=cuda
 tiny=()
 tests=(
@@ -124,7 +126,7 @@ JAX_PLATFORMS=$platform JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$b4" \
   "$python" -m pytest -q -p no:cacheprovider -rfE "${tests[@]}" "${select[@]}" 2>&1
 done_ pytest $?
 
-part "5/5 expert dispatch rows: switch-base-8's, OLMoE-1B-7B's, Qwen3-30B-A3B's and Mixtral-8x7B's layers" "$((b5a + b5b + b5c))"
+part "5/5 expert dispatch rows: switch-base-8's, OLMoE-1B-7B's, DeepSeek-VL2-Tiny's, Qwen3-30B-A3B's and Mixtral-8x7B's layers" "$((b5a + b5b + b5c))"
 timeout "$b5a" "$python" -m launch.bench.gpu_dispatch --families=switch \
   "${dispatch[@]}" 2>&1 | grep -v "^WARNING\|Unable to initialize backend"
 done_ "gpu_dispatch switch" "${PIPESTATUS[0]}"
@@ -132,8 +134,8 @@ timeout "$b5b" "$python" -m launch.bench.gpu_dispatch --families=olmoe \
   "${dispatch[@]}" 2>&1 | grep -v "^WARNING\|Unable to initialize backend"
 done_ "gpu_dispatch olmoe" "${PIPESTATUS[0]}"
 timeout "$b5c" "$python" -m launch.bench.gpu_dispatch \
-  --families=qwen3_moe,mixtral "${dispatch[@]}" 2>&1 |
+  --families=deepseek_vl2,qwen3_moe,mixtral "${dispatch[@]}" 2>&1 |
   grep -v "^WARNING\|Unable to initialize backend"
-done_ "gpu_dispatch qwen3_moe, mixtral" "${PIPESTATUS[0]}"
+done_ "gpu_dispatch deepseek_vl2, qwen3_moe, mixtral" "${PIPESTATUS[0]}"
 echo
 echo "gpu_check.sh: done in $SECONDS s"

@@ -26,8 +26,26 @@ import numpy as np
 from launch.bench import bench_dispatch
 from launch.bench import harness
 from launch.bench import profiling
+from raptor_jax.data import images
 from raptor_jax.models import decoder
 from raptor_jax.models import switch
+
+# DeepSeek-VL2-Tiny's records are long: a ScienceQA-sized 640 x 480 image
+# tiles to 2 x 2 local tiles plus the global view under the paper's
+# candidates (m x n tiles of 384 px, mn <= 9), 1,023 positions, then the
+# question and choices (64 text tokens).
+VL2_TILES = images.TileSpec(
+    candidate_resolutions=tuple(
+        (384 * m, 384 * n)
+        for m in range(1, 10)
+        for n in range(1, 10)
+        if m * n <= 9
+    )
+)
+VL2_SEQ_LEN = (
+    images.num_image_tokens(*images.tile_grid((640, 480), VL2_TILES), VL2_TILES)
+    + 64
+)
 
 # Per family: full-size layer and batch, and the --quick toy.
 SHAPES = {
@@ -48,6 +66,20 @@ SHAPES = {
     'mixtral': dict(
         full=dict(num_experts=8, d_model=4096, d_ff=14336, top_k=2, records=4),
         quick=dict(num_experts=4, d_model=16, d_ff=32, top_k=2, records=2),
+    ),
+    # DeepSeek-VL2-Tiny's routed experts (64, top-6, softmax without
+    # renormalisation: the kit's layer) over image-tile-length records; its
+    # two shared experts are a dense MLP, outside any dispatch.
+    'deepseek_vl2': dict(
+        full=dict(
+            num_experts=64,
+            d_model=1280,
+            d_ff=896,
+            top_k=6,
+            records=2,
+            seq_len=VL2_SEQ_LEN,
+        ),
+        quick=dict(num_experts=8, d_model=16, d_ff=8, top_k=3, records=2),
     ),
 }
 MODES = ('lora', 'train')
@@ -81,7 +113,11 @@ def define_flags() -> None:
   flags.DEFINE_list('families', list(SHAPES), 'Sparse layers to run.')
   flags.DEFINE_list('modes', list(MODES), 'lora (fine-tuning), train.')
   flags.DEFINE_list('variants', list(VARIANTS), 'Dispatches to run.')
-  flags.DEFINE_integer('seq_len', None, 'Tokens per record (128; quick 8).')
+  flags.DEFINE_integer(
+      'seq_len',
+      None,
+      'Tokens per record (128, deepseek_vl2 an image record; quick 8).',
+  )
   flags.DEFINE_integer('repeats', 10, 'Timed calls per row (median).')
   flags.DEFINE_bool(
       'compile_only', False, 'Compile each row, run nothing (no times).'
@@ -184,7 +220,8 @@ def measure(
   """
   row = dict(family=family, mode=mode, variant=variant, lowering=lowering)
   row['dispatch'] = _label(mode, variant, lowering)
-  seq_len = seq_len or (8 if quick else 128)
+  shape = SHAPES[family]['quick' if quick else 'full']
+  seq_len = seq_len or shape.get('seq_len') or (8 if quick else 128)
   try:
     with _triton_lowering(lowering == 'triton'):
       step, args, options = _step(family, mode, variant, quick, seq_len)

@@ -15,7 +15,8 @@ out.router_logits   # one float32 [B, S, E] per sparse layer
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.deepseek import DeepseekConfig, DeepseekDecoder
 from raptor_jax.models.heads import SequenceClassifier, last_token, masked_mean
-from raptor_jax.models.hf import from_pretrained, init_missing, merge_params, with_options
+from raptor_jax.models.hf import from_pretrained, with_options
+from raptor_jax.models.loading import init_missing, merge_params
 from raptor_jax.models.initializers import init_params
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 from raptor_jax.models.mixtral import MixtralConfig, MixtralDecoder

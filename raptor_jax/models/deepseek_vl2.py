@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from raptor_jax.data import images as image_data
-from raptor_jax.models import deepseek, family, siglip
+from raptor_jax.models import deepseek, family, loading, siglip, stack
 from raptor_jax.models.family import COPY, Rule
 
 
@@ -323,10 +323,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: VL2Config) -> dict:
 
 def vl2_checkpoint(path: str | os.PathLike):
   """(directory, config.json dict) of a `deepseek_vl_v2` checkpoint."""
-  from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
-
-  model_dir = hf_lib.resolve_model_dir(path)
-  hf = hf_lib.read_config(model_dir)
+  model_dir = loading.resolve_model_dir(path)
+  hf = loading.read_config(model_dir)
   if hf.get("model_type") != "deepseek_vl_v2":
     raise ValueError(
         f"{model_dir}/config.json: model_type {hf.get('model_type')!r}, not"
@@ -336,26 +334,24 @@ def vl2_checkpoint(path: str | os.PathLike):
   return model_dir, hf
 
 
-def from_pretrained(path: str | os.PathLike, **options):
-  """(DeepseekVL2, params) of a local `deepseek_vl_v2` checkpoint directory.
+def from_pretrained(path: str | os.PathLike, *, seed: int = 0, **options):
+  """(DeepseekVL2, params) of a `deepseek_vl_v2` checkpoint (`models.from_pretrained`'s).
 
   `options` are the language model's (`models.from_pretrained`'s, e.g.
   lora_rank, scan_layers); the vision tower and projector are loaded as
-  they are. Raises ValueError for another `model_type`.
+  they are; `seed` draws the adapters the checkpoint lacks. Raises
+  ValueError for another `model_type`.
   """
-  from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
-  from raptor_jax.models import stack  # pylint: disable=g-import-not-at-top
-
   model_dir, hf = vl2_checkpoint(path)
   config = config_from_hf(hf, **options)
-  tensors = hf_lib.load_tensors(model_dir, keep=lambda n: True)
+  tensors = loading.load_tensors(model_dir, keep=lambda n: True)
   params = params_from_hf(tensors, config)
   params["language"] = stack.stack_layers(params["language"], config.language)
   module = DeepseekVL2(config)
   # LoRA factors and anything else the checkpoint lacks, as the text path does.
   language = deepseek.DeepseekDecoder(config.language)
-  params["language"] = hf_lib.init_missing(
-      language, params["language"], jax.random.PRNGKey(0)
+  params["language"] = loading.init_missing(
+      language, params["language"], jax.random.PRNGKey(seed)
   )
   return module, params
 
@@ -366,11 +362,9 @@ def encoder_from_pretrained(path: str | os.PathLike):
   Reads only the tower, the projector and the layout embeddings (the
   frozen part of the paper's fine-tuning), not the language model.
   """
-  from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
-
   model_dir, hf = vl2_checkpoint(path)
   config = config_from_hf(hf)
-  tensors = hf_lib.load_tensors(
+  tensors = loading.load_tensors(
       model_dir, keep=lambda n: not n.startswith("language.")
   )
   rest = {n: w for n, w in tensors.items() if not n.startswith("vision.")}
@@ -381,11 +375,9 @@ def encoder_from_pretrained(path: str | os.PathLike):
 
 def language_head(path: str | os.PathLike) -> tuple[int, np.ndarray | None]:
   """(vocab_size, `language.lm_head.weight` [V, D] or None) of a checkpoint."""
-  from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
-
   model_dir, hf = vl2_checkpoint(path)
   vocab = int(hf["language_config"]["vocab_size"])
-  tensors = hf_lib.load_tensors(
+  tensors = loading.load_tensors(
       model_dir, keep=lambda n: n == "language.lm_head.weight"
   )
   head = tensors.get("language.lm_head.weight")

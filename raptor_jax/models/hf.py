@@ -13,143 +13,19 @@ names below that carry a family's prefix are kept for their callers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import flax
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from raptor_jax import roles
-from raptor_jax.models import common, deepseek, heads, initializers, mixtral, olmoe, qwen2_moe, qwen3_moe, stack, switch
+from raptor_jax.models import common, deepseek, deepseek_vl2, heads, mixtral, olmoe, qwen2_moe, qwen3_moe, stack, switch
 from raptor_jax.models import family as family_lib
+from raptor_jax.models.loading import init_missing, load_tensors, read_config, resolve_model_dir
 
 Params = Mapping[str, Any]
-
-_WEIGHT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json")
-
-
-# ---------------------------------------------------------------------------
-# Locating a checkpoint.
-
-
-def resolve_model_dir(path_or_hub_id: str | os.PathLike) -> Path:
-  """A local directory with config.json, downloading from the Hub if needed."""
-  path = Path(path_or_hub_id).expanduser()
-  if path.is_dir():
-    if not (path / "config.json").is_file():
-      raise FileNotFoundError(
-          f"{path} has no config.json; point at a directory written "
-          "by save_pretrained (config.json + *.safetensors)"
-      )
-    return path
-  name = str(path_or_hub_id)
-  if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-    raise FileNotFoundError(f"model directory {name!r} does not exist")
-  from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
-
-  try:
-    return Path(snapshot_download(name, allow_patterns=list(_WEIGHT_PATTERNS)))
-  except (
-      Exception
-  ) as e:  # Offline, not cached, gated or missing: one clear line.
-    raise OSError(
-        f"cannot load model {name!r} from the Hugging Face Hub ({type(e).__name__}); "
-        f"the Hub is unreachable or the model is not cached (HF_HUB_OFFLINE="
-        f"{os.environ.get('HF_HUB_OFFLINE', '0')}). Download it where you have internet "
-        f"(`huggingface-cli download {name}`) or pass a local directory holding "
-        "config.json and *.safetensors"
-    ) from None
-
-
-def read_config(model_dir: Path) -> dict[str, Any]:
-  return json.loads((model_dir / "config.json").read_text())
-
-
-def load_tensors(
-    model_dir: Path, keep: Callable[[str], bool]
-) -> dict[str, np.ndarray]:
-  """Reads the float32 tensors whose names pass `keep` from `*.safetensors`."""
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-
-  files = sorted(model_dir.glob("*.safetensors"))
-  if not files:
-    raise FileNotFoundError(
-        f"{model_dir} holds no *.safetensors weights; re-save the model with "
-        "save_pretrained(..., safe_serialization=True)"
-    )
-  tensors = {}
-  for file in files:
-    with safe_open(str(file), framework="flax") as f:
-      for name in f.keys():
-        if keep(name):
-          tensors[name] = np.asarray(f.get_tensor(name).astype(jnp.float32))
-  return tensors
-
-
-# ---------------------------------------------------------------------------
-# Parameter trees.
-
-
-def merge_params(initialised: Params, pretrained: Params) -> dict:
-  """Overlays `pretrained` leaves onto a freshly initialised tree.
-
-  Leaves only in `initialised` (LoRA adapters, heads) keep their initial
-  values; every pretrained leaf must exist with the same shape.
-  """
-  init_flat = flax.traverse_util.flatten_dict(
-      flax.core.unfreeze(initialised), sep="/"
-  )
-  for path, value in flax.traverse_util.flatten_dict(
-      flax.core.unfreeze(pretrained), sep="/"
-  ).items():
-    if path not in init_flat:
-      raise ValueError(f"pretrained parameter {path} has no place in the model")
-    if tuple(init_flat[path].shape) != tuple(value.shape):
-      raise ValueError(
-          f"pretrained parameter {path} has shape {tuple(value.shape)}, "
-          f"the model expects {tuple(init_flat[path].shape)}"
-      )
-    init_flat[path] = jnp.asarray(value, init_flat[path].dtype)
-  return flax.traverse_util.unflatten_dict(init_flat, sep="/")
-
-
-def init_missing(
-    module: nn.Module,
-    pretrained: Params,
-    key: jax.Array,
-    is_new: Callable[[str], bool] = roles.is_adapter,
-) -> dict:
-  """Initialises only the adapter parameters that `pretrained` lacks, then merges.
-
-  The new leaves are drawn by `initializers.draw` from the module's own
-  initializers (one source of truth), without compiling the forward pass.
-  Any other parameter missing from the checkpoint (`is_new(path)` False) is an
-  error, never a silent random initialisation. `pretrained` is in the
-  module's layout (`stack.stack_layers` of a per-layer tree).
-  """
-  flatten = lambda tree: flax.traverse_util.flatten_dict(
-      flax.core.unfreeze(tree), sep="/"
-  )
-  known = set(flatten(pretrained))
-  shapes = initializers.abstract_params(module)
-  absent = [p for p in shapes if p not in known and not is_new(p)]
-  if absent:
-    raise ValueError(
-        f"checkpoint lacks {len(absent)} model parameters, e.g. {absent[0]}"
-    )
-  fresh = initializers.draw(
-      {p: s for p, s in shapes.items() if p not in known}, key
-  )
-  return merge_params(
-      flax.traverse_util.unflatten_dict({**shapes, **fresh}, sep="/"),
-      pretrained,
-  )
-
 
 # ---------------------------------------------------------------------------
 # The families.
@@ -218,6 +94,7 @@ def from_pretrained(
     seed: int = 0,
     num_labels: int | None = None,
     pooling: str = "",
+    language_only: bool = False,
     **options,
 ) -> tuple[nn.Module, dict]:
   """Loads a Hugging Face MoE checkpoint as a Flax backbone.
@@ -226,13 +103,18 @@ def from_pretrained(
     path_or_hub_id: a directory written by `save_pretrained` (config.json +
       ``*.safetensors``) or a Hub id such as "google/switch-base-8" or
       "allenai/OLMoE-1B-7B-0924"; `model_type` in config.json selects the
-      backbone (SwitchEncoder, OlmoeDecoder or DeepseekDecoder; for
-      "deepseek_vl_v2", e.g. "deepseek-ai/deepseek-vl2-tiny", the
-      DeepseekDecoder of its language model).
+      backbone (`FAMILIES`: SwitchEncoder, OlmoeDecoder, DeepseekDecoder, the
+      kit's decoders). A "deepseek_vl_v2" checkpoint (e.g.
+      "deepseek-ai/deepseek-vl2-tiny") is the whole vision-language model,
+      `deepseek_vl2.DeepseekVL2` (vision tower, projector, language model),
+      unless `language_only`.
     seed: PRNG seed for parameters the checkpoint lacks (LoRA adapters).
     num_labels: if set, return a `SequenceClassifier` with a linear head of
       this many labels instead of the bare backbone (see `with_head`).
     pooling: the classifier's pooling ('' = the family's default).
+    language_only: for a "deepseek_vl_v2" checkpoint, only its language
+      model (a DeepseekDecoder over text, as the trainer's text configs
+      fine-tune it); every other checkpoint is a language model already.
     **options: fine-tuning options of the model config, any of
       `common.FINE_TUNING_OPTIONS` (e.g. lora_rank=8, attention_lora=True,
       expert_lora_layers=(5,), unscanned_layers=(5,), dtype='bfloat16',
@@ -252,6 +134,14 @@ def from_pretrained(
   model_dir = resolve_model_dir(path_or_hub_id)
   hf = read_config(model_dir)
   model_type = hf.get("model_type")
+  if model_type == "deepseek_vl_v2" and not language_only:
+    if num_labels is not None or pooling:
+      raise ValueError(
+          f"{model_dir} is a DeepSeek-VL2 vision-language model; a text"
+          " classifier head goes on its language model: pass"
+          " language_only=True"
+      )
+    return deepseek_vl2.from_pretrained(model_dir, seed=seed, **options)
   family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
   if family is None:
     raise ValueError(

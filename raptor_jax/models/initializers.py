@@ -102,7 +102,7 @@ def draw(
 
   A leaf's key is `key` folded with its path, so a leaf's value depends on
   `key` and its path only, not on which other leaves are drawn (the adapters
-  `hf.init_missing` adds equal those of the whole tree).
+  `loading.init_missing` adds equal those of the whole tree).
 
   Args:
     shapes: {flat '/'-separated path: shape and dtype}, e.g. from

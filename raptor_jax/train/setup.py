@@ -521,7 +521,7 @@ def load_backbone(
     return random_backbone(
         mc.random, len(run_data.tokenizer), run_data.token_groups, config.seed
     )
-  return models.from_pretrained(mc.name, dtype=mc.dtype)
+  return models.from_pretrained(mc.name, dtype=mc.dtype, language_only=True)
 
 
 def classifier(

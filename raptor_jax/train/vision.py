@@ -405,7 +405,9 @@ def image_backbone(config, run_data):
   else:
     from raptor_jax import models  # pylint: disable=g-import-not-at-top
 
-    module, params = models.from_pretrained(mc_.name, dtype=mc_.dtype)
+    module, params = models.from_pretrained(
+        mc_.name, dtype=mc_.dtype, language_only=True
+    )
   return with_image_table(module, params, run_data.image_table)
 
 
@@ -426,8 +428,7 @@ def write_model(directory, run, params: dict) -> Path:
   """
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
 
-  from raptor_jax.models import hf as hf_lib  # pylint: disable=g-import-not-at-top
-  from raptor_jax.models import lora, stack  # pylint: disable=g-import-not-at-top
+  from raptor_jax.models import loading, lora, stack  # pylint: disable=g-import-not-at-top
 
   name = run.config.model.name
   if name == "random":
@@ -443,7 +444,7 @@ def write_model(directory, run, params: dict) -> Path:
   language = deepseek.HF_NAMES.to_hf(stack.unstack_layers(merged, config))
   tensors = {f"language.{n}": w for n, w in language.items()}
   model_dir, hf = deepseek_vl2.vl2_checkpoint(name)
-  frozen = hf_lib.load_tensors(
+  frozen = loading.load_tensors(
       model_dir,
       keep=lambda n: not n.startswith("language.")
       or n == "language.lm_head.weight",
