@@ -30,6 +30,8 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
       ]
   ).strip()
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 # Before JAX's backends start: raptor_jax adds its XLA:CPU workaround to
@@ -44,9 +46,17 @@ import jax  # noqa: E402
 # controller, which loads this file first).
 # The trainer's default cache ('auto': $XDG_CACHE_HOME/raptor_jax/xla) is
 # this session's directory too: tests never write the user's cache.
-_ROOT_CACHE = os.environ.setdefault(
-    "RAPTOR_JAX_TEST_CACHE", tempfile.mkdtemp(prefix="raptor_jax_cache_")
-)
+# The process that makes the directory (the controller, or a lone pytest)
+# removes it at exit: about 100 MB of programs per session otherwise stays in
+# the temporary directory.
+if "RAPTOR_JAX_TEST_CACHE" not in os.environ:
+  os.environ["RAPTOR_JAX_TEST_CACHE"] = tempfile.mkdtemp(
+      prefix="raptor_jax_cache_"
+  )
+  atexit.register(
+      shutil.rmtree, os.environ["RAPTOR_JAX_TEST_CACHE"], ignore_errors=True
+  )
+_ROOT_CACHE = os.environ["RAPTOR_JAX_TEST_CACHE"]
 os.environ["XDG_CACHE_HOME"] = _ROOT_CACHE
 _CACHE = os.path.join(_ROOT_CACHE, "raptor_jax", "xla")
 os.makedirs(_CACHE, exist_ok=True)
