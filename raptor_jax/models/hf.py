@@ -3,8 +3,10 @@
 The family-independent front door: reads `config.json` and `*.safetensors`
 from a local directory or a Hub snapshot, picks the family by `model_type`
 (`FAMILIES`) and maps the tensors through that family's name table (Switch
-decoder, decoder lm_head and DeepSeek-VL2 vision weights are ignored),
-returning `(module, params)`. Each family's config reader, name table and
+decoder and decoder lm_head weights are ignored), returning `(module,
+params)`; a DeepSeek-VL2 checkpoint is the whole vision-language model
+(`deepseek_vl2`), or its language model with `language_only=True`. The file
+readers are `loading`'s. Each family's config reader, name table and
 size builder live with its backbone (`switch`, `deepseek` and the decoder
 kit's `olmoe`, `qwen3_moe`, `qwen2_moe`, `mixtral`); the
 names below that carry a family's prefix are kept for their callers.
