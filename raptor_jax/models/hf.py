@@ -136,6 +136,13 @@ def from_pretrained(
   model_dir = resolve_model_dir(path_or_hub_id)
   hf = read_config(model_dir)
   model_type = hf.get("model_type")
+  family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+  if family is None:
+    raise ValueError(
+        f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
+        f"supported: {', '.join(map(repr, FAMILIES))}"
+    )
+  options = _check_options(options, family.extra_options)
   if model_type == "deepseek_vl_v2" and not language_only:
     if num_labels is not None or pooling:
       raise ValueError(
@@ -144,13 +151,6 @@ def from_pretrained(
           " language_only=True"
       )
     return deepseek_vl2.from_pretrained(model_dir, seed=seed, **options)
-  family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
-  if family is None:
-    raise ValueError(
-        f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
-        f"supported: {', '.join(map(repr, FAMILIES))}"
-    )
-  options = _check_options(options, family.extra_options)
   config = family.config_from_hf(hf, **options)
   module = family.backbone(config)
   tensors = load_tensors(
