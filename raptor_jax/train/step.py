@@ -19,7 +19,7 @@ import optax
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from raptor_jax import grads, roles, transforms
+from raptor_jax import grads, roles
 from raptor_jax.models.common import OwnerOverride
 from raptor_jax.train import packed, parallel, setup
 from raptor_jax.train.plans import Phase
@@ -59,18 +59,67 @@ def merged_params(frozen: Flat, trainable: Mapping[str, Flat]) -> dict:
   return roles.unflatten(merged_flat(frozen, trainable))
 
 
-class PhaseFunctions:
-  """Builds the jitted microbatch-sum and update functions of one phase.
+def summed_loss(
+    model: nn.Module, params: dict, batch: Batch, mask
+) -> jax.Array:
+  """Summed cross-entropy of the unmasked records (no clipping)."""
+  logits, _ = model.apply(
+      {"params": params}, batch["input_ids"], batch["attention_mask"]
+  )
+  return jnp.sum(cross_entropy(logits, batch["labels"]) * mask)
+
+
+def with_expert_updates_off(params_flat: Flat, layer: int) -> Flat:
+  """`params_flat` with layer `layer`'s expert adapters' B factors at zero.
+
+  LoRA's B starts at zero, so this is the model with the expert stream's
+  updates of l* switched off: the 'shared' residual weight's model. Full
+  weight experts have no B factor to zero, so they are refused (a trained
+  kernel would leak into the "shared-only" logits otherwise).
+  """
+  prefix = roles.expert_prefix(layer)
+  zeroed = lambda p: p.startswith(prefix) and p.endswith("lora_b")
+  if not any(zeroed(p) for p in params_flat):
+    raise ValueError(
+        "residual='shared' switches l*'s expert updates off by zeroing "
+        "their LoRA B factors, and l* has none (full-weight experts); "
+        "use residual='full' or 'none'"
+    )
+  return {
+      p: jnp.zeros_like(v) if zeroed(p) else v for p, v in params_flat.items()
+  }
+
+
+def _data_parallel(fn: Callable, mesh: Mesh, replicated: int, **jit_kwargs):
+  """`fn` jitted under `shard_map`: its first `replicated` arguments are
+  replicated, the last two (records, mask) split over the 'data' axis; the
+  result is replicated (`fn` psums it)."""
+  specs = (PartitionSpec(),) * replicated + (PartitionSpec(AXIS),) * 2
+  return jax.jit(
+      jax.shard_map(
+          fn,
+          mesh=mesh,
+          in_specs=specs,
+          out_specs=PartitionSpec(),
+          check_vma=False,
+      ),
+      **jit_kwargs,
+  )
+
+
+class PhaseFunctions(packed.PartsUpdate):
+  """The jitted programs of one phase: microbatch sums, then the update.
 
   `accumulate` runs under `shard_map` on a 1-D 'data' mesh: each device sums
   the clipped gradients of its records, `psum` combines the sums, and the
-  result is replicated. `update` then runs replicated: one noise draw per
-  step from one PRNG state, identical parameters on every device.
+  result is replicated. The update (`packed.PartsUpdate`: noise, then Adam)
+  then runs replicated: one noise draw per step from one PRNG state,
+  identical parameters on every device.
 
   Length buckets: `accumulate` (and `loss_sum`) take microbatches of any
   fixed sequence length; jit compiles one executable per length (per
   (phase, bucket)), and the sums of every bucket's microbatches add up
-  before the one `update`, so the release is the same function of the
+  before the one update, so the release is the same function of the
   sample as with every record at max_length.
   """
 
@@ -87,6 +136,7 @@ class PhaseFunctions:
       residual_gamma: float,
       key: jax.Array,
   ):
+    super().__init__(phase.parts, learning_rate=learning_rate, key=key)
     self.model = model
     self.phase = phase
     self._differentiated = phase.parts + phase.clip_with
@@ -94,48 +144,13 @@ class PhaseFunctions:
     self.num_experts = num_experts
     self.residual = residual
     self.residual_gamma = residual_gamma
-    # Per part, as README documents: chain(privatize_sums, adam). The noise
-    # key of part i is fold_in(key, i): distinct and secret per transform.
-    self.privatizers = {
-        part.name: transforms.privatize_sums(
-            part.l2_clip,
-            part.noise_multiplier,
-            part.denominator,
-            transforms.fold_in(key, i),
-        )
-        for i, part in enumerate(phase.parts)
-    }
-    self.optimizers = {
-        name: optax.chain(privatizer, optax.adam(learning_rate))
-        for name, privatizer in self.privatizers.items()
-    }
-    replicated, records = PartitionSpec(), PartitionSpec(AXIS)
-    self.accumulate = jax.jit(
-        jax.shard_map(
-            self._accumulate,
-            mesh=mesh,
-            in_specs=(replicated, replicated, replicated, records, records),
-            out_specs=replicated,
-            check_vma=False,
-        ),
-        donate_argnums=(2,),
+    self.accumulate = _data_parallel(
+        self._accumulate, mesh, 3, donate_argnums=(2,)
     )
-    self.packed_update = jax.jit(self._packed_update)
-    self.unpack = jax.jit(self._unpack, static_argnums=0)
-    self.loss_sum = jax.jit(
-        jax.shard_map(
-            self._loss_sum,
-            mesh=mesh,
-            in_specs=(replicated, replicated, records, records),
-            out_specs=replicated,
-            check_vma=False,
-        )
-    )
+    self.loss_sum = _data_parallel(self._loss_sum, mesh, 2)
     self.zero_sums = jax.jit(
-        self._zero_sums, out_shardings=NamedSharding(mesh, replicated)
+        self._zero_sums, out_shardings=NamedSharding(mesh, PartitionSpec())
     )
-
-  # -- per-record losses ------------------------------------------------------
 
   def _zero_sums(self, trainable: Mapping[str, Flat]) -> dict[str, Flat]:
     """Float32 zeros shaped like the phase's sums: a step with no record is noise only."""
@@ -144,13 +159,7 @@ class PhaseFunctions:
         for p in self.phase.parts
     }
 
-  def _record_loss(
-      self,
-      dense: Mapping[str, Flat],
-      slices: Mapping[str, Flat],
-      constants: Flat,
-      record: Batch,
-  ) -> jax.Array:
+  def _record_loss(self, dense, slices, constants, record) -> jax.Array:
     """Loss of ONE record; `slices` are its owner slices (owner parts)."""
     override = None
     if slices:  # at most one owner part: the experts of layer l*
@@ -169,32 +178,11 @@ class PhaseFunctions:
     return cross_entropy(logits[0], record["labels"])
 
   def _residual_weights(self, params_flat: Flat, batch: Batch) -> jax.Array:
-    """w_i = (1 - softmax(z_i)[y_i]) ** gamma without gradient (Eq. 8).
-
-    'shared' logits come from the model with the expert stream's updates of
-    layer l* switched off (its adapters' B factors at zero, their initial
-    value); 'full' uses the current model. Full-weight experts have no B
-    factor to zero, so 'shared' refuses them (a trained kernel would leak
-    into the "shared-only" logits otherwise).
-    """
+    """w_i = (1 - softmax(z_i)[y_i]) ** gamma without gradient (Eq. 8):
+    'shared' from the model with l*'s expert updates off
+    (`with_expert_updates_off`), 'full' from the current model."""
     if self.residual == "shared":
-      prefix = roles.expert_prefix(self.expert_layer)
-      if not any(
-          p.startswith(prefix) and p.endswith("lora_b") for p in params_flat
-      ):
-        raise ValueError(
-            "residual='shared' switches l*'s expert updates off by zeroing "
-            "their LoRA B factors, and l* has none (full-weight experts); "
-            "use residual='full' or 'none'"
-        )
-      params_flat = {
-          p: (
-              jnp.zeros_like(v)
-              if p.startswith(prefix) and p.endswith("lora_b")
-              else v
-          )
-          for p, v in params_flat.items()
-      }
+      params_flat = with_expert_updates_off(params_flat, self.expert_layer)
 
     # Record by record, exactly as the gradient's forward runs (vmap over
     # B = 1): the blocks below l* are then the same computation in both, and
@@ -210,25 +198,11 @@ class PhaseFunctions:
     )
     return grads.residual_weights(logits, batch["labels"], self.residual_gamma)
 
-  # -- the two jitted functions -------------------------------------------------
-
-  def _accumulate(
-      self,
-      trainable: Mapping[str, Flat],
-      frozen: Flat,
-      sums: Mapping[str, Flat],
-      batch: Batch,
-      mask: jax.Array,
-  ):
-    """sums + this microbatch's clipped per-record gradient sums (float32).
-
-    Runs per device on its records; the devices' sums are combined by psum.
-    """
-    return jax.tree.map(
-        jnp.add,
-        sums,
-        jax.lax.psum(self._local_sums(trainable, frozen, batch, mask), AXIS),
-    )
+  def _accumulate(self, trainable, frozen, sums, batch, mask):
+    """sums + this device's clipped per-record gradient sums (float32),
+    psummed over the devices."""
+    local = self._local_sums(trainable, frozen, batch, mask)
+    return jax.tree.map(jnp.add, sums, jax.lax.psum(local, AXIS))
 
   def _split(
       self, trainable: Mapping[str, Flat], frozen: Flat
@@ -242,43 +216,30 @@ class PhaseFunctions:
     dense = {
         p.name: trainable[p.name] for p in self._differentiated if not p.owner
     }
-    constants = dict(frozen)
-    for name, part_params in trainable.items():
-      if name not in dense:
-        constants.update(part_params)
+    constants = merged_flat(
+        frozen, {n: v for n, v in trainable.items() if n not in dense}
+    )
     return dense, constants
 
-  def released_per_record(
-      self,
-      trainable: Mapping[str, Flat],
-      frozen: Flat,
-      batch: Batch,
-      mask: jax.Array,
-  ) -> dict[str, Flat]:
+  def released_per_record(self, trainable, frozen, batch, mask):
     """Each record's contribution to the phase's sums, per part (float32).
 
     Per-record gradients (owner parts: with respect to the record's owner
-    slice), multiplied by the residual weight where the part uses it, then
-    clipped as the phase clips (jointly or per part); padding and non-finite
-    records are exactly zero. With `clip_with` parts (the full-model clip),
-    their gradients join the joint norm and are then dropped: only the
-    phase's own parts are returned, each a piece of a vector of norm <= C.
-    For a non-private phase: the raw gradients, masked. Diagnostics read
-    these; the trainer's sums come from `_local_sums`.
+    slice), times the residual weight where the part uses it, clipped as
+    the phase clips; padding and non-finite records are exactly zero; with
+    `clip_with` parts, only the phase's own parts, each a piece of a vector
+    of norm <= C. A non-private phase: the raw gradients, masked.
+    Diagnostics read these; the trainer's sums come from `_local_sums`.
     """
     per_record = self._per_record_grads(trainable, frozen, batch)
     if not self.phase.private:
+      f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
       return {
-          name: grads.scale_records(
-              jax.tree.map(lambda g: g.astype(jnp.float32), g_part), mask
-          )
-          for name, g_part in per_record.items()
+          n: grads.scale_records(f32(g), mask) for n, g in per_record.items()
       }
     return self._clip_and_sum(per_record, mask, keep_batch_dim=True)
 
-  def _per_record_grads(
-      self, trainable: Mapping[str, Flat], frozen: Flat, batch: Batch
-  ) -> dict[str, Flat]:
+  def _per_record_grads(self, trainable, frozen, batch) -> dict[str, Flat]:
     """Per part, each record's gradient times its residual weight where used."""
     parts = self._differentiated
     dense, constants = self._split(trainable, frozen)
@@ -301,19 +262,12 @@ class PhaseFunctions:
     return per_record
 
   def _clip_and_sum(
-      self,
-      per_record: Mapping[str, Flat],
-      mask: jax.Array,
-      owners: jax.Array | None = None,
-      *,
-      keep_batch_dim: bool = False,
-  ) -> dict[str, Flat]:
-    """`grads.clip_and_sum` as the phase clips: jointly or per part.
-
-    A joint clip takes one norm over everything in `per_record` (the phase's
-    parts and its `clip_with` parts); only the phase's parts are returned.
-    Owner parts are summed into their owner's row of [E, ...].
-    """
+      self, per_record, mask, owners=None, *, keep_batch_dim=False
+  ):
+    """`grads.clip_and_sum` as the phase clips: one norm over everything in
+    `per_record` (joint: the phase's and its `clip_with` parts) or one per
+    part; owner parts sum into their owner's row of [E, ...]. Only the
+    phase's own parts are returned."""
     parts = self.phase.parts
     if self.phase.joint_clip:
       l2_clip = parts[0].l2_clip
@@ -331,119 +285,22 @@ class PhaseFunctions:
     )
     return {p.name: out[p.name] for p in parts}
 
-  def _local_sums(
-      self,
-      trainable: Mapping[str, Flat],
-      frozen: Flat,
-      batch: Batch,
-      mask: jax.Array,
-  ):
-    """This device's clipped per-record gradient sums (float32)."""
-    if not self.phase.private:
-      return self._nonprivate_sums(*self._split(trainable, frozen), batch, mask)
-    return self._clip_and_sum(
-        self._per_record_grads(trainable, frozen, batch), mask, batch["owners"]
+  def _local_sums(self, trainable, frozen, batch, mask):
+    """This device's clipped per-record gradient sums (float32); for a
+    non-private phase the plain gradient of the summed, unclipped loss."""
+    if self.phase.private:
+      per_record = self._per_record_grads(trainable, frozen, batch)
+      return self._clip_and_sum(per_record, mask, batch["owners"])
+    dense, constants = self._split(trainable, frozen)
+    loss = lambda d: summed_loss(
+        self.model, merged_params(constants, d), batch, mask
     )
+    return jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(loss)(dense))
 
   def _loss_sum(self, trainable, frozen, batch, mask) -> jax.Array:
     """Summed training loss of the records (NOT private; opt-in logging only)."""
-    logits, _ = self.model.apply(
-        {"params": merged_params(frozen, trainable)},
-        batch["input_ids"],
-        batch["attention_mask"],
-    )
-    return jax.lax.psum(
-        jnp.sum(cross_entropy(logits, batch["labels"]) * mask), AXIS
-    )
-
-  def _nonprivate_sums(self, dense, constants, batch, mask):
-    """Plain gradient of the summed (unclipped) loss: the non-private bounds."""
-
-    def total_loss(dense):
-      logits, _ = self.model.apply(
-          {"params": merged_params(constants, dense)},
-          batch["input_ids"],
-          batch["attention_mask"],
-      )
-      return jnp.sum(cross_entropy(logits, batch["labels"]) * mask)
-
-    return jax.tree.map(
-        lambda g: g.astype(jnp.float32), jax.grad(total_loss)(dense)
-    )
-
-  def update(
-      self,
-      trainable: dict[str, Flat],
-      opt_states: dict[str, Any],
-      sums: Mapping[str, Flat],
-  ):
-    """One noisy DP-Adam update of every part of the phase (noise drawn once).
-
-    Each part's `optax.chain(privatize_sums, adam)` adds N(0, (sigma C)^2) to
-    its clipped sums, divides by the public denominator, then takes the Adam
-    step: the release is the privatized sum, Adam is post-processing. The
-    update runs on each part's packed vector (`train.packed`: one program
-    whatever the number of leaves), then a program of slices unpacks it.
-
-    Returns:
-      (trainable with the phase's parts updated, opt_states).
-    """
-    new, opt_states = self.packed_update(trainable, opt_states, sums)
-    layouts = self.layouts(trainable)
-    unpacked = self.unpack(
-        tuple(sorted(layouts.items())), {n: new.pop(n) for n in layouts}
-    )
-    return {**trainable, **new, **unpacked}, opt_states
-
-  def layouts(self, trainable: Mapping[str, Flat]) -> dict[str, packed.Layout]:
-    """The packed layout of each part of the phase that packs (one dtype)."""
-    out = {}
-    for part in self.phase.parts:
-      layout = packed.Layout.of(trainable[part.name])
-      if layout is not None:
-        out[part.name] = layout
-    return out
-
-  def _packed_update(
-      self,
-      trainable: Mapping[str, Flat],
-      opt_states: dict[str, Any],
-      sums: Mapping[str, Flat],
-  ):
-    """({part: new packed vector, or new leaves if it does not pack},
-    new opt_states): `update` before unpacking."""
-    layouts, opt_states, out = self.layouts(trainable), dict(opt_states), {}
-    for part in self.phase.parts:
-      params, part_sums = trainable[part.name], sums[part.name]
-      layout = layouts.get(part.name)
-      if layout is not None:
-        params = layout.pack(params)
-        part_sums = layout.pack(part_sums, jnp.float32)
-      updates, opt_states[part.name] = self.optimizers[part.name].update(
-          part_sums, opt_states[part.name], params
-      )
-      out[part.name] = optax.apply_updates(params, updates)
-    return out, opt_states
-
-  @staticmethod
-  def _unpack(layouts, vectors) -> dict[str, Flat]:
-    """{part: leaves} of the packed vectors; `layouts`: sorted (part,
-    `packed.Layout`) pairs (static)."""
-    layouts = dict(layouts)
-    return {name: layouts[name].unpack(v) for name, v in vectors.items()}
-
-  def init_opt_states(self, trainable: Mapping[str, Flat]) -> dict[str, Any]:
-    """Per part: the chain's state (noise transform's PRNG state, Adam
-    state), over the part's packed vector where it packs."""
-    layouts = self.layouts(trainable)
-    return {
-        p.name: self.optimizers[p.name].init(
-            layouts[p.name].pack(trainable[p.name])
-            if p.name in layouts
-            else trainable[p.name]
-        )
-        for p in self.phase.parts
-    }
+    params = merged_params(frozen, trainable)
+    return jax.lax.psum(summed_loss(self.model, params, batch, mask), AXIS)
 
 
 def make_eval_fn(model: nn.Module) -> Callable:
