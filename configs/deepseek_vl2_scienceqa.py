@@ -6,7 +6,7 @@ attention adapters and the head), and the expert stream at a FIXED layer,
 the last routed-expert block (`raptor.layer='last'`): there is no
 format-matched public corpus, so no budget or public data is spent on
 choosing l*. Images are tiled and encoded once per record by the frozen
-tower (`raptor_jax.train.vision`); the classifier reads the state after
+tower (`raptor_jax.vision`); the classifier reads the state after
 "Answer:" and predicts the choice letter.
 
 Presets:
@@ -23,7 +23,7 @@ Presets:
 """
 
 from raptor_jax import _validate
-from raptor_jax.train import vision
+from raptor_jax import vision
 from raptor_jax.train.config import base_config, deepseek_family
 
 PRESETS = ("", "tiny")

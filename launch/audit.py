@@ -136,7 +136,7 @@ def main(argv):
       raise ValueError(
           "set --config (or --mechanism for the transforms' audit)"
       )
-    from raptor_jax.train import audit  # pylint: disable=g-import-not-at-top
+    from raptor_jax.studies import audit  # pylint: disable=g-import-not-at-top
 
     result = audit.run(
         _CONFIG.value,

@@ -147,7 +147,8 @@ def train_records(config) -> int:
     ValueError: n needs data this machine does not have (one line: pass --n).
   """
   from raptor_jax.data import tables, tasks
-  from raptor_jax.train import canaries, setup
+  from raptor_jax import canaries
+  from raptor_jax.train import setup
 
   dc = config.data
   if canaries.requested(config):

@@ -40,7 +40,7 @@ default delta = 1/n^1.1 are functions of it (either gives n back), and the
 accountant takes them as public parameters, as DP-SGD accounting does. The
 guarantee covers whether any one record was in the data, given n.
 
-An image task (`train.vision`, DeepSeek-VL2) is written in DeepSeek-VL2's
+An image task (`raptor_jax.vision`, DeepSeek-VL2) is written in DeepSeek-VL2's
 own layout instead (`vision.write_model`): the checkpoint's config.json,
 frozen tower and projector, the merged language model and the LM head with
 the trained letter rows; its records' image table is never written.
@@ -64,10 +64,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from raptor_jax import models
+from raptor_jax import models, vision
 from raptor_jax.models import export as hf_export
 from raptor_jax.models import hf, lora
-from raptor_jax.train import step, vision
+from raptor_jax.train import step
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import Run, build_run
 
@@ -309,11 +309,11 @@ def write_model(
   backbone = model.backbone
   config = backbone.config
   if getattr(config, "image_table_size", 0):
-    # The table holds the private records' image features (train.vision).
+    # The table holds the private records' image features (raptor_jax.vision).
     raise ValueError(
         "write_model: this model holds its records' image table (an image"
         " task), which must never be published; export image-task runs with"
-        " release.export (train.vision.write_model)"
+        " release.export (raptor_jax.vision.write_model)"
     )
   merged = lora.merge(params["backbone"], config.lora_alpha, config.lora_rank)
   classifier = hf.sequence_classification_class(backbone, model.pooling)

@@ -166,7 +166,7 @@ def select(
   """Sorted flat paths of the leaves with one of `roles` (in `blocks`, if given).
 
   An image task's `image_table` (role 'base') is never selected: it holds
-  the records' frozen image tokens (`train.vision`), so no method trains it,
+  the records' frozen image tokens (`raptor_jax.vision`), so no method trains it,
   not even those that train every weight.
 
   Raises:
@@ -202,7 +202,7 @@ def has_shared_experts(params: Mapping[str, Any]) -> bool:
 def count_by_role(params: Mapping[str, Any]) -> dict[str, int]:
   """Number of scalars per role (for results.json).
 
-  An image task's frozen `image_table` (`train.vision`) is not counted: its
+  An image task's frozen `image_table` (`raptor_jax.vision`) is not counted: its
   size is the records' total image tokens, a statistic of the private data.
   """
   counts = dict.fromkeys(ROLES, 0)

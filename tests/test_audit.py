@@ -12,8 +12,8 @@ import pytest
 from scipy import stats
 
 from raptor_jax import audit, data
-from raptor_jax.train import audit as train_audit
-from raptor_jax.train import canaries as canaries_lib
+from raptor_jax.studies import audit as train_audit
+from raptor_jax import canaries as canaries_lib
 from raptor_jax.train import plans, setup
 from raptor_jax.train import run as run_lib
 from raptor_jax.train.run import build_run

@@ -84,7 +84,7 @@ def test_the_secret_seed_reaches_no_file():
 
 def test_the_audit_seed_reaches_no_config_json():
   """It reproduces every canary's inclusion bit: the auditor's secret."""
-  from raptor_jax.train import canaries  # pylint: disable=g-import-not-at-top
+  from raptor_jax import canaries  # pylint: disable=g-import-not-at-top
 
   config = canaries.audit_config(micro_config(), num_canaries=8, seed=918273645)
   text = secrecy.public_config(config)

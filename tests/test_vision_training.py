@@ -1,4 +1,4 @@
-"""Image multiple-choice tasks in the trainer (raptor_jax.train.vision).
+"""Image multiple-choice tasks in the trainer (raptor_jax.vision).
 
 Hand-computed ids and table rows, the per-record isolation the privacy
 argument rests on (a record's output never reads another record's rows),
@@ -20,7 +20,7 @@ from raptor_jax.data import images
 from raptor_jax.data import multiple_choice as mc
 from raptor_jax.models import deepseek, initializers
 from raptor_jax.train import run as run_lib
-from raptor_jax.train import vision
+from raptor_jax import vision
 
 from helpers import load_config_module, micro_vl_config
 

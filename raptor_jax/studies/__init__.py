@@ -10,6 +10,9 @@ and use only their public names; nothing in the library imports a study.
   its generated data and its report.
 * :mod:`raptor_jax.studies.theory`: Theorem 1's terms and their Monte Carlo
   check.
+* :mod:`raptor_jax.studies.audit`: the one-run privacy audit of a trained
+  run (canaries from :mod:`raptor_jax.canaries`, per stream) and membership
+  inference.
 
 Import the modules directly (``from raptor_jax.studies import sweep``).
 """

@@ -18,11 +18,10 @@ import ml_collections
 import numpy as np
 
 from raptor_jax import _validate, compilation, data, length_buckets, models
-from raptor_jax import ownership
-from raptor_jax import roles, sampling
+from raptor_jax import canaries as canaries_lib
+from raptor_jax import ownership, roles, sampling, vision
 from raptor_jax.models import hf
-from raptor_jax.train import canaries as canaries_lib
-from raptor_jax.train import methods, parallel, plans, setup, vision
+from raptor_jax.train import methods, parallel, plans, setup
 
 Flat = dict[str, Any]
 
@@ -77,7 +76,7 @@ class Run:
       when no part needs owners). PRIVATE for training records.
     backbone_config: the backbone's config (sparse layers, experts, ...).
     canaries: an audit run's canaries (`config.audit`, see
-      `raptor_jax.train.canaries`): the included ones are the last records
+      `raptor_jax.canaries`): the included ones are the last records
       of `data.train` and are counted in `n`. None for every other run.
       PRIVATE (the auditor's secret).
     validated: `validate(config)` passed before the run was built (True for

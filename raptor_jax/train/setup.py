@@ -15,7 +15,7 @@ import numpy as np
 from raptor_jax import _validate, data, models, roles
 from raptor_jax.models import hf, initializers
 from raptor_jax.train import config as config_lib
-from raptor_jax.train import vision
+from raptor_jax import vision
 
 # model.tokenizer value: a word-level tokenizer over the public corpus's words.
 PUBLIC_WORDS = "public-words"
@@ -35,7 +35,7 @@ class RunData:
   public: tuple[np.ndarray, np.ndarray] | None  # (input_ids, attention_mask)
   tokenizer: Any
   token_groups: np.ndarray | None  # synthetic task: token -> topic (-1 none)
-  # image tasks (`train.vision`): every record's image tokens, float32
+  # image tasks (`raptor_jax.vision`): every record's image tokens, float32
   # [rows, hidden]; PRIVATE (the records' image features), never released
   image_table: np.ndarray | None = None
   # image tasks with a pretrained LM head: its rows of the choice letters,

@@ -54,7 +54,7 @@ class DeepseekConfig(FineTuningOptions):
   rope_theta: float = 10000.0
   hidden_act: str = "silu"
   shared_expert_lora: bool = dataclasses.field(default=False, kw_only=True)
-  # DeepSeek-VL2 fine-tuning with a frozen vision tower (`train.vision`):
+  # DeepSeek-VL2 fine-tuning with a frozen vision tower (`raptor_jax.vision`):
   # rows of precomputed image-token embeddings, read by token ids >=
   # vocab_size (id vocab_size + r reads row r). 0 = text only (no table).
   image_table_size: int = dataclasses.field(default=0, kw_only=True)
@@ -408,7 +408,7 @@ class DeepseekDecoder(nn.Module):
     """Token embeddings, with ids >= vocab_size read from `image_table`.
 
     `image_table/embedding` holds the precomputed image tokens of the run's
-    records (`train.vision`). The table is frozen (`roles.select` never
+    records (`raptor_jax.vision`). The table is frozen (`roles.select` never
     picks it) and each record's ids point only at its own rows,
     so a record's gradient depends on that record alone.
     """

@@ -4,7 +4,7 @@
 
 trains once in ``W/train`` and writes ``W/audit.json``. What it does:
 
-1. **Canaries** (`raptor_jax.train.canaries`). m random token sequences with
+1. **Canaries** (`raptor_jax.canaries`). m random token sequences with
    random labels, all owned by one expert e of l*, each included in the
    private training set independently with probability 1/2: the run's config
    gets an ``audit`` section and `build_run` inserts them, so they are
@@ -53,7 +53,7 @@ import ml_collections
 import numpy as np
 
 from raptor_jax import accounting, audit as audit_lib, data
-from raptor_jax.train import canaries as canaries_lib
+from raptor_jax import canaries as canaries_lib
 from raptor_jax.train import plans, setup, step, train_and_evaluate
 from raptor_jax.train.checkpoint import Checkpointer
 from raptor_jax.train.run import Run, build_run
