@@ -98,6 +98,29 @@ def _checkpoint_due(clock: preemption.CheckpointClock, cycle: int) -> bool:
   return due
 
 
+def _spent(eps: float | None) -> dict[str, float]:
+  """The `epsilon_spent` field of a metrics row (none for a non-private run)."""
+  return {} if eps is None else {"epsilon_spent": eps}
+
+
+def _advance(progress) -> None:
+  """One cycle on the bar; the full bar is drawn once, by its close."""
+  if progress is not None and progress.n + 1 < progress.total:
+    progress.update(1)
+  elif progress is not None:
+    progress.n += 1
+
+
+def _show(progress, line: str) -> None:
+  """`line` above the bar (not glued onto it), or after the full bar."""
+  if progress is not None and progress.n < progress.total:
+    progress.write(line)
+    return
+  if progress is not None:
+    progress.close()  # the full bar once, then the last line
+  log.info("%s", line)
+
+
 class _Session:
   """One training session of a run: its mesh, jitted steps, state, writers."""
 
@@ -189,21 +212,14 @@ class _Session:
     if cycle % config.log_every_cycles == 0 or end_of_epoch:
       eps = outputs.epsilon_spent(plan, self.state)
       self.writer.write(
-          cycle,
-          {
-              "epoch": cycle / self.cycles_per_epoch,
-              **({} if eps is None else {"epsilon_spent": eps}),
-          },
+          cycle, {"epoch": cycle / self.cycles_per_epoch, **_spent(eps)}
       )
       if progress is not None:  # before the update that draws this cycle
         progress.set_postfix_str(
             "eps n/a" if eps is None else f"eps {eps:.3f} after cycle {cycle}",
             refresh=False,
         )
-    if progress is not None and progress.n + 1 < progress.total:
-      progress.update(1)
-    elif progress is not None:  # the full bar is drawn once, by its close
-      progress.n += 1
+    _advance(progress)
     if (
         end_of_epoch
         and (cycle // self.cycles_per_epoch) % config.eval_every_epochs == 0
@@ -212,20 +228,9 @@ class _Session:
       if eps is None:
         eps = outputs.epsilon_spent(plan, self.state)
       # The evaluation row carries the spend it was made at (48.4).
-      self.writer.write(
-          cycle,
-          {
-              **{f"dev/{k}": v for k, v in dev.items()},
-              **({} if eps is None else {"epsilon_spent": eps}),
-          },
-      )
-      line = outputs.dev_line(cycle, dev, eps)
-      if progress is not None and progress.n < progress.total:
-        progress.write(line)  # above the bar, not glued onto it
-      else:
-        if progress is not None:
-          progress.close()  # the full bar once, then the last line
-        log.info("%s", line)
+      dev_row = {f"dev/{k}": v for k, v in dev.items()}
+      self.writer.write(cycle, {**dev_row, **_spent(eps)})
+      _show(progress, outputs.dev_line(cycle, dev, eps))
 
   def train(self) -> None:
     """Cycles until the plan (or config.stop_after_cycles) ends, checkpointing."""
