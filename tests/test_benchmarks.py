@@ -1,8 +1,8 @@
-"""Smoke tests: the benchmark scripts and profiling helpers run at toy sizes.
+"""Smoke tests: the benchmark scripts and measurement helpers run at toy sizes.
 
 Not timed tests (the numbers are machine- and load-dependent); they only keep
-`launch/bench/bench_dispatch.py`, `benchmark.py`, `bench_parallel.py` and
-`vs_opacus.py` from rotting, and check what the tables are made of (FLOP counts, memory
+`launch/bench/bench_dispatch.py`, `benchmark.py`, `vs_opacus.py` and the
+others from rotting, and check what the tables are made of (FLOP counts, memory
 analysis) where it is exact.
 """
 
@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 from launch.bench import harness
-from launch.bench import profiling
 from raptor_jax.data import images
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,7 +40,7 @@ def test_loop_corrected_flops_counts_every_scan_iteration():
     return jax.lax.scan(lambda c, x: (c, x @ w), None, xs)[1]
 
   xs, w = jnp.ones((7, 4, 16)), jnp.ones((16, 8))
-  raw, corrected = profiling.loop_corrected_flops(scanned, xs, w)
+  raw, corrected = harness.loop_corrected_flops(scanned, xs, w)
   body = 2 * 4 * 16 * 8
   assert raw == pytest.approx(
       body, rel=0.01
@@ -63,9 +62,9 @@ def test_memory_stats_and_largest_buffers():
       .lower(jnp.ones((64, 32)))
       .compile()
   )
-  stats = profiling.memory_stats(compiled)
+  stats = harness.memory_stats(compiled)
   assert stats["argument"] == 64 * 32 * 4 and stats["output"] == 64 * 32 * 4
-  buffers = profiling.largest_buffers(compiled, 3)
+  buffers = harness.largest_buffers(compiled, 3)
   assert buffers and buffers[0].nbytes >= buffers[-1].nbytes > 0
 
 
@@ -274,7 +273,7 @@ def test_bench_dispatch_switch_is_top1():
 @pytest.mark.slow
 def test_benchmark_toy():
   bench = _load("benchmark")
-  config = bench.model_config(
+  config = _load("builders").model_config(
       vocab_size=50,
       d_model=16,
       d_kv=8,
@@ -324,7 +323,7 @@ def test_benchmark_olmoe_expert_toy():
   """OLMoE expert stream: owner slices of gate, up and down; one slice per record."""
   bench = _load("benchmark")
   d_model, d_ff, rank = 16, 32, 2
-  config = bench.olmoe_config(
+  config = _load("builders").olmoe_config(
       vocab_size=50,
       hidden_size=d_model,
       intermediate_size=d_ff,
@@ -349,68 +348,13 @@ def test_benchmark_olmoe_expert_toy():
     assert _positive(r["temp_mb"]) and _positive(r["step_ms"]), r
 
 
-def _env_without_device_count():
-  flags_ = [
-      f
-      for f in os.environ.get("XLA_FLAGS", "").split()
-      if not f.startswith("--xla_force_host_platform_device_count")
-  ]
-  return dict(os.environ, XLA_FLAGS=" ".join(flags_), JAX_PLATFORMS="cpu")
-
-
-@pytest.mark.slow
-def test_bench_parallel_toy():
-  """Runs the script as a user would (it re-executes itself with 4 CPU devices)."""
-  args = [
-      "--method=baseline_c",
-      "--microbatch=4",
-      "--microbatches=1",
-      "--repeats=1",
-      "--seq_len=8",
-      "--d_model=16",
-      "--d_ff=16",
-      "--num_layers=2",
-      "--num_heads=2",
-      "--d_kv=8",
-  ]
-  proc = subprocess.run(
-      [sys.executable, "-m", "launch.bench.bench_parallel", *args],
-      env=_env_without_device_count(),
-      cwd=_ROOT,
-      capture_output=True,
-      text=True,
-      timeout=600,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  out = proc.stdout
-  assert "4 cpu devices" in out
-  rows = [
-      line.split() for line in out.splitlines() if line.startswith("expert ")
-  ]
-  assert [(r[1], r[2]) for r in rows] == [
-      ("1", "4"),
-      ("4", "1"),
-  ]  # devices, records/device
-  assert all(
-      float(r[-1]) < 1e-5 for r in rows
-  )  # same update on 1 and 4 devices
-  assert _load("bench_parallel").MULTI_HOST_COMMAND in out
-
-
-def test_bench_parallel_prints_the_documented_command():
-  text = (_ROOT / "docs/training.md").read_text()
-  assert _load("bench_parallel").MULTI_HOST_COMMAND in text
-
-
 def test_scripts_define_flags_only_when_run():
   """Importing the scripts into one process (as these tests do) must not clash."""
   for name in (
       "bench_dispatch",
       "benchmark",
-      "bench_parallel",
       "compile_time",
       "gpu_dispatch",
-      "scan_compile",
       "vs_opacus",
   ):
     module = _load(name)

@@ -27,6 +27,7 @@ from absl import flags
 import jax
 import numpy as np
 
+from launch.bench import harness
 from raptor_jax import length_buckets
 from raptor_jax.train import cycle, metrics, parallel, step
 from raptor_jax.train.config import glue_config
@@ -79,15 +80,18 @@ def main(argv):
   start, frozen = cycle.initial_state(run, phase_fns, mesh)
   variants = {"buckets": run, "max_length": _unbucketed(run)}
   states = {name: start for name in variants}
-  times = {name: [] for name in variants}
-  for _ in range(_CYCLES.value):
-    for name, r in variants.items():
-      t = time.time()
-      states[name] = cycle.train_cycle(
-          r, phase_fns, mesh, states[name], frozen, secret
-      )
-      jax.block_until_ready(states[name].trainable)
-      times[name].append(time.time() - t)
+
+  def one_cycle(name):  # of variant `name`, from its last state
+    states[name] = cycle.train_cycle(
+        variants[name], phase_fns, mesh, states[name], frozen, secret
+    )
+    return states[name].trainable
+
+  times = harness.interleaved_times(
+      {name: lambda name=name: one_cycle(name) for name in variants},
+      repeats=_CYCLES.value,
+      warmup=0,  # the first cycle compiles: printed on its own
+  )
   for name, ts in times.items():
     print(
         f"{name:>10}: first cycle (compiles) {ts[0]:.2f} s, later cycles"

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from launch.bench import harness
-from launch.bench import profiling
 from raptor_jax.models import decoder, deepseek, initializers, moe, olmoe, switch
 
 # Per family: size defaults (switch-base-8/-64, OLMoE-1B-7B, DeepSeek-VL2-Tiny),
@@ -59,8 +58,8 @@ FAMILIES = {
 
 
 def define_flags() -> None:
-  """Defines the flags; only when run as a script, so that tests can import
-  several scripts into one process. A size flag left unset takes FAMILIES'."""
+  """Defines the flags, only when run (tests import several scripts); a size
+  flag left unset takes FAMILIES'."""
   flags.DEFINE_enum('family', 'switch', list(FAMILIES), 'The sparse layer.')
   flags.DEFINE_list('num_experts', None, 'Values of E.')
   flags.DEFINE_list('batch_sizes', None, 'Records per call (B).')
@@ -146,11 +145,9 @@ def layer_config(
 
 
 def _sparse_layer(config):
-  if isinstance(config, olmoe.OlmoeConfig):
-    return decoder.SparseMLP(config)
-  if isinstance(config, deepseek.DeepseekConfig):
-    return decoder.SparseMLP(config)
-  return switch.SwitchSparseMLP(config)
+  if isinstance(config, switch.SwitchConfig):
+    return switch.SwitchSparseMLP(config)
+  return decoder.SparseMLP(config)  # OLMoE's and DeepSeek's
 
 
 def _expert_weights(params, matrices: tuple[str, ...]) -> tuple[jax.Array, ...]:
@@ -276,10 +273,10 @@ def _time_pass(fns, args, i, references, repeats, max_dense_gflop):
   forward+backward) of every variant; a reference variant above
   `max_dense_gflop` is not timed (NaN)."""
   compiled = {v: jax.jit(fns[v][i]).lower(*args[v]).compile() for v in fns}
-  grouped_raw, grouped = profiling.loop_corrected_flops(
+  grouped_raw, grouped = harness.loop_corrected_flops(
       fns['grouped'][i], *args['grouped'], compiled=compiled['grouped']
   )
-  ref_flops = {v: profiling.flops(compiled[v]) for v in references}
+  ref_flops = {v: harness.flops(compiled[v]) for v in references}
   timed = ('one_expert', 'grouped') + tuple(
       v for v in references if ref_flops[v] <= max_dense_gflop * 1e9
   )

@@ -27,39 +27,27 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from launch.bench import builders
 from launch.bench import harness
-from launch.bench import profiling
-from raptor_jax import models, roles
-from raptor_jax.train import parallel, plans
+from raptor_jax import models
+from raptor_jax.train import plans
 from raptor_jax.train import setup as train_setup
 from raptor_jax.train import step as step_lib
 
+FAMILIES = ('switch', 'olmoe')
+FAMILIES_HELP = 'switch (top-1, ReLU experts) or olmoe (top-k, SwiGLU experts).'
+MICROBATCHES_HELP = (
+    'Microbatch sizes m of the shared-stream steps (empty: none).'
+)
+
 
 def define_flags() -> None:
-  """Defines the command-line flags; only when run as a script, so that tests can
-  import several scripts into one process."""
-  flags.DEFINE_enum(
-      'family',
-      'switch',
-      ['switch', 'olmoe'],
-      'Model: switch (top-1, ReLU experts) or olmoe (top-k, SwiGLU experts).',
-  )
-  flags.DEFINE_integer(
-      'top_k', 8, 'Experts per token (olmoe only; Switch is top-1).'
-  )
-  flags.DEFINE_list(
-      'microbatch_sizes',
-      ['8', '32', '128'],
-      'Microbatch sizes m of the shared-stream steps (empty: skip them).',
-  )
-  flags.DEFINE_list(
-      'expert_num_experts',
-      ['8', '64'],
-      'Values of E for the expert-stream step.',
-  )
-  flags.DEFINE_integer(
-      'expert_microbatch', 32, 'Microbatch size of the expert-stream step.'
-  )
+  """Defines the flags; only when run as a script (tests import several)."""
+  flags.DEFINE_enum('family', 'switch', list(FAMILIES), FAMILIES_HELP)
+  flags.DEFINE_integer('top_k', 8, 'Experts per token (olmoe; Switch: 1).')
+  flags.DEFINE_list('microbatch_sizes', ['8', '32', '128'], MICROBATCHES_HELP)
+  flags.DEFINE_list('expert_num_experts', ['8', '64'], 'E of the expert step.')
+  flags.DEFINE_integer('expert_microbatch', 32, 'm of the expert step.')
   flags.DEFINE_integer('num_experts', 8, 'E of the shared-stream model.')
   flags.DEFINE_integer('d_model', 256, 'Model width.')
   flags.DEFINE_integer('d_ff', 1024, 'Feed-forward width (dense and experts).')
@@ -73,111 +61,7 @@ def define_flags() -> None:
   flags.DEFINE_integer('repeats', 5, 'Timed rounds per variant.')
 
 
-L2_CLIP = 1.0
-NOISE_MULTIPLIER = 1.0
-LEARNING_RATE = 1e-3
 _MB = 2.0**20
-
-
-def model_config(**overrides) -> models.SwitchConfig:
-  """A small Switch (`overrides` on top of the defaults) with LoRA on attention
-  and on the experts of the last sparse block, the expert-stream layer (kept
-  out of the scan, as the trainer keeps l*)."""
-  base = dict(
-      vocab_size=8000,
-      d_model=256,
-      d_kv=64,
-      d_ff=1024,
-      num_layers=4,
-      num_heads=4,
-      num_experts=8,
-      expert_capacity=64,
-      sparse_step=2,
-      lora_rank=8,
-      attention_lora=True,
-  )
-  base.update(overrides)
-  config = models.SwitchConfig(**base)
-  layer = config.sparse_layers[-1]
-  return dataclasses.replace(
-      config, expert_lora_layers=(layer,), unscanned_layers=(layer,)
-  )
-
-
-def olmoe_config(**overrides) -> models.OlmoeConfig:
-  """A small OLMoE (`overrides` on top of the defaults: 4 blocks, all sparse, top-8)
-  with LoRA on attention and on the experts of the last block, the expert-stream layer.
-  """
-  base = dict(
-      vocab_size=8000,
-      hidden_size=256,
-      intermediate_size=1024,
-      num_hidden_layers=4,
-      num_attention_heads=4,
-      num_key_value_heads=4,
-      num_experts=8,
-      num_experts_per_tok=8,
-      lora_rank=8,
-      attention_lora=True,
-  )
-  base.update(overrides)
-  config = models.OlmoeConfig(**base)
-  layer = config.sparse_layers[-1]
-  return dataclasses.replace(
-      config, expert_lora_layers=(layer,), unscanned_layers=(layer,)
-  )
-
-
-def build(
-    config: models.SwitchConfig | models.OlmoeConfig,
-    seq_len: int,
-    seed: int = 0,
-):
-  """(module, params) of a randomly initialised SequenceClassifier (mean pooling for
-  Switch, last token for the OLMoE decoder)."""
-  if isinstance(config, models.OlmoeConfig):
-    module = models.SequenceClassifier(
-        models.OlmoeDecoder(config), num_labels=2, pooling='last'
-    )
-  else:
-    module = models.SequenceClassifier(
-        models.SwitchEncoder(config), num_labels=2
-    )
-  ids = jnp.zeros((1, seq_len), jnp.int32)
-  params = models.init_params(
-      module, jax.random.PRNGKey(seed), (ids, jnp.ones_like(ids))
-  )
-  return module, params
-
-
-def batch(
-    num_records: int,
-    seq_len: int,
-    vocab_size: int,
-    num_experts: int,
-    seed: int = 0,
-):
-  """Random records (ids, mask, label) with right padding, and random owners."""
-  rng = np.random.default_rng(seed)
-  ids = rng.integers(1, vocab_size, (num_records, seq_len), dtype=np.int32)
-  lengths = rng.integers(seq_len // 2, seq_len + 1, num_records)
-  mask = (np.arange(seq_len)[None] < lengths[:, None]).astype(np.int32)
-  labels = rng.integers(0, 2, num_records, dtype=np.int32)
-  owners = rng.integers(0, num_experts, num_records, dtype=np.int32)
-  return (
-      (jnp.asarray(ids * mask), jnp.asarray(mask), jnp.asarray(labels)),
-      jnp.asarray(owners),
-  )
-
-
-def host_batch(ids, mask, labels, owners=None) -> dict:
-  """The trainer's host batch of one microbatch (owners zero when unused)."""
-  return {
-      'input_ids': ids,
-      'attention_mask': mask,
-      'labels': labels,
-      'owners': jnp.zeros_like(labels) if owners is None else owners,
-  }
 
 
 def _xent(logits, labels):
@@ -186,7 +70,7 @@ def _xent(logits, labels):
 
 def nonprivate_step(module):
   """Jittable non-private step: (trainable, opt, frozen, records) -> (trainable, opt)."""
-  adam = optax.adam(LEARNING_RATE)
+  adam = optax.adam(builders.LEARNING_RATE)
 
   def step(trainable, opt_state, frozen, records):
     def mean_loss(trainable):
@@ -203,39 +87,6 @@ def nonprivate_step(module):
   return step, adam
 
 
-def stream_phase(stream: str, denominator: float, layer=None):
-  """(phase, `PhaseStep` keywords) of RAPTOR's 'shared' stream (attention
-  LoRA + head) or 'expert' stream (owner slices of block `layer`'s expert
-  LoRA, the residual weight 'shared'): one part, the benchmark's clip and
-  noise multiplier."""
-  expert = stream == 'expert'
-  part = plans.Part(
-      name=stream,
-      roles=tuple(roles.EXPERT_ROLES if expert else roles.SHARED_ROLES),
-      blocks=(layer,) if expert else None,
-      owner=expert,
-      l2_clip=L2_CLIP,
-      noise_multiplier=NOISE_MULTIPLIER,
-      denominator=denominator,
-      residual=expert,
-  )
-  extra = dict(expert_layer=layer, residual='shared') if expert else {}
-  return plans.Phase(name=stream, stream=0, parts=(part,)), extra
-
-
-def phase_step(module, phase, *, key, devices=1, **kwargs):
-  """The trainer's `PhaseStep` of `phase` on a mesh of `devices` (0: every
-  device); `kwargs` as `stream_phase`'s."""
-  return step_lib.PhaseStep(
-      module,
-      phase,
-      key=key,
-      learning_rate=LEARNING_RATE,
-      mesh=parallel.make_mesh(devices),
-      **kwargs,
-  )
-
-
 def dp_step(
     module, params, phase: plans.Phase, records, owners, *, key, **kwargs
 ):
@@ -246,17 +97,10 @@ def dp_step(
   does: zero sums, place the records, accumulate (vmap(grad) per record,
   clip, float32 sums), update (noise once, public denominator, Adam).
   """
-  dp = phase_step(module, phase, key=key, **kwargs)
+  dp = builders.phase_step(module, phase, key=key, **kwargs)
   state = dp.init(params)
-  batch = host_batch(*records, owners)
-  placed = parallel.shard_records(
-      (batch, np.ones(len(owners), np.float32)), dp.mesh
-  )
-  args = (state.trainable, state.frozen, dp.zero_sums(state), *placed)
-  compiled = profiling.compile_timed(dp.functions.accumulate, *args)
-  update = profiling.compile_timed(
-      dp.functions.update, state.trainable, state.opt_state, args[2]
-  )
+  compiled, update, args = builders.compile_phase(dp, state, records, owners)
+  batch = builders.host_batch(*records, owners)
 
   def call():
     return dp.update(state, dp.accumulate(state, dp.zero_sums(state), batch))
@@ -281,12 +125,12 @@ def run_shared(
     repeats=5,
 ) -> list[dict]:
   """Non-private vs DP shared-stream step per microbatch size; one dict per m."""
-  module, params = build(config, seq_len)
-  shared = lambda m: stream_phase('shared', float(m))[0]
+  module, params = builders.build(config, seq_len)
+  shared = lambda m: builders.stream_phase('shared', float(m))[0]
   trainable, frozen = train_setup.partition(params, shared(1).parts)
   rows = []
   for m in microbatch_sizes:
-    records, owners = batch(
+    records, owners = builders.batch(
         m, seq_len, config.vocab_size, config.num_experts, seed=m
     )
     calls, row = {}, {
@@ -296,7 +140,7 @@ def run_shared(
     }
     step, adam = nonprivate_step(module)
     args = (trainable, adam.init(trainable), frozen, records)
-    nonprivate = profiling.compile_timed(step, *args)
+    nonprivate = harness.compile_timed(step, *args)
     calls['nonprivate'] = functools.partial(nonprivate.compiled, *args)
     row['nonprivate_compile_s'] = nonprivate.lower_s + nonprivate.compile_s
     _, (_, compiled, _), update_s, calls['dp'] = dp_step(
@@ -307,7 +151,7 @@ def run_shared(
         ('nonprivate', nonprivate.compiled),
         ('dp', compiled.compiled),
     ):
-      stats = profiling.memory_stats(program)
+      stats = harness.memory_stats(program)
       row[f'{name}_temp_mb'] = stats['temp'] / _MB if stats else float('nan')
     pair = ('dp', 'nonprivate')
     ms, ratios = harness.interleaved_medians(
@@ -337,14 +181,16 @@ def run_expert(
   for e in num_experts:
     cfg = dataclasses.replace(config, num_experts=e)
     layer = cfg.expert_lora_layers[0]
-    module, params = build(cfg, seq_len)
-    records, owners = batch(microbatch, seq_len, cfg.vocab_size, e, seed=e)
-    phase, extra = stream_phase('expert', microbatch / e, layer)
+    module, params = builders.build(cfg, seq_len)
+    records, owners = builders.batch(
+        microbatch, seq_len, cfg.vocab_size, e, seed=e
+    )
+    phase, extra = builders.stream_phase('expert', microbatch / e, layer)
     state, (accumulate, compiled, args), update_s, calls[e] = dp_step(
         module, params, phase, records, owners, key=jax.random.key(1), **extra
     )
-    stats = profiling.memory_stats(compiled.compiled) or {}
-    _, step_flops = profiling.loop_corrected_flops(
+    stats = harness.memory_stats(compiled.compiled) or {}
+    _, step_flops = harness.loop_corrected_flops(
         accumulate, *args, compiled=compiled.compiled
     )
     one_slice = _num_params(state.trainable) // e
@@ -363,7 +209,7 @@ def run_expert(
             'compile_s': compiled.lower_s + compiled.compile_s + update_s,
         }
     )
-    buffers[e] = profiling.largest_buffers(compiled.compiled, num_buffers)
+    buffers[e] = harness.largest_buffers(compiled.compiled, num_buffers)
   first = num_experts[0]
   ms, ratios = harness.interleaved_medians(
       calls, repeats=repeats, pairs=[(e, first) for e in num_experts]
@@ -412,7 +258,7 @@ def expert_table(rows: list[dict]) -> str:
   return harness.dict_table(EXPERT_COLUMNS, rows)
 
 
-def buffer_table(buffers: list[profiling.Buffer]) -> str:
+def buffer_table(buffers: list[harness.Buffer]) -> str:
   body = [
       [
           f'{b.nbytes / _MB:.1f}',
@@ -430,30 +276,16 @@ def buffer_table(buffers: list[profiling.Buffer]) -> str:
 def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  names = ('vocab_size', 'num_experts', 'lora_rank', 'd_model', 'd_ff')
+  sizes = {n: FLAGS[n].value for n in names + ('num_layers', 'num_heads')}
   if FLAGS.family == 'olmoe':
-    config = olmoe_config(
-        vocab_size=FLAGS.vocab_size,
-        hidden_size=FLAGS.d_model,
-        intermediate_size=FLAGS.d_ff,
-        num_hidden_layers=FLAGS.num_layers,
-        num_attention_heads=FLAGS.num_heads,
-        num_key_value_heads=FLAGS.num_heads,
-        num_experts=FLAGS.num_experts,
-        num_experts_per_tok=FLAGS.top_k,
-        lora_rank=FLAGS.lora_rank,
+    config = builders.olmoe_config(
+        **builders.decoder_sizes(sizes), num_experts_per_tok=FLAGS.top_k
     )
     routing = f'top-{config.top_k}, SwiGLU experts'
   else:
-    config = model_config(
-        vocab_size=FLAGS.vocab_size,
-        d_model=FLAGS.d_model,
-        d_kv=FLAGS.d_kv,
-        d_ff=FLAGS.d_ff,
-        num_layers=FLAGS.num_layers,
-        num_heads=FLAGS.num_heads,
-        num_experts=FLAGS.num_experts,
-        expert_capacity=FLAGS.expert_capacity,
-        lora_rank=FLAGS.lora_rank,
+    config = builders.model_config(
+        **sizes, d_kv=FLAGS.d_kv, expert_capacity=FLAGS.expert_capacity
     )
     routing = f'top-1, capacity {config.expert_capacity}'
   print(

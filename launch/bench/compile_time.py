@@ -30,7 +30,6 @@ if __name__ == '__main__':  # first, before any library starts a thread
 
   _host_memory.keep_unless_disabled(sys.argv)
 
-import dataclasses
 import itertools
 import re
 import time
@@ -40,7 +39,7 @@ from absl import flags
 import jax
 import numpy as np
 
-from launch.bench import benchmark
+from launch.bench import builders
 from launch.bench import harness
 from raptor_jax import models, ownership
 from raptor_jax.train import parallel
@@ -49,85 +48,48 @@ from raptor_jax.train import step as step_lib
 FLAGS = flags.FLAGS
 
 # Published shapes (HF config.json), depth `full`; vocabularies reduced.
+_DECODER = ('hidden_size', 'intermediate_size', 'num_attention_heads')
+_DECODER += ('num_key_value_heads', 'num_experts', 'num_experts_per_tok')
+_DEEPSEEK = ('hidden_size', 'intermediate_size', 'moe_intermediate_size')
+_DEEPSEEK += ('num_attention_heads', 'num_key_value_heads', 'n_routed_experts')
+_DEEPSEEK += ('n_shared_experts', 'num_experts_per_tok')
+_DEEPSEEK_FIXED = dict(use_mla=False, first_k_dense_replace=1)
 SHAPES = {
-    'switch': dict(
-        full=12,
-        config=dict(
-            d_model=768,
-            d_kv=64,
-            d_ff=3072,
-            num_heads=12,
-            num_experts=8,
-            expert_capacity=64,
-        ),
-    ),
+    'switch': dict(full=12, config=builders.SWITCH_BASE_8),
     'olmoe': dict(
-        full=16,
-        config=dict(
-            hidden_size=2048,
-            intermediate_size=1024,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            num_experts=64,
-            num_experts_per_tok=8,
-        ),
+        full=16, config=dict(zip(_DECODER, (2048, 1024, 16, 16, 64, 8)))
     ),
     'deepseek': dict(
         full=12,
         config=dict(
-            hidden_size=1280,
-            intermediate_size=6848,
-            moe_intermediate_size=896,
-            num_attention_heads=10,
-            num_key_value_heads=10,
-            use_mla=False,
-            n_routed_experts=64,
-            n_shared_experts=2,
-            num_experts_per_tok=6,
-            first_k_dense_replace=1,
+            zip(_DEEPSEEK, (1280, 6848, 896, 10, 10, 64, 2, 6)),
+            **_DEEPSEEK_FIXED,
         ),
     ),
     'qwen3_moe': dict(  # Qwen/Qwen3-30B-A3B
         full=48,
         config=dict(
-            hidden_size=2048,
-            intermediate_size=6144,
+            zip(_DECODER, (2048, 6144, 32, 4, 128, 8)),
             moe_intermediate_size=768,
-            num_attention_heads=32,
-            num_key_value_heads=4,
             head_dim=128,
-            num_experts=128,
-            num_experts_per_tok=8,
             norm_topk_prob=True,
         ),
     ),
     'qwen2_moe': dict(  # Qwen/Qwen1.5-MoE-A2.7B
         full=24,
         config=dict(
-            hidden_size=2048,
-            intermediate_size=5632,
+            zip(_DECODER, (2048, 5632, 16, 16, 60, 4)),
             moe_intermediate_size=1408,
             shared_expert_intermediate_size=5632,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            num_experts=60,
-            num_experts_per_tok=4,
         ),
     ),
     'mixtral': dict(  # mistralai/Mixtral-8x7B-v0.1
-        full=32,
-        config=dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            num_experts=8,
-            num_experts_per_tok=2,
-        ),
+        full=32, config=dict(zip(_DECODER, (4096, 14336, 32, 8, 8, 2)))
     ),
 }
 
 # `--quick`: every family at toy width, for the CPU tests.
+_TOY = dict(zip(_DECODER, (32, 32, 2, 2, 4, 2)))
 QUICK = {
     'switch': dict(
         full=4,
@@ -140,97 +102,28 @@ QUICK = {
             expert_capacity=8,
         ),
     ),
-    'olmoe': dict(
-        full=3,
-        config=dict(
-            hidden_size=32,
-            intermediate_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            num_experts=4,
-            num_experts_per_tok=2,
-        ),
-    ),
+    'olmoe': dict(full=3, config=_TOY),
     'deepseek': dict(
         full=3,
         config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            use_mla=False,
-            n_routed_experts=4,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            first_k_dense_replace=1,
+            zip(_DEEPSEEK, (32, 64, 32, 2, 2, 4, 1, 2)), **_DEEPSEEK_FIXED
         ),
     ),
-    **{
-        name: dict(
-            full=3,
-            config=dict(
-                hidden_size=32,
-                intermediate_size=32,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                num_experts=4,
-                num_experts_per_tok=2,
-                **extra,
-            ),
-        )
-        for name, extra in (
-            ('qwen3_moe', dict(moe_intermediate_size=16, head_dim=8)),
-            (
-                'qwen2_moe',
-                dict(
-                    moe_intermediate_size=16, shared_expert_intermediate_size=32
-                ),
-            ),
-            ('mixtral', {}),
-        )
-    },
-}
-
-# name -> (config class, backbone, depth field, pooling).
-BACKBONES = {
-    'switch': (models.SwitchConfig, models.SwitchEncoder, 'num_layers', 'mean'),
-    'olmoe': (
-        models.OlmoeConfig,
-        models.OlmoeDecoder,
-        'num_hidden_layers',
-        'last',
+    'qwen3_moe': dict(
+        full=3, config=dict(_TOY, moe_intermediate_size=16, head_dim=8)
     ),
-    'deepseek': (
-        models.DeepseekConfig,
-        models.DeepseekDecoder,
-        'num_hidden_layers',
-        'last',
+    'qwen2_moe': dict(
+        full=3,
+        config=dict(
+            _TOY, moe_intermediate_size=16, shared_expert_intermediate_size=32
+        ),
     ),
-    'qwen3_moe': (
-        models.Qwen3MoeConfig,
-        models.Qwen3MoeDecoder,
-        'num_hidden_layers',
-        'last',
-    ),
-    'qwen2_moe': (
-        models.Qwen2MoeConfig,
-        models.Qwen2MoeDecoder,
-        'num_hidden_layers',
-        'last',
-    ),
-    'mixtral': (
-        models.MixtralConfig,
-        models.MixtralDecoder,
-        'num_hidden_layers',
-        'last',
-    ),
+    'mixtral': dict(full=3, config=_TOY),
 }
 
 
 def define_flags() -> None:
-  """Defines the command-line flags; only when run as a script, so that tests
-  can import several scripts into one process."""
+  """Defines the flags; only when run as a script (tests import several)."""
   flags.DEFINE_list('models', list(SHAPES), 'Model shapes.')
   flags.DEFINE_list('depths', ['2', 'full'], 'Blocks: numbers or "full".')
   flags.DEFINE_list('microbatches', ['1', '8', '32'], 'Records per batch.')
@@ -271,18 +164,15 @@ def model(name: str, depth: int, *, shapes, vocab_size, dtype, scan):
   sizes = dict(shapes[name]['config'])
   if name == 'switch':
     sizes['sparse_step'] = 2
-  config_class, backbone, depth_field, pooling = BACKBONES[name]
+  config_class, _, depth_field, _ = builders.BACKBONES[name]
   config = config_class(**sizes, **options, **{depth_field: depth})
-  layer = config.sparse_layers[-1]
-  config = dataclasses.replace(
-      config, expert_lora_layers=(layer,), unscanned_layers=(layer,)
-  )
-  return models.SequenceClassifier(backbone(config), 2, pooling=pooling), config
+  config = builders.with_expert_layer(config)
+  return builders.classifier(config), config
 
 
 def programs(module, config, params, m: int, seq_len: int, vocab_size: int):
   """[(name, jitted fn, args)]: the trainer's programs at microbatch `m`."""
-  records, owners = benchmark.batch(m, seq_len, vocab_size, config.num_experts)
+  records, owners = builders.batch(m, seq_len, vocab_size, config.num_experts)
   ids, mask = records[:2]
   layer = config.sparse_layers[-1]
   rule = ownership.owner_rule(config, 'count')
@@ -298,27 +188,20 @@ def programs(module, config, params, m: int, seq_len: int, vocab_size: int):
   state = None
   for stream in ('shared', 'expert'):
     denominator = float(m) / (config.num_experts if stream == 'expert' else 1)
-    phase, extra = benchmark.stream_phase(stream, denominator, layer)
-    dp = benchmark.phase_step(
+    phase, extra = builders.stream_phase(stream, denominator, layer)
+    dp = builders.phase_step(
         module, phase, key=jax.random.key(1), devices=1, **extra
     )
     state = dp.init(params)
     fns = dp.functions
     sums = jax.eval_shape(fns.zero_sums, state.trainable)  # not compiled
-    placed = parallel.shard_records(
-        (benchmark.host_batch(*records, owners), np.ones(m, np.float32)),
-        dp.mesh,
-    )
+    args = builders.accumulate_args(dp, state, records, owners, sums)
     update_args = (state.trainable, state.opt_state, sums)
     layouts = tuple(sorted(fns.layouts(state.trainable).items()))
     vectors = jax.eval_shape(fns.packed_update, *update_args)[0]
     out += [
         (f'{stream} zero', fns.zero_sums, (state.trainable,)),
-        (
-            f'{stream} accumulate',
-            fns.accumulate,
-            (state.trainable, state.frozen, sums, *placed),
-        ),
+        (f'{stream} accumulate', fns.accumulate, args),
         (f'{stream} update', fns.packed_update, update_args),
         (
             f'{stream} unpack',
@@ -339,15 +222,11 @@ def programs(module, config, params, m: int, seq_len: int, vocab_size: int):
 
 def measure(fn, args) -> dict:
   """Lower and compile seconds, HLO instructions, largest while trip count."""
-  start = time.perf_counter()
-  lowered = fn.lower(*args)
-  lowered_at = time.perf_counter()
-  compiled = lowered.compile()
-  done = time.perf_counter()
-  text = compiled.as_text() or ''
+  timed = harness.compile_timed(fn, *args, jitted=True)
+  text = timed.compiled.as_text() or ''
   return dict(
-      lower_s=lowered_at - start,
-      compile_s=done - lowered_at,
+      lower_s=timed.lower_s,
+      compile_s=timed.compile_s,
       hlo=hlo_instructions(text),
       max_trip=max_while_trip_count(text),
   )
@@ -393,22 +272,20 @@ def summary(rows) -> dict:
   return out
 
 
-PROGRAM_COLUMNS = (
+SETTING_COLUMNS = (  # (header, key or keys, format): a setting's columns
     ('model', 'model', ''),
     ('blocks', 'blocks', 'd'),
     ('m', 'm', 'd'),
     ('scan', 'scan', ''),
+)
+PROGRAM_COLUMNS = SETTING_COLUMNS + (
     ('program', 'program', ''),
     ('lower s', 'lower_s', '.2f'),
     ('compile s', 'compile_s', '.2f'),
     ('HLO instr', 'hlo', 'd'),
     ('max while trips', 'max_trip', 'd'),
 )
-SUMMARY_COLUMNS = (
-    ('model', 'model', ''),
-    ('blocks', 'blocks', 'd'),
-    ('m', 'm', 'd'),
-    ('scan', 'scan', ''),
+SUMMARY_COLUMNS = SETTING_COLUMNS + (
     ('set-up s', 'setup_s', '.2f'),
     ('shared stream s', 'shared_s', '.2f'),
     ('expert stream s', 'expert_s', '.2f'),

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from launch.bench import benchmark
+from launch.bench import builders
 from launch.bench import epochs
 from launch.bench import harness
 from launch.bench import raptor_side
@@ -133,7 +133,7 @@ def _host_batches(epoch, layout):
   """[(host batch, mask)]: the trainer's microbatches of `layout`."""
   return [
       (
-          benchmark.host_batch(
+          builders.host_batch(
               *map(jnp.asarray, epoch.arrays(length, idx)),
               jnp.asarray(epoch.owners[idx]),
           ),

@@ -39,35 +39,14 @@ import time
 from absl import app
 from absl import flags
 import jax
-import numpy as np
 
-from launch.bench import benchmark
-from launch.bench import profiling
+from launch.bench import builders
+from launch.bench import harness
 from raptor_jax.models import dispatch as dispatch_lib
 from raptor_jax.models import kernels as kernels_lib
-from raptor_jax.train import parallel
 
-SWITCH_BASE_8 = dict(
-    vocab_size=32128,
-    d_model=768,
-    d_kv=64,
-    d_ff=3072,
-    num_layers=12,
-    num_heads=12,
-    num_experts=8,
-    expert_capacity=64,
-)
-QUICK = dict(
-    vocab_size=50,
-    d_model=16,
-    d_kv=8,
-    d_ff=32,
-    num_layers=2,
-    num_heads=2,
-    num_experts=4,
-    expert_capacity=5,
-    lora_rank=2,
-)
+SWITCH_BASE_8 = dict(builders.SWITCH_BASE_8, vocab_size=32128, num_layers=12)
+QUICK = builders.TOY_SWITCH
 EXPECTED_BATCH = 1000
 # Of the device's memory, the share the accumulate's plan may take (the rest:
 # the update, the runtime, fragmentation).
@@ -108,7 +87,7 @@ def choose_microbatch(
   public function of the shapes and the device, never of the data.
 
   Args:
-    plan: `profiling.memory_stats` of the probe compile.
+    plan: `harness.memory_stats` of the probe compile.
     probe: its records per microbatch.
     device_bytes: the device's memory, or None (then m = probe).
   """
@@ -123,44 +102,24 @@ def choose_microbatch(
   return int(min(cap, 2 ** int(math.log2(fits))))
 
 
-def _median_seconds(call, repeats: int) -> float:
-  jax.block_until_ready(call())  # warm-up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def _programs(dp, state, microbatch: int, seq_len: int, config):
   """(compiled accumulate, compiled update, accumulate's arguments) at m."""
-  records, owners = benchmark.batch(
+  records, owners = builders.batch(
       microbatch, seq_len, config.vocab_size, config.num_experts
   )
-  placed = parallel.shard_records(
-      (benchmark.host_batch(*records, owners), np.ones(microbatch, np.float32)),
-      dp.mesh,
-  )
-  sums = dp.zero_sums(state)
-  args = (state.trainable, state.frozen, sums, *placed)
-  accumulate = profiling.compile_timed(dp.functions.accumulate, *args)
-  update = profiling.compile_timed(
-      dp.functions.update, state.trainable, state.opt_state, sums
-  )
-  return accumulate, update, args
+  return builders.compile_phase(dp, state, records, owners)
 
 
 def stream(name, module, params, config, *, probe, seq_len, repeats):
   """Prints one stream's lines: probe, compile, step at B = 1000."""
   layer = config.sparse_layers[-1]
   denominator = EXPECTED_BATCH / (config.num_experts if name == 'expert' else 1)
-  phase, extra = benchmark.stream_phase(name, float(denominator), layer)
-  dp = benchmark.phase_step(module, phase, key=jax.random.key(0), **extra)
+  phase, extra = builders.stream_phase(name, float(denominator), layer)
+  dp = builders.phase_step(module, phase, key=jax.random.key(0), **extra)
   state = dp.init(params)
   device_bytes = device_memory_bytes()
   accumulate, update, args = _programs(dp, state, probe, seq_len, config)
-  plan = profiling.memory_stats(accumulate.compiled) or {}
+  plan = harness.memory_stats(accumulate.compiled) or {}
   m = choose_microbatch(plan, probe, device_bytes)
   mib = lambda b: f'{b / 2**20:.0f} MiB'
   memory = (
@@ -194,9 +153,9 @@ def stream(name, module, params, config, *, probe, seq_len, repeats):
       sums = acc(trainable, frozen, sums, batch, mask)
     return upd(trainable, state.opt_state, sums)
 
-  micro_s = _median_seconds(one_microbatch, repeats)
-  step_s = _median_seconds(one_step, repeats)
-  flops = profiling.flops(acc)
+  micro_s = harness.median(harness.call_times(one_microbatch, repeats))
+  step_s = harness.median(harness.call_times(one_step, repeats))
+  flops = harness.flops(acc)
   rate = f'{flops / micro_s / 1e12:.1f} TFLOP/s' if flops == flops else '-'
   say(
       f'{name}: step B={EXPECTED_BATCH}: {step_s:.3f} s ({microbatches} x m={m};'
@@ -221,8 +180,8 @@ def main(argv) -> None:
   )
   start = time.perf_counter()
   sizes = dict(QUICK if quick else SWITCH_BASE_8)
-  config = benchmark.model_config(**sizes, dtype=FLAGS.dtype)
-  module, params = benchmark.build(config, seq_len)
+  config = builders.model_config(**sizes, dtype=FLAGS.dtype)
+  module, params = builders.build(config, seq_len)
   jax.block_until_ready(params)
   say(f'set-up: {time.perf_counter() - start:.1f} s (model and parameters)')
   for name in ('shared', 'expert'):

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from absl import app
 from absl import flags
@@ -25,7 +24,6 @@ import numpy as np
 
 from launch.bench import bench_dispatch
 from launch.bench import harness
-from launch.bench import profiling
 from raptor_jax.data import images
 from raptor_jax.models import decoder
 from raptor_jax.models import switch
@@ -47,56 +45,33 @@ VL2_SEQ_LEN = (
     + 64
 )
 
-# Per family: full-size layer and batch, and the --quick toy.
+# Per family: full-size layer and batch, and the --quick toy, as
+# (num_experts, d_model, d_ff, top_k, records). The decoder kit's other
+# families are the same layer (`decoder.SparseMLP`) at Qwen3-30B-A3B's and
+# Mixtral-8x7B's sizes; DeepSeek-VL2-Tiny's routed experts (64, top-6,
+# softmax without renormalisation: the kit's layer) run over
+# image-tile-length records; its two shared experts are a dense MLP, outside
+# any dispatch.
+_KEYS = ('num_experts', 'd_model', 'd_ff', 'top_k', 'records')
 SHAPES = {
-    'switch': dict(
-        full=dict(num_experts=8, d_model=768, d_ff=3072, top_k=1, records=32),
-        quick=dict(num_experts=4, d_model=16, d_ff=32, top_k=1, records=2),
-    ),
-    'olmoe': dict(
-        full=dict(num_experts=64, d_model=2048, d_ff=1024, top_k=8, records=8),
-        quick=dict(num_experts=8, d_model=16, d_ff=24, top_k=2, records=2),
-    ),
-    # The decoder kit's other families: the same layer (`decoder.SparseMLP`)
-    # at Qwen3-30B-A3B's and Mixtral-8x7B's sizes.
-    'qwen3_moe': dict(
-        full=dict(num_experts=128, d_model=2048, d_ff=768, top_k=8, records=8),
-        quick=dict(num_experts=8, d_model=16, d_ff=8, top_k=4, records=2),
-    ),
-    'mixtral': dict(
-        full=dict(num_experts=8, d_model=4096, d_ff=14336, top_k=2, records=4),
-        quick=dict(num_experts=4, d_model=16, d_ff=32, top_k=2, records=2),
-    ),
-    # DeepSeek-VL2-Tiny's routed experts (64, top-6, softmax without
-    # renormalisation: the kit's layer) over image-tile-length records; its
-    # two shared experts are a dense MLP, outside any dispatch.
-    'deepseek_vl2': dict(
-        full=dict(
-            num_experts=64,
-            d_model=1280,
-            d_ff=896,
-            top_k=6,
-            records=2,
-            seq_len=VL2_SEQ_LEN,
-        ),
-        quick=dict(num_experts=8, d_model=16, d_ff=8, top_k=3, records=2),
-    ),
+    family: dict(full=dict(zip(_KEYS, full)), quick=dict(zip(_KEYS, quick)))
+    for family, full, quick in (
+        ('switch', (8, 768, 3072, 1, 32), (4, 16, 32, 1, 2)),
+        ('olmoe', (64, 2048, 1024, 8, 8), (8, 16, 24, 2, 2)),
+        ('qwen3_moe', (128, 2048, 768, 8, 8), (8, 16, 8, 4, 2)),
+        ('mixtral', (8, 4096, 14336, 2, 4), (4, 16, 32, 2, 2)),
+        ('deepseek_vl2', (64, 1280, 896, 6, 2), (8, 16, 8, 3, 2)),
+    )
 }
+SHAPES['deepseek_vl2']['full']['seq_len'] = VL2_SEQ_LEN
 MODES = ('lora', 'train')
 VARIANTS = ('grouped', 'batched', 'ragged', 'tokamax', 'dense')
 # The `dispatch` of each (mode, variant): frozen kernels for LoRA, trainable
 # kernels otherwise ('dense' is differentiable in both).
 DISPATCH = {
-    ('lora', 'grouped'): 'grouped',
-    ('lora', 'batched'): 'batched',
-    ('lora', 'ragged'): 'ragged',
-    ('lora', 'tokamax'): 'tokamax',
-    ('lora', 'dense'): 'dense',
-    ('train', 'grouped'): 'grouped_train',
-    ('train', 'batched'): 'batched_train',
-    ('train', 'ragged'): 'ragged_train',
-    ('train', 'tokamax'): 'tokamax_train',
-    ('train', 'dense'): 'dense',
+    (mode, v): v if mode == 'lora' or v == 'dense' else f'{v}_train'
+    for mode in MODES
+    for v in VARIANTS
 }
 LORA_RANK = 8
 # How ragged_dot is lowered on a GPU: XLA's default, XLA with its cuDNN
@@ -226,17 +201,13 @@ def measure(
     with _triton_lowering(lowering == 'triton'):
       step, args, options = _step(family, mode, variant, quick, seq_len)
       compiled = jax.jit(step, compiler_options=options).lower(*args).compile()
-      _, flops = profiling.loop_corrected_flops(step, *args, compiled=compiled)
+      _, flops = harness.loop_corrected_flops(step, *args, compiled=compiled)
     times = []
-    if not compile_only:
-      jax.block_until_ready(compiled(*args))
-      for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
+    if not compile_only and repeats:
+      times = harness.call_times(lambda: compiled(*args), repeats)
   except Exception as e:  # pylint: disable=broad-except
     return dict(row, error=str(e).strip().splitlines()[0][:120])
-  stats = profiling.memory_stats(compiled) or {}
+  stats = harness.memory_stats(compiled) or {}
   xla = stats.get('argument', 0) + stats.get('output', 0) + stats.get('temp', 0)
   peak = _peak_bytes()
   return dict(

@@ -1,7 +1,7 @@
 """The benchmarks' one harness: calls taking turns, medians, ratios.
 
 In one process (`interleaved_times`, `interleaved_medians`; `benchmark`,
-`bench_dispatch`, `bench_parallel`): the jitted variants of one step are
+`bench_dispatch`, `kernels`): the jitted variants of one step are
 called in turns (A, B, A, B, ...) after warm-up, round after round; each
 column gets its median and each pair its paired ratio (`paired_ratio`, the
 median of the per-round ratios, so load that changes during the run hits
@@ -20,6 +20,15 @@ builds its calls, warms them up and then answers requests (`serve`). In a
 round `r`, each column's call gets `r`, so a benchmark may time a different
 input per round (`epoch_time` times step r of an epoch) while still pairing
 the columns on the same input.
+
+What a compiled program costs, read the same way across JAX versions (the
+last part of this file): `compile_timed` (lowering and compilation seconds),
+`flops` and `memory_stats` (XLA's cost and memory analysis; either may be
+missing on some backends), `loop_corrected_flops` (XLA counts the body of a
+`while` loop, so of every `lax.scan`, ONCE: this adds the missing
+`length - 1` copies of each scan body, the body's cost also taken from XLA),
+`largest_buffers` (the biggest buffers of its optimized HLO) and
+`while_loops` (its loops and their trip counts).
 """
 
 from __future__ import annotations
@@ -31,9 +40,11 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
+from jax.extend import core as jax_core
+import numpy as np
 
 _READY = '{"ready"'
 
@@ -65,6 +76,14 @@ def interleaved_times(
       jax.block_until_ready(fn())
       times[name].append(time.perf_counter() - start)
   return times
+
+
+def call_times(
+    call: Callable[[], Any], repeats: int, warmup: int = 1
+) -> list[float]:
+  """Seconds of each of `repeats` calls of `call` after `warmup` untimed
+  ones, outputs waited for (`interleaved_times` of one function)."""
+  return interleaved_times({0: call}, repeats=repeats, warmup=warmup)[0]
 
 
 def median(samples: list[float]) -> float:
@@ -168,6 +187,7 @@ def worker_times(
     workers: Sequence[tuple[Sequence[str], Callable[[str], str]]],
     *,
     repeats: int,
+    by_column: bool = False,
 ) -> tuple[dict[str, list[float]], dict[str, str]]:
   """({column: [seconds per round]}, {column: error}) from worker processes.
 
@@ -177,6 +197,8 @@ def worker_times(
       process setting).
     repeats: rounds; round r calls every column of every worker once, in
       turns, with r.
+    by_column: in a round, the workers' columns of one name back to back
+      (A/B pairs of workers serving the same columns); else worker by worker.
   """
   procs, order, failed = [], [], {}
   try:
@@ -194,6 +216,8 @@ def worker_times(
         raise RuntimeError(f"a timing worker failed (see stderr): {argv}")
       failed.update({name(c): e for c, e in ready["failed"].items()})
       order += [(proc, c, name(c)) for c in ready["ready"]]
+    if by_column:
+      order.sort(key=lambda o: o[1])  # stable: the workers' order within
     times = {name: [] for _, _, name in order}
     for r in range(repeats):
       for proc, column, name in order:
@@ -206,17 +230,6 @@ def worker_times(
       if proc.stdin:
         proc.stdin.close()
       proc.wait()
-
-
-def ratio_rows(
-    times: Mapping[str, list[float]], pairs: Sequence[tuple[str, str]]
-) -> list[list[str]]:
-  """[['a / b', 'x.xx'], ...]: the paired median ratio of each (a, b)."""
-  return [
-      [f"{a} / {b}", f"{paired_ratio(times[a], times[b]):.2f}"]
-      for a, b in pairs
-      if a in times and b in times
-  ]
 
 
 def error_line(e: Exception) -> str:
@@ -311,3 +324,205 @@ def max_while_trip_count(hlo_text: str) -> float:
   if any(c is None for c in counts):
     return math.inf
   return max(counts, default=0)
+
+
+# ---------------------------------------------------------------------------
+# What a compiled program costs.
+
+
+class Compiled(NamedTuple):
+  """A compiled program and how long it took to get it."""
+
+  compiled: Any  # jax.stages.Compiled
+  lower_s: float  # tracing + lowering to StableHLO
+  compile_s: float  # XLA compilation
+
+
+def compile_timed(
+    fn: Callable, *args, jitted: bool = False, **jit_kwargs
+) -> Compiled:
+  """``jax.jit(fn, **jit_kwargs).lower(*args).compile()``, timed.
+
+  ``args`` may be arrays or ``jax.ShapeDtypeStruct``s. Call the returned
+  ``compiled`` with arrays of the same shapes; it never recompiles. With
+  ``jitted``, ``fn`` is already jitted: ``fn.lower(*args).compile()``.
+  """
+  start = time.perf_counter()
+  lowered = (fn if jitted else jax.jit(fn, **jit_kwargs)).lower(*args)
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  return Compiled(
+      compiled, lowered_at - start, time.perf_counter() - lowered_at
+  )
+
+
+def _cost_dict(compiled) -> Optional[Mapping[str, float]]:
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return None  # some backends do not implement it
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+    cost = cost[0] if cost else None
+  return cost or None
+
+
+def flops(compiled) -> float:
+  """XLA's FLOP count of a compiled program (NaN where unavailable).
+
+  Loop bodies are counted once; see ``loop_corrected_flops``.
+  """
+  cost = _cost_dict(compiled)
+  if cost is None or "flops" not in cost:
+    return float("nan")
+  return float(cost["flops"])
+
+
+def memory_stats(compiled) -> Optional[dict[str, int]]:
+  """XLA's buffer sizes in bytes of a compiled program, or None.
+
+  Keys: ``temp`` (scratch buffers live during the call: activations,
+  intermediate gradients; never the arguments), ``argument``, ``output``,
+  ``alias`` (outputs that reuse a donated argument), ``generated_code``.
+  """
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    stats = None  # some backends do not implement it
+  if stats is None:
+    return None
+  keys = ("temp", "argument", "output", "alias", "generated_code")
+  return {k: int(getattr(stats, f"{k}_size_in_bytes", 0) or 0) for k in keys}
+
+
+def _closed_jaxpr_flops(closed: jax_core.ClosedJaxpr, cache: dict) -> float:
+  text = str(closed)  # shapes included: equal text, equal program
+  if text not in cache:
+    args = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+        for v in closed.jaxpr.invars
+    ]
+    cache[text] = flops(
+        jax.jit(jax_core.jaxpr_as_fun(closed)).lower(*args).compile()
+    )
+  return cache[text]
+
+
+def _scans(jaxpr: jax_core.Jaxpr):
+  """Yields every scan equation not nested inside another scan."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      yield eqn
+      continue
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      yield from _scans(sub)
+
+
+def _scan_extra_flops(jaxpr: jax_core.Jaxpr, cache: dict) -> float:
+  extra = 0.0
+  for eqn in _scans(jaxpr):
+    body = eqn.params["jaxpr"]
+    counted_once = _closed_jaxpr_flops(body, cache)
+    true_body = counted_once + _scan_extra_flops(body.jaxpr, cache)
+    extra += eqn.params["length"] * true_body - counted_once
+  return extra
+
+
+def loop_corrected_flops(
+    fn: Callable, *args, compiled=None
+) -> tuple[float, float]:
+  """XLA's FLOPs of ``jax.jit(fn)(*args)``, raw and with scans counted fully.
+
+  The raw count is ``flops`` of the compiled program. The corrected count
+  adds, for every ``lax.scan`` in ``fn``"s jaxpr (also inside ``jit``,
+  ``custom_vjp``, ``custom_vmap``, ...), ``length - 1`` more copies of the
+  scan body, whose FLOPs XLA counts on the body compiled alone; nested scans
+  are corrected recursively. This assumes XLA keeps each scan a loop (it
+  does on CPU and GPU for the trip counts here); a loop XLA unrolls, or
+  removes because its results are unused (e.g. the grouped dispatch's
+  adapter-gradient scans where the adapters are frozen), is over-counted. ``while_loop``s with a data-dependent trip count cannot be
+  corrected and stay counted once.
+
+  Args:
+    fn: the function, called as ``fn(*args)``.
+    *args: arrays or ``jax.ShapeDtypeStruct``s.
+    compiled: ``jax.jit(fn).lower(*args).compile()`` if already at hand.
+
+  Returns:
+    ``(raw, corrected)`` FLOPs.
+  """
+  if compiled is None:
+    compiled = jax.jit(fn).lower(*args).compile()
+  raw = flops(compiled)
+  closed = jax.make_jaxpr(fn)(*args)
+  return raw, raw + _scan_extra_flops(closed.jaxpr, {})
+
+
+_HLO_COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{$")
+_HLO_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[([\d,]*)\][^ ]* ([\w\-]+)\("
+)
+_HLO_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_HLO_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_NOT_A_BUFFER = set(
+    "parameter get-tuple-element bitcast tuple constant".split()
+)
+
+
+def _dtype_bytes(name: str) -> int:
+  if name == "pred":
+    return 1
+  bits = re.search(r"\d+", name)
+  return int(bits.group()) // 8 if bits else 4
+
+
+class Buffer(NamedTuple):
+  """One materialized buffer of a compiled program."""
+
+  nbytes: int
+  shape: str  # e.g. "f32[32,128,64,8]"
+  opcode: str  # HLO opcode that produces it, e.g. "fusion", "dot"
+  op_name: str  # JAX's name for the op (source-level path), if recorded
+
+
+def largest_buffers(compiled, count: int = 10) -> list[Buffer]:
+  """The ``count`` largest array results of a compiled program's HLO.
+
+  Reads the optimized HLO text and lists the results of the instructions of
+  every computation that is not a fusion body (the values XLA materializes,
+  including inside loop bodies), skipping parameters, tuples, aliases and
+  constants. A diagnostic, not a memory model: XLA may reuse one allocation
+  for several of these, and arguments are not listed.
+  """
+  text = compiled.as_text()
+  fused = set()
+  for line in text.splitlines():
+    if " fusion(" in line:
+      fused.update(_HLO_CALLS.findall(line))
+  buffers = []
+  inside = None
+  for line in text.splitlines():
+    header = _HLO_COMPUTATION.match(line)
+    if header:
+      inside = header.group(2)
+      continue
+    if line.startswith("}"):
+      inside = None
+      continue
+    if inside is None or inside in fused:
+      continue
+    match = _HLO_INSTRUCTION.match(line)
+    if not match or match.group(3) in _NOT_A_BUFFER:
+      continue
+    dtype, dims, opcode = match.groups()
+    size = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    op_name = _HLO_OP_NAME.search(line)
+    buffers.append(
+        Buffer(
+            size * _dtype_bytes(dtype),
+            f"{dtype}[{dims}]",
+            opcode,
+            op_name.group(1) if op_name else "",
+        )
+    )
+  buffers.sort(key=lambda b: -b.nbytes)
+  return buffers[:count]

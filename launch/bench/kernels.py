@@ -21,15 +21,13 @@ from raptor_jax import host_memory
 host_memory.keep_unless_disabled(sys.argv)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import statistics
 import tempfile
-import time
 
 from absl import app
 from absl import flags
 import jax
-import numpy as np
 
+from launch.bench import harness
 from launch.bench import raptor_side
 from launch.bench import torch_side
 from raptor_jax import host_devices
@@ -73,25 +71,8 @@ def steps(path: str, sizes: raptor_side.Sizes, m: int):
       out[kind, stream] = raptor_side.raptor_dp(
           classifier, params, batch, owners, sizes, stream
       )
-  exact = lambda stream: torch_side.torch_model(
-      path, sizes, params, stream
-  ).double()
-  model64 = exact('expert')
-  _, _, dp_model64 = torch_side.opacus_dp(model64, batch, 'hooks', 0.0)
-  float64 = {
-      'nonprivate': torch_side.torch_nonprivate(exact('shared'), batch)[1],
-      'shared': torch_side.opacus_dp(exact('shared'), batch, 'hooks', 0.0)[1](),
-      'expert': torch_side.owner_reference(
-          model64, dp_model64, batch, owners, sizes
-      ),
-  }
+  float64 = torch_side.float64_references(path, sizes, params, batch, owners)
   return out, float64
-
-
-def _time(step) -> float:
-  start = time.perf_counter()
-  jax.block_until_ready(step())
-  return time.perf_counter() - start
 
 
 def run(sizes, microbatch_sizes, repeats: int) -> list[dict]:
@@ -112,26 +93,18 @@ def run(sizes, microbatch_sizes, repeats: int) -> list[dict]:
               f'{error:.2e} relative from torch float64 (noise off; at most '
               f'{TOLERANCE:g}); the kernels are wrong'
           )
-      for step, _ in calls.values():
-        _time(step)  # compile and warm up
-      times = {key: [] for key in calls}
-      for _ in range(repeats):
-        for key, (step, _) in calls.items():
-          times[key].append(_time(step))
+      times = harness.interleaved_times(
+          {key: step for key, (step, _) in calls.items()}, repeats=repeats
+      )
       for stream in STREAMS:
-        fast = statistics.median(times['fast', stream]) * 1e3
-        reference = statistics.median(times['reference', stream]) * 1e3
-        paired = [
-            f / r
-            for f, r in zip(times['fast', stream], times['reference', stream])
-        ]
+        fast, reference = times['fast', stream], times['reference', stream]
         rows.append(
             dict(
                 m=m,
                 stream=stream,
-                fast_ms=fast,
-                reference_ms=reference,
-                ratio=float(np.median(paired)),
+                fast_ms=harness.median(fast) * 1e3,
+                reference_ms=harness.median(reference) * 1e3,
+                ratio=harness.paired_ratio(fast, reference),
                 between=torch_side.relative_error(
                     calls['fast', stream][1], calls['reference', stream][1]
                 ),

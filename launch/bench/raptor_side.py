@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from launch.bench import benchmark
+from launch.bench import builders
 from raptor_jax import models, roles
 from raptor_jax.train import parallel
 
@@ -44,16 +44,8 @@ class Sizes:
 
 
 QUICK = Sizes(
-    d_model=16,
-    d_kv=8,
-    num_heads=2,
-    d_ff=32,
-    num_layers=2,
-    num_experts=4,
-    expert_capacity=5,
-    vocab_size=50,
+    **builders.TOY_SWITCH,
     seq_len=12,
-    lora_rank=2,
     lora_alpha=4.0,
     buckets=8,
     max_distance=20,
@@ -113,7 +105,7 @@ def raptor_model(path: str, sizes: Sizes, seed: int = 0):
 
 def records(sizes: Sizes, m: int, seed: int):
   """((ids, mask, labels), owners) as jax arrays, right-padded."""
-  return benchmark.batch(
+  return builders.batch(
       m, sizes.seq_len, sizes.vocab_size, sizes.num_experts, seed=seed
   )
 
@@ -137,11 +129,11 @@ def phase_step(module, params, sizes: Sizes, stream: str, batch_size: float):
   (one per core on CPU, see `raptor_jax.host_devices`).
   """
   if stream == 'expert':
-    phase, extra = benchmark.stream_phase(
+    phase, extra = builders.stream_phase(
         'expert', batch_size / sizes.num_experts, sizes.expert_layer
     )
   else:
-    phase, extra = benchmark.stream_phase('shared', float(batch_size))
+    phase, extra = builders.stream_phase('shared', float(batch_size))
   private = stream != 'nonprivate'
   phase = dataclasses.replace(
       phase,
@@ -155,7 +147,7 @@ def phase_step(module, params, sizes: Sizes, stream: str, batch_size: float):
           for p in phase.parts
       ),
   )
-  dp = benchmark.phase_step(
+  dp = builders.phase_step(
       module, phase, key=jax.random.key(0), devices=0, **extra
   )
   return dp, dp.init(params)
@@ -178,7 +170,7 @@ def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
         'choose --microbatch_sizes divisible by it (or --cpu_devices=1)'
     )
   dp, state = phase_step(module, params, sizes, stream, m)
-  host = benchmark.host_batch(*batch, owners)
+  host = builders.host_batch(*batch, owners)
   sums = dp.accumulate(state, dp.zero_sums(state), host)
   (part,) = dp.phase.parts
   update = {

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from launch.bench import benchmark
+from launch.bench import builders
 from launch.bench import raptor_side
 from raptor_jax import roles
 
@@ -188,7 +188,7 @@ def _adam(model):
   import torch  # pylint: disable=import-outside-toplevel
 
   trainable = [p for p in model.parameters() if p.requires_grad]
-  return torch.optim.Adam(trainable, lr=benchmark.LEARNING_RATE)
+  return torch.optim.Adam(trainable, lr=builders.LEARNING_RATE)
 
 
 def torch_step(model, batches, reduction: str = 'sum'):
@@ -224,7 +224,7 @@ def opacus_private(
     model,
     mode: str,
     expected_batch: int,
-    noise_multiplier: float = benchmark.NOISE_MULTIPLIER,
+    noise_multiplier: float = builders.NOISE_MULTIPLIER,
 ):
   """(dp_model, dp_optimizer, criterion): Opacus DP-Adam, flat clip at
   L2_CLIP, mean loss (Opacus's usual setting) over `expected_batch`, so the
@@ -331,3 +331,17 @@ def owner_reference(model, dp_model, batch, owners, sizes: raptor_side.Sizes):
       sums[p][owner] += factor * g
   dp_model.zero_grad(set_to_none=True)
   return {p: s / (len(owners) / sizes.num_experts) for p, s in sums.items()}
+
+
+def float64_references(path, sizes: raptor_side.Sizes, params, batch, owners):
+  """{'nonprivate', 'shared', 'expert'}: torch's updates in float64, noise
+  off (the non-private mean gradient, Opacus hooks' clipped mean, the owner
+  sums of its per-sample gradients): the yardsticks of float32 updates."""
+  exact = lambda stream: torch_model(path, sizes, params, stream).double()
+  model64 = exact('expert')
+  _, _, dp_model64 = opacus_dp(model64, batch, 'hooks', 0.0)
+  return {
+      'nonprivate': torch_nonprivate(exact('shared'), batch)[1],
+      'shared': opacus_dp(exact('shared'), batch, 'hooks', 0.0)[1](),
+      'expert': owner_reference(model64, dp_model64, batch, owners, sizes),
+  }

@@ -30,7 +30,7 @@ from absl import app
 from absl import flags
 import jax
 
-from launch.bench import benchmark
+from launch.bench import builders
 from launch.bench import harness
 from launch.bench import raptor_side
 from launch.bench import torch_side
@@ -127,7 +127,7 @@ def side_steps(side, path, sizes, module, params, m, modes, updates=False):
       try:
         model = torch_side.torch_model(path, sizes, params, stream)
         calls[column], no_noise, _ = torch_side.opacus_dp(
-            model, batch, mode, benchmark.NOISE_MULTIPLIER
+            model, batch, mode, builders.NOISE_MULTIPLIER
         )
         if updates and stream == 'shared':
           out[column] = no_noise()
@@ -225,26 +225,15 @@ def compare(
   )
   calls.update(torch_calls)
   errors = {}
-  exact = lambda stream: torch_side.torch_model(
-      path, sizes, params, stream
-  ).double()
-  _, grads64 = torch_side.torch_nonprivate(exact('shared'), batch)
+  ref = torch_side.float64_references(path, sizes, params, batch, owners)
   errors['torch float32 vs float64'] = torch_side.relative_error(
-      theirs['torch'], grads64
+      theirs['torch'], ref['nonprivate']
   )
-  _, no_noise64, _ = torch_side.opacus_dp(exact('shared'), batch, 'hooks', 0.0)
-  model64 = exact('expert')
-  _, _, dp_model64 = torch_side.opacus_dp(model64, batch, 'hooks', 0.0)
   checks = [  # (pair, raptor_jax's column, the other update, tolerance)
-      ('non-private vs torch64', 'raptor', grads64, tolerance),
+      ('non-private vs torch64', 'raptor', ref['nonprivate'], tolerance),
       ('non-private vs torch', 'raptor', theirs['torch'], fp32_tolerance),
-      ('DP vs opacus64', 'raptor DP', no_noise64(), tolerance),
-      (
-          'expert vs opacus64',
-          'raptor expert',
-          torch_side.owner_reference(model64, dp_model64, batch, owners, sizes),
-          tolerance,
-      ),
+      ('DP vs opacus64', 'raptor DP', ref['shared'], tolerance),
+      ('expert vs opacus64', 'raptor expert', ref['expert'], tolerance),
   ] + [
       (f'DP vs {c}', 'raptor DP', update, fp32_tolerance)
       for c, update in theirs.items()
@@ -473,7 +462,7 @@ def main(argv) -> None:
       f"{os.environ.get('OMP_WAIT_POLICY', '(default)')}; jax {jax.__version__} "
       f'{jax.devices()[0].platform} x {devices} devices, '
       f'{host_devices.host_cores()} cores; clip {raptor_side.L2_CLIP}, sigma '
-      f'{benchmark.NOISE_MULTIPLIER}; {memory}',
+      f'{builders.NOISE_MULTIPLIER}; {memory}',
       flush=True,
   )
   rows = run(

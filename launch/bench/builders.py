@@ -1,0 +1,227 @@
+"""Models, records and the trainer's steps, as the benchmarks build them.
+
+Small random classifiers (`model_config`, `olmoe_config`, `build`: LoRA on
+attention and on the experts of l*, the last sparse block, kept out of the
+scan as the trainer keeps it), random records (`batch`, `host_batch`), and
+RAPTOR's shared and expert streams as the trainer's own `PhaseStep`
+(`stream_phase`, `phase_step`), compiled on one microbatch
+(`compile_phase`). Used by `benchmark`, `compile_time`, `gpu_check`,
+`raptor_side` (so `vs_opacus`, `epoch_time`, `kernels`) and `torch_side`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from launch.bench import harness
+from raptor_jax import models, roles
+from raptor_jax.train import parallel, plans
+from raptor_jax.train import step as step_lib
+
+# switch-base-8's widths (HF config.json; depth and vocabulary left out).
+SWITCH_BASE_8 = dict(
+    d_model=768,
+    d_kv=64,
+    d_ff=3072,
+    num_heads=12,
+    num_experts=8,
+    expert_capacity=64,
+)
+# A toy Switch, for smoke tests on a CPU (`--quick`).
+TOY_SWITCH = dict(
+    vocab_size=50,
+    d_model=16,
+    d_kv=8,
+    d_ff=32,
+    num_layers=2,
+    num_heads=2,
+    num_experts=4,
+    expert_capacity=5,
+    lora_rank=2,
+)
+L2_CLIP = 1.0
+NOISE_MULTIPLIER = 1.0
+LEARNING_RATE = 1e-3
+
+
+# The small model's sizes, under Switch's names.
+_SMALL = dict(
+    vocab_size=8000,
+    d_model=256,
+    d_ff=1024,
+    num_layers=4,
+    num_heads=4,
+    num_experts=8,
+    lora_rank=8,
+    attention_lora=True,
+)
+# Switch's names of sizes -> a decoder's (OLMoE's).
+DECODER_NAMES = dict(
+    d_model='hidden_size',
+    d_ff='intermediate_size',
+    num_layers='num_hidden_layers',
+    num_heads='num_attention_heads',
+)
+
+
+def decoder_sizes(sizes: dict) -> dict:
+  """`sizes` under a decoder's names (as many key-value heads as heads)."""
+  out = {DECODER_NAMES.get(k, k): v for k, v in sizes.items()}
+  return dict(out, num_key_value_heads=out['num_attention_heads'])
+
+
+def model_config(**overrides) -> models.SwitchConfig:
+  """A small Switch (`overrides` on top of the defaults: 4 blocks, every 2nd
+  sparse) with LoRA on attention and on the experts of l* (`with_expert_layer`).
+  """
+  base = dict(_SMALL, d_kv=64, expert_capacity=64, sparse_step=2)
+  return with_expert_layer(models.SwitchConfig(**{**base, **overrides}))
+
+
+def olmoe_config(**overrides) -> models.OlmoeConfig:
+  """A small OLMoE (`overrides` on top of the defaults: 4 blocks, all sparse,
+  top-8) with LoRA on attention and on the experts of l*."""
+  base = dict(decoder_sizes(_SMALL), num_experts_per_tok=8)
+  return with_expert_layer(models.OlmoeConfig(**{**base, **overrides}))
+
+
+def with_expert_layer(config):
+  """`config` with LoRA on the experts of its last sparse block, l*, kept
+  out of the scan as the trainer keeps it."""
+  layer = config.sparse_layers[-1]
+  return dataclasses.replace(
+      config, expert_lora_layers=(layer,), unscanned_layers=(layer,)
+  )
+
+
+# Config class -> (backbone, its depth field, pooling), per family.
+BACKBONES = {
+    'switch': (models.SwitchConfig, models.SwitchEncoder, 'num_layers', 'mean'),
+    **{
+        name: (
+            getattr(models, f'{kind}Config'),
+            getattr(models, f'{kind}Decoder'),
+            'num_hidden_layers',
+            'last',
+        )
+        for name, kind in (
+            ('olmoe', 'Olmoe'),
+            ('deepseek', 'Deepseek'),
+            ('qwen3_moe', 'Qwen3Moe'),
+            ('qwen2_moe', 'Qwen2Moe'),
+            ('mixtral', 'Mixtral'),
+        )
+    },
+}
+
+
+def classifier(config) -> models.SequenceClassifier:
+  """A 2-label SequenceClassifier on `config`'s backbone (`BACKBONES`: mean
+  pooling for Switch, the last token for a decoder)."""
+  ((_, backbone, _, pooling),) = (
+      b for b in BACKBONES.values() if type(config) is b[0]
+  )
+  return models.SequenceClassifier(backbone(config), 2, pooling=pooling)
+
+
+def build(
+    config: models.SwitchConfig | models.OlmoeConfig,
+    seq_len: int,
+    seed: int = 0,
+):
+  """(module, params) of a randomly initialised `classifier`."""
+  module = classifier(config)
+  ids = jnp.zeros((1, seq_len), jnp.int32)
+  params = models.init_params(
+      module, jax.random.PRNGKey(seed), (ids, jnp.ones_like(ids))
+  )
+  return module, params
+
+
+def batch(
+    num_records: int,
+    seq_len: int,
+    vocab_size: int,
+    num_experts: int,
+    seed: int = 0,
+):
+  """Random records (ids, mask, label) with right padding, and random owners."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1, vocab_size, (num_records, seq_len), dtype=np.int32)
+  lengths = rng.integers(seq_len // 2, seq_len + 1, num_records)
+  mask = (np.arange(seq_len)[None] < lengths[:, None]).astype(np.int32)
+  labels = rng.integers(0, 2, num_records, dtype=np.int32)
+  owners = rng.integers(0, num_experts, num_records, dtype=np.int32)
+  return (
+      (jnp.asarray(ids * mask), jnp.asarray(mask), jnp.asarray(labels)),
+      jnp.asarray(owners),
+  )
+
+
+def host_batch(ids, mask, labels, owners=None) -> dict:
+  """The trainer's host batch of one microbatch (owners zero when unused)."""
+  return {
+      'input_ids': ids,
+      'attention_mask': mask,
+      'labels': labels,
+      'owners': jnp.zeros_like(labels) if owners is None else owners,
+  }
+
+
+def stream_phase(stream: str, denominator: float, layer=None):
+  """(phase, `PhaseStep` keywords) of RAPTOR's 'shared' stream (attention
+  LoRA + head) or 'expert' stream (owner slices of block `layer`'s expert
+  LoRA, the residual weight 'shared'): one part, the benchmark's clip and
+  noise multiplier."""
+  expert = stream == 'expert'
+  part = plans.Part(
+      name=stream,
+      roles=tuple(roles.EXPERT_ROLES if expert else roles.SHARED_ROLES),
+      blocks=(layer,) if expert else None,
+      owner=expert,
+      l2_clip=L2_CLIP,
+      noise_multiplier=NOISE_MULTIPLIER,
+      denominator=denominator,
+      residual=expert,
+  )
+  extra = dict(expert_layer=layer, residual='shared') if expert else {}
+  return plans.Phase(name=stream, stream=0, parts=(part,)), extra
+
+
+def phase_step(module, phase, *, key, devices=1, **kwargs):
+  """The trainer's `PhaseStep` of `phase` on a mesh of `devices` (0: every
+  device); `kwargs` as `stream_phase`'s."""
+  return step_lib.PhaseStep(
+      module,
+      phase,
+      key=key,
+      learning_rate=LEARNING_RATE,
+      mesh=parallel.make_mesh(devices),
+      **kwargs,
+  )
+
+
+def accumulate_args(dp, state, records, owners, sums=None) -> tuple:
+  """The accumulate's arguments on one microbatch (`sums`, default zero
+  sums; the records placed as the trainer places them)."""
+  placed = parallel.shard_records(
+      (host_batch(*records, owners), np.ones(len(owners), np.float32)),
+      dp.mesh,
+  )
+  sums = dp.zero_sums(state) if sums is None else sums
+  return (state.trainable, state.frozen, sums, *placed)
+
+
+def compile_phase(dp, state, records, owners):
+  """(accumulate, update, the accumulate's arguments): both programs
+  compiled on one microbatch (`harness.compile_timed`)."""
+  args = accumulate_args(dp, state, records, owners)
+  accumulate = harness.compile_timed(dp.functions.accumulate, *args)
+  update = harness.compile_timed(
+      dp.functions.update, state.trainable, state.opt_state, args[2]
+  )
+  return accumulate, update, args
