@@ -35,14 +35,24 @@ def _sizes(quick: bool):
 
 
 def _worker(
-    model_path: str, m: int, steps: list[str], quick: bool, cpu_devices: int
+    tree: str,
+    model_path: str,
+    m: int,
+    steps: list[str],
+    quick: bool,
+    cpu_devices: int,
+    back_to_back: int,
 ) -> None:
-  """Serves timings of this commit's steps: one line in, one line out.
+  """Serves timings of the steps at the commit checked out in `tree`.
 
-  Runs as launch/main.py would at this commit: with
-  `host_memory.keep_freed_memory()` and `host_devices.one_device_per_core()`
-  where the commit has them.
+  Speaks `harness.serve`'s protocol (a JSON line of its columns, then the
+  seconds of one sample per request: the mean of `back_to_back` calls), in
+  its own code, as old commits lack the harness. Runs as launch/main.py
+  would at this commit: with `host_memory.keep_freed_memory()` and
+  `host_devices.one_device_per_core()` where the commit has them.
   """
+  os.chdir(tree)
+  sys.path.insert(0, tree)
   try:
     from raptor_jax import host_memory  # pylint: disable=import-outside-toplevel
   except ImportError:  # a commit from before it
@@ -62,10 +72,8 @@ def _worker(
 
   model = _model()
   for module in (raptor_jax, model):  # this commit's code, not main's
-    if not os.path.abspath(module.__file__).startswith(os.getcwd() + os.sep):
-      raise RuntimeError(
-          f'worker imported {module.__file__}, not {os.getcwd()}'
-      )
+    if not os.path.abspath(module.__file__).startswith(tree + os.sep):
+      raise RuntimeError(f'worker imported {module.__file__}, not {tree}')
   sizes = _sizes(quick)
   module, params = model.raptor_model(model_path, sizes)
   batch, owners = model.records(sizes, m, seed=m)
@@ -80,52 +88,13 @@ def _worker(
       )[0]
   for call in calls.values():  # compile and warm up
     jax.block_until_ready(call())
-  print('ready', flush=True)
+  print(json.dumps({'ready': list(calls), 'failed': {}}), flush=True)
   for line in sys.stdin:
-    step, count = line.split()
-    count = int(count)
+    step = line.partition('\t')[0]
     start = time.perf_counter()
-    for _ in range(count):
+    for _ in range(back_to_back):
       jax.block_until_ready(calls[step]())
-    print((time.perf_counter() - start) / count, flush=True)
-
-
-def _start(
-    checkout: str,
-    model_path: str,
-    m: int,
-    steps: list[str],
-    quick: bool,
-    cpu_devices: int = 0,
-):
-  env = dict(os.environ, PYTHONPATH=checkout)
-  proc = subprocess.Popen(
-      [
-          sys.executable,
-          os.path.abspath(__file__),
-          '--worker',
-          model_path,
-          str(m),
-          ','.join(steps),
-          str(int(quick)),
-          str(cpu_devices),
-      ],
-      cwd=checkout,
-      env=env,
-      stdin=subprocess.PIPE,
-      stdout=subprocess.PIPE,
-      text=True,
-  )
-  for line in proc.stdout:  # anything a library prints before 'ready'
-    if line.strip() == 'ready':
-      return proc
-  raise RuntimeError(f'worker at {checkout} failed to start (see stderr)')
-
-
-def _time(proc, step: str, back_to_back: int) -> float:
-  proc.stdin.write(f'{step} {back_to_back}\n')
-  proc.stdin.flush()
-  return float(proc.stdout.readline())
+    print((time.perf_counter() - start) / back_to_back, flush=True)
 
 
 def compare(
@@ -145,8 +114,11 @@ def compare(
   a training loop's steady state, where one step's buffers are released
   while the next runs). `cpu_devices`: the base and head workers' CPU
   device counts (0: one per core, as launch/main.py), so that one commit
-  against itself measures that setting.
+  against itself measures that setting. Each round times every step in
+  both workers in turns (`harness.worker_times`, by column).
   """
+  from launch.bench import harness  # pylint: disable=import-outside-toplevel
+
   repo = subprocess.check_output(
       ['git', 'rev-parse', '--show-toplevel'], text=True
   ).strip()
@@ -154,7 +126,7 @@ def compare(
     model_path = _model().save_switch(
         os.path.join(tmp, 'switch'), _sizes(quick)
     )
-    procs, trees = {}, []
+    workers, trees = [], []
     try:
       for name, rev, count in zip(('base', 'head'), (base, head), cpu_devices):
         tree = os.path.join(tmp, name)
@@ -162,17 +134,13 @@ def compare(
             ['git', '-C', repo, 'worktree', 'add', '--detach', '-q', tree, rev]
         )
         trees.append(tree)
-        procs[name] = _start(tree, model_path, m, steps, quick, count)
-      times = {s: ([], []) for s in steps}
-      for _ in range(repeats):
-        for step in steps:
-          for i, name in enumerate(('base', 'head')):
-            times[step][i].append(_time(procs[name], step, back_to_back))
-      return times
+        argv = [sys.executable, os.path.abspath(__file__), '--worker', tree]
+        argv += [model_path, str(m), ','.join(steps), str(int(quick))]
+        argv += [str(count), str(back_to_back)]
+        workers.append((argv, lambda step, name=name: (step, name)))
+      times, _ = harness.worker_times(workers, repeats=repeats, by_column=True)
+      return {s: (times[s, 'base'], times[s, 'head']) for s in steps}
     finally:
-      for proc in procs.values():
-        proc.stdin.close()
-        proc.wait()
       for tree in trees:
         subprocess.call(
             ['git', '-C', repo, 'worktree', 'remove', '--force', tree]
@@ -245,12 +213,15 @@ def main() -> None:
 
 if __name__ == '__main__':
   if len(sys.argv) > 1 and sys.argv[1] == '--worker':
+    tree, path, m, steps, quick, devices, count = sys.argv[2:9]
     _worker(
-        sys.argv[2],
-        int(sys.argv[3]),
-        sys.argv[4].split(','),
-        sys.argv[5] == '1',
-        int(sys.argv[6]),
+        tree,
+        path,
+        int(m),
+        steps.split(','),
+        quick == '1',
+        int(devices),
+        int(count),
     )
   else:
     main()
