@@ -1,13 +1,18 @@
 """Shared test helpers: a seconds-scale training config and checkpoint reading."""
 
+import functools
 import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import types
 
+import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -23,27 +28,52 @@ def load_config_module(name):
   return module
 
 
+# What shrinks a preset's run to seconds, in both micro configs.
+_MICRO_BATCHES = {
+    "batch_size": 50,
+    "microbatch_size": 32,
+    "eval_batch_size": 64,
+    "progress_bar": False,
+}
+# One epoch, a checkpoint every 2 cycles, and reproducible Poisson samples and
+# noise across runs.
+_MICRO_RUN = {
+    "epochs": 1,
+    "checkpoint_every_cycles": 2,
+    "privacy.secret_seed": 0,
+}
+# micro_config's overrides of switch_sst2:tiny but for _MICRO_RUN (dotted keys).
+MICRO_SHRINK = {
+    "data.synthetic.n_train": 300,
+    "data.synthetic.n_dev": 64,
+    "data.n_pub": 128,
+    "model.random.d_model": 32,
+    "model.random.d_ff": 32,
+    "model.random.num_heads": 2,
+    "model.random.d_kv": 8,
+    "model.random.num_layers": 2,
+    **_MICRO_BATCHES,
+}
+
+
+def config_flags(overrides):
+  """Dotted-key overrides as `launch/*.py` command-line flags, in order."""
+  return [f"--config.{key}={value}" for key, value in overrides.items()]
+
+
+def micro_flags(**changes):
+  """`micro_config`'s overrides of the tiny preset, updated by `changes`, as
+  command-line flags."""
+  return config_flags({**MICRO_SHRINK, **_MICRO_RUN, **changes})
+
+
 def micro_config(**overrides):
   """The tiny preset shrunk to seconds: 300 records, B=50 -> 6 cycles per epoch.
 
   Overrides use dotted keys: micro_config(**{"privacy.epsilon": 1.0}).
   """
   config = load_config_module("switch_sst2").get_config("tiny")
-  config.data.synthetic.n_train = 300
-  config.data.synthetic.n_dev = 64
-  config.data.n_pub = 128
-  config.model.random.update(
-      d_model=32, d_ff=32, num_heads=2, d_kv=8, num_layers=2
-  )
-  config.batch_size = 50
-  config.microbatch_size = 32
-  config.epochs = 1
-  config.eval_batch_size = 64
-  config.progress_bar = False
-  config.checkpoint_every_cycles = 2
-  config.privacy.secret_seed = (
-      0  # reproducible Poisson samples and noise across runs
-  )
+  config.update_from_flattened_dict({**MICRO_SHRINK, **_MICRO_RUN})
   config.update_from_flattened_dict(overrides)
   return config
 
@@ -55,13 +85,7 @@ def micro_vl_config(**overrides):
   config.vision.n_dev = 64
   config.vision.random.update(width=16, layers=1, heads=2, mlp_dim=32)
   config.model.random.update(d_model=32, d_ff=32, num_heads=2, d_kv=16)
-  config.batch_size = 50
-  config.microbatch_size = 32
-  config.epochs = 1
-  config.eval_batch_size = 64
-  config.progress_bar = False
-  config.checkpoint_every_cycles = 2
-  config.privacy.secret_seed = 0
+  config.update_from_flattened_dict({**_MICRO_BATCHES, **_MICRO_RUN})
   config.update_from_flattened_dict(overrides)
   return config
 
@@ -106,6 +130,34 @@ def _with_layer(config, layer):
   return config
 
 
+def finished_report(config, plan):
+  """privacy_report of a run of `plan` that finished (its ledger holds every
+  private phase's `plan.cycles` steps), built by hand: nothing trains."""
+  # pylint: disable=g-import-not-at-top
+  from raptor_jax.ledger import PrivacyLedger
+  from raptor_jax.train import loop, outputs
+
+  ledger = PrivacyLedger()
+  for _ in range(plan.cycles):  # as the trainer accounts each cycle
+    ledger = outputs.accounted(plan, ledger)
+  run = types.SimpleNamespace(config=config, plan=plan, expert_layer=1, n=300)
+  state = loop.TrainState({}, {}, ledger, plan.cycles)
+  return outputs.privacy_report(run, state, dict(source="generated"))
+
+
+def run_python(*args, env=None, timeout=600):
+  """`python *args` in the repository root, as a user runs it there; the
+  CompletedProcess with its output as text."""
+  return subprocess.run(
+      [sys.executable, *args],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
+
+
 def launch_main(tmp_path, config, *flags, fast_compile=False):
   """`launch/main.py` in a subprocess, as the README runs it; returns results.json.
 
@@ -116,20 +168,14 @@ def launch_main(tmp_path, config, *flags, fast_compile=False):
   env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
   if not fast_compile:
     env["XLA_FLAGS"] = ""
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "launch/main.py",
-          f"--config={config}",
-          f"--workdir={tmp_path}",
-          "--config.progress_bar=False",
-          "--config.privacy.secret_seed=0",
-          *flags,
-      ],
-      cwd=ROOT,
+  proc = run_python(
+      "launch/main.py",
+      f"--config={config}",
+      f"--workdir={tmp_path}",
+      "--config.progress_bar=False",
+      "--config.privacy.secret_seed=0",
+      *flags,
       env=env,
-      capture_output=True,
-      text=True,
       timeout=900,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -175,22 +221,183 @@ def max_rel_err(got, want):
   return max(errs, default=0.0)
 
 
+def lora_from_pretrained(path, **options):
+  """`models.from_pretrained` with LoRA rank 2 (alpha 4) on every block's
+  attention and on block 1's experts; `options` add to or replace these."""
+  from raptor_jax import models  # pylint: disable=g-import-not-at-top
+
+  lora = dict(
+      lora_rank=2, lora_alpha=4.0, attention_lora=True, expert_lora_layers=(1,)
+  )
+  return models.from_pretrained(path, **{**lora, **options})
+
+
+def assert_fused_and_base_layouts_load(hf_model, path, want, tmp_path, fused):
+  """`hf_model` (a *ForCausalLM read from checkpoint `path`) saved in
+  transformers v5's fused in-memory layout (tensor name `fused` among them)
+  and as its base model (prefix-free names): `models.from_pretrained` reads
+  `want` from both."""
+  # pylint: disable=g-import-not-at-top
+  import safetensors.torch
+  from raptor_jax import models
+
+  fused_dir = tmp_path / "fused"
+  fused_dir.mkdir()
+  shutil.copy(path / "config.json", fused_dir / "config.json")
+  state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+  assert fused in state
+  safetensors.torch.save_file(state, str(fused_dir / "model.safetensors"))
+  hf_model.model.save_pretrained(tmp_path / "base")
+  for layout in (fused_dir, tmp_path / "base"):
+    _, got = models.from_pretrained(layout)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def probe_loss(hidden):
+  """A loss with a non-trivial gradient (sum of squares is constant after RMS norm)."""
+  weights = jax.random.normal(jax.random.PRNGKey(7), hidden.shape[-2:])
+  return jnp.sum(jnp.tanh(hidden) * weights)
+
+
+def set_nonzero_lora_b(params, key):
+  """`params` with every LoRA B drawn at 0.3 N(0, 1) (they start at zero)."""
+  flat = flax.traverse_util.flatten_dict(params, sep="/")
+  for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
+    flat[path] = 0.3 * jax.random.normal(
+        jax.random.fold_in(key, i), flat[path].shape
+    )
+  return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+# Tiny shapes: XLA's LLVM backend optimisation dominates the test time and
+# buys nothing here, so skip it (HLO-level semantics are unchanged).
+fast_jit = functools.partial(
+    jax.jit, compiler_options={"xla_backend_optimization_level": 0}
+)
+
+
+def phase_functions(
+    model, phase, expert_layer, num_experts, seed=0, residual="shared"
+):
+  """`step.PhaseFunctions` of one phase on one device, as the unit tests run
+  it: learning rate 1e-2, residual_gamma 1, key PRNGKey(seed)."""
+  from raptor_jax.train import parallel, step  # pylint: disable=g-import-not-at-top
+
+  return step.PhaseFunctions(
+      model,
+      phase,
+      mesh=parallel.make_mesh(1),
+      expert_layer=expert_layer,
+      num_experts=num_experts,
+      learning_rate=1e-2,
+      residual=residual,
+      residual_gamma=1.0,
+      key=jax.random.PRNGKey(seed),
+  )
+
+
+def train_batch(train, rows, owners):
+  """The training records `rows` of `train` (run_data.train) as a device
+  batch, each with its owner from `owners` [len(rows)]."""
+  return jax.tree.map(
+      jnp.asarray,
+      dict(
+          input_ids=train.input_ids[rows],
+          attention_mask=train.attention_mask[rows],
+          labels=train.labels[rows],
+          owners=owners,
+      ),
+  )
+
+
+def vmapped_owner_grads(module, params, ids, mask):
+  """`probe_loss` of every (record, owner) pair, record-major, under one vmap
+  as the trainer runs them: each pair's loss with `owner` overriding block 1's
+  routing, and its gradient with respect to that owner's slice of block 1's
+  expert adapters. Returns (values [R * E], grads {gate, up, down}: {lora_a,
+  lora_b} [R * E, ...])."""
+  from raptor_jax import models  # pylint: disable=g-import-not-at-top
+
+  num_experts = module.config.num_experts
+  experts = params["block_1"]["mlp"]["experts"]
+  lora = {
+      m: {k: experts[m][k] for k in ("lora_a", "lora_b")}
+      for m in ("gate", "up", "down")
+  }
+
+  def owner_value_and_grad(owner, x, m):
+    def loss(s):
+      override = models.OwnerOverride(1, owner, s)
+      return probe_loss(
+          module.apply(
+              {"params": params}, x[None], m[None], owner_override=override
+          ).hidden_states
+      )
+
+    return jax.value_and_grad(loss)(jax.tree.map(lambda p: p[owner], lora))
+
+  rows = np.repeat(np.arange(len(ids)), num_experts)
+  owners = np.tile(np.arange(num_experts, dtype=np.int32), len(ids))
+  return fast_jit(jax.vmap(owner_value_and_grad))(
+      jnp.asarray(owners), jnp.asarray(ids[rows]), jnp.asarray(mask[rows])
+  )
+
+
+def small_glue_on_files(tmp_path):
+  """glue:preset=small on a random model, reading empty train and dev TSV
+  files under `tmp_path`."""
+  files = {}
+  for name in ("train", "dev"):
+    files[f"data.{name}_path"] = str(tmp_path / f"{name}.tsv")
+    (tmp_path / f"{name}.tsv").write_text("sentence\tlabel\n")
+  config = load_config_module("glue").get_config("preset=small")
+  config.update_from_flattened_dict({"model.name": "random", **files})
+  return config
+
+
+def attention_inputs(batch=3, heads=2, seq=7, dim=5, seed=0):
+  """(q, k, v, position bias, padding bias, probe) of attention with records
+  of `seq`, 4 and 1 real tokens; `probe` weighs the output in a test loss."""
+  keys = jax.random.split(jax.random.key(seed), 5)
+  q, k, v = (jax.random.normal(kk, (batch, heads, seq, dim)) for kk in keys[:3])
+  position = jax.random.normal(keys[3], (1, heads, seq, seq))
+  lengths = jnp.array([seq, 4, 1])[:batch]
+  padding = jnp.where(
+      jnp.arange(seq)[None, :] < lengths[:, None],
+      0.0,
+      jnp.finfo(jnp.float32).min,
+  )[:, None, None, :]
+  probe = jax.random.normal(keys[4], (batch, heads, seq, dim))
+  return q, k, v, position, padding, probe
+
+
+def expert_inputs(rng, num_experts, rows, records):
+  """(x [records, rows, 5], experts, w [E, 5, 7], LoRA a [E, 5, 3] and
+  b [E, 3, 7]) drawn from the numpy `rng`; expert E marks a dropped row (a
+  capacity overflow), about one row in E + 1."""
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  x = normal(records, rows, 5)
+  w = normal(num_experts, 5, 7)
+  a = normal(num_experts, 5, 3)
+  b = normal(num_experts, 3, 7)
+  experts = jnp.asarray(
+      rng.randint(0, num_experts + 1, (records, rows)), jnp.int32
+  )
+  return x, experts, w, a, b
+
+
 # The paper's three families; the decoder kit's others share OLMoE's modules,
 # so the slow checks that are about a module's code run on these only.
 PAPER_FAMILIES = ("switch", "olmoe", "deepseek")
-# The micro task's model of each family (`micro_config(**MICRO_FAMILIES[f])`).
-# OLMoE is wide enough (d_model 64, d_ff 128, E = 8) for XLA:CPU's YNNPACK
-# fusion to take the expert products (raptor_jax.xla_workarounds); narrower
-# layers stay below its cost model.
-MICRO_FAMILIES = {
+# The paper's families as their training tests size them: the micro task's
+# widths, OLMoE and DeepSeek with E = 4.
+SMALL_FAMILIES = {
     "switch": {},
     "olmoe": {
         "model.random.family": "olmoe",
-        "model.random.num_experts": 8,
+        "model.random.num_experts": 4,
         "model.random.top_k": 2,
         "model.random.num_kv_heads": 1,
-        "model.random.d_model": 64,
-        "model.random.d_ff": 128,
     },
     "deepseek": {
         "model.random.family": "deepseek",
@@ -200,6 +407,19 @@ MICRO_FAMILIES = {
         "model.random.first_k_dense": 1,
         "model.random.num_shared_experts": 2,
         "model.random.kv_lora_rank": 16,
+    },
+}
+# The micro task's model of each family (`micro_config(**MICRO_FAMILIES[f])`).
+# OLMoE is wide enough (d_model 64, d_ff 128, E = 8) for XLA:CPU's YNNPACK
+# fusion to take the expert products (raptor_jax.xla_workarounds); narrower
+# layers stay below its cost model.
+MICRO_FAMILIES = {
+    **SMALL_FAMILIES,
+    "olmoe": {
+        **SMALL_FAMILIES["olmoe"],
+        "model.random.num_experts": 8,
+        "model.random.d_model": 64,
+        "model.random.d_ff": 128,
     },
     # The decoder kit's other families: what differs from OLMoE's micro
     # model (per-head q/k norms; q/k/v bias and a gated shared expert;

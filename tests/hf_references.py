@@ -47,6 +47,13 @@ def assert_close(a, b, tol=1e-4):
   )
 
 
+# Every decoder reference's token ids and initialisation: id 0 pads, no
+# end-of-sequence id, and initializer_range 0.2 (HF default 0.02) so that
+# attention, experts and the router visibly move the hidden states and
+# routing is decisive.
+DECODER_BASE = dict(pad_token_id=0, eos_token_id=None, initializer_range=0.2)
+
+
 def _outputs(model, ids, mask, num_experts):
   """(last hidden state, router logits [B, S, E] per sparse layer) in eval mode."""
   with torch.no_grad():
@@ -155,17 +162,13 @@ OLMOE_CONFIGS = {
 
 
 def olmoe_hf_config(**kwargs):
-  # initializer_range 0.2 (HF default 0.02) so that attention, experts and
-  # the router visibly move the hidden states and routing is decisive.
   return transformers.OlmoeConfig(
       vocab_size=VOCAB,
       hidden_size=32,
       intermediate_size=16,
       num_hidden_layers=OLMOE_LAYERS,
       num_attention_heads=4,
-      pad_token_id=0,
-      eos_token_id=None,
-      initializer_range=0.2,
+      **DECODER_BASE,
       **kwargs,
   )
 
@@ -202,10 +205,8 @@ DEEPSEEK_BASE = dict(
     qk_nope_head_dim=8,
     qk_rope_head_dim=4,
     v_head_dim=6,
-    pad_token_id=0,
-    eos_token_id=None,
     bos_token_id=None,
-    initializer_range=0.2,
+    **DECODER_BASE,
 )
 # The grid of the issue: greedy / group-limited routing, q_lora_rank None / set,
 # first_k_dense_replace 0 / 1, n_shared_experts 1 / 2, norm_topk_prob on / off.
@@ -282,14 +283,9 @@ def save_deepseek_mla(path, seed, **kwargs):
   ).eval()
 
 
-def save_deepseek_mha(path, seed, num_key_value_heads, **kwargs):
-  """A DeepSeek-MoE with LlamaAttention (DeepSeek's `use_mla: false`), saved as DeepSeek's
-  code would: q/k/v/o_proj tensors and `use_mla: false` in config.json."""
-  torch.manual_seed(seed)
-  config = transformers.DeepseekV2Config(
-      **DEEPSEEK_BASE, q_lora_rank=None, **kwargs
-  )
-  config._attn_implementation = "eager"
+def deepseek_with_llama_attention(config, num_key_value_heads):
+  """`DeepseekV2Model(config)` with every attention a `LlamaAttention` and its
+  rotary embedding Llama's, as DeepSeek's code builds `mha_eager`."""
   model = transformers.DeepseekV2Model(config)
   llama = transformers.LlamaConfig(
       hidden_size=config.hidden_size,
@@ -298,11 +294,16 @@ def save_deepseek_mha(path, seed, num_key_value_heads, **kwargs):
       rope_parameters=config.rope_parameters,
       max_position_embeddings=config.max_position_embeddings,
   )
-  llama._attn_implementation = "eager"
+  llama._attn_implementation = "eager"  # pylint: disable=protected-access
   for i, layer in enumerate(model.layers):
     layer.self_attn = modeling_llama.LlamaAttention(llama, i)
   model.rotary_emb = modeling_llama.LlamaRotaryEmbedding(llama)
-  model.eval()
+  return model
+
+
+def write_deepseek_mha(path, model, config, num_key_value_heads):
+  """Saves `deepseek_with_llama_attention`'s model as DeepSeek's code would:
+  q/k/v/o_proj tensors and `use_mla: false` in config.json."""
   path.mkdir(parents=True)
   state = {k: v.contiguous() for k, v in model.state_dict().items()}
   safetensors.torch.save_file(state, str(path / "model.safetensors"))
@@ -316,6 +317,19 @@ def save_deepseek_mha(path, seed, num_key_value_heads, **kwargs):
       v_head_dim=0,
   )
   (path / "config.json").write_text(json.dumps(hf_config))
+
+
+def save_deepseek_mha(path, seed, num_key_value_heads, **kwargs):
+  """A DeepSeek-MoE with LlamaAttention (DeepSeek's `use_mla: false`), saved as DeepSeek's
+  code would: q/k/v/o_proj tensors and `use_mla: false` in config.json."""
+  torch.manual_seed(seed)
+  config = transformers.DeepseekV2Config(
+      **DEEPSEEK_BASE, q_lora_rank=None, **kwargs
+  )
+  config._attn_implementation = "eager"
+  model = deepseek_with_llama_attention(config, num_key_value_heads)
+  model.eval()
+  write_deepseek_mha(path, model, config, num_key_value_heads)
   return model
 
 
@@ -343,9 +357,7 @@ KIT_BASE = dict(
     num_hidden_layers=3,
     num_attention_heads=4,
     num_key_value_heads=2,
-    pad_token_id=0,
-    eos_token_id=None,
-    initializer_range=0.2,  # as OLMoE's: routing decisive, states moved
+    **DECODER_BASE,
 )
 KIT_CONFIGS = {
     "qwen3_moe": (

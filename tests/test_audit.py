@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,7 @@ from raptor_jax.train import plans, setup
 from raptor_jax.train import run as run_lib
 from raptor_jax.train.run import build_run
 
-from helpers import ROOT, load_config_module, micro_config
+from helpers import MICRO_SHRINK, config_flags, micro_config, run_python, small_glue_on_files
 
 SIGMA = (
     1.0  # near 1: the audit must reach at least half of the analytic epsilon
@@ -163,40 +161,22 @@ def test_one_run_audit_pipeline_writes_audit_json(tmp_path):
   assert set(mia["tpr_at_fpr"]) == {"0.001", "0.01"}
 
 
-MICRO_FLAGS = [  # micro_config as command-line overrides of the tiny preset
-    "--config.data.synthetic.n_train=300",
-    "--config.data.synthetic.n_dev=64",
-    "--config.data.n_pub=128",
-    "--config.model.random.d_model=32",
-    "--config.model.random.d_ff=32",
-    "--config.model.random.num_heads=2",
-    "--config.model.random.d_kv=8",
-    "--config.model.random.num_layers=2",
-    "--config.batch_size=50",
-    "--config.microbatch_size=32",
-    "--config.eval_batch_size=64",
-    "--config.progress_bar=False",
-]
+# micro_config as command-line overrides of the tiny preset
+MICRO_FLAGS = config_flags(MICRO_SHRINK)
 
 
 @pytest.mark.slow
 def test_audit_command_writes_one_stream_for_one_stream_methods(tmp_path):
   """The README's command, for monolithic_lora at epsilon 1: one 'all' stream."""
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "launch/audit.py",
-          "--config=configs/switch_sst2.py:tiny",
-          f"--workdir={tmp_path}",
-          "--num_canaries=40",
-          "--config.method=monolithic_lora",
-          "--config.privacy.epsilon=1",
-          *MICRO_FLAGS,
-      ],
-      cwd=ROOT,
+  proc = run_python(
+      "launch/audit.py",
+      "--config=configs/switch_sst2.py:tiny",
+      f"--workdir={tmp_path}",
+      "--num_canaries=40",
+      "--config.method=monolithic_lora",
+      "--config.privacy.epsilon=1",
+      *MICRO_FLAGS,
       env=dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"),
-      capture_output=True,
-      text=True,
       timeout=600,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -210,11 +190,9 @@ def test_audit_command_writes_one_stream_for_one_stream_methods(tmp_path):
   assert 0.0 <= entry["epsilon_lower_bound"] <= written["epsilon_claimed"]
   assert "lower bound" in proc.stdout
   # Bad input: one line that says how to fix it.
-  bad = subprocess.run(
-      [sys.executable, "launch/audit.py", f"--workdir={tmp_path / 'b'}"],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
+  bad = run_python(
+      "launch/audit.py",
+      f"--workdir={tmp_path / 'b'}",
       timeout=120,
   )
   assert bad.returncode != 0
@@ -284,12 +262,7 @@ def test_build_run_inserts_the_canaries_as_private_records():
 def test_membership_nonmembers_config_passes_validation(tmp_path):
   """The :small preset holds records out: the non-member config evaluates on
   them and drops the dev fields validation would refuse as ignored."""
-  files = {}
-  for name in ("train", "dev"):
-    files[f"data.{name}_path"] = str(tmp_path / f"{name}.tsv")
-    (tmp_path / f"{name}.tsv").write_text("sentence\tlabel\n")
-  config = load_config_module("glue").get_config("preset=small")
-  config.update_from_flattened_dict({"model.name": "random", **files})
+  config = small_glue_on_files(tmp_path)
   assert config.data.holdout > 0 and config.data.eval_split == "dev"
   run_lib.validate(config)
   held = train_audit.holdout_config(config)

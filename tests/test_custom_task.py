@@ -3,8 +3,6 @@ format, the text_fields override everywhere, one line for every bad file."""
 
 import json
 import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from raptor_jax.data import synthetic
 from raptor_jax.train import methods, metrics, outputs, setup
 from raptor_jax.train.run import validate
 
-from helpers import ROOT, load_config_module
+from helpers import load_config_module, run_python
 
 CLASSES = ("very_neg", "neg", "neutral", "pos", "very_pos")
 WORDS = ("awful", "bad", "okay", "good", "superb")
@@ -282,31 +280,25 @@ def test_a_five_class_file_trains_end_to_end(tmp_path):
   public = tmp_path / "public.tsv"
   public.write_text("text\n" + "\n".join(public_texts) + "\n")
   workdir = tmp_path / "run"
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "launch/main.py",
-          "--config=configs/custom.py:cpu",
-          f"--workdir={workdir}",
-          f"--config.data.train_path={train}",
-          f"--config.data.dev_path={dev}",
-          "--config.data.text_fields=text",
-          "--config.data.label_field=sentiment",
-          f"--config.data.label_names={','.join(CLASSES)}",
-          "--config.data.public_corpus=",
-          f"--config.data.public_path={public}",
-          "--config.data.n_pub=200",
-          "--config.data.max_length=16",
-          "--config.batch_size=250",
-          "--config.microbatch_size=64",
-          "--config.epochs=5",
-          "--config.progress_bar=False",
-          "--config.privacy.secret_seed=0",
-      ],
-      cwd=ROOT,
+  proc = run_python(
+      "launch/main.py",
+      "--config=configs/custom.py:cpu",
+      f"--workdir={workdir}",
+      f"--config.data.train_path={train}",
+      f"--config.data.dev_path={dev}",
+      "--config.data.text_fields=text",
+      "--config.data.label_field=sentiment",
+      f"--config.data.label_names={','.join(CLASSES)}",
+      "--config.data.public_corpus=",
+      f"--config.data.public_path={public}",
+      "--config.data.n_pub=200",
+      "--config.data.max_length=16",
+      "--config.batch_size=250",
+      "--config.microbatch_size=64",
+      "--config.epochs=5",
+      "--config.progress_bar=False",
+      "--config.privacy.secret_seed=0",
       env=dict(os.environ, XLA_FLAGS=""),
-      capture_output=True,
-      text=True,
       timeout=600,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,7 +5,6 @@ one, padding and the grouped dispatch: tests/test_backbones.py; the
 references (and how the MHA one is built): tests/hf_references.py.
 """
 
-import functools
 import json
 
 import flax
@@ -22,14 +21,11 @@ from raptor_jax.models import deepseek
 from raptor_jax.models import hf as hf_lib
 
 import hf_references as refs
+from helpers import assert_fused_and_base_layouts_load, vmapped_owner_grads, fast_jit, lora_from_pretrained, probe_loss, set_nonzero_lora_b
 
 VOCAB, SEQ, LAYERS = refs.VOCAB, refs.SEQ, refs.DEEPSEEK_LAYERS
 CONFIGS, MHA_CONFIGS = refs.DEEPSEEK_CONFIGS, refs.DEEPSEEK_MHA_CONFIGS
 _batch, _hf_outputs, _rel_err = refs.batch, refs.deepseek_outputs, refs.rel_err
-
-_jit = functools.partial(
-    jax.jit, compiler_options={"xla_backend_optimization_level": 0}
-)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +47,7 @@ def loaded(references):
     key = (name, tuple(sorted(options.items())))
     if key not in cache:
       module, params = models.from_pretrained(references[name][0], **options)
-      cache[key] = module, params, _jit(module.apply)
+      cache[key] = module, params, fast_jit(module.apply)
     return cache[key]
 
   return load
@@ -155,16 +151,13 @@ def test_fused_and_base_model_layouts_load_the_same_params(
   path = references["greedy_qlora_dense1_s2_norm"][0]
   module, want = loaded("greedy_qlora_dense1_s2_norm")[:2]
   hf_model = transformers.DeepseekV2ForCausalLM.from_pretrained(path)
-  fused = tmp_path / "fused"
-  fused.mkdir()
-  (fused / "config.json").write_text((path / "config.json").read_text())
-  state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-  assert "model.layers.1.mlp.experts.gate_up_proj" in state
-  safetensors.torch.save_file(state, str(fused / "model.safetensors"))
-  hf_model.model.save_pretrained(tmp_path / "base")
-  for layout in (fused, tmp_path / "base"):
-    _, got = models.from_pretrained(layout)
-    jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert_fused_and_base_layouts_load(
+      hf_model,
+      path,
+      want,
+      tmp_path,
+      fused="model.layers.1.mlp.experts.gate_up_proj",
+  )
   flat = flax.traverse_util.flatten_dict(
       models.unstack_layers(want, module.config), sep="/"
   )
@@ -213,32 +206,6 @@ def test_owners_follow_the_routed_gates_hf_uses(references, loaded):
     np.testing.assert_array_equal(np.asarray(got), np.argmax(votes, axis=1))
 
 
-def _lora_model(path):
-  return models.from_pretrained(
-      path,
-      lora_rank=2,
-      lora_alpha=4.0,
-      attention_lora=True,
-      shared_expert_lora=True,
-      expert_lora_layers=(1,),
-  )
-
-
-def _probe(hidden):
-  """A loss with a non-trivial gradient (sum of squares is constant after RMS norm)."""
-  weights = jax.random.normal(jax.random.PRNGKey(7), hidden.shape[-2:])
-  return jnp.sum(jnp.tanh(hidden) * weights)
-
-
-def _set_nonzero_b(params, key):
-  flat = flax.traverse_util.flatten_dict(params, sep="/")
-  for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
-    flat[path] = 0.3 * jax.random.normal(
-        jax.random.fold_in(key, i), flat[path].shape
-    )
-  return flax.traverse_util.unflatten_dict(flat, sep="/")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["greedy_qlora_dense1_s2_norm", "mha_dense1_s2"]
@@ -248,7 +215,9 @@ def test_lora_adapters_start_neutral_and_all_train(references, loaded, name):
   routed experts of block 1: zero B leaves the outputs unchanged, and every factor gets a
   gradient once B is non-zero."""
   ids, mask = _batch()
-  module, params = _lora_model(references[name][0])
+  module, params = lora_from_pretrained(
+      references[name][0], shared_expert_lora=True
+  )
   _, base_params, base = loaded(name)
   flat = flax.traverse_util.flatten_dict(params, sep="/")
   projections = (
@@ -264,7 +233,7 @@ def test_lora_adapters_start_neutral_and_all_train(references, loaded, name):
       }
       | {f"block_1/mlp/experts/{m}" for m in ("gate", "up", "down")}
   )
-  apply = _jit(module.apply)
+  apply = fast_jit(module.apply)
   np.testing.assert_allclose(
       apply(
           {"params": params}, jnp.asarray(ids), jnp.asarray(mask)
@@ -278,16 +247,16 @@ def test_lora_adapters_start_neutral_and_all_train(references, loaded, name):
       rtol=1e-5,
       atol=1e-5,
   )
-  probe_grad = _jit(
+  probe_grad = fast_jit(
       jax.grad(
-          lambda p: _probe(
+          lambda p: probe_loss(
               module.apply(
                   {"params": p}, jnp.asarray(ids[:1]), jnp.asarray(mask[:1])
               ).hidden_states
           )
       )
   )
-  grads = probe_grad(_set_nonzero_b(params, jax.random.PRNGKey(1)))
+  grads = probe_grad(set_nonzero_lora_b(params, jax.random.PRNGKey(1)))
   for path, g in flax.traverse_util.flatten_dict(grads, sep="/").items():
     if "lora" in path:
       assert np.any(np.asarray(g) != 0), path
@@ -301,39 +270,21 @@ def test_vmapped_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
   the record's full gradient restricted to that routed expert's slice (value unchanged).
   """
   ids, mask = _batch()
-  module, params = _lora_model(references["group_qlora_dense0_s2_norm"][0])
-  params = _set_nonzero_b(params, jax.random.PRNGKey(3))
+  module, params = lora_from_pretrained(
+      references["group_qlora_dense0_s2_norm"][0], shared_expert_lora=True
+  )
+  params = set_nonzero_lora_b(params, jax.random.PRNGKey(3))
   num_experts = module.config.num_experts
-  experts = params["block_1"]["mlp"]["experts"]
-  lora = {
-      m: {k: experts[m][k] for k in ("lora_a", "lora_b")}
-      for m in ("gate", "up", "down")
-  }
 
   def full_value_and_grad(x, m):
     return jax.value_and_grad(
-        lambda p: _probe(
+        lambda p: probe_loss(
             module.apply({"params": p}, x[None], m[None]).hidden_states
         )
     )(params)
 
-  def owner_value_and_grad(owner, x, m):
-    def loss(s):
-      override = models.OwnerOverride(1, owner, s)
-      return _probe(
-          module.apply(
-              {"params": params}, x[None], m[None], owner_override=override
-          ).hidden_states
-      )
-
-    return jax.value_and_grad(loss)(jax.tree.map(lambda p: p[owner], lora))
-
-  rows = np.repeat(np.arange(len(ids)), num_experts)
-  owners = np.tile(np.arange(num_experts, dtype=np.int32), len(ids))
-  values, grads = _jit(jax.vmap(owner_value_and_grad))(
-      jnp.asarray(owners), jnp.asarray(ids[rows]), jnp.asarray(mask[rows])
-  )
-  full_fn = _jit(full_value_and_grad)
+  values, grads = vmapped_owner_grads(module, params, ids, mask)
+  full_fn = fast_jit(full_value_and_grad)
   for row in range(len(ids)):
     value, full = full_fn(jnp.asarray(ids[row]), jnp.asarray(mask[row]))
     full = full["block_1"]["mlp"]["experts"]

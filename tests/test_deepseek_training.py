@@ -17,20 +17,12 @@ import pytest
 
 from raptor_jax import diagnostics, ownership, roles
 from raptor_jax.models import deepseek
-from raptor_jax.train import parallel, step, train_and_evaluate
+from raptor_jax.train import step, train_and_evaluate
 from raptor_jax.train.run import build_run
 
-from helpers import latest_state, micro_config
+from helpers import MICRO_FAMILIES, latest_state, micro_config, phase_functions, train_batch
 
-DEEPSEEK = {
-    "model.random.family": "deepseek",
-    "model.random.num_experts": 4,
-    "model.random.top_k": 2,
-    "model.random.num_layers": 2,
-    "model.random.first_k_dense": 1,
-    "model.random.num_shared_experts": 2,
-    "model.random.kv_lora_rank": 16,
-}
+DEEPSEEK = MICRO_FAMILIES["deepseek"]
 LAYER = 1  # l*: the sparse block
 ADAPTERS = ("lora_a", "lora_b")
 
@@ -123,29 +115,11 @@ def test_each_stream_step_changes_only_its_own_parameters(raptor_model):
   run_data, owners, model, plan = run.data, run.owners, run.model, run.plan
   trainable, frozen = run.trainable, run.frozen
   rows = np.arange(6)
-  batch = jax.tree.map(
-      jnp.asarray,
-      dict(
-          input_ids=run_data.train.input_ids[rows],
-          attention_mask=run_data.train.attention_mask[rows],
-          labels=run_data.train.labels[rows],
-          owners=owners[rows],
-      ),
-  )
+  batch = train_batch(run_data.train, rows, owners[rows])
   mask = jnp.ones((6,), jnp.float32)
   before = roles.flatten(step.merged_params(frozen, trainable))
   for phase in plan.phases:
-    fns = step.PhaseFunctions(
-        model,
-        phase,
-        mesh=parallel.make_mesh(1),
-        expert_layer=LAYER,
-        num_experts=4,
-        learning_rate=1e-2,
-        residual="shared",
-        residual_gamma=1.0,
-        key=jax.random.PRNGKey(0),
-    )
+    fns = phase_functions(model, phase, LAYER, 4)
     sums = fns.accumulate(
         trainable, frozen, fns.zero_sums(trainable), batch, mask
     )

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from raptor_jax import calibration, diagnostics, roles
-from raptor_jax.train import parallel, setup, step
+from raptor_jax.train import setup, step
 from raptor_jax.train.run import build_run
 
-from helpers import micro_config
+from helpers import micro_config, phase_functions, train_batch
 
 TWO_BLOCKS = {
     "model.random.num_layers": 2
@@ -138,27 +138,9 @@ def test_statistics_measure_exactly_the_clipped_sums_training_makes(
   phase = plan.phases[
       -1
   ]  # RAPTOR's expert phase (owner slices); Baseline A's one phase
-  fns = step.PhaseFunctions(
-      model,
-      phase,
-      mesh=parallel.make_mesh(1),
-      expert_layer=1,
-      num_experts=4,
-      learning_rate=1e-2,
-      residual="shared",
-      residual_gamma=1.0,
-      key=jax.random.PRNGKey(0),
-  )
+  fns = phase_functions(model, phase, 1, 4)
   rows = np.arange(3)
-  batch = jax.tree.map(
-      jnp.asarray,
-      dict(
-          input_ids=run_data.train.input_ids[rows],
-          attention_mask=run_data.train.attention_mask[rows],
-          labels=run_data.train.labels[rows],
-          owners=owners[rows],
-      ),
-  )
+  batch = train_batch(run_data.train, rows, owners[rows])
   mask = jnp.array([1.0, 1.0, 0.0])  # the third row is padding
   squared, signal = jax.jit(
       functools.partial(diagnostics.phase_statistics, fns, 1, 4)

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import time
-import types
 
 import flax
 import jax
@@ -27,11 +26,10 @@ from safetensors.numpy import load_file
 from raptor_jax import data, models, release
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.models import hf, initializers, lora
-from raptor_jax.train import loop, methods, step, train_and_evaluate
-from raptor_jax.train import outputs
+from raptor_jax.train import methods, step, train_and_evaluate
 from raptor_jax.train.run import build_run
 
-from helpers import MICRO_FAMILIES, ROOT, latest_state, micro_config
+from helpers import MICRO_FAMILIES, ROOT, SMALL_FAMILIES, finished_report, latest_state, micro_config
 
 # Distinctive: the scan looks for its bytes, and a seed like 0 would match
 # every run of zero bytes in a weight file.
@@ -53,25 +51,6 @@ _CARD_KEYS = {
     "streams",
     "expert_layer",
     "record_count",
-}
-# Random models of each family, as their training tests size them.
-_FAMILIES = {
-    "switch": {},
-    "olmoe": {
-        "model.random.family": "olmoe",
-        "model.random.num_experts": 4,
-        "model.random.top_k": 2,
-        "model.random.num_kv_heads": 1,
-    },
-    "deepseek": {
-        "model.random.family": "deepseek",
-        "model.random.num_experts": 4,
-        "model.random.top_k": 2,
-        "model.random.num_layers": 2,
-        "model.random.first_k_dense": 1,
-        "model.random.num_shared_experts": 2,
-        "model.random.kv_lora_rank": 16,
-    },
 }
 
 
@@ -125,6 +104,15 @@ def test_merge_folds_adapters_into_kernels_without_changing_outputs():
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def _torch_outputs(model, ids, mask):
+  """A transformers model's outputs (eval mode, no gradients) of a batch."""
+  with torch.no_grad():
+    return model.eval()(
+        input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
+        attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
+    )
+
+
 @pytest.mark.slow
 def test_olmoe_classifier_export_agrees_with_transformers(tmp_path):
   """The decoder family: OlmoeModel + last-token pooling + the head file,
@@ -165,15 +153,7 @@ def test_olmoe_classifier_export_agrees_with_transformers(tmp_path):
       out, output_loading_info=True
   )
   assert not info["missing_keys"] and not info["unexpected_keys"], info
-  with torch.no_grad():
-    hidden = (
-        hf_model.eval()(
-            input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
-            attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
-        )
-        .last_hidden_state.float()
-        .numpy()
-    )
+  hidden = _torch_outputs(hf_model, ids, mask).last_hidden_state.float().numpy()
   with safetensors.safe_open(out / release.HEAD, "np") as f:
     assert f.metadata()["pooling"] == "last"
   head = load_file(out / release.HEAD)
@@ -285,11 +265,7 @@ def test_exports_as_transformers_sequence_classifier(family, arch, tmp_path):
   )
   assert type(hf_model).__name__ == arch
   assert not info["missing_keys"] and not info["unexpected_keys"], info
-  with torch.no_grad():
-    hf_logits = hf_model.eval()(
-        input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
-        attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
-    ).logits.numpy()
+  hf_logits = _torch_outputs(hf_model, ids, mask).logits.numpy()
   np.testing.assert_allclose(hf_logits, flax_logits, atol=1e-4, rtol=1e-4)
   classify = transformers.pipeline("text-classification", model=str(out))
   scored = classify(texts, function_to_apply="none", top_k=None)
@@ -350,11 +326,7 @@ def test_transformers_loads_the_export_and_agrees_with_flax(trained):
   )
   assert not info["missing_keys"] and not info["unexpected_keys"], info
   model.eval()
-  with torch.no_grad():
-    hidden = model(
-        input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
-        attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
-    ).last_hidden_state.numpy()
+  hidden = _torch_outputs(model, ids, mask).last_hidden_state.numpy()
   with safetensors.safe_open(out / release.HEAD, "np") as f:
     assert f.metadata()["pooling"] == "mean"
   head = load_file(out / release.HEAD)
@@ -539,18 +511,7 @@ def _planned_report(method):
   plan = methods.build_plan(
       config, n=300, num_experts=4, sparse_layers=(1,), expert_layer=1
   )
-  ledger = PrivacyLedger()
-  for phase in plan.phases:
-    if phase.private:
-      ledger.record(
-          phase.name,
-          sample_rate=plan.sample_rate,
-          noise_multiplier=phase.noise_multiplier,
-          steps=plan.cycles,
-      )
-  run = types.SimpleNamespace(config=config, plan=plan, expert_layer=1, n=300)
-  state = loop.TrainState({}, {}, ledger, plan.cycles)
-  return outputs.privacy_report(run, state, dict(source="generated"))
+  return finished_report(config, plan)
 
 
 @pytest.mark.parametrize("method", methods.METHODS)
@@ -580,21 +541,9 @@ def _transformers_logits(out, ids, mask):
   assert not info["missing_keys"] and not info["unexpected_keys"], info
   if arch.endswith("ForSequenceClassification"):  # the head is in the model
     assert not (out / release.HEAD).exists()
-    with torch.no_grad():
-      logits = model.eval()(
-          input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
-          attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
-      ).logits
+    logits = _torch_outputs(model, ids, mask).logits
     return arch, logits.float().numpy()
-  with torch.no_grad():
-    hidden = (
-        model.eval()(
-            input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
-            attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
-        )
-        .last_hidden_state.float()
-        .numpy()
-    )
+  hidden = _torch_outputs(model, ids, mask).last_hidden_state.float().numpy()
   with safetensors.safe_open(out / release.HEAD, "np") as f:
     pooling = f.metadata()["pooling"]
   m = np.asarray(mask, np.float32)
@@ -626,7 +575,7 @@ def test_every_family_exports_and_loads_in_transformers(
   method without RAPTOR's fields, and each family's transformers class
   computing what the trained Flax classifier computes."""
   config = micro_config(
-      method=method, **{**MICRO_FAMILIES, **_FAMILIES}[family]
+      method=method, **{**MICRO_FAMILIES, **SMALL_FAMILIES}[family]
   )
   workdir = tmp_path / "run"
   train_and_evaluate(config, str(workdir))

@@ -6,8 +6,6 @@ the README's snippets."""
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -21,7 +19,7 @@ import pytest
 import raptor_jax
 from raptor_jax import accounting, calibration, grads, transforms
 
-from helpers import ROOT
+from helpers import ROOT, run_python
 
 _KW = dict(
     target_epsilon=2.0,
@@ -423,11 +421,9 @@ def test_missing_extras_name_the_install_command():
       except ModuleNotFoundError as e:
         print(e)
   """)
-  out = subprocess.run(
-      [sys.executable, "-c", script],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
+  out = run_python(
+      "-c",
+      script,
       timeout=300,
   )
   assert out.stdout.strip().endswith(

@@ -41,7 +41,6 @@ parity table ('default': no `kernels=` option, the library's default).
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import sys
 import tempfile
@@ -52,10 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.torch
 import torch
 import transformers
-from transformers.models.llama import modeling_llama
 from transformers.models.switch_transformers import modeling_switch_transformers
 
 from raptor_jax import models, roles
@@ -105,9 +102,8 @@ _OLMOE = dict(
     num_experts_per_tok=2,
     norm_topk_prob=True,
     clip_qkv=2.0,
-    pad_token_id=0,
-    eos_token_id=None,
-    initializer_range=0.2,  # decisive routing, visible attention and experts
+    # initializer_range 0.2: decisive routing, visible attention and experts
+    **hf_references.DECODER_BASE,
 )
 _DEEPSEEK = dict(
     vocab_size=VOCAB,
@@ -117,10 +113,8 @@ _DEEPSEEK = dict(
     num_attention_heads=4,
     n_routed_experts=8,
     num_experts_per_tok=2,
-    pad_token_id=0,
-    eos_token_id=None,
     bos_token_id=None,
-    initializer_range=0.2,
+    **hf_references.DECODER_BASE,
 )
 _DEEPSEEK_MLA = dict(
     _DEEPSEEK,
@@ -215,31 +209,8 @@ def _deepseek_mha(path, seed):
   reference, with sizes of this file."""
   torch.manual_seed(seed)
   config = transformers.DeepseekV2Config(**_DEEPSEEK_MHA)
-  model = transformers.DeepseekV2Model(config)
-  llama = transformers.LlamaConfig(
-      hidden_size=config.hidden_size,
-      num_attention_heads=config.num_attention_heads,
-      num_key_value_heads=_MHA_KV_HEADS,
-      rope_parameters=config.rope_parameters,
-      max_position_embeddings=config.max_position_embeddings,
-  )
-  llama._attn_implementation = "eager"  # pylint: disable=protected-access
-  for i, layer in enumerate(model.layers):
-    layer.self_attn = modeling_llama.LlamaAttention(llama, i)
-  model.rotary_emb = modeling_llama.LlamaRotaryEmbedding(llama)
-  path.mkdir(parents=True)
-  state = {k: v.contiguous() for k, v in model.state_dict().items()}
-  safetensors.torch.save_file(state, str(path / "model.safetensors"))
-  hf_config = dict(
-      config.to_dict(),
-      use_mla=False,
-      num_key_value_heads=_MHA_KV_HEADS,
-      kv_lora_rank=None,
-      qk_nope_head_dim=0,
-      qk_rope_head_dim=0,
-      v_head_dim=0,
-  )
-  (path / "config.json").write_text(json.dumps(hf_config))
+  model = hf_references.deepseek_with_llama_attention(config, _MHA_KV_HEADS)
+  hf_references.write_deepseek_mha(path, model, config, _MHA_KV_HEADS)
   return Reference(
       path,
       _float64_eval(model),

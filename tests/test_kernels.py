@@ -8,8 +8,6 @@ including trainable attention biases. The reference is in turn pinned
 against PyTorch's gradients in `test_grad_parity.py`.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +15,7 @@ import pytest
 
 from raptor_jax.models import attention, kernels, lora, low_rank, moe
 
-_jit = functools.partial(
-    jax.jit, compiler_options={"xla_backend_optimization_level": 0}
-)
+from helpers import attention_inputs, expert_inputs, fast_jit
 
 
 def _rel(a, b):
@@ -48,25 +44,11 @@ def test_auto_is_fast_on_cpu_only_and_bad_values_get_one_line():
   assert "\n" not in str(err.value)
 
 
-def _attention_inputs(batch=3, heads=2, seq=7, dim=5, seed=0):
-  keys = jax.random.split(jax.random.key(seed), 5)
-  q, k, v = (jax.random.normal(kk, (batch, heads, seq, dim)) for kk in keys[:3])
-  position = jax.random.normal(keys[3], (1, heads, seq, seq))
-  lengths = jnp.array([seq, 4, 1])[:batch]
-  padding = jnp.where(
-      jnp.arange(seq)[None, :] < lengths[:, None],
-      0.0,
-      jnp.finfo(jnp.float32).min,
-  )[:, None, None, :]
-  probe = jax.random.normal(keys[4], (batch, heads, seq, dim))
-  return q, k, v, position, padding, probe
-
-
 @pytest.mark.parametrize("kind", ["fast", "reference"])
 def test_attention_bias_gradient_is_the_score_gradient_summed(kind):
   """A position bias shared by the batch gets d(loss)/d(scores) summed over
   the batch, checked against autodiff of an explicitly broadcast bias."""
-  q, k, v, position, padding, probe = _attention_inputs()
+  q, k, v, position, padding, probe = attention_inputs()
 
   def loss(position):
     out = attention.attend(q, k, v, position, padding, kernels=kind)
@@ -85,7 +67,7 @@ def test_attention_bias_gradient_is_the_score_gradient_summed(kind):
 
 
 def test_fast_attention_matches_reference_in_every_input():
-  q, k, v, position, padding, probe = _attention_inputs()
+  q, k, v, position, padding, probe = attention_inputs()
 
   def loss(kind):
     return lambda *args: jnp.sum(probe * attention.attend(*args, kernels=kind))
@@ -106,7 +88,7 @@ def test_fast_attention_per_record_bias_gradients_under_vmap():
   """Records folded into one batch by `custom_vmap` still get their own
   gradient of the shared position bias (and of q), equal to the reference
   and to a loop over single records; padded records included."""
-  q, k, v, position, padding, _ = _attention_inputs()
+  q, k, v, position, padding, _ = attention_inputs()
 
   def per_record(kind):
     def loss(q, k, v, pad, position):
@@ -116,7 +98,7 @@ def test_fast_attention_per_record_bias_gradients_under_vmap():
       return jnp.sum(jnp.sin(out))
 
     grad = jax.grad(loss, argnums=(0, 4))
-    return _jit(jax.vmap(grad, in_axes=(0, 0, 0, 0, None)))(
+    return fast_jit(jax.vmap(grad, in_axes=(0, 0, 0, 0, None)))(
         q, k, v, padding, position
     )
 
@@ -141,7 +123,7 @@ def test_fast_attention_per_record_bias_gradients_under_vmap():
 
 
 def _count_reductions(fn, *args):
-  hlo = _jit(fn).lower(*args).compile().as_text()
+  hlo = fast_jit(fn).lower(*args).compile().as_text()
   return hlo.count(" reduce(")
 
 
@@ -149,7 +131,7 @@ def test_a_constant_bias_costs_no_reduction():
   """The bias gradient is only computed where it is used: with the padding
   bias a constant, the compiled q/k/v gradient has exactly the reductions
   of the same gradient without any bias."""
-  q, k, v, _, padding, probe = _attention_inputs()
+  q, k, v, _, padding, probe = attention_inputs()
 
   def grads(*biases):
     return lambda q, k, v: jax.grad(
@@ -214,16 +196,10 @@ def test_low_rank_update_fast_and_reference_agree_per_record():
 
 def _expert_inputs(num_experts=4, rows=40, records=3, seed=0):
   rng = np.random.RandomState(seed)
-  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  x = normal(records, rows, 5)
-  w = normal(num_experts, 5, 7)
-  a = normal(num_experts, 5, 3)
-  b = normal(num_experts, 3, 7)
-  experts = jnp.asarray(
-      rng.randint(0, num_experts + 1, (records, rows)), jnp.int32
-  )  # E = a dropped row
+  x, experts, w, a, b = expert_inputs(rng, num_experts, rows, records)
   experts = experts.at[2, 20:].set(num_experts)  # a padded tail of dropped rows
-  return x, experts, w, a, b, normal(records, rows, 7)
+  probe = jnp.asarray(rng.normal(size=(records, rows, 7)), jnp.float32)
+  return x, experts, w, a, b, probe
 
 
 @pytest.mark.parametrize(
@@ -240,7 +216,7 @@ def test_frozen_expert_dispatch_with_lora_per_record(linear):
       return jnp.sum(p * jnp.tanh(linear(x, experts, w, (a, b), kind)))
 
     grad = jax.grad(loss, argnums=(0, 2, 3))
-    return _jit(jax.vmap(grad, in_axes=(0, 0, None, None, 0)))(
+    return fast_jit(jax.vmap(grad, in_axes=(0, 0, None, None, 0)))(
         x, experts, a, b, probe
     )
 
@@ -264,6 +240,6 @@ def test_trainable_expert_dispatch_batch_gradients(linear):
 
   def grads(kind):
     loss = lambda x, w: jnp.sum(p * jnp.tanh(linear(x, flat, w, kind)))
-    return _jit(jax.grad(loss, argnums=(0, 1)))(rows, w)
+    return fast_jit(jax.grad(loss, argnums=(0, 1)))(rows, w)
 
   _assert_trees_close(grads("fast"), grads("reference"))

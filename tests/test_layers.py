@@ -7,6 +7,8 @@ import pytest
 
 from raptor_jax.models import attention, lora, low_rank
 
+from helpers import attention_inputs
+
 
 def _rel(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
@@ -18,21 +20,8 @@ def _reference_attention(q, k, v, *biases):
   return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
 
 
-def _attention_inputs(batch=3, heads=2, seq=7, dim=5, seed=0):
-  keys = jax.random.split(jax.random.key(seed), 4)
-  q, k, v = (jax.random.normal(kk, (batch, heads, seq, dim)) for kk in keys[:3])
-  position = jax.random.normal(keys[3], (1, heads, seq, seq))
-  lengths = jnp.array([seq, 4, 1])[:batch]
-  padding = jnp.where(
-      jnp.arange(seq)[None, :] < lengths[:, None],
-      0.0,
-      jnp.finfo(jnp.float32).min,
-  )[:, None, None, :]
-  return q, k, v, position, padding
-
-
 def test_attend_matches_autodiff_of_the_plain_formula():
-  q, k, v, position, padding = _attention_inputs()
+  q, k, v, position, padding, _ = attention_inputs()
   probe = jax.random.normal(jax.random.key(9), q.shape)
   loss = lambda f: lambda q, k, v: jnp.sum(
       probe * f(q, k, v, position, padding)
@@ -50,7 +39,7 @@ def test_attend_matches_autodiff_of_the_plain_formula():
 
 
 def test_attend_per_record_gradients_under_vmap_match_a_loop():
-  q, k, v, position, padding = _attention_inputs()
+  q, k, v, position, padding, _ = attention_inputs()
 
   def loss(q, k, v, padding):
     return jnp.sum(jnp.sin(attention.attend(q, k, v, position, padding)))
@@ -67,7 +56,7 @@ def test_attend_per_record_gradients_under_vmap_match_a_loop():
 
 
 def test_attend_under_vmap_of_the_mask_alone_matches_a_loop():
-  q, k, v, position, padding = _attention_inputs()
+  q, k, v, position, padding, _ = attention_inputs()
   masks = jnp.stack([padding, jnp.zeros_like(padding)])  # [2, B, 1, 1, S]
   loss = lambda q, mask: jnp.sum(
       jnp.sin(attention.attend(q, k, v, position, mask))
@@ -89,7 +78,7 @@ def test_attend_under_vmap_of_the_mask_alone_matches_a_loop():
 
 
 def test_attend_keeps_bfloat16_values_and_float32_softmax():
-  q, k, v, position, padding = _attention_inputs()
+  q, k, v, position, padding, _ = attention_inputs()
   out = attention.attend(
       *(t.astype(jnp.bfloat16) for t in (q, k, v)), position, padding
   )

@@ -21,7 +21,7 @@ from raptor_jax.train import cycle, metrics, parallel, setup, step
 from raptor_jax.train import train_and_evaluate
 from raptor_jax.train.run import build_run, validate
 
-from helpers import latest_state, load_config_module, micro_config
+from helpers import SMALL_FAMILIES, latest_state, load_config_module, micro_config
 
 
 def test_default_buckets_and_bad_buckets_get_one_line():
@@ -133,29 +133,11 @@ def test_padding_inside_a_bucket_never_changes_a_records_gradient(family):
 # -- wired into the trainer ----------------------------------------------------
 
 BUCKETS = (16, 32)  # the micro task's records: 10 to 22 of 32 tokens
-FAMILIES = {
-    "switch": {},
-    "olmoe": {
-        "model.random.family": "olmoe",
-        "model.random.num_experts": 4,
-        "model.random.top_k": 2,
-        "model.random.num_kv_heads": 1,
-    },
-    "deepseek": {
-        "model.random.family": "deepseek",
-        "model.random.num_experts": 4,
-        "model.random.top_k": 2,
-        "model.random.num_layers": 2,
-        "model.random.first_k_dense": 1,
-        "model.random.num_shared_experts": 2,
-        "model.random.kv_lora_rank": 16,
-    },
-}
 
 
 def _config(family="switch", buckets=BUCKETS, **overrides):
   return micro_config(
-      **FAMILIES[family], **{"data.length_buckets": buckets}, **overrides
+      **SMALL_FAMILIES[family], **{"data.length_buckets": buckets}, **overrides
   )
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from raptor_jax import accounting, calibration, ownership, roles, sampling
 from raptor_jax.models import hf
-from raptor_jax.train import methods, parallel, plans, setup, step
+from raptor_jax.train import methods, plans, setup, step
 
 import helpers
 
@@ -54,10 +54,32 @@ def _cached_calibration():
   patch.undo()
 
 
-def _plan(method="raptor", layer=LAYER, **overrides):
-  config = micro_config(method=method, **overrides)
+def _build_plan(config, layer=LAYER, **options):
+  """`methods.build_plan` of the micro model (N records, E experts)."""
   return methods.build_plan(
-      config, n=N, num_experts=E, sparse_layers=SPARSE, expert_layer=layer
+      config,
+      n=N,
+      num_experts=E,
+      sparse_layers=SPARSE,
+      expert_layer=layer,
+      **options,
+  )
+
+
+def _plan(method="raptor", layer=LAYER, **overrides):
+  return _build_plan(micro_config(method=method, **overrides), layer)
+
+
+def _micro_sigmas(plan, **options):
+  """RAPTOR's (sigma_shared, sigma_expert) at epsilon 8 and rho 0.9 over the
+  micro run's 6 cycles, as `calibration` finds them."""
+  return calibration.calibrate_raptor(
+      target_epsilon=8.0,
+      delta=plan.delta,
+      sample_rate=plan.sample_rate,
+      steps=6,
+      rho=0.9,
+      **options,
   )
 
 
@@ -89,24 +111,10 @@ def test_given_noise_rebuilds_the_calibrated_plan(method, overrides):
   else:
     assert fields == ("sigma_shared", "sigma_expert")
     noise = {f"sigma_{k}": summary[k]["noise_multiplier"] for k in summary}
-  given = methods.build_plan(
-      config,
-      n=N,
-      num_experts=E,
-      sparse_layers=SPARSE,
-      expert_layer=LAYER,
-      noise=noise,
-  )
+  given = _build_plan(config, noise=noise)
   assert given.phases == calibrated.phases and given.target_epsilon is None
   with pytest.raises(ValueError, match=f"^{fields[0]}: needed by method"):
-    methods.build_plan(
-        config,
-        n=N,
-        num_experts=E,
-        sparse_layers=SPARSE,
-        expert_layer=LAYER,
-        noise={},
-    )
+    _build_plan(config, noise={})
 
 
 @pytest.mark.parametrize(
@@ -163,13 +171,7 @@ def test_raptor_alternates_two_independent_streams():
   assert not shared.owner and shared.denominator == 50 and not shared.residual
   assert expert.roles == ("expert_adapter",) and expert.blocks == (LAYER,)
   assert expert.owner and expert.denominator == 50 / E and expert.residual
-  s_sh, s_ex = calibration.calibrate_raptor(
-      target_epsilon=8.0,
-      delta=plan.delta,
-      sample_rate=plan.sample_rate,
-      steps=6,
-      rho=0.9,
-  )
+  s_sh, s_ex = _micro_sigmas(plan)
   assert (shared.noise_multiplier, expert.noise_multiplier) == (s_sh, s_ex)
   assert plan.event() == accounting.raptor_event(
       sigma_shared=s_sh,
@@ -185,14 +187,7 @@ def test_no_alternation_is_one_gaussian_with_sigma_eff():
   (phase,) = plan.phases
   shared, expert = phase.parts
   assert not phase.joint_clip and expert.owner and expert.denominator == 50 / E
-  s_sh, s_ex = calibration.calibrate_raptor(
-      target_epsilon=8.0,
-      delta=plan.delta,
-      sample_rate=plan.sample_rate,
-      steps=6,
-      rho=0.9,
-      joint=True,
-  )
+  s_sh, s_ex = _micro_sigmas(plan, joint=True)
   assert (shared.noise_multiplier, expert.noise_multiplier) == (s_sh, s_ex)
   sigma_eff = (s_sh**-2 + s_ex**-2) ** -0.5
   assert phase.noise_multiplier == pytest.approx(sigma_eff, rel=1e-12)
@@ -428,14 +423,7 @@ def test_shared_expert_adapters_follow_the_shared_streams_lora(
 ):
   """Shared experts (DeepSeek-MoE) get adapters exactly when attention does."""
   config = micro_config(method=method, **overrides)
-  plan = methods.build_plan(
-      config,
-      n=N,
-      num_experts=E,
-      sparse_layers=SPARSE,
-      expert_layer=LAYER,
-      shared_experts=True,
-  )
+  plan = _build_plan(config, shared_experts=True)
   assert plan.model_options["shared_expert_lora"] is expected
   assert plan.model_options["attention_lora"] is expected
   assert "shared_expert_lora" not in _plan(method, **overrides).model_options
@@ -449,9 +437,7 @@ def test_layer_choice(how, expected, micro_model):
   run_data, backbone, params, _ = micro_model
   layer, _ = ownership.select_expert_layer(config, backbone, params, run_data)
   assert layer == expected
-  plan = methods.build_plan(
-      config, n=N, num_experts=E, sparse_layers=SPARSE, expert_layer=layer
-  )
+  plan = _build_plan(config, layer)
   assert plan.expert_layer == expected and plan.phases[1].parts[0].blocks == (
       expected,
   )
@@ -548,17 +534,7 @@ def test_full_monolithic_trains_every_weight_routers_included(
 
 def _phase_functions(plan, model):
   return [
-      step.PhaseFunctions(
-          model,
-          phase,
-          mesh=parallel.make_mesh(1),
-          expert_layer=plan.expert_layer,
-          num_experts=E,
-          learning_rate=1e-2,
-          residual="shared",
-          residual_gamma=1.0,
-          key=jax.random.PRNGKey(i),
-      )
+      helpers.phase_functions(model, phase, plan.expert_layer, E, i)
       for i, phase in enumerate(plan.phases)
   ]
 
@@ -584,17 +560,7 @@ def test_each_phase_clips_a_record_as_its_method_says(method, overrides):
   """One record with large gradients in every part: what norm does each part's sum get?"""
   plan = _plan(method, **overrides, **CLIPS)
   for phase in plan.phases:
-    fns = step.PhaseFunctions(
-        None,
-        phase,
-        mesh=parallel.make_mesh(1),
-        expert_layer=LAYER,
-        num_experts=E,
-        learning_rate=1e-2,
-        residual="shared",
-        residual_gamma=1.0,
-        key=jax.random.PRNGKey(0),
-    )
+    fns = helpers.phase_functions(None, phase, LAYER, E)
     per_record = {p.name: {"leaf": jnp.full((1, 3), 5.0)} for p in phase.parts}
     sums = fns._clip_and_sum(  # pylint: disable=protected-access
         per_record, jnp.ones((1,)), jnp.array([2])
@@ -635,15 +601,7 @@ def test_one_monolithic_update_moves_every_weight_routers_included(
   assert not frozen
   (fns,) = _phase_functions(plan, model)
   rows = np.zeros((4,), np.int64)
-  batch = jax.tree.map(
-      jnp.asarray,
-      dict(
-          input_ids=run_data.train.input_ids[rows],
-          attention_mask=run_data.train.attention_mask[rows],
-          labels=run_data.train.labels[rows],
-          owners=np.zeros((4,), np.int32),
-      ),
-  )
+  batch = helpers.train_batch(run_data.train, rows, np.zeros((4,), np.int32))
   mask = jnp.array([1.0, 0.0, 0.0, 0.0])
   sums = fns.accumulate(
       trainable, frozen, fns.zero_sums(trainable), batch, mask

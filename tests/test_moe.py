@@ -7,7 +7,6 @@ compute the same functions and gradients as `moe.grouped_linear` /
 reference (`dense_linear` + `expert_lora`) pins both independently.
 """
 
-import functools
 import sys
 
 import jax
@@ -24,24 +23,12 @@ from raptor_jax.models import ragged
 from raptor_jax.models import olmoe
 from raptor_jax.models import switch
 
-# Tiny shapes: skip XLA's LLVM optimisation (it dominates the compile time).
-_jit = functools.partial(
-    jax.jit, compiler_options={"xla_backend_optimization_level": 0}
-)
+from helpers import expert_inputs, fast_jit
 
 
 def _inputs(num_experts, rows, records=2, seed=0):
   rng = np.random.RandomState(seed + rows + num_experts)
-  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  x = normal(records, rows, 5)
-  w = normal(num_experts, 5, 7)
-  a = normal(num_experts, 5, 3)
-  b = normal(num_experts, 3, 7)
-  # E = dropped (a capacity overflow): about one row in E + 1.
-  experts = jnp.asarray(
-      rng.randint(0, num_experts + 1, (records, rows)), jnp.int32
-  )
-  return x, experts, w, a, b
+  return expert_inputs(rng, num_experts, rows, records)
 
 
 KEY = jax.random.PRNGKey(0)
@@ -82,7 +69,7 @@ def test_ragged_lora_layer_equals_grouped_per_record(num_experts, rows, kind):
   def loss(linear):
     return lambda x, e, a, b: jnp.sum(jnp.sin(linear(x, e, w, (a, b))))
 
-  per_record = lambda f: _jit(
+  per_record = lambda f: fast_jit(
       jax.vmap(
           jax.value_and_grad(f, argnums=(0, 2, 3)), in_axes=(0, 0, None, None)
       )
@@ -99,11 +86,11 @@ def test_ragged_lora_layer_equals_grouped_per_record(num_experts, rows, kind):
   _, ref_grads = per_record(ref)(x, experts, a, b)
   jax.tree.map(_close, got, ref_grads)
   # Dropped rows get no output and no input gradient; base weights are frozen.
-  y = _jit(jax.vmap(lambda x, e: ragged(x, e, w, (a, b))))(x, experts)
+  y = fast_jit(jax.vmap(lambda x, e: ragged(x, e, w, (a, b))))(x, experts)
   dropped = np.asarray(experts) == num_experts
   assert not np.any(np.asarray(y)[dropped])
   assert not np.any(np.asarray(got[0])[dropped])
-  dw = _jit(jax.grad(lambda w: jnp.sum(ragged(x[0], experts[0], w))))(w)
+  dw = fast_jit(jax.grad(lambda w: jnp.sum(ragged(x[0], experts[0], w))))(w)
   assert not np.any(np.asarray(dw))
 
 
@@ -114,7 +101,7 @@ def test_ragged_trainable_equals_grouped_trainable(num_experts, rows, kind):
   x, experts, w, _, _ = _inputs(num_experts, rows, records=3, seed=1)
   ragged = getattr(moe, f"{kind}_linear_trainable")
   loss = lambda linear: lambda x, e, w: jnp.sum(jnp.sin(linear(x, e, w)))
-  grad = lambda f: _jit(jax.value_and_grad(f, argnums=(0, 2)))
+  grad = lambda f: fast_jit(jax.value_and_grad(f, argnums=(0, 2)))
   flat_x, flat_e = x.reshape(-1, 5), experts.reshape(-1)
   got_value, got = grad(loss(ragged))(flat_x, flat_e, w)
   value, want = grad(loss(moe.grouped_linear_trainable))(flat_x, flat_e, w)
@@ -122,7 +109,7 @@ def test_ragged_trainable_equals_grouped_trainable(num_experts, rows, kind):
   _close(got_value, value)
   jax.tree.map(_close, got, want)
   jax.tree.map(_close, got, ref)
-  per_record = lambda f: _jit(
+  per_record = lambda f: fast_jit(
       jax.vmap(jax.grad(f, argnums=(0, 2)), in_axes=(0, 0, None))
   )
   got = per_record(loss(ragged))(x, experts, w)
@@ -180,7 +167,7 @@ def test_sparse_layer_ragged_equals_grouped_per_record(
     loss = lambda p, x: (lambda out: (jnp.sum(jnp.tanh(out[0])), out))(
         layer.apply(p, x)
     )
-    got[kind] = _jit(
+    got[kind] = fast_jit(
         jax.vmap(
             jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
             in_axes=(None, 0),
@@ -203,7 +190,7 @@ def test_owner_linear_with_the_ragged_frozen_dispatch():
   owner_w = w[1] + 0.5
 
   def value_and_grad(frozen_linear):
-    return _jit(
+    return fast_jit(
         jax.vmap(
             jax.value_and_grad(
                 lambda x, e, ow: jnp.sum(
@@ -290,7 +277,7 @@ def test_ragged_kernel_gradient_flows_through_an_expert_layer():
     loss = lambda w: jnp.sum(
         jnp.sin(layer.apply({"params": {"kernel": w}}, x, experts))
     )
-    grads[dispatch] = _jit(jax.grad(loss))(w)
+    grads[dispatch] = fast_jit(jax.grad(loss))(w)
   assert not np.any(np.asarray(grads["ragged"]))
   _close(grads["ragged_train"], grads["dense"])
   assert np.any(np.asarray(grads["dense"]))

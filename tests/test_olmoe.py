@@ -4,16 +4,13 @@ Parity with Hugging Face, a batch of one, padding and the grouped dispatch:
 tests/test_backbones.py (references: tests/hf_references.py).
 """
 
-import functools
 import json
-import shutil
 
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.torch
 import torch
 import transformers
 
@@ -22,6 +19,7 @@ from raptor_jax.models import hf as hf_lib
 from raptor_jax.models import olmoe
 
 import hf_references as refs
+from helpers import assert_fused_and_base_layouts_load, vmapped_owner_grads, fast_jit, lora_from_pretrained, probe_loss, set_nonzero_lora_b
 
 CONFIGS = refs.OLMOE_CONFIGS
 VOCAB, LAYERS = refs.VOCAB, refs.OLMOE_LAYERS
@@ -29,12 +27,6 @@ _hf_outputs, _rel_err, _assert_close = (
     refs.olmoe_outputs,
     refs.rel_err,
     refs.assert_close,
-)
-
-# Tiny shapes: XLA's LLVM backend optimisation dominates the test time and
-# buys nothing here, so skip it (HLO-level semantics are unchanged).
-_jit = functools.partial(
-    jax.jit, compiler_options={"xla_backend_optimization_level": 0}
 )
 
 
@@ -57,7 +49,7 @@ def loaded(checkpoints):
       module, params = models.from_pretrained(
           checkpoints[name], dispatch=dispatch
       )
-      cache[name, dispatch] = module, params, _jit(module.apply)
+      cache[name, dispatch] = module, params, fast_jit(module.apply)
     return cache[name, dispatch]
 
   return load
@@ -133,16 +125,13 @@ def test_fused_and_base_model_layouts_load_the_same_params(
   path = checkpoints["e16k4_norm"]
   want = loaded("e16k4_norm")[1]
   hf_model = transformers.OlmoeForCausalLM.from_pretrained(path)
-  fused = tmp_path / "fused"
-  fused.mkdir()
-  shutil.copy(path / "config.json", fused / "config.json")
-  state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-  assert "model.layers.0.mlp.experts.gate_up_proj" in state
-  safetensors.torch.save_file(state, str(fused / "model.safetensors"))
-  hf_model.model.save_pretrained(tmp_path / "base")
-  for layout in (fused, tmp_path / "base"):
-    _, got = models.from_pretrained(layout)
-    jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert_fused_and_base_layouts_load(
+      hf_model,
+      path,
+      want,
+      tmp_path,
+      fused="model.layers.0.mlp.experts.gate_up_proj",
+  )
   assert json.loads((path / "config.json").read_text())["model_type"] == "olmoe"
   assert not any(
       "lm_head" in p for p in flax.traverse_util.flatten_dict(want, sep="/")
@@ -150,20 +139,11 @@ def test_fused_and_base_model_layouts_load_the_same_params(
 
 
 def _lora_model(path, **options):
-  options = dict(
-      dict(
-          lora_rank=2,
-          lora_alpha=4.0,
-          attention_lora=True,
-          expert_lora_layers=(1,),
-      ),
-      **options,
-  )
   # seed=1: the owner-slice test compares two float32 paths of a loss with
   # cancellation at rtol 1e-5, and their gap depends on the random adapters
   # (1e-6 to 4e-5 over seeds 0-6, with `module.init` and `init_params`
   # alike); adapters are drawn by `models.init_params` since issue 43.
-  return models.from_pretrained(path, seed=1, **options)
+  return lora_from_pretrained(path, seed=1, **options)
 
 
 @pytest.fixture(scope="module")
@@ -176,11 +156,11 @@ def lora_model(checkpoints):
   """
   module, params = _lora_model(checkpoints["e8k2_norm_clip"])
 
-  @_jit
+  @fast_jit
   def record_value_and_grad(p, x, m):
     def loss(p):
       hidden = module.apply({"params": p}, x[None], m[None]).hidden_states
-      return _probe(hidden), hidden[0]
+      return probe_loss(hidden), hidden[0]
 
     return jax.value_and_grad(loss, has_aux=True)(p)
 
@@ -219,21 +199,6 @@ def test_lora_with_zero_b_leaves_outputs_unchanged(loaded, lora_model):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def _probe(hidden):
-  """A loss with a non-trivial gradient (sum of squares is constant after RMS norm)."""
-  weights = jax.random.normal(jax.random.PRNGKey(7), hidden.shape[-2:])
-  return jnp.sum(jnp.tanh(hidden) * weights)
-
-
-def _set_nonzero_b(params, key):
-  flat = flax.traverse_util.flatten_dict(params, sep="/")
-  for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
-    flat[path] = 0.3 * jax.random.normal(
-        jax.random.fold_in(key, i), flat[path].shape
-    )
-  return flax.traverse_util.unflatten_dict(flat, sep="/")
-
-
 def test_lora_params_get_gradients(lora_model):
   """Every adapter trains: B from its zero init, A once B is non-zero."""
   ids, mask = _batch()
@@ -246,7 +211,7 @@ def test_lora_params_get_gradients(lora_model):
       f"block_{i}/attention/{m}" for i in range(LAYERS) for m in "qkvo"
   ]
   at_init = grad(params)
-  trained = grad(_set_nonzero_b(params, jax.random.PRNGKey(1)))
+  trained = grad(set_nonzero_lora_b(params, jax.random.PRNGKey(1)))
   for path in adapters:
     assert np.any(np.asarray(at_init[path + "/lora_b"]) != 0), path
     for leaf in ("lora_a", "lora_b"):
@@ -265,32 +230,9 @@ def test_vmapped_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
   """
   ids, mask = _batch()
   module, params, record_value_and_grad = lora_model
-  params = _set_nonzero_b(params, jax.random.PRNGKey(3))
+  params = set_nonzero_lora_b(params, jax.random.PRNGKey(3))
   num_experts = module.config.num_experts
-  experts = params["block_1"]["mlp"]["experts"]
-  lora = {
-      m: {k: experts[m][k] for k in ("lora_a", "lora_b")}
-      for m in ("gate", "up", "down")
-  }
-
-  def owner_value_and_grad(owner, x, m):
-    slice_ = jax.tree.map(lambda p: p[owner], lora)
-
-    def loss(s):
-      override = models.OwnerOverride(1, owner, s)
-      return _probe(
-          module.apply(
-              {"params": params}, x[None], m[None], owner_override=override
-          ).hidden_states
-      )
-
-    return jax.value_and_grad(loss)(slice_)
-
-  rows = np.repeat(np.arange(len(ids)), num_experts)
-  owners = np.tile(np.arange(num_experts, dtype=np.int32), len(ids))
-  values, grads = _jit(jax.vmap(owner_value_and_grad))(
-      jnp.asarray(owners), jnp.asarray(ids[rows]), jnp.asarray(mask[rows])
-  )
+  values, grads = vmapped_owner_grads(module, params, ids, mask)
   for row in range(len(ids)):
     (value, _), full = record_value_and_grad(
         params, jnp.asarray(ids[row]), jnp.asarray(mask[row])
@@ -321,7 +263,7 @@ def test_classifier_pools_the_last_real_token(loaded):
       "bias": jax.random.normal(keys[1], (3,)),
   }
   params = {"backbone": backbone_params, "head": head}
-  apply = _jit(classifier.apply)
+  apply = fast_jit(classifier.apply)
   logits, out = apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
   last = mask.sum(axis=1) - 1
   pooled = np.asarray(out.hidden_states)[np.arange(len(ids)), last]

@@ -1,11 +1,9 @@
 """Packaging: the DP core imports with the core dependencies only; no path hacks."""
 
-import pathlib
-import subprocess
-import sys
 import tomllib
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import ROOT, run_python
+
 _CORE = ("transforms", "grads", "sampling", "accounting", "ledger")
 # Imports that fail in the child process: the `[train]` extra's packages.
 _BLOCK = """
@@ -19,7 +17,7 @@ sys.meta_path.insert(0, Block())
 
 
 def test_core_dependencies_are_declared():
-  project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
   names = [d.split(">")[0].split("=")[0] for d in project["dependencies"]]
   assert names == ["jax", "optax", "numpy", "dp-accounting"]
   assert "flax" in str(project["optional-dependencies"]["train"])
@@ -27,9 +25,9 @@ def test_core_dependencies_are_declared():
 
 def test_core_floors_are_pinned_for_ci():
   """requirements-floors.txt (which .ci/run tests) pins pyproject's floors."""
-  project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
   floors = dict(d.split(">=") for d in project["dependencies"])
-  lines = (_ROOT / "requirements-floors.txt").read_text().splitlines()
+  lines = (ROOT / "requirements-floors.txt").read_text().splitlines()
   pins = dict(l.split("==") for l in lines if l and not l.startswith("#"))
   assert pins == {**floors, "jaxlib": floors["jax"]}
 
@@ -54,11 +52,9 @@ def test_dp_core_and_example_import_without_the_train_extra():
       [f"import raptor_jax.{m}" for m in _CORE]
       + ["import runpy", "runpy.run_path('examples/dp_linear_regression.py')"]
   )
-  proc = subprocess.run(
-      [sys.executable, "-c", code],
-      cwd=_ROOT,
-      capture_output=True,
-      text=True,
+  proc = run_python(
+      "-c",
+      code,
       timeout=300,
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -68,5 +64,5 @@ def test_no_sys_path_edits():
   """Scripts and tests import the installed (`pip install -e .`) package."""
   needle = "sys.path." + "insert"
   for folder in ("launch", "tests", "examples", "configs", "raptor_jax"):
-    for path in (_ROOT / folder).rglob("*.py"):
+    for path in (ROOT / folder).rglob("*.py"):
       assert needle not in path.read_text(), path

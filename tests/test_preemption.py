@@ -20,29 +20,14 @@ import pytest
 from raptor_jax.train import loop, preemption
 from raptor_jax.train import workdir as workdir_lib
 
-from helpers import ROOT, latest_state, micro_config
+from helpers import ROOT, latest_state, micro_config, micro_flags
 
 # The micro run of `helpers.micro_config` on the command line, 5 epochs
 # (30 cycles) so that two signals land mid-run.
 _CYCLES = 30
 _MICRO_FLAGS = [
     "--config=configs/switch_sst2.py:tiny",
-    "--config.data.synthetic.n_train=300",
-    "--config.data.synthetic.n_dev=64",
-    "--config.data.n_pub=128",
-    "--config.model.random.d_model=32",
-    "--config.model.random.d_ff=32",
-    "--config.model.random.num_heads=2",
-    "--config.model.random.d_kv=8",
-    "--config.model.random.num_layers=2",
-    "--config.batch_size=50",
-    "--config.microbatch_size=32",
-    "--config.epochs=5",
-    "--config.eval_batch_size=64",
-    "--config.eval_every_epochs=100",
-    "--config.progress_bar=False",
-    "--config.checkpoint_every_cycles=2",
-    "--config.privacy.secret_seed=0",
+    *micro_flags(epochs=5, eval_every_epochs=100),
 ]
 
 

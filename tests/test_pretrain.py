@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import run_python
 from raptor_jax import models
 from raptor_jax.data import synthetic
 from raptor_jax.pretrain import config as pretrain_config
@@ -492,6 +492,27 @@ def test_resume_is_exact(switch_run, tmp_path):
   assert resumed["heldout"] == report["heldout"]
 
 
+def _assert_exported_lm_matches(model_dir, hf_class, **hf_options):
+  """The export's logits (first 5 of the vocabulary) of one padded record:
+  `models.from_pretrained`'s hidden states times its lm_head.weight, as
+  transformers' `hf_class` computes them. Returns the Flax module."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+
+  module, params = models.from_pretrained(model_dir)
+  ids = np.array([[2, 40, 41, 42, 3, 0]])
+  mask = (ids != 0).astype(np.int64)
+  hidden = module.apply({"params": params}, ids, mask).hidden_states
+  head = load_file(str(model_dir / "model.safetensors"))["lm_head.weight"]
+  ours = np.asarray(hidden) @ head.T
+  hf = hf_class.from_pretrained(model_dir, **hf_options).eval()
+  with torch.no_grad():
+    theirs = hf(
+        input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)
+    ).logits.numpy()
+  np.testing.assert_allclose(ours[:, :5], theirs[:, :5], atol=1e-4, rtol=1e-4)
+  return module
+
+
 @pytest.mark.slow
 def test_olmoe_pretraining_exports_a_causal_lm(tmp_path):
   from transformers import OlmoeForCausalLM
@@ -500,22 +521,7 @@ def test_olmoe_pretraining_exports_a_causal_lm(tmp_path):
   config.checkpoint_every = 100
   report = pretrain(config, tmp_path)
   assert report["finished"] and report["aux_loss_coef"] == 0.01
-  module, params = models.from_pretrained(tmp_path / "model")
-  ids = np.array([[2, 40, 41, 42, 3, 0]])
-  mask = (ids != 0).astype(np.int64)
-  hidden = module.apply({"params": params}, ids, mask).hidden_states
-  from safetensors.numpy import load_file
-
-  head = load_file(str(tmp_path / "model" / "model.safetensors"))[
-      "lm_head.weight"
-  ]
-  ours = np.asarray(hidden) @ head.T
-  hf = OlmoeForCausalLM.from_pretrained(tmp_path / "model").eval()
-  with torch.no_grad():
-    theirs = hf(
-        input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)
-    ).logits.numpy()
-  np.testing.assert_allclose(ours[:, :5], theirs[:, :5], atol=1e-4, rtol=1e-4)
+  _assert_exported_lm_matches(tmp_path / "model", OlmoeForCausalLM)
 
 
 @pytest.mark.slow
@@ -557,18 +563,12 @@ def test_launch_pretrain_tiny(tmp_path):
   import subprocess, sys, os  # pylint: disable=g-import-not-at-top,multiple-imports
 
   env = dict(os.environ, XLA_FLAGS="")
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "launch/pretrain.py",
-          "--config=configs/pretrain_switch.py:tiny",
-          f"--workdir={tmp_path}",
-          "--config.progress_bar=False",
-      ],
-      cwd=ROOT,
+  proc = run_python(
+      "launch/pretrain.py",
+      "--config=configs/pretrain_switch.py:tiny",
+      f"--workdir={tmp_path}",
+      "--config.progress_bar=False",
       env=env,
-      capture_output=True,
-      text=True,
       timeout=600,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -622,7 +622,6 @@ def test_deepseek_pretraining_exports_a_causal_lm(tmp_path):
   """DeepSeek-MoE pretraining (MLA, dense block 0, shared experts) exports a
   directory that transformers' DeepseekV2ForCausalLM and
   `models.from_pretrained` read alike."""
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   from transformers import DeepseekV2ForCausalLM  # pylint: disable=g-import-not-at-top
 
   config = tiny_config(steps=4, family="deepseek")
@@ -631,23 +630,10 @@ def test_deepseek_pretraining_exports_a_causal_lm(tmp_path):
   assert report["finished"] and report["aux_loss_coef"] == 0.001
   # Block 0 is dense: only block 1 routes.
   assert [row["layer"] for row in report["routing"]["layers"]] == [1]
-  module, params = models.from_pretrained(tmp_path / "model")
+  module = _assert_exported_lm_matches(
+      tmp_path / "model", DeepseekV2ForCausalLM, attn_implementation="eager"
+  )
   assert module.config.n_shared_experts == 2 and module.config.use_mla
-  ids = np.array([[2, 40, 41, 42, 3, 0]])
-  mask = (ids != 0).astype(np.int64)
-  hidden = module.apply({"params": params}, ids, mask).hidden_states
-  head = load_file(str(tmp_path / "model" / "model.safetensors"))[
-      "lm_head.weight"
-  ]
-  ours = np.asarray(hidden) @ head.T
-  hf = DeepseekV2ForCausalLM.from_pretrained(
-      tmp_path / "model", attn_implementation="eager"
-  ).eval()
-  with torch.no_grad():
-    theirs = hf(
-        input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)
-    ).logits.numpy()
-  np.testing.assert_allclose(ours[:, :5], theirs[:, :5], atol=1e-4, rtol=1e-4)
 
 
 def test_several_tasks_dev_splits_are_all_decontaminated_against(tmp_path):

@@ -2,8 +2,6 @@
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,7 +9,7 @@ import pytest
 from raptor_jax.train import run as run_lib
 from raptor_jax.train import setup, train_and_evaluate
 
-from helpers import ROOT, load_config_module, micro_config
+from helpers import load_config_module, micro_config, run_python
 
 BAD = [
     ({"method": "sgd"}, "method: must be one of"),
@@ -157,18 +155,12 @@ def test_a_missing_train_file_fails_validation_naming_it(tmp_path, no_loading):
 @pytest.mark.slow  # a subprocess: ~10 s of imports on an idle machine
 def test_launch_main_refuses_an_ignored_field_in_one_line(tmp_path):
   """The issue's command: exit status 1, one error line, no traceback."""
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "launch/main.py",
-          "--config=configs/glue.py:preset=tiny",
-          f"--workdir={tmp_path / 'w'}",
-          "--config.data.train_path=/nonexistent/train.tsv",
-      ],
-      cwd=ROOT,
+  proc = run_python(
+      "launch/main.py",
+      "--config=configs/glue.py:preset=tiny",
+      f"--workdir={tmp_path / 'w'}",
+      "--config.data.train_path=/nonexistent/train.tsv",
       env=dict(os.environ, RAPTOR_TRACEBACK=""),
-      capture_output=True,
-      text=True,
       timeout=300,
   )
   assert proc.returncode == 1

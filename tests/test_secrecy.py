@@ -15,7 +15,7 @@ from raptor_jax.train import loop, parallel, plans, secrecy
 from raptor_jax.train import outputs
 from raptor_jax.transforms import DpAggregateState
 
-from helpers import micro_config
+from helpers import finished_report, micro_config
 
 
 def test_the_secret_has_256_bits_from_the_os_and_labels_separate_streams():
@@ -213,18 +213,7 @@ def _report(method, sigmas):
   plan = plans.Plan(
       method, phases, 6, 1 / 6, 1e-5, 8.0 if private else None, 1, {}
   )
-  ledger = PrivacyLedger()
-  for phase in plan.phases:
-    if phase.private:
-      ledger.record(
-          phase.name,
-          sample_rate=plan.sample_rate,
-          noise_multiplier=phase.noise_multiplier,
-          steps=plan.cycles,
-      )
-  run = types.SimpleNamespace(config=config, plan=plan, expert_layer=1, n=300)
-  state = loop.TrainState({}, {}, ledger, plan.cycles)
-  return plan, outputs.privacy_report(run, state, dict(source="generated"))
+  return plan, finished_report(config, plan)
 
 
 def test_report_carries_each_streams_epsilon_at_half_delta():

@@ -11,7 +11,7 @@ from raptor_jax import diagnostics
 from raptor_jax.studies import sweep, sweep_report
 from raptor_jax.train import run as run_lib
 
-from helpers import ROOT, load_config_module, micro_config
+from helpers import ROOT, micro_config, small_glue_on_files
 
 
 def test_grid_runs_seed_by_seed_with_one_nonprivate_cell_per_seed():
@@ -47,12 +47,7 @@ def test_every_variant_is_a_valid_config():
 def test_a_tuning_cell_on_files_passes_validation(tmp_path):
   """A tuning cell evaluates on the holdout, so it drops the dev fields that
   validation would refuse as ignored."""
-  files = {}
-  for name in ("train", "dev"):
-    files[f"data.{name}_path"] = str(tmp_path / f"{name}.tsv")
-    (tmp_path / f"{name}.tsv").write_text("sentence\tlabel\n")
-  base = load_config_module("glue").get_config("preset=small")
-  base.update_from_flattened_dict({"model.name": "random", **files})
+  base = small_glue_on_files(tmp_path)
   run_lib.validate(base)
   cell = sweep.Cell("sst2", "raptor", 1.0, 100, tune_clip=0.1)
   config = sweep.cell_config(base, cell)

@@ -13,6 +13,7 @@ from raptor_jax import models
 from raptor_jax.models import moe
 
 import hf_references as refs
+from helpers import lora_from_pretrained, probe_loss, set_nonzero_lora_b
 
 _assert_close = refs.assert_close
 
@@ -95,13 +96,9 @@ def test_grouped_linear_matches_dense_values_and_input_grads(num_experts, rows):
   assert not np.any(np.asarray(dw))
 
 
-@pytest.mark.parametrize("num_experts,rows", [(3, 1), (8, 300)])
-def test_grouped_linear_with_frozen_lora_matches_a_brute_force_loop_under_vmap(
-    num_experts, rows
-):
-  """x @ (W[e] + A[e] B[e]) in one dispatch (the owner path's frozen layer), per
-  record: values and input gradients against a per-row NumPy loop."""
-  keys = jax.random.split(jax.random.PRNGKey(rows), 5)
+def _expert_inputs(seed, num_experts, rows):
+  """Two records' x [2, rows, 5], w, LoRA a and b, experts (E = dropped)."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 5)
   x = jax.random.normal(keys[0], (2, rows, 5))  # two records
   w = jax.random.normal(keys[1], (num_experts, 5, 7))
   a = jax.random.normal(keys[2], (num_experts, 5, 3))
@@ -109,6 +106,16 @@ def test_grouped_linear_with_frozen_lora_matches_a_brute_force_loop_under_vmap(
   experts = jax.random.randint(
       keys[4], (2, rows), 0, num_experts + 1
   )  # E = dropped
+  return x, w, a, b, experts
+
+
+@pytest.mark.parametrize("num_experts,rows", [(3, 1), (8, 300)])
+def test_grouped_linear_with_frozen_lora_matches_a_brute_force_loop_under_vmap(
+    num_experts, rows
+):
+  """x @ (W[e] + A[e] B[e]) in one dispatch (the owner path's frozen layer), per
+  record: values and input gradients against a per-row NumPy loop."""
+  x, w, a, b, experts = _expert_inputs(rows, num_experts, rows)
   layer = jax.vmap(lambda x, e: moe.grouped_linear(x, e, w, (a, b)))
   expected = np.zeros((2, rows, 7), np.float32)
   dx = np.zeros(
@@ -164,23 +171,10 @@ def test_owner_lora_delta_gives_the_owner_slice_and_the_input_their_full_gradien
   assert np.any(np.asarray(db) != 0)
 
 
-def _lora_model(path, **options):
-  options = dict(
-      dict(
-          lora_rank=2,
-          lora_alpha=4.0,
-          attention_lora=True,
-          expert_lora_layers=(1,),
-      ),
-      **options,
-  )
-  return models.from_pretrained(path, **options)
-
-
 def test_lora_with_zero_b_leaves_outputs_unchanged(checkpoints):
   ids, mask = _batch()
   base, base_params = models.from_pretrained(checkpoints["e8_step2_drop"])
-  lora, lora_params = _lora_model(checkpoints["e8_step2_drop"])
+  lora, lora_params = lora_from_pretrained(checkpoints["e8_step2_drop"])
   flat = flax.traverse_util.flatten_dict(lora_params, sep="/")
   assert {p for p in flat if "lora" in p} >= {
       "block_0/attention/q/lora_a",
@@ -197,15 +191,9 @@ def test_lora_with_zero_b_leaves_outputs_unchanged(checkpoints):
   )
 
 
-def _probe(hidden):
-  """A loss with a non-trivial gradient (sum of squares is constant after RMS norm)."""
-  weights = jax.random.normal(jax.random.PRNGKey(7), hidden.shape[-2:])
-  return jnp.sum(jnp.tanh(hidden) * weights)
-
-
 def _lora_grads(module, params, ids, mask):
   def loss(p):
-    return _probe(module.apply({"params": p}, ids, mask).hidden_states)
+    return probe_loss(module.apply({"params": p}, ids, mask).hidden_states)
 
   return flax.traverse_util.flatten_dict(
       jax.jit(jax.grad(loss))(params), sep="/"
@@ -214,7 +202,7 @@ def _lora_grads(module, params, ids, mask):
 
 def test_lora_params_get_gradients(checkpoints):
   ids, mask = _batch()
-  module, params = _lora_model(checkpoints["e8_step2_drop"])
+  module, params = lora_from_pretrained(checkpoints["e8_step2_drop"])
   grads = _lora_grads(module, params, jnp.asarray(ids), jnp.asarray(mask))
   for path in (
       "block_0/attention/q/lora_b",
@@ -223,15 +211,6 @@ def test_lora_params_get_gradients(checkpoints):
       "block_1/mlp/experts/wo/lora_b",
   ):
     assert np.any(np.asarray(grads[path]) != 0), path
-
-
-def _set_nonzero_b(params, key):
-  flat = flax.traverse_util.flatten_dict(params, sep="/")
-  for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
-    flat[path] = 0.3 * jax.random.normal(
-        jax.random.fold_in(key, i), flat[path].shape
-    )
-  return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
 @pytest.mark.parametrize(
@@ -248,11 +227,11 @@ def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
 ):
   """Native owner override == full gradient restricted to the owner's slice."""
   ids, mask = _batch()
-  module, params = _lora_model(
+  module, params = lora_from_pretrained(
       checkpoints[name], expert_lora_layers=(layer,), unscanned_layers=(layer,)
   )
   assert ("blocks_1_4" in params) == (layer == 5)
-  params = _set_nonzero_b(params, jax.random.PRNGKey(3))
+  params = set_nonzero_lora_b(params, jax.random.PRNGKey(3))
   if not scan:  # the unrolled twin, on the same values
     params = models.unstack_layers(params, module.config)
     module = type(module)(dataclasses.replace(module.config, scan_layers=False))
@@ -264,7 +243,7 @@ def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
   @jax.jit
   def full_grad(lo, x, m):
     return jax.grad(
-        lambda lo: _probe(
+        lambda lo: probe_loss(
             module.apply(
                 {"params": _with_lora(params, lo, layer)}, x[None], m[None]
             ).hidden_states
@@ -275,7 +254,7 @@ def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
   def owner_value_and_grad(s, owner, x, m):
     def loss(s):
       override = models.OwnerOverride(layer, owner, s)
-      return _probe(
+      return probe_loss(
           module.apply(
               {"params": params}, x[None], m[None], owner_override=override
           ).hidden_states
@@ -286,7 +265,7 @@ def test_owner_slice_gradient_is_the_owner_part_of_the_full_gradient(
   for row in (0, 2):
     x, m = jnp.asarray(ids[row]), jnp.asarray(mask[row])
     full = full_grad(lora, x, m)
-    plain = _probe(
+    plain = probe_loss(
         module.apply({"params": params}, x[None], m[None]).hidden_states
     )
     touched = 0
@@ -314,16 +293,16 @@ def test_vmap_per_record_grads_equal_loop(checkpoints, scan):
   """Grouped dispatch under vmap (flattened by its custom_vmap rule) is per
   record; with the scan, blocks 1-2 (adapters included) are one segment."""
   ids, mask = _batch()
-  module, params = _lora_model(
+  module, params = lora_from_pretrained(
       checkpoints["e4_step1_drop"],
       expert_lora_layers=(0, 1, 2),
       scan_layers=scan,
   )
   assert scan == ("blocks_1_2" in params)
-  params = _set_nonzero_b(params, jax.random.PRNGKey(0))
+  params = set_nonzero_lora_b(params, jax.random.PRNGKey(0))
 
   def loss(p, x, m):
-    return _probe(
+    return probe_loss(
         module.apply({"params": p}, x[None], m[None]).hidden_states[0]
     )
 
@@ -373,14 +352,7 @@ def test_grouped_lora_gradients_equal_plain_autodiff_per_record(
   """The grouped dispatch's hand-written adapter gradients (every expert's factors,
   per record under vmap) and input gradients equal autodiff of the every-expert
   reference (dense_linear + expert_lora)."""
-  keys = jax.random.split(jax.random.PRNGKey(rows + num_experts), 5)
-  x = jax.random.normal(keys[0], (2, rows, 5))  # two records
-  w = jax.random.normal(keys[1], (num_experts, 5, 7))
-  a = jax.random.normal(keys[2], (num_experts, 5, 3))
-  b = jax.random.normal(keys[3], (num_experts, 3, 7))
-  experts = jax.random.randint(
-      keys[4], (2, rows), 0, num_experts + 1
-  )  # E = dropped
+  x, w, a, b, experts = _expert_inputs(rows + num_experts, num_experts, rows)
   scale = 0.5
 
   def grouped(x, e, a, b):

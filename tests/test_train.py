@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from raptor_jax import data, roles
-from raptor_jax.train import loop, methods, parallel, setup, step
+from raptor_jax.train import loop, methods, setup
 from raptor_jax.train import run as run_lib
 from raptor_jax.train import train_and_evaluate
 from raptor_jax.train.run import build_run
 
-from helpers import latest_state, micro_config, micro_model
+from helpers import latest_state, micro_config, micro_model, phase_functions
 
 _FULL_RUN_VALIDATIONS = collections.Counter()  # by validator
 
@@ -209,16 +209,8 @@ def _phase_setup(residual="shared"):
   params = roles.unflatten(flat)
   expert_phase = plan.phases[1]
   trainable, frozen = setup.partition(params, expert_phase.parts)
-  fns = step.PhaseFunctions(
-      model,
-      expert_phase,
-      mesh=parallel.make_mesh(1),
-      expert_layer=plan.expert_layer,
-      num_experts=bc.num_experts,
-      learning_rate=1e-2,
-      residual=residual,
-      residual_gamma=1.0,
-      key=jax.random.PRNGKey(0),
+  fns = phase_functions(
+      model, expert_phase, plan.expert_layer, bc.num_experts, residual=residual
   )
   batch = dict(
       input_ids=jnp.asarray(run_data.train.input_ids[:8]),
