@@ -91,14 +91,11 @@ SHAPES = {
 # `--quick`: every family at toy width, for the CPU tests.
 _TOY = dict(zip(_DECODER, (32, 32, 2, 2, 4, 2)))
 QUICK = {
-    'switch': dict(
+    'switch': dict(  # the toy Switch's widths, d_model and capacity doubled
         full=4,
         config=dict(
+            {k: builders.TOY_SWITCH[k] for k in builders.SWITCH_BASE_8},
             d_model=32,
-            d_kv=8,
-            d_ff=32,
-            num_heads=2,
-            num_experts=4,
             expert_capacity=8,
         ),
     ),
