@@ -54,6 +54,10 @@ def get_config(arg: str = ""):
   config.data.label_names = ""  # comma-separated class names (id = position)
   config.data.hub_dataset = ""  # a Hub dataset id instead of files (online)
   config = with_preset(config, arg)
+  # Your file whole: the GLUE presets' train_limit / holdout (:small's
+  # 16,000 / 2,000) are sized for SST-2, not for your data.
+  config.data.train_limit = 0
+  config.data.holdout = 0
   config.batch_size = 0  # chosen from n: n / 10, at most 1000
   config.epochs = 0  # chosen from n: at least 200 noisy steps
   return config

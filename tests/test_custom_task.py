@@ -311,6 +311,16 @@ def test_a_five_class_file_trains_end_to_end(tmp_path):
   assert results["accuracy"] > 0.6 and results["macro_f1"] > 0.6
 
 
+@pytest.mark.parametrize("preset", ["", "cpu", "small"])
+def test_every_custom_preset_reads_the_whole_file(preset):
+  """:small's GLUE sizes (train_limit 16,000, holdout 2,000) refused a
+  600-record file ("fewer than the 16000 ... ask for"): a custom task reads
+  its file whole, whatever the preset."""
+  config = load_config_module("custom").get_config(preset)
+  assert (config.data.train_limit, config.data.holdout) == (0, 0)
+  assert config.data.eval_split == "dev"
+
+
 def test_small_data_gets_sizes_and_delta_chosen_from_n():
   """configs/custom.py: B = n / 10 and at least 200 noisy steps (48: the GLUE
   batch of 1000 refused 600 records, and 3 epochs gave 18 noisy steps);
