@@ -10,8 +10,11 @@ The argument is comma-separated key=value pairs (big_vision style):
           olmoe (allenai/OLMoE-1B-7B-0924, Tab. 2: E=64, top-8, bf16
           activations; the classifier reads the last non-padding token) |
           deepseek (deepseek-ai/deepseek-vl2-tiny's language model: 64 routed
-          experts, top-6, 2 shared experts, a dense first block; its shared
-          experts train in the shared stream) |
+          experts, top-6, 2 shared experts, a dense first block; shared
+          experts see every token, so their adapters train in the shared
+          stream with the attention adapters and the head (clip C_s): only
+          the routed experts of l* form the expert stream, and only the
+          routed gates decide owners) |
           qwen3_moe (Qwen/Qwen3-30B-A3B: E=128, top-8) |
           qwen2_moe (Qwen/Qwen1.5-MoE-A2.7B: E=60, top-4, a gated shared
           expert that trains in the shared stream) |
