@@ -45,7 +45,7 @@ from raptor_jax.models import attention, common, family, initializers, moe, stac
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.family import COPY, Rule
 from raptor_jax.models.layers import GatedExperts, GatedMLP, RMSNorm, apply_rotary, rotary_tables
-from raptor_jax.models.lora import LoRADense
+from raptor_jax.models.lora import attention_projection
 
 QK_NORMS = ("", "full", "head")
 
@@ -149,7 +149,6 @@ class Attention(nn.Module):
   def __call__(self, x, allowed_BxSxS, cos, sin):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    rank = cfg.lora_rank if cfg.attention_lora else 0
     heads, kv_heads, head_dim = (
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
@@ -158,15 +157,7 @@ class Attention(nn.Module):
     batch, seq = x.shape[:2]
 
     def proj(name, inputs, features, bias=False):
-      return LoRADense(
-          features,
-          rank=rank,
-          alpha=cfg.lora_alpha,
-          dtype=dtype,
-          kernels=cfg.kernels,
-          use_bias=bias,
-          name=name,
-      )(inputs)
+      return attention_projection(cfg, name, features, bias)(inputs)
 
     def norm(name, t, num_heads):
       if cfg.qk_norm == "head":  # over head_dim, each head apart
@@ -211,13 +202,8 @@ class SparseMLP(nn.Module):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     batch, seq, d_model = x.shape
-    router = nn.Dense(
-        cfg.num_experts,
-        use_bias=False,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        kernel_init=initializers.KERNEL,
-        name="router",
+    router = initializers.float32_dense(
+        cfg.num_experts, use_bias=False, name="router"
     )
     router_logits = router(x.astype(jnp.float32))
     routing = moe.route_topk(
@@ -345,12 +331,10 @@ class Decoder(nn.Module):
     cos, sin = rotary_tables(
         input_ids.shape[1], cfg.head_dim, cfg.rope_theta, dtype
     )
-    x = nn.Embed(
-        cfg.vocab_size,
-        cfg.hidden_size,
-        embedding_init=initializers.EMBEDDING,
-        name="embed_tokens",
-    )(input_ids).astype(dtype)
+    embed = initializers.embedding(
+        cfg.vocab_size, cfg.hidden_size, "embed_tokens"
+    )
+    x = embed(input_ids).astype(dtype)
     x, router_logits = stack.run(
         DecoderBlock, cfg, x, (allowed, cos, sin), owner_override
     )
@@ -362,8 +346,8 @@ class Decoder(nn.Module):
 # Hugging Face: what the kit's families share in config.json and names.
 
 BLOCK, LAYER = "block_{i}/", "layers.{i}."
-# config.json key -> DecoderConfig field, where a family's key is the kit's.
-HF_KEYS = (
+# The config.json keys of every Llama-style MoE decoder, DeepSeek's too.
+LLAMA_HF_KEYS = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -371,12 +355,15 @@ HF_KEYS = (
     "num_hidden_layers",
     "num_attention_heads",
     "num_key_value_heads",
-    "head_dim",
-    "num_experts",
     "num_experts_per_tok",
-    "norm_topk_prob",
     "rms_norm_eps",
     "hidden_act",
+)
+# config.json key -> DecoderConfig field, where a family's key is the kit's.
+HF_KEYS = LLAMA_HF_KEYS + (
+    "head_dim",
+    "num_experts",
+    "norm_topk_prob",
     "clip_qkv",
     "shared_expert_intermediate_size",
 )
@@ -420,6 +407,19 @@ def arch_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     )
   arch["sliding_window"] = window
   return {**arch, "rope_theta": family.rope_theta(hf)}
+
+
+def refuse_attention_bias(hf: Mapping[str, Any], name: str, why: str) -> None:
+  """Refuses a config.json with `attention_bias` set (OLMoE, Qwen3-MoE).
+
+  The kit's bias is Qwen2's `qkv_bias`; a family whose port has no bias
+  (`why`) refuses the key in one line rather than load wrong outputs.
+  """
+  if hf.get("attention_bias"):
+    raise ValueError(
+        f"{name} checkpoints with attention_bias=true are not supported"
+        f" ({why})"
+    )
 
 
 def hf_rules(
@@ -482,6 +482,40 @@ def hf_kwargs(config: DecoderConfig) -> dict[str, Any]:
       hidden_act=config.hidden_act,
       rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
       tie_word_embeddings=False,
+  )
+
+
+def qwen_kwargs(config: DecoderConfig) -> dict[str, Any]:
+  """The config.json keys both Qwen MoE families write besides `hf_kwargs`.
+
+  Routed experts of their own width, the renormalisation switch, the dense
+  blocks as `mlp_only_layers` and the window as `use_sliding_window` plus
+  `sliding_window`.
+  """
+  return dict(
+      moe_intermediate_size=config.expert_width,
+      num_experts=config.num_experts,
+      norm_topk_prob=config.norm_topk_prob,
+      mlp_only_layers=list(config.dense_layers),
+      use_sliding_window=config.sliding_window is not None,
+      sliding_window=config.sliding_window,
+  )
+
+
+def transformers_config(
+    stem: str, config: DecoderConfig, extra: Mapping[str, Any], **keys: Any
+):
+  """`transformers.<stem>Config` of a kit decoder (a family's `hf_config`).
+
+  The kit's keys (`hf_kwargs`), the family's `keys`, `<stem>ForCausalLM` as
+  its architecture, and the caller's `extra` (which may replace it).
+  """
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  return getattr(transformers, stem + "Config")(
+      **hf_kwargs(config),
+      **keys,
+      **{"architectures": [stem + "ForCausalLM"], **extra},
   )
 
 

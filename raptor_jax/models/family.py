@@ -231,6 +231,16 @@ class NameTable:
     flat = {**tied, **flat}  # a tied name only where the first is absent
     return flax.traverse_util.unflatten_dict(flat, sep="/")
 
+  def params_from_hf(
+      self, tensors: Mapping[str, np.ndarray], config: Any
+  ) -> dict:
+    """`to_flax` with `config.num_experts`: a family's `params_from_hf`.
+
+    Tensors outside the backbone (an `lm_head`) must already be filtered
+    out (`Family.ignored_prefix`).
+    """
+    return self.to_flax(tensors, config.num_experts)
+
   def _rule_of(self, name: str) -> tuple[Rule, dict[str, str]]:
     for rule in self.rules:
       if (fields := rule.match_theirs(name)) is not None:
@@ -320,3 +330,33 @@ class Family:
 def find(families: Iterable[Family], module: nn.Module) -> Family | None:
   """The first family whose backbone `module` is (None: not a backbone)."""
   return next((f for f in families if isinstance(module, f.backbone)), None)
+
+
+def causal_lm_family(
+    stem: str,
+    backbone: type[nn.Module],
+    config_from_hf: Callable[..., Any],
+    names: NameTable,
+    hf_config: Callable[..., Any],
+    **fields: Any,
+) -> Family:
+  """The `Family` of a decoder whose transformers classes are `<stem>...`.
+
+  Its checkpoints are `<stem>ForCausalLM` (or `<stem>Model`) saves: the
+  backbone skips a causal LM's `lm_head` and an exported classifier's
+  `score`, the export may write either head, names the bare backbone
+  `<stem>Model` and a classifier `<stem>ForSequenceClassification`, and
+  the parameters load through `names`. `fields` override any of these
+  (OLMoE has no classifier class) or add others (`extra_options`).
+  """
+  entry = dict(
+      ignored_prefix=("lm_head.", "score."),
+      names=names,
+      hf_config=hf_config,
+      hf_backbone_class=stem + "Model",
+      heads=("lm_head", "score"),
+      sequence_classification=stem + "ForSequenceClassification",
+  )
+  return Family(
+      backbone, config_from_hf, names.params_from_hf, **{**entry, **fields}
+  )

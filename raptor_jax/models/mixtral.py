@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-import numpy as np
-
 from raptor_jax.models import decoder, family
 from raptor_jax.models.family import EXPERTS, Rule
 
@@ -74,23 +72,18 @@ HF_NAMES = family.NameTable(
 )
 
 
-def params_from_hf(
-    tensors: Mapping[str, np.ndarray], config: MixtralConfig
-) -> dict:
-  """Maps HF Mixtral tensor names onto the Flax tree (`HF_NAMES`)."""
-  return HF_NAMES.to_flax(tensors, config.num_experts)
+params_from_hf = HF_NAMES.params_from_hf
 
 
 def hf_config(config: MixtralConfig, **extra):
   """A `transformers.MixtralConfig` of the decoder."""
-  import transformers  # pylint: disable=g-import-not-at-top
-
-  return transformers.MixtralConfig(
-      **decoder.hf_kwargs(config),
+  return decoder.transformers_config(
+      "Mixtral",
+      config,
+      extra,
       num_local_experts=config.num_experts,
       head_dim=config.head_dim,
       sliding_window=config.sliding_window,
-      **{"architectures": ["MixtralForCausalLM"], **extra},
   )
 
 
@@ -102,15 +95,7 @@ def from_sizes(sizes: Any, vocab_size: int, **options) -> MixtralDecoder:
 
 
 HF_FAMILIES = {
-    "mixtral": family.Family(
-        MixtralDecoder,
-        config_from_hf,
-        params_from_hf,
-        ignored_prefix=("lm_head.", "score."),  # a causal LM's, a classifier's
-        names=HF_NAMES,
-        hf_config=hf_config,
-        hf_backbone_class="MixtralModel",
-        heads=("lm_head", "score"),
-        sequence_classification="MixtralForSequenceClassification",
+    "mixtral": family.causal_lm_family(
+        "Mixtral", MixtralDecoder, config_from_hf, HF_NAMES, hf_config
     ),
 }

@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-import numpy as np
-
 from raptor_jax.models import decoder, family
 
 
@@ -47,11 +45,9 @@ class OlmoeDecoder(decoder.Decoder):
 
 def config_from_hf(hf: Mapping[str, Any], **options) -> OlmoeConfig:
   """OlmoeConfig from an HF config.json dict, plus fine-tuning options."""
-  if hf.get("attention_bias"):
-    raise ValueError(
-        "OLMoE checkpoints with attention_bias=true are not supported "
-        "(the port's attention projections are bias-free, as in OLMoE)"
-    )
+  decoder.refuse_attention_bias(
+      hf, "OLMoE", "the port's attention projections are bias-free, as in OLMoE"
+  )
   return OlmoeConfig(**decoder.arch_from_hf(hf), **options)
 
 
@@ -67,26 +63,18 @@ HF_NAMES = family.NameTable(
 )
 
 
-def params_from_hf(
-    tensors: Mapping[str, np.ndarray], config: OlmoeConfig
-) -> dict:
-  """Maps HF OLMoE decoder tensor names onto the Flax tree (`HF_NAMES`).
-
-  `lm_head` must already be filtered out.
-  """
-  return HF_NAMES.to_flax(tensors, config.num_experts)
+params_from_hf = HF_NAMES.params_from_hf
 
 
 def hf_config(config: OlmoeConfig, **extra):
   """A `transformers.OlmoeConfig` of the decoder."""
-  import transformers  # pylint: disable=g-import-not-at-top
-
-  return transformers.OlmoeConfig(
-      **decoder.hf_kwargs(config),
+  return decoder.transformers_config(
+      "Olmoe",
+      config,
+      extra,
       num_experts=config.num_experts,
       norm_topk_prob=config.norm_topk_prob,
       clip_qkv=config.clip_qkv,
-      **{"architectures": ["OlmoeForCausalLM"], **extra},
   )
 
 
@@ -99,16 +87,16 @@ def from_sizes(sizes: Any, vocab_size: int, **options) -> OlmoeDecoder:
 
 # This family's entries in `hf.FAMILIES`, by the checkpoint's `model_type`.
 HF_FAMILIES = {
-    "olmoe": family.Family(
+    "olmoe": family.causal_lm_family(
+        "Olmoe",
         OlmoeDecoder,
         config_from_hf,
-        params_from_hf,
+        HF_NAMES,
+        hf_config,
         ignored_prefix="lm_head.",
-        names=HF_NAMES,
-        hf_config=hf_config,
-        hf_backbone_class="OlmoeModel",
         heads=("lm_head",),
         head_note="transformers has no sequence-classification class for"
         " OLMoE",
+        sequence_classification=None,
     ),
 }

@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-import numpy as np
-
 from raptor_jax.models import decoder, family
 from raptor_jax.models.family import Rule
 
@@ -77,29 +75,19 @@ HF_NAMES = family.NameTable(
 )
 
 
-def params_from_hf(
-    tensors: Mapping[str, np.ndarray], config: Qwen2MoeConfig
-) -> dict:
-  """Maps HF Qwen2-MoE tensor names onto the Flax tree (`HF_NAMES`)."""
-  return HF_NAMES.to_flax(tensors, config.num_experts)
+params_from_hf = HF_NAMES.params_from_hf
 
 
 def hf_config(config: Qwen2MoeConfig, **extra):
   """A `transformers.Qwen2MoeConfig` of the decoder."""
-  import transformers  # pylint: disable=g-import-not-at-top
-
-  return transformers.Qwen2MoeConfig(
-      **decoder.hf_kwargs(config),
-      moe_intermediate_size=config.expert_width,
+  return decoder.transformers_config(
+      "Qwen2Moe",
+      config,
+      extra,
+      **decoder.qwen_kwargs(config),
       shared_expert_intermediate_size=config.shared_expert_width,
-      num_experts=config.num_experts,
-      norm_topk_prob=config.norm_topk_prob,
       qkv_bias=config.attention_bias,
-      mlp_only_layers=list(config.dense_layers),
-      use_sliding_window=config.sliding_window is not None,
-      sliding_window=config.sliding_window,
       max_window_layers=config.num_hidden_layers,
-      **{"architectures": ["Qwen2MoeForCausalLM"], **extra},
   )
 
 
@@ -113,16 +101,12 @@ def from_sizes(sizes: Any, vocab_size: int, **options) -> Qwen2MoeDecoder:
 
 
 HF_FAMILIES = {
-    "qwen2_moe": family.Family(
+    "qwen2_moe": family.causal_lm_family(
+        "Qwen2Moe",
         Qwen2MoeDecoder,
         config_from_hf,
-        params_from_hf,
-        ignored_prefix=("lm_head.", "score."),  # a causal LM's, a classifier's
+        HF_NAMES,
+        hf_config,
         extra_options=("shared_expert_lora",),
-        names=HF_NAMES,
-        hf_config=hf_config,
-        hf_backbone_class="Qwen2MoeModel",
-        heads=("lm_head", "score"),
-        sequence_classification="Qwen2MoeForSequenceClassification",
     ),
 }

@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-import numpy as np
-
 from raptor_jax.models import decoder, family
 
 
@@ -47,11 +45,11 @@ class Qwen3MoeDecoder(decoder.Decoder):
 
 def config_from_hf(hf: Mapping[str, Any], **options) -> Qwen3MoeConfig:
   """Qwen3MoeConfig from an HF config.json dict, plus fine-tuning options."""
-  if hf.get("attention_bias"):
-    raise ValueError(
-        "Qwen3-MoE checkpoints with attention_bias=true are not supported"
-        " (the port's q, k, v carry a bias only as in Qwen2's qkv_bias)"
-    )
+  decoder.refuse_attention_bias(
+      hf,
+      "Qwen3-MoE",
+      "the port's q, k, v carry a bias only as in Qwen2's qkv_bias",
+  )
   return Qwen3MoeConfig(**decoder.arch_from_hf(hf), **options)
 
 
@@ -63,27 +61,17 @@ HF_NAMES = family.NameTable(
 )
 
 
-def params_from_hf(
-    tensors: Mapping[str, np.ndarray], config: Qwen3MoeConfig
-) -> dict:
-  """Maps HF Qwen3-MoE tensor names onto the Flax tree (`HF_NAMES`)."""
-  return HF_NAMES.to_flax(tensors, config.num_experts)
+params_from_hf = HF_NAMES.params_from_hf
 
 
 def hf_config(config: Qwen3MoeConfig, **extra):
   """A `transformers.Qwen3MoeConfig` of the decoder."""
-  import transformers  # pylint: disable=g-import-not-at-top
-
-  return transformers.Qwen3MoeConfig(
-      **decoder.hf_kwargs(config),
-      moe_intermediate_size=config.expert_width,
+  return decoder.transformers_config(
+      "Qwen3Moe",
+      config,
+      extra,
+      **decoder.qwen_kwargs(config),
       head_dim=config.head_dim,
-      num_experts=config.num_experts,
-      norm_topk_prob=config.norm_topk_prob,
-      mlp_only_layers=list(config.dense_layers),
-      use_sliding_window=config.sliding_window is not None,
-      sliding_window=config.sliding_window,
-      **{"architectures": ["Qwen3MoeForCausalLM"], **extra},
   )
 
 
@@ -95,15 +83,7 @@ def from_sizes(sizes: Any, vocab_size: int, **options) -> Qwen3MoeDecoder:
 
 
 HF_FAMILIES = {
-    "qwen3_moe": family.Family(
-        Qwen3MoeDecoder,
-        config_from_hf,
-        params_from_hf,
-        ignored_prefix=("lm_head.", "score."),  # a causal LM's, a classifier's
-        names=HF_NAMES,
-        hf_config=hf_config,
-        hf_backbone_class="Qwen3MoeModel",
-        heads=("lm_head", "score"),
-        sequence_classification="Qwen3MoeForSequenceClassification",
+    "qwen3_moe": family.causal_lm_family(
+        "Qwen3Moe", Qwen3MoeDecoder, config_from_hf, HF_NAMES, hf_config
     ),
 }

@@ -7,23 +7,17 @@ and the Flax tree: loading (`params_from_hf`) and export
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Mapping
 
 import numpy as np
 
-from raptor_jax.models import family
+from raptor_jax.models import decoder, family
 from raptor_jax.models.deepseek.backbone import DeepseekConfig, DeepseekDecoder
 from raptor_jax.models.family import COPY, Rule
 
-_ARCH_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
+_ARCH_KEYS = decoder.LLAMA_HF_KEYS + (
     "use_mla",
     "q_lora_rank",
     "kv_lora_rank",
@@ -32,14 +26,11 @@ _ARCH_KEYS = (
     "v_head_dim",
     "n_routed_experts",
     "n_shared_experts",
-    "num_experts_per_tok",
     "first_k_dense_replace",
     "topk_method",
     "n_group",
     "topk_group",
     "routed_scaling_factor",
-    "rms_norm_eps",
-    "hidden_act",
 )
 _MLA_KEYS = (
     "q_lora_rank",
@@ -154,14 +145,7 @@ HF_NAMES = family.NameTable(
 )
 
 
-def params_from_hf(
-    tensors: Mapping[str, np.ndarray], config: DeepseekConfig
-) -> dict:
-  """Maps HF DeepSeek-V2 decoder tensor names onto the Flax tree (`HF_NAMES`).
-
-  `lm_head` must already be filtered out.
-  """
-  return HF_NAMES.to_flax(tensors, config.num_experts)
+params_from_hf = HF_NAMES.params_from_hf
 
 
 def vl2_params_from_hf(
@@ -239,40 +223,28 @@ def sized_config(
 
 
 def from_sizes(sizes: Any, vocab_size: int, **options) -> DeepseekDecoder:
-  """A random DeepSeek-MoE from generic sizes (`hf.backbone_from_sizes`)."""
-  return DeepseekDecoder(
-      sized_config(
-          vocab_size=vocab_size,
-          d_model=sizes.d_model,
-          d_ff=sizes.d_ff,
-          num_layers=sizes.num_layers,
-          num_heads=sizes.num_heads,
-          d_kv=sizes.d_kv,
-          num_experts=sizes.num_experts,
-          top_k=sizes.top_k,
-          num_shared_experts=sizes.num_shared_experts,
-          first_k_dense=sizes.first_k_dense,
-          kv_lora_rank=sizes.kv_lora_rank,
-          **options,
-      )
-  )
+  """A random DeepSeek-MoE from generic sizes (`hf.backbone_from_sizes`).
+
+  `sizes` names its fields as `sized_config`'s arguments.
+  """
+  arch = {
+      key: getattr(sizes, key)
+      for key in inspect.signature(sized_config).parameters
+      if key not in ("vocab_size", "options")
+  }
+  return DeepseekDecoder(sized_config(vocab_size=vocab_size, **arch, **options))
 
 
 _OPTIONS = ("shared_expert_lora",)
 # This family's entries in `hf.FAMILIES`, by the checkpoint's `model_type`.
 HF_FAMILIES = {
-    "deepseek_v2": family.Family(
+    "deepseek_v2": family.causal_lm_family(
+        "DeepseekV2",
         DeepseekDecoder,
         config_from_hf,
-        params_from_hf,
-        # lm_head: a causal LM's; score: an exported classifier's head
-        ignored_prefix=("lm_head.", "score."),
+        HF_NAMES,
+        hf_config,
         extra_options=_OPTIONS,
-        names=HF_NAMES,
-        hf_config=hf_config,
-        hf_backbone_class="DeepseekV2Model",
-        heads=("lm_head", "score"),
-        sequence_classification="DeepseekV2ForSequenceClassification",
     ),
     # DeepSeek-VL2 holds its DeepSeekMoE language model under `language.`;
     # the vision tower and projector are not loaded (text-only fine-tuning).
