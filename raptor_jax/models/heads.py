@@ -57,13 +57,8 @@ class SequenceClassifier(nn.Module):
         input_ids, attention_mask, owner_override=owner_override
     )
     pooled = POOLING[self.pooling](out.hidden_states, attention_mask)
-    logits = nn.Dense(
-        self.num_labels,
-        use_bias=self.head_bias,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        kernel_init=initializers.KERNEL,
-        bias_init=initializers.ZEROS,
-        name="head",
-    )(pooled)
+    head = initializers.float32_dense(
+        self.num_labels, use_bias=self.head_bias, name="head"
+    )
+    logits = head(pooled)
     return logits, out

@@ -70,6 +70,29 @@ LEAF_INITIALIZERS: dict[str, Initializer] = {
 }
 
 
+def float32_dense(features: int, *, use_bias: bool, name: str) -> nn.Dense:
+  """A float32 `nn.Dense` with this table's initializers: routers, heads.
+
+  Routers and the classifier head compute and keep their weights in
+  float32 whatever the activation dtype (their outputs feed the routing
+  and the loss).
+  """
+  return nn.Dense(
+      features,
+      use_bias=use_bias,
+      dtype=jnp.float32,
+      param_dtype=jnp.float32,
+      kernel_init=KERNEL,
+      bias_init=ZEROS,
+      name=name,
+  )
+
+
+def embedding(num_embeddings: int, features: int, name: str) -> nn.Embed:
+  """An `nn.Embed` drawn with `EMBEDDING`: token tables, position biases."""
+  return nn.Embed(num_embeddings, features, embedding_init=EMBEDDING, name=name)
+
+
 def example_inputs() -> tuple[jax.Array, jax.Array]:
   """A tiny (input_ids, attention_mask) batch for initialisation."""
   return jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)

@@ -17,20 +17,37 @@ from raptor_jax.models import initializers, moe
 from raptor_jax.models.lora import ExpertLinear, LoRADense
 
 
+def rms_normalised(x: jax.Array, eps: float) -> jax.Array:
+  """float32 [N, D]: the rows of x over its RMS (+ eps), scale not applied.
+
+  The statistics of every RMS norm (`RMSNorm`, Switch's T5 norm), in
+  float32 on flat rows: see `moe.combine` (a size-1 batch axis under vmap
+  slowed the fused reductions of the backward on CPU).
+  """
+  x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])
+  variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  return x32 * jax.lax.rsqrt(variance + eps)
+
+
 class RMSNorm(nn.Module):
-  """Scale-only RMS norm (HF OlmoeRMSNorm): statistics in float32."""
+  """Scale-only RMS norm (HF OlmoeRMSNorm): statistics in float32.
+
+  The normalised rows are cast to `dtype` before the scale multiplies them,
+  as Llama-style decoders do; `float32_scale` multiplies in float32 and
+  casts the result instead (T5's norm, Switch's `T5RMSNorm`).
+  """
 
   eps: float = 1e-5
   dtype: Any = jnp.float32
+  float32_scale: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.param("scale", initializers.ONES, (x.shape[-1],))
-    # On flat rows: see `moe.combine` (a size-1 batch axis under vmap slowed
-    # the fused reductions of the backward on CPU).
-    x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])
-    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
+    normed = rms_normalised(x, self.eps)
+    if self.float32_scale:
+      return (scale * normed).reshape(x.shape).astype(self.dtype)
+    normed = normed.astype(self.dtype)
     return (scale.astype(self.dtype) * normed).reshape(x.shape)
 
 

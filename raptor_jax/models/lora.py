@@ -147,6 +147,28 @@ def low_rank_linear_reference(
   return x @ kernel + scale * ((x @ a) @ b)
 
 
+def attention_projection(
+    config: Any, name: str, features: int, use_bias: bool = False
+) -> LoRADense:
+  """A backbone's attention projection `name`, with its config's adapters.
+
+  Adapters of rank `config.lora_rank` iff `config.attention_lora` (the
+  shared stream's attention LoRA); dtype and kernels the config's. Built in
+  an attention module's compact `__call__`, it is that module's child
+  `name`: every family's q, k, v, o (and MLA's latent projections) is
+  this one layer.
+  """
+  return LoRADense(
+      features,
+      rank=config.lora_rank if config.attention_lora else 0,
+      alpha=config.lora_alpha,
+      dtype=jnp.dtype(config.dtype),
+      kernels=config.kernels,
+      use_bias=use_bias,
+      name=name,
+  )
+
+
 class ExpertLinear(nn.Module):
   """E stacked bias-free linear maps applied per routed row.
 

@@ -21,6 +21,7 @@ Routing and capacity are per record, so a record never affects another.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping
 
@@ -32,7 +33,8 @@ import numpy as np
 from raptor_jax.models import attention, common, family, initializers, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
 from raptor_jax.models.family import COPY, Rule
-from raptor_jax.models.lora import ExpertLinear, LoRADense
+from raptor_jax.models.layers import RMSNorm
+from raptor_jax.models.lora import ExpertLinear, LoRADense, attention_projection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,21 +100,14 @@ class SwitchConfig(FineTuningOptions):
     return 1
 
 
-class T5RMSNorm(nn.Module):
-  """Scale-only RMS norm computed in float32 (HF SwitchTransformersLayerNorm)."""
+class T5RMSNorm(RMSNorm):
+  """Scale-only RMS norm computed in float32 (HF SwitchTransformersLayerNorm).
+
+  `layers.RMSNorm` with the scale applied in float32, then cast.
+  """
 
   eps: float = 1e-6
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param("scale", initializers.ONES, (x.shape[-1],))
-    # On flat rows: see `moe.combine` (a size-1 batch axis under vmap slowed
-    # the fused reductions of the backward on CPU).
-    x32 = x.astype(jnp.float32).reshape(-1, x.shape[-1])
-    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    y = scale * (x32 * jax.lax.rsqrt(variance + self.eps))
-    return y.reshape(x.shape).astype(self.dtype)
+  float32_scale: bool = True
 
 
 def relative_position_bucket(
@@ -143,30 +138,17 @@ class SwitchAttention(nn.Module):
   def __call__(self, x, mask_bias, position_bias):
     """Returns (output, position_bias); block 0 (position_bias None) owns the bias table."""
     cfg = self.config
-    dtype = jnp.dtype(cfg.dtype)
     inner = cfg.num_heads * cfg.d_kv
-    rank = cfg.lora_rank if cfg.attention_lora else 0
-
-    def proj(name, features):
-      return LoRADense(
-          features,
-          rank=rank,
-          alpha=cfg.lora_alpha,
-          dtype=dtype,
-          kernels=cfg.kernels,
-          name=name,
-      )
-
+    proj = functools.partial(attention_projection, cfg)
     batch, seq = x.shape[:2]
     q = proj("q", inner)(x).reshape(batch, seq, cfg.num_heads, cfg.d_kv)
     k = proj("k", inner)(x).reshape(batch, seq, cfg.num_heads, cfg.d_kv)
     v = proj("v", inner)(x).reshape(batch, seq, cfg.num_heads, cfg.d_kv)
     if position_bias is None:
-      bias_table = nn.Embed(
+      bias_table = initializers.embedding(
           cfg.relative_attention_num_buckets,
           cfg.num_heads,
-          embedding_init=initializers.EMBEDDING,
-          name="relative_attention_bias",
+          "relative_attention_bias",
       )
       positions = jnp.arange(seq)
       buckets = relative_position_bucket(
@@ -238,14 +220,8 @@ class SwitchSparseMLP(nn.Module):
   def __call__(self, x, owner=None, owner_params=None):
     cfg = self.config
     batch, seq, d_model = x.shape
-    router = nn.Dense(
-        cfg.num_experts,
-        use_bias=cfg.router_bias,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        kernel_init=initializers.KERNEL,
-        bias_init=initializers.ZEROS,
-        name="router",
+    router = initializers.float32_dense(
+        cfg.num_experts, use_bias=cfg.router_bias, name="router"
     )
     router_logits = router(x.astype(jnp.float32))
     routing = moe.route_top1(router_logits, cfg.expert_capacity)
@@ -318,12 +294,8 @@ class SwitchEncoder(nn.Module):
     dtype = jnp.dtype(cfg.dtype)
     if attention_mask is None:
       attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-    x = nn.Embed(
-        cfg.vocab_size,
-        cfg.d_model,
-        embedding_init=initializers.EMBEDDING,
-        name="embed_tokens",
-    )(input_ids).astype(dtype)
+    embed = initializers.embedding(cfg.vocab_size, cfg.d_model, "embed_tokens")
+    x = embed(input_ids).astype(dtype)
     mask_bias = (
         (1.0 - attention_mask.astype(jnp.float32)) * jnp.finfo(jnp.float32).min
     )[:, None, None, :]
@@ -339,8 +311,8 @@ class SwitchEncoder(nn.Module):
 # ---------------------------------------------------------------------------
 # Hugging Face: config.json, the name table, sizes.
 
-_ARCH_KEYS = (
-    "vocab_size",
+# The sizes a generic size config also states (`from_sizes`), by their names.
+_SIZE_KEYS = (
     "d_model",
     "d_kv",
     "d_ff",
@@ -348,6 +320,10 @@ _ARCH_KEYS = (
     "num_heads",
     "num_experts",
     "expert_capacity",
+)
+_ARCH_KEYS = (
+    "vocab_size",
+    *_SIZE_KEYS,
     "relative_attention_num_buckets",
     "relative_attention_max_distance",
     "layer_norm_epsilon",
@@ -461,20 +437,8 @@ def hf_config(config: SwitchConfig, **extra):
 
 def from_sizes(sizes: Any, vocab_size: int, **options) -> SwitchEncoder:
   """A random Switch encoder from generic sizes (`hf.backbone_from_sizes`)."""
-  return SwitchEncoder(
-      SwitchConfig(
-          vocab_size=vocab_size,
-          d_model=sizes.d_model,
-          d_kv=sizes.d_kv,
-          d_ff=sizes.d_ff,
-          num_layers=sizes.num_layers,
-          num_heads=sizes.num_heads,
-          num_experts=sizes.num_experts,
-          expert_capacity=sizes.expert_capacity,
-          sparse_step=sizes.sparse_step,
-          **options,
-      )
-  )
+  arch = {key: getattr(sizes, key) for key in _SIZE_KEYS + ("sparse_step",)}
+  return SwitchEncoder(SwitchConfig(vocab_size=vocab_size, **arch, **options))
 
 
 # This family's entries in `hf.FAMILIES`, by the checkpoint's `model_type`.

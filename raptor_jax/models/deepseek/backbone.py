@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from raptor_jax import _validate
 from raptor_jax.models import attention, common, decoder, initializers, moe, stack
 from raptor_jax.models.common import BackboneOutput, FineTuningOptions, OwnerOverride
-from raptor_jax.models.lora import LoRADense
-from raptor_jax.models.layers import RMSNorm, apply_rotary, rotary_tables
+from raptor_jax.models.lora import attention_projection
+from raptor_jax.models.layers import RMSNorm, rotary_tables
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 # HF builds q_a_layernorm / kv_a_layernorm with the default eps.
@@ -178,6 +178,10 @@ class DeepseekConfig(FineTuningOptions):
     return self.moe_intermediate_size * self.n_shared_experts
 
   shared_expert_gate = False  # Qwen2-MoE's sigmoid gate; none here
+  # The kit attention's options (`decoder.Attention`, the MHA variant): none.
+  qk_norm = ""
+  attention_bias = False
+  clip_qkv = None
 
   @property
   def routing_groups(self) -> tuple[int, int] | None:
@@ -225,7 +229,6 @@ class MultiHeadLatentAttention(nn.Module):
   def __call__(self, x, allowed):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    rank = cfg.lora_rank if cfg.attention_lora else 0
     heads, nope, rope, v_dim = (
         cfg.num_attention_heads,
         cfg.qk_nope_head_dim,
@@ -235,14 +238,7 @@ class MultiHeadLatentAttention(nn.Module):
     batch, seq = x.shape[:2]
 
     def proj(name, features, inputs):
-      return LoRADense(
-          features,
-          rank=rank,
-          alpha=cfg.lora_alpha,
-          dtype=dtype,
-          kernels=cfg.kernels,
-          name=name,
-      )(inputs)
+      return attention_projection(cfg, name, features)(inputs)
 
     def norm(name, inputs):
       return RMSNorm(LATENT_NORM_EPS, dtype=dtype, name=name)(inputs)
@@ -280,59 +276,21 @@ class MultiHeadLatentAttention(nn.Module):
     return proj("o", cfg.hidden_size, out)
 
 
-class MultiHeadAttention(nn.Module):
-  """Plain causal attention with grouped key/value heads (`transformers.LlamaAttention`)."""
+class MultiHeadAttention(decoder.Attention):
+  """Plain causal attention with grouped key/value heads (`transformers.LlamaAttention`).
+
+  The kit's attention (`decoder.Attention`; DeepSeek has no q/k norms, bias
+  or clipping) on its own RoPE tables, made here as MLA makes its own.
+  """
 
   config: DeepseekConfig
 
-  @nn.compact
-  def __call__(self, x, allowed):
+  def __call__(self, x, allowed):  # pylint: disable=arguments-differ
     cfg = self.config
-    dtype = jnp.dtype(cfg.dtype)
-    rank = cfg.lora_rank if cfg.attention_lora else 0
-    heads, kv_heads, head_dim = (
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
+    cos, sin = rotary_tables(
+        x.shape[1], cfg.head_dim, cfg.rope_theta, jnp.dtype(cfg.dtype)
     )
-    batch, seq = x.shape[:2]
-
-    def proj(name, features, inputs):
-      return LoRADense(
-          features,
-          rank=rank,
-          alpha=cfg.lora_alpha,
-          dtype=dtype,
-          kernels=cfg.kernels,
-          name=name,
-      )(inputs)
-
-    cos, sin = rotary_tables(seq, head_dim, cfg.rope_theta, dtype)
-    q = apply_rotary(
-        proj("q", heads * head_dim, x).reshape(batch, seq, heads, head_dim),
-        cos,
-        sin,
-    )
-    k = apply_rotary(
-        proj("k", kv_heads * head_dim, x).reshape(
-            batch, seq, kv_heads, head_dim
-        ),
-        cos,
-        sin,
-    )
-    v = proj("v", kv_heads * head_dim, x).reshape(
-        batch, seq, kv_heads, head_dim
-    )
-    # Query head h reads key/value head h // (heads / kv_heads) (HF repeat_kv).
-    k, v = (jnp.repeat(t, heads // kv_heads, axis=2) for t in (k, v))
-    out = attention.attend_tokens(
-        q * head_dim**-0.5,
-        k,
-        v,
-        attention.mask_bias(allowed),
-        kernels=cfg.kernels,
-    )
-    return proj("o", cfg.hidden_size, out)
+    return super().__call__(x, allowed, cos, sin)
 
 
 class DeepseekBlock(decoder.DecoderBlock):
@@ -386,11 +344,8 @@ class DeepseekDecoder(nn.Module):
     common.check_owner_layer(owner_override, cfg.sparse_layers)
     dtype = jnp.dtype(cfg.dtype)
     allowed = common.causal_mask(input_ids, attention_mask)  # [B, S_q, S_k]
-    embed = nn.Embed(
-        cfg.vocab_size,
-        cfg.hidden_size,
-        embedding_init=initializers.EMBEDDING,
-        name="embed_tokens",
+    embed = initializers.embedding(
+        cfg.vocab_size, cfg.hidden_size, "embed_tokens"
     )
     if cfg.image_table_size:
       x = self._with_image_table(embed, input_ids, dtype)
@@ -413,11 +368,9 @@ class DeepseekDecoder(nn.Module):
     so a record's gradient depends on that record alone.
     """
     cfg = self.config
-    table = nn.Embed(
-        cfg.image_table_size,
-        cfg.hidden_size,
-        embedding_init=initializers.EMBEDDING,  # always overwritten
-        name="image_table",
+    # Drawn as any table, always overwritten.
+    table = initializers.embedding(
+        cfg.image_table_size, cfg.hidden_size, "image_table"
     )
     is_image = input_ids >= cfg.vocab_size
     text = embed(jnp.minimum(input_ids, cfg.vocab_size - 1)).astype(dtype)
