@@ -252,16 +252,20 @@ def stacked_lora_grads(x, experts, a, b, dy, forward, backward):
   return da.astype(a.dtype), db.astype(b.dtype)
 
 
-def dispatch_vjps(forward, backward, weight_grad):
+def dispatch_vjps(flat, weight_grad):
   """(frozen, trainable): the custom VJPs of one row-wise expert dispatch.
 
-  `forward(x, experts, w, *lora)` and `backward` (its transpose, the input
-  gradient) are `rowwise` functions; `weight_grad(x, experts, dy, E)` is
-  dw[e] = sum_{t: e_t = e} x[t]^T dy[t] in float32. `frozen(x, experts, w,
-  *lora)` treats `w` as a constant and differentiates the LoRA pair (every
-  expert's factors, `stacked_lora_grads`); `trainable(x, experts, w)`
-  differentiates `w`. Shared by the grouped, batched and ragged dispatches.
+  `flat(x, experts, w, *lora, transpose)` is the dispatched product on flat
+  rows: `transpose=False` the forward, `transpose=True` its transpose (the
+  input gradient); both run `rowwise` (records folded under `vmap`).
+  `weight_grad(x, experts, dy, E)` is dw[e] = sum_{t: e_t = e} x[t]^T dy[t]
+  in float32. `frozen(x, experts, w, *lora)` treats `w` as a constant and
+  differentiates the LoRA pair (every expert's factors,
+  `stacked_lora_grads`); `trainable(x, experts, w)` differentiates `w`.
+  Shared by the grouped, batched and ragged dispatches.
   """
+  forward = rowwise(functools.partial(flat, transpose=False))
+  backward = rowwise(functools.partial(flat, transpose=True))
 
   @jax.custom_vjp
   def frozen(x, experts, w, *lora):
@@ -302,8 +306,36 @@ def dispatch_vjps(forward, backward, weight_grad):
   return frozen, trainable
 
 
-def _block_outer(x, experts, dy, num_experts, block):
-  """dw[e] = sum_{t: e_t = e} x[t]^T dy[t] (float32), one product per block."""
+def frozen_front(fast, x, experts, w, lora, kernels):
+  """A frozen dispatch's front door (`grouped_linear` and its kin).
+
+  `w` gets no gradient; `fast(x, experts, w, *lora)` (a `dispatch_vjps`
+  frozen VJP) runs where `kernels` resolves to 'fast', the definition
+  `reference_linear` (autodiff) elsewhere.
+  """
+  w = jax.lax.stop_gradient(w)
+  if kernels_lib.resolve_expert(kernels) == "fast":
+    return fast(x, experts, w, *(lora or ()))
+  return reference_linear(x, experts, w, lora)
+
+
+def trainable_front(fast, x, experts, w, kernels):
+  """A trainable dispatch's front door (`grouped_linear_trainable` and kin).
+
+  `fast(x, experts, w)` (a `dispatch_vjps` trainable VJP) where `kernels`
+  resolves to 'fast', the definition `dense_linear` (autodiff) elsewhere.
+  """
+  if kernels_lib.resolve_expert(kernels) == "fast":
+    return fast(x, experts, w)
+  return dense_linear(x, experts, w)
+
+
+def _block_outer(x, experts, dy, num_experts, rows_per_block):
+  """dw[e] = sum_{t: e_t = e} x[t]^T dy[t] (float32), one product per block.
+
+  The blocks of `rows_per_block(rows, E)` rows, as the forward's.
+  """
+  block = rows_per_block(x.shape[0], num_experts)
   dest, block_expert, num_blocks = _dispatch_plan(experts, num_experts, block)
   per_block = jnp.einsum(
       "nbi,nbo->nio",
@@ -315,11 +347,8 @@ def _block_outer(x, experts, dy, num_experts, block):
 
 
 _grouped_linear, _grouped_linear_trainable = dispatch_vjps(
-    rowwise(functools.partial(_grouped_linear_flat, transpose=False)),
-    rowwise(functools.partial(_grouped_linear_flat, transpose=True)),
-    lambda x, experts, dy, num_experts: _block_outer(
-        x, experts, dy, num_experts, block_size(x.shape[0], num_experts)
-    ),
+    _grouped_linear_flat,
+    functools.partial(_block_outer, rows_per_block=block_size),
 )
 
 
@@ -349,10 +378,7 @@ def grouped_linear(
   Returns:
     [T, d_out]; zero rows where dropped.
   """
-  w = jax.lax.stop_gradient(w)
-  if kernels_lib.resolve_expert(kernels) == "fast":
-    return _grouped_linear(x, experts, w, *(lora or ()))
-  return reference_linear(x, experts, w, lora)
+  return frozen_front(_grouped_linear, x, experts, w, lora, kernels)
 
 
 def grouped_linear_trainable(
@@ -375,9 +401,7 @@ def grouped_linear_trainable(
   Returns:
     [T, d_out]; zero rows where dropped.
   """
-  if kernels_lib.resolve_expert(kernels) == "fast":
-    return _grouped_linear_trainable(x, experts, w)
-  return dense_linear(x, experts, w)
+  return trainable_front(_grouped_linear_trainable, x, experts, w, kernels)
 
 
 # ---------------------------------------------------------------------------
@@ -441,11 +465,8 @@ def _batched_linear_flat(
 
 
 _batched_linear, _batched_linear_trainable = dispatch_vjps(
-    rowwise(functools.partial(_batched_linear_flat, transpose=False)),
-    rowwise(functools.partial(_batched_linear_flat, transpose=True)),
-    lambda x, experts, dy, num_experts: _block_outer(
-        x, experts, dy, num_experts, batched_block_size(x.shape[0], num_experts)
-    ),
+    _batched_linear_flat,
+    functools.partial(_block_outer, rows_per_block=batched_block_size),
 )
 
 
@@ -466,10 +487,7 @@ def batched_linear(
   dispatch (`kernels` 'fast' or 'auto'); 'reference' is the definition
   (`reference_linear`).
   """
-  w = jax.lax.stop_gradient(w)
-  if kernels_lib.resolve_expert(kernels) == "fast":
-    return _batched_linear(x, experts, w, *(lora or ()))
-  return reference_linear(x, experts, w, lora)
+  return frozen_front(_batched_linear, x, experts, w, lora, kernels)
 
 
 def batched_linear_trainable(
@@ -482,9 +500,7 @@ def batched_linear_trainable(
   gradients (the weights must stay unbatched under `vmap`). `kernels`
   'reference' is `dense_linear` (the definition).
   """
-  if kernels_lib.resolve_expert(kernels) == "fast":
-    return _batched_linear_trainable(x, experts, w)
-  return dense_linear(x, experts, w)
+  return trainable_front(_batched_linear_trainable, x, experts, w, kernels)
 
 
 # ---------------------------------------------------------------------------

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from raptor_jax.models import dispatch as grouped
-from raptor_jax.models import kernels as kernels_lib
 
 
 def _ragged_plan(experts: jax.Array, num_groups: int):
@@ -147,8 +146,7 @@ def _ragged_dispatch(ragged_dot_general):
       _ragged_linear_flat, ragged_dot_general=ragged_dot_general
   )
   return grouped.dispatch_vjps(
-      grouped.rowwise(functools.partial(flat, transpose=False)),
-      grouped.rowwise(functools.partial(flat, transpose=True)),
+      flat,
       lambda x, experts, dy, num_experts: _group_outer(
           num_experts, ragged_dot_general
       )(x, experts, dy),
@@ -176,10 +174,7 @@ def ragged_linear(
   dispatch, exactly as in `grouped_linear` (`kernels` 'fast' or 'auto');
   'reference' is the definition, as for `grouped_linear`.
   """
-  w = jax.lax.stop_gradient(w)
-  if kernels_lib.resolve_expert(kernels) == "fast":
-    return _ragged_linear(x, experts, w, *(lora or ()))
-  return grouped.reference_linear(x, experts, w, lora)
+  return grouped.frozen_front(_ragged_linear, x, experts, w, lora, kernels)
 
 
 def ragged_linear_trainable(
@@ -193,9 +188,9 @@ def ragged_linear_trainable(
   own groups (`_group_outer`), giving [n, E, d_in, d_out] in one pass.
   `kernels` 'reference' is `dense_linear` (the definition) instead.
   """
-  if kernels_lib.resolve_expert(kernels) == "fast":
-    return _ragged_linear_trainable(x, experts, w)
-  return grouped.dense_linear(x, experts, w)
+  return grouped.trainable_front(
+      _ragged_linear_trainable, x, experts, w, kernels
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -231,16 +226,13 @@ def tokamax_linear(
   XLA's `ragged_dot`). Unmeasured on GPU so far: `launch/bench/gpu_dispatch.py`
   times it. Needs the optional `tokamax` package (the `[gpu]` extra).
   """
-  w = jax.lax.stop_gradient(w)
-  if kernels_lib.resolve_expert(kernels) == "fast":
-    return _tokamax_dispatch()[0](x, experts, w, *(lora or ()))
-  return grouped.reference_linear(x, experts, w, lora)
+  fast = lambda *args: _tokamax_dispatch()[0](*args)  # imports it lazily
+  return grouped.frozen_front(fast, x, experts, w, lora, kernels)
 
 
 def tokamax_linear_trainable(
     x: jax.Array, experts: jax.Array, w: jax.Array, kernels: str = "auto"
 ) -> jax.Array:
   """`ragged_linear_trainable` over tokamax's grouped GEMMs."""
-  if kernels_lib.resolve_expert(kernels) == "fast":
-    return _tokamax_dispatch()[1](x, experts, w)
-  return grouped.dense_linear(x, experts, w)
+  fast = lambda *args: _tokamax_dispatch()[1](*args)  # imports it lazily
+  return grouped.trainable_front(fast, x, experts, w, kernels)
