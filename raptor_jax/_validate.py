@@ -36,7 +36,7 @@ import numbers
 import operator
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 
 class Shown(str):
@@ -121,40 +121,35 @@ def _as_int(value: Any) -> int | None:
     return None
 
 
+def _real(
+    field: str,
+    value: Any,
+    fix: str,
+    within: Callable[[Any], bool],
+    condition: str,
+) -> float:
+  """A real number (not bool) for which `within` holds, as a float."""
+  check(_is_real(value) and within(value), field, condition, value, fix)
+  return float(value)
+
+
 def number(field: str, value: Any, fix: str = "") -> float:
   """A finite real number (int or float, not bool); returns it as a float."""
-  check(
-      _is_real(value) and math.isfinite(value),
-      field,
-      "a finite number",
-      value,
-      fix,
-  )
-  return float(value)
+  return _real(field, value, fix, math.isfinite, "a finite number")
 
 
 def positive(field: str, value: Any, fix: str = "") -> float:
   """A finite number > 0; returns it as a float."""
-  check(
-      _is_real(value) and 0 < value < math.inf,
-      field,
-      "a finite number > 0",
-      value,
-      fix,
+  return _real(
+      field, value, fix, lambda v: 0 < v < math.inf, "a finite number > 0"
   )
-  return float(value)
 
 
 def non_negative(field: str, value: Any, fix: str = "") -> float:
   """A finite number >= 0; returns it as a float."""
-  check(
-      _is_real(value) and 0 <= value < math.inf,
-      field,
-      "a finite number >= 0",
-      value,
-      fix,
+  return _real(
+      field, value, fix, lambda v: 0 <= v < math.inf, "a finite number >= 0"
   )
-  return float(value)
 
 
 def in_interval(field: str, value: Any, interval: str, fix: str = "") -> float:

@@ -144,10 +144,25 @@ def build_word_tokenizer(
   backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=UNK))
   backend.normalizer = normalizers.Lowercase()
   backend.pre_tokenizer = pre_tokenizers.Whitespace()
+  return bert_template_tokenizer(backend, model_max_length=model_max_length)
+
+
+def bert_template_tokenizer(
+    backend: tokenizers.Tokenizer, **special: str | int
+) -> Tokenizer:
+  """`backend` with BERT's template, as a transformers fast tokenizer.
+
+  ``[CLS] a [SEP]`` for one text and ``[CLS] a [SEP] b [SEP]`` for a pair
+  (b's tokens of type 1), the ids of ``[CLS]`` and ``[SEP]`` the backend's;
+  ``[PAD]`` and ``[UNK]`` are its padding and unknown tokens. Every
+  tokenizer the library builds (`build_word_tokenizer`, pretraining's
+  WordPiece) ends here; `special` adds the others (``mask_token``) and
+  ``model_max_length``.
+  """
   backend.post_processor = processors.TemplateProcessing(
       single=f"{CLS} $A {SEP}",
       pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
-      special_tokens=[(CLS, vocab[CLS]), (SEP, vocab[SEP])],
+      special_tokens=[(t, backend.token_to_id(t)) for t in (CLS, SEP)],
   )
   return transformers.PreTrainedTokenizerFast(
       tokenizer_object=backend,
@@ -155,7 +170,7 @@ def build_word_tokenizer(
       unk_token=UNK,
       cls_token=CLS,
       sep_token=SEP,
-      model_max_length=model_max_length,
+      **special,
   )
 
 

@@ -21,8 +21,9 @@ from collections.abc import Iterable
 
 import tokenizers
 import transformers
-from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
+from raptor_jax.data import encoding
 from raptor_jax.data.encoding import CLS, PAD, SEP, UNK
 
 MASK = "[MASK]"
@@ -68,20 +69,8 @@ def train_wordpiece(
   )
   backend.train_from_iterator(texts, trainer=trainer)
   backend = _demote_to_vocabulary(backend, set(continuations))
-  cls_id, sep_id = backend.token_to_id(CLS), backend.token_to_id(SEP)
-  backend.post_processor = processors.TemplateProcessing(
-      single=f"{CLS} $A {SEP}",
-      pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
-      special_tokens=[(CLS, cls_id), (SEP, sep_id)],
-  )
-  return transformers.PreTrainedTokenizerFast(
-      tokenizer_object=backend,
-      pad_token=PAD,
-      unk_token=UNK,
-      cls_token=CLS,
-      sep_token=SEP,
-      mask_token=MASK,
-      model_max_length=model_max_length,
+  return encoding.bert_template_tokenizer(
+      backend, mask_token=MASK, model_max_length=model_max_length
   )
 
 
