@@ -15,6 +15,7 @@ import pytest
 from raptor_jax import data
 from raptor_jax.data import synthetic
 from raptor_jax.train import methods, metrics, outputs, setup
+from raptor_jax.train import train_and_evaluate
 from raptor_jax.train.run import validate
 
 from helpers import load_config_module, run_python
@@ -319,6 +320,25 @@ def test_every_custom_preset_reads_the_whole_file(preset):
   config = load_config_module("custom").get_config(preset)
   assert (config.data.train_limit, config.data.holdout) == (0, 0)
   assert config.data.eval_split == "dev"
+
+
+@pytest.mark.slow
+def test_small_defaults_to_the_committed_pretrained_model(tmp_path):
+  """`configs/custom.py:small` needs no model flag: it loads the small
+  Switch the repository commits (results/glue_small/model, its WordPiece
+  tokenizer included) and builds the run on a user's file."""
+  custom = load_config_module("custom")
+  config = custom.get_config("small")
+  assert Path(config.model.name) == custom.COMMITTED_MODEL
+  assert (custom.COMMITTED_MODEL / "model.safetensors").is_file()
+  small = _custom_config(tmp_path)
+  small.model = config.model
+  small.data.max_length = config.data.max_length
+  public = tmp_path / "public.tsv"
+  public.write_text("text\n" + "\n".join(_records(50, seed=2)[0]) + "\n")
+  small.data.public_corpus, small.data.public_path = "", str(public)
+  assert train_and_evaluate(small, str(tmp_path / "run"), dry_run=True) == {}
+  assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
 def test_small_data_gets_sizes_and_delta_chosen_from_n():
