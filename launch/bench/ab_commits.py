@@ -51,8 +51,7 @@ def _worker(
   would at this commit: with `host_memory.keep_freed_memory()` and
   `host_devices.one_device_per_core()` where the commit has them.
   """
-  os.chdir(tree)
-  sys.path.insert(0, tree)
+  os.chdir(tree)  # `tree` leads PYTHONPATH (set by `compare`)
   try:
     from raptor_jax import host_memory  # pylint: disable=import-outside-toplevel
   except ImportError:  # a commit from before it
@@ -134,7 +133,9 @@ def compare(
             ['git', '-C', repo, 'worktree', 'add', '--detach', '-q', tree, rev]
         )
         trees.append(tree)
-        argv = [sys.executable, os.path.abspath(__file__), '--worker', tree]
+        # This commit's raptor_jax before the installed one: PYTHONPATH.
+        argv = ['env', f'PYTHONPATH={tree}', sys.executable]
+        argv += [os.path.abspath(__file__), '--worker', tree]
         argv += [model_path, str(m), ','.join(steps), str(int(quick))]
         argv += [str(count), str(back_to_back)]
         workers.append((argv, lambda step, name=name: (step, name)))
