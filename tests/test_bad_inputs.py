@@ -113,7 +113,7 @@ FILES = [
         "own_task.tsv",
         f"review\tstars\n{PRIVATE}\t5\n",
         "if this is not sst2 but a task of your own, declare your own with"
-        " --config=configs/custom.py:cpu",
+        " --config=configs/custom.py:small",
     ),
 ]
 

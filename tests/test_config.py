@@ -182,7 +182,7 @@ def test_the_config_reference_covers_every_field_preset_and_method():
   assert all(f"\n  {m}\n" in text for m in methods.METHODS)
   # Every field a task of your own needs, those of configs/custom.py only
   # included (48.8: label_names and hub_dataset were missing).
-  assert "Your own data (--config=configs/custom.py:cpu" in text
+  assert "Your own data (--config=configs/custom.py:small" in text
   for field in ("train_path", "dev_path", "text_fields", "label_field"):
     assert f"\n  data.{field} " in text, field
   assert "    label_names = ''" in text and "    hub_dataset = ''" in text

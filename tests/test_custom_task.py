@@ -205,7 +205,7 @@ def test_a_bad_task_declaration_is_one_line(args, field):
 def test_custom_is_declared_not_looked_up():
   with pytest.raises(ValueError, match="declare your own with --config="):
     data.get_task("custom")
-  with pytest.raises(ValueError, match="configs/custom.py:cpu"):
+  with pytest.raises(ValueError, match="configs/custom.py:small"):
     data.get_task("imdb")
 
 

@@ -116,7 +116,7 @@ TASKS: dict[str, TaskSpec] = {
 
 # `data.task` of a task the user declares (`custom_task`, configs/custom.py).
 CUSTOM = "custom"
-_CUSTOM_FIX = "declare your own with --config=configs/custom.py:cpu"
+_CUSTOM_FIX = "declare your own with --config=configs/custom.py:small"
 
 
 def get_task(name: str) -> TaskSpec:

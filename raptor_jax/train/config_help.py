@@ -209,7 +209,10 @@ def reference(directory: str | Path) -> str:
     lines.append(f"  {name}  presets: {_presets_line(presets)}")
     if doc:
       lines.append(f"      {doc}")
-  lines += ["", "Your own data (--config=configs/custom.py:cpu; docs/data.md):"]
+  lines += [
+      "",
+      "Your own data (--config=configs/custom.py:small; docs/data.md):",
+  ]
   width = max(len(name) for name, _ in YOUR_OWN_DATA)
   lines += [f"  {name:<{width}}  {meaning}" for name, meaning in YOUR_OWN_DATA]
   lines += ["", "Config fields (--config.<field>=<value>), default, meaning:"]
