@@ -1,4 +1,9 @@
-"""Shared test helpers: a seconds-scale training config and checkpoint reading."""
+"""Shared test helpers: a seconds-scale training config and checkpoint reading.
+
+Imports beyond jax and numpy (flax, orbax) stay inside the helpers that need
+them: .ci/run runs the DP core's tests, this module included, in a venv with the
+core dependencies only.
+"""
 
 import functools
 import importlib.util
@@ -10,11 +15,9 @@ import subprocess
 import sys
 import types
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -93,6 +96,8 @@ def micro_vl_config(**overrides):
 def latest_state(workdir, step=None):
   """(step, state as numpy, meta) of a checkpoint (default: the latest), whatever
   devices wrote it."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
   manager = ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints")
   step = manager.latest_step() if step is None else step
   meta = manager.restore(
@@ -261,6 +266,8 @@ def probe_loss(hidden):
 
 def set_nonzero_lora_b(params, key):
   """`params` with every LoRA B drawn at 0.3 N(0, 1) (they start at zero)."""
+  import flax  # pylint: disable=import-outside-toplevel
+
   flat = flax.traverse_util.flatten_dict(params, sep="/")
   for i, path in enumerate(sorted(p for p in flat if p.endswith("lora_b"))):
     flat[path] = 0.3 * jax.random.normal(
