@@ -48,7 +48,7 @@ sentiment words, no labels); none of its texts equals a train or dev text.
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -313,18 +313,46 @@ def generate_records(
       "[0, 0.5)",
       _validate.config_fix("data.synthetic.label_noise"),
   )
-  rng = np.random.default_rng((seed, _RECORD_STREAM))
-  texts: dict[str, None] = {}
-  labels, topics = [], []
-  while len(texts) < n:
+
+  def draw(rng):
     topic, label = int(rng.integers(len(TOPICS))), int(rng.integers(2))
-    text = _review(rng, topic, label)
+    return topic, label, _review(rng, topic, label)
+
+  rng = np.random.default_rng((seed, _RECORD_STREAM))
+  return SyntheticRecords(*distinct_records(rng, n, draw, label_noise))
+
+
+def distinct_records(
+    rng: np.random.Generator,
+    n: int,
+    draw: Callable[[np.random.Generator], tuple[int, int, str]],
+    label_noise: float,
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+  """The first ``n`` distinct texts that ``draw`` generates, with noisy labels.
+
+  Args:
+      rng: the generator every draw uses, in order.
+      n: the number of records.
+      draw: ``rng`` -> (group, label, text): one candidate record (a topic
+          or domain, its clean label and its text).
+      label_noise: probability that a kept record's label is flipped (one
+          draw of ``rng`` right after the record is kept).
+
+  Returns:
+      The texts, int32 labels (after label noise) and int32 groups.
+  """
+  texts: dict[str, None] = {}
+  labels, groups = [], []
+  while len(texts) < n:
+    group, label, text = draw(rng)
     if text not in texts:
       texts[text] = None
       labels.append(label ^ int(rng.random() < label_noise))
-      topics.append(topic)
-  return SyntheticRecords(
-      list(texts), np.asarray(labels, np.int32), np.asarray(topics, np.int32)
+      groups.append(group)
+  return (
+      list(texts),
+      np.asarray(labels, np.int32),
+      np.asarray(groups, np.int32),
   )
 
 

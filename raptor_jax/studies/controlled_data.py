@@ -58,28 +58,23 @@ VOCABULARY: tuple[str, ...] = (
     *DOMAIN_RULE_WORDS,
     *synthetic.FILLER_WORDS,
 )
-# Word j of DOMAIN_RULE_WORDS is positive in domain d iff _RULE[j, d] == 1:
-# a balanced design (each word positive in exactly two domains, each domain
-# has eight positive words), so no word carries label information without
-# its domain.
+# Word j of DOMAIN_RULE_WORDS is positive in domain d iff _RULE[j, d] == 1.
+# The words take the six ways of choosing two of the four domains in turn
+# (complementary pairs next to each other): a balanced design (each word
+# positive in exactly two domains, each domain has eight positive words), so
+# no word carries label information without its domain.
+_DOMAIN_PAIRS = (
+    (1, 1, 0, 0),
+    (0, 0, 1, 1),
+    (1, 0, 1, 0),
+    (0, 1, 0, 1),
+    (1, 0, 0, 1),
+    (0, 1, 1, 0),
+)
 _RULE = np.array(
     [
-        [1, 1, 0, 0],
-        [0, 0, 1, 1],
-        [1, 0, 1, 0],
-        [0, 1, 0, 1],
-        [1, 0, 0, 1],
-        [0, 1, 1, 0],
-        [1, 1, 0, 0],
-        [0, 0, 1, 1],
-        [1, 0, 1, 0],
-        [0, 1, 0, 1],
-        [1, 0, 0, 1],
-        [0, 1, 1, 0],
-        [1, 1, 0, 0],
-        [0, 0, 1, 1],
-        [1, 0, 1, 0],
-        [0, 1, 0, 1],
+        _DOMAIN_PAIRS[j % len(_DOMAIN_PAIRS)]
+        for j in range(len(DOMAIN_RULE_WORDS))
     ],
     np.int32,
 )
@@ -206,19 +201,15 @@ def generate_records(
       0.0 <= label_noise < 0.5, "label_noise", "in [0, 0.5)", label_noise
   )
   shares = check_shares(domain_shares)
-  rng = np.random.default_rng((seed, _RECORD_STREAM))
-  texts: dict[str, None] = {}
-  labels, domains = [], []
-  while len(texts) < n:
+
+  def draw(rng):
     domain = int(rng.choice(NUM_DOMAINS, p=shares))
     label = int(rng.integers(2))
-    text = _record(rng, domain, label, relevance)
-    if text not in texts:
-      texts[text] = None
-      labels.append(label ^ int(rng.random() < label_noise))
-      domains.append(domain)
+    return domain, label, _record(rng, domain, label, relevance)
+
+  rng = np.random.default_rng((seed, _RECORD_STREAM))
   return ControlledRecords(
-      list(texts), np.asarray(labels, np.int32), np.asarray(domains, np.int32)
+      *synthetic.distinct_records(rng, n, draw, label_noise)
   )
 
 
