@@ -58,59 +58,66 @@ class TaskSpec:
     return len(self.label_names)
 
 
+def _glue_task(
+    name: str,
+    text_fields: tuple[tuple[str, ...], ...],
+    label_names: tuple[str, ...],
+    label_fields: tuple[str, ...] = ("label",),
+    **fields: Any,
+) -> TaskSpec:
+  """A GLUE task on the Hub: config ``name``, dev its validation split
+  unless ``fields`` say otherwise."""
+  return TaskSpec(
+      name=name,
+      text_fields=text_fields,
+      label_fields=label_fields,
+      label_names=label_names,
+      hub_id=_GLUE,
+      hub_config=name,
+      **{"splits": {"train": "train", "dev": "validation"}, **fields},
+  )
+
+
 TASKS: dict[str, TaskSpec] = {
-    "sst2": TaskSpec(
-        name="sst2",
-        text_fields=(("sentence",),),
-        label_fields=("label",),
-        label_names=("negative", "positive"),
-        hub_id=_GLUE,
-        hub_config="sst2",
-        splits={"train": "train", "dev": "validation"},
-    ),
-    "mnli": TaskSpec(
-        name="mnli",
-        text_fields=(("premise", "sentence1"), ("hypothesis", "sentence2")),
-        label_fields=("label", "gold_label"),
-        label_names=("entailment", "neutral", "contradiction"),
-        hub_id=_GLUE,
-        hub_config="mnli",
-        splits={
-            "train": "train",
-            "dev": "validation_matched",
-            "dev_mismatched": "validation_mismatched",
-        },
-    ),
-    "qnli": TaskSpec(
-        name="qnli",
-        text_fields=(("question",), ("sentence",)),
-        label_fields=("label",),
-        label_names=("entailment", "not_entailment"),
-        hub_id=_GLUE,
-        hub_config="qnli",
-        splits={"train": "train", "dev": "validation"},
-    ),
-    "qqp": TaskSpec(
-        name="qqp",
-        text_fields=(("question1",), ("question2",)),
-        label_fields=("label", "is_duplicate"),
-        label_names=("not_duplicate", "duplicate"),
-        hub_id=_GLUE,
-        hub_config="qqp",
-        splits={"train": "train", "dev": "validation"},
-        metrics=("accuracy", "f1"),
-    ),
-    # Generated in code by raptor_jax.data.synthetic_task(); listed here so that
-    # configs look its label count and metrics up like any other task's.
-    "synthetic": TaskSpec(
-        name="synthetic",
-        text_fields=(("text",),),
-        label_fields=("label",),
-        label_names=("negative", "positive"),
-        hub_id=None,
-        hub_config=None,
-        splits={"train": "train", "dev": "dev"},
-    ),
+    task.name: task
+    for task in (
+        _glue_task("sst2", (("sentence",),), ("negative", "positive")),
+        _glue_task(
+            "mnli",
+            (("premise", "sentence1"), ("hypothesis", "sentence2")),
+            ("entailment", "neutral", "contradiction"),
+            label_fields=("label", "gold_label"),
+            splits={
+                "train": "train",
+                "dev": "validation_matched",
+                "dev_mismatched": "validation_mismatched",
+            },
+        ),
+        _glue_task(
+            "qnli",
+            (("question",), ("sentence",)),
+            ("entailment", "not_entailment"),
+        ),
+        _glue_task(
+            "qqp",
+            (("question1",), ("question2",)),
+            ("not_duplicate", "duplicate"),
+            label_fields=("label", "is_duplicate"),
+            metrics=("accuracy", "f1"),
+        ),
+        # Generated in code by raptor_jax.data.synthetic_task(); listed here
+        # so that configs look its label count and metrics up like any other
+        # task's.
+        TaskSpec(
+            name="synthetic",
+            text_fields=(("text",),),
+            label_fields=("label",),
+            label_names=("negative", "positive"),
+            hub_id=None,
+            hub_config=None,
+            splits={"train": "train", "dev": "dev"},
+        ),
+    )
 }
 
 
