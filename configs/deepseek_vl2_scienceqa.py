@@ -24,7 +24,7 @@ Presets:
 
 from raptor_jax import _validate
 from raptor_jax import vision
-from raptor_jax.train.config import base_config, deepseek_family
+from raptor_jax.train.config import base_config, deepseek_family, tiny_preset
 
 PRESETS = ("", "tiny")
 
@@ -53,11 +53,12 @@ def get_config(arg: str = ""):
 
 
 def tiny(config):
-  """The random VL2-shaped model on `data.shapes` (seconds per epoch)."""
-  config.model.name = "random"
+  """The random VL2-shaped model on `data.shapes` (seconds per epoch): the
+  tiny preset's adapters and schedule, no public corpus."""
+  corpus, n_pub = config.data.public_corpus, config.data.n_pub
+  config = tiny_preset(config)
+  config.data.public_corpus, config.data.n_pub = corpus, n_pub
   config.model.dtype = "float32"
-  config.model.lora_rank = 4
-  config.model.lora_alpha = 8.0
   config.model.random.update(
       family="deepseek",
       d_model=64,
@@ -77,11 +78,5 @@ def tiny(config):
   config.data.length_buckets = (36, 40)
   config.vision.n_train = 2000
   config.vision.n_dev = 400
-  config.batch_size = 250
-  config.microbatch_size = 64
-  config.epochs = 6
-  config.learning_rate = 1e-2
   config.eval_batch_size = 200
-  config.log_every_cycles = 5
-  config.checkpoint_every_cycles = 50
   return config
