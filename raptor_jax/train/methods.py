@@ -67,30 +67,17 @@ import math
 from typing import Mapping
 
 from raptor_jax import _validate, accounting, calibration, roles, sampling
-from raptor_jax.models import kernels
+from raptor_jax.models import kernels, moe
+from raptor_jax.sampling import EXPERT_STREAM, SHARED_STREAM
 from raptor_jax.train import plans
+from raptor_jax.train.plans import Part, Phase
 
-# Expert dispatches of a fine-tuning run (`moe.DISPATCHES` without the
-# pretraining '*_train' ones); runs that train expert kernels use 'dense'.
-FINE_TUNING_DISPATCHES = (
-    "auto",
-    "grouped",
-    "batched",
-    "ragged",
-    "tokamax",
-    "dense",
+# Expert dispatches of a fine-tuning run: `moe.DISPATCHES` without the
+# pretraining '*_train' ones; runs that train expert kernels use 'dense'.
+FINE_TUNING_DISPATCHES = tuple(
+    d for d in moe.DISPATCHES if not d.endswith("_train")
 )
 
-METHODS = (
-    "raptor",
-    "baseline_a",
-    "baseline_b",
-    "baseline_c",
-    "monolithic",
-    "monolithic_lora",
-    "nonprivate_lora",
-    "nonprivate_full",
-)
 PRIVATE_METHODS = (
     "raptor",
     "baseline_a",
@@ -99,6 +86,7 @@ PRIVATE_METHODS = (
     "monolithic",
     "monolithic_lora",
 )
+METHODS = PRIVATE_METHODS + ("nonprivate_lora", "nonprivate_full")
 
 
 def check_config(config) -> None:
@@ -251,46 +239,25 @@ def _raptor_phases(rc, shared, expert, sigmas: _Calibration):
   `shared(sigma)` and `expert(sigma, clip=...)` build the two streams' parts;
   `clip=None` gives the expert part C_s, the one C of the full-model clip.
   """
-  if rc.joint_clip and rc.alternate:
-    # RAPTOR's phases and sigmas with C_s = C_e = C; each clips jointly.
-    s_sh, s_ex = sigmas.raptor(joint=False)
-    sh, ex = shared(s_sh), expert(s_ex, clip=None)
-    return (
-        plans.Phase(
-            "shared",
-            sampling.SHARED_STREAM,
-            (sh,),
-            joint_clip=True,
-            clip_with=(ex,),
-        ),
-        plans.Phase(
-            "expert",
-            sampling.EXPERT_STREAM,
-            (ex,),
-            joint_clip=True,
-            clip_with=(sh,),
-        ),
-    )
-  if rc.joint_clip:  # one sample, one clip, one sigma: rho plays no part
+  if rc.joint_clip and not rc.alternate:
+    # one sample, one clip, one sigma: rho plays no part
     sigma = sigmas.dpsgd()
-    return (
-        plans.Phase(
-            "joint",
-            sampling.SHARED_STREAM,
-            (shared(sigma), expert(sigma, clip=None)),
-            joint_clip=True,
-        ),
-    )
+    parts = (shared(sigma), expert(sigma, clip=None))
+    return (Phase("joint", SHARED_STREAM, parts, joint_clip=True),)
   s_sh, s_ex = sigmas.raptor(joint=not rc.alternate)
+  sh = shared(s_sh)
+  ex = expert(s_ex, clip=None) if rc.joint_clip else expert(s_ex)
   if not rc.alternate:
-    return (
-        plans.Phase(
-            "joint", sampling.SHARED_STREAM, (shared(s_sh), expert(s_ex))
-        ),
-    )
+    return (Phase("joint", SHARED_STREAM, (sh, ex)),)
+
+  def clip_with(other: Part) -> dict:
+    # joint_clip: RAPTOR's phases and sigmas with C_s = C_e = C; each phase
+    # clips jointly with the other's part, which it does not release.
+    return dict(joint_clip=True, clip_with=(other,)) if rc.joint_clip else {}
+
   return (
-      plans.Phase("shared", sampling.SHARED_STREAM, (shared(s_sh),)),
-      plans.Phase("expert", sampling.EXPERT_STREAM, (expert(s_ex),)),
+      Phase("shared", SHARED_STREAM, (sh,), **clip_with(ex)),
+      Phase("expert", EXPERT_STREAM, (ex,), **clip_with(sh)),
   )
 
 
@@ -301,7 +268,7 @@ def _phases(
     num_experts: int,
     expert_layer: int,
     sigmas: _Calibration,
-) -> tuple[plans.Phase, ...]:
+) -> tuple[Phase, ...]:
   """The phases of `config.method`, with noise from `sigmas`."""
   method, rc, pc = config.method, config.raptor, config.privacy
   d_e = b / num_experts if rc.expert_denominator == "B/E" else b
@@ -314,15 +281,16 @@ def _phases(
   residual = rc.residual != "none"
 
   def shared(sigma, clip=pc.clip_shared):
-    return plans.Part("shared", shared_roles, None, False, clip, sigma, b)
+    return Part("shared", shared_roles, None, False, clip, sigma, b)
 
   def expert(sigma, clip=pc.clip_expert):
-    return plans.Part(
+    clip = pc.clip_shared if clip is None else clip
+    return Part(
         "expert",
         expert_roles,
         (expert_layer,),
         True,
-        pc.clip_shared if clip is None else clip,
+        clip,
         sigma,
         d_e,
         residual,
@@ -332,47 +300,25 @@ def _phases(
     return _raptor_phases(rc, shared, expert, sigmas)
   if method == "baseline_a":
     sigma = sigmas.dpsgd()
-    every_expert = plans.Part(
+    every_expert = Part(
         "expert", expert_roles, (expert_layer,), False, pc.clip_shared, sigma, b
     )
-    return (
-        plans.Phase(
-            "dpsgd",
-            sampling.SHARED_STREAM,
-            (shared(sigma), every_expert),
-            joint_clip=True,
-        ),
-    )
+    parts = (shared(sigma), every_expert)
+    return (Phase("dpsgd", SHARED_STREAM, parts, joint_clip=True),)
   if method in ("baseline_b", "baseline_c"):  # one stream of RAPTOR's two
     name, stream, make = (
-        ("shared", sampling.SHARED_STREAM, shared)
+        ("shared", SHARED_STREAM, shared)
         if method == "baseline_b"
-        else ("expert", sampling.EXPERT_STREAM, expert)
+        else ("expert", EXPERT_STREAM, expert)
     )
-    return (plans.Phase(name, stream, (make(sigmas.dpsgd()),)),)
+    return (Phase(name, stream, (make(sigmas.dpsgd()),)),)
+  full = method in ("monolithic", "nonprivate_full")
+  every = roles.ALL_ROLES if full else roles.LORA_ROLES
   private = method in PRIVATE_METHODS
-  every = (
-      roles.ALL_ROLES
-      if method in ("monolithic", "nonprivate_full")
-      else roles.LORA_ROLES
-  )
-  part = plans.Part(
-      "all",
-      every,
-      None,
-      False,
-      pc.clip_shared,
-      sigmas.dpsgd() if private else 0.0,
-      b,
-  )
-  return (
-      plans.Phase(
-          "dpsgd" if private else "nonprivate",
-          sampling.SHARED_STREAM,
-          (part,),
-          private=private,
-      ),
-  )
+  sigma = sigmas.dpsgd() if private else 0.0
+  part = Part("all", every, None, False, pc.clip_shared, sigma, b)
+  name = "dpsgd" if private else "nonprivate"
+  return (Phase(name, SHARED_STREAM, (part,), private=private),)
 
 
 def _model_options(
