@@ -48,7 +48,7 @@ sentiment words, no labels); none of its texts equals a train or dev text.
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -468,14 +468,37 @@ def synthetic_task(
   return SyntheticTask(train, dev, public, tokenizer, groups)
 
 
-def _pick(rng: np.random.Generator, words: tuple[str, ...]) -> str:
+def pick(rng: np.random.Generator, words: Sequence[str]) -> str:
+  """One of ``words``, uniformly (one draw of ``rng``)."""
   return words[int(rng.integers(len(words)))]
+
+
+def slot_polarities(
+    rng: np.random.Generator, label: int
+) -> tuple[int, list[int]]:
+  """A review's length in words (8 to 20) and its sentiment slots' polarities.
+
+  One to three slots of polarity ``label``; a three-slot review's first slot
+  takes the other polarity with probability ``_MINORITY_PROB``.
+  """
+  length = int(rng.integers(8, 21))
+  n_slots = int(rng.choice(_SLOT_COUNTS, p=_SLOT_PROBS))
+  polarities = [label] * n_slots
+  if n_slots == 3 and rng.random() < _MINORITY_PROB:
+    polarities[0] = 1 - label
+  return length, polarities
+
+
+def with_filler(rng: np.random.Generator, words: list[str], length: int) -> str:
+  """``words`` padded with filler words to ``length`` words, then shuffled."""
+  words = words + [pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
+  return " ".join(words[i] for i in rng.permutation(len(words)))
 
 
 def _sentiment_word(rng: np.random.Generator, topic: int, positive: int) -> str:
   if rng.random() < _CONTEXT_PROB:
-    return _pick(rng, CONTEXT_WORDS[positive ^ int(topic in FLIPPED_TOPICS)])
-  return _pick(rng, FIXED_WORDS[positive])
+    return pick(rng, CONTEXT_WORDS[positive ^ int(topic in FLIPPED_TOPICS)])
+  return pick(rng, FIXED_WORDS[positive])
 
 
 def _other_topic(rng: np.random.Generator, topic: int) -> int:
@@ -483,19 +506,13 @@ def _other_topic(rng: np.random.Generator, topic: int) -> int:
 
 
 def _review(rng: np.random.Generator, topic: int, label: int) -> str:
-  length = int(rng.integers(8, 21))
-  n_slots = int(rng.choice(_SLOT_COUNTS, p=_SLOT_PROBS))
-  polarities = [label] * n_slots
-  if n_slots == 3 and rng.random() < _MINORITY_PROB:
-    polarities[0] = 1 - label
+  length, polarities = slot_polarities(rng, label)
   words = [_sentiment_word(rng, topic, p) for p in polarities]
   n_topic = length // 2
-  topic_words = [_pick(rng, TOPICS[topic]) for _ in range(n_topic)]
+  topic_words = [pick(rng, TOPICS[topic]) for _ in range(n_topic)]
   if rng.random() < _OFF_TOPIC_PROB:
-    topic_words[0] = _pick(rng, TOPICS[_other_topic(rng, topic)])
-  words += topic_words
-  words += [_pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
-  return " ".join(words[i] for i in rng.permutation(len(words)))
+    topic_words[0] = pick(rng, TOPICS[_other_topic(rng, topic)])
+  return with_filler(rng, words + topic_words, length)
 
 
 def _description(rng: np.random.Generator) -> str:
@@ -503,11 +520,10 @@ def _description(rng: np.random.Generator) -> str:
   topic = int(rng.integers(len(TOPICS)))
   topics = [topic, _other_topic(rng, topic)] if rng.random() < 0.3 else [topic]
   words = [
-      _pick(rng, TOPICS[topics[i % len(topics)]])
+      pick(rng, TOPICS[topics[i % len(topics)]])
       for i in range(length * 11 // 20)
   ]
   if rng.random() < 0.5:
     kind = CONTEXT_WORDS if rng.random() < 0.5 else FIXED_WORDS
-    words.append(_pick(rng, kind[int(rng.integers(2))]))
-  words += [_pick(rng, FILLER_WORDS) for _ in range(length - len(words))]
-  return " ".join(words[i] for i in rng.permutation(len(words)))
+    words.append(pick(rng, kind[int(rng.integers(2))]))
+  return with_filler(rng, words, length)

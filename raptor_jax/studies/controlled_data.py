@@ -79,8 +79,6 @@ _RULE = np.array(
     np.int32,
 )
 _RECORD_STREAM, _PUBLIC_STREAM = 10, 11
-_SLOT_COUNTS, _SLOT_PROBS = (1, 2, 3), (0.35, 0.4, 0.25)
-_MINORITY_PROB = 0.5  # a three-slot record has one slot of the other polarity
 
 BALANCED: tuple[float, ...] = (0.25, 0.25, 0.25, 0.25)
 
@@ -142,10 +140,6 @@ def rule_polarity(word: str, domain: int) -> int:
   return 0
 
 
-def _pick(rng: np.random.Generator, words: Sequence[str]) -> str:
-  return words[int(rng.integers(len(words)))]
-
-
 def _sentiment_word(
     rng: np.random.Generator, domain: int, positive: int, relevance: float
 ) -> str:
@@ -155,24 +149,17 @@ def _sentiment_word(
       words = [
           w for j, w in enumerate(DOMAIN_RULE_WORDS) if not _RULE[j, domain]
       ]
-    return _pick(rng, words)
-  return _pick(rng, SHARED_WORDS[positive])
+    return synthetic.pick(rng, words)
+  return synthetic.pick(rng, SHARED_WORDS[positive])
 
 
 def _record(
     rng: np.random.Generator, domain: int, label: int, relevance: float
 ) -> str:
-  length = int(rng.integers(8, 21))
-  n_slots = int(rng.choice(_SLOT_COUNTS, p=_SLOT_PROBS))
-  polarities = [label] * n_slots
-  if n_slots == 3 and rng.random() < _MINORITY_PROB:
-    polarities[0] = 1 - label
+  length, polarities = synthetic.slot_polarities(rng, label)
   words = [_sentiment_word(rng, domain, p, relevance) for p in polarities]
-  words += [_pick(rng, DOMAINS[domain]) for _ in range(length // 2)]
-  words += [
-      _pick(rng, synthetic.FILLER_WORDS) for _ in range(length - len(words))
-  ]
-  return " ".join(words[i] for i in rng.permutation(len(words)))
+  words += [synthetic.pick(rng, DOMAINS[domain]) for _ in range(length // 2)]
+  return synthetic.with_filler(rng, words, length)
 
 
 def generate_records(
@@ -215,18 +202,17 @@ def generate_records(
 
 def _description(rng: np.random.Generator, domain: int) -> str:
   length = int(rng.integers(10, 25))
-  words = [_pick(rng, DOMAINS[domain]) for _ in range(length * 11 // 20)]
+  words = [
+      synthetic.pick(rng, DOMAINS[domain]) for _ in range(length * 11 // 20)
+  ]
   if rng.random() < 0.5:
     pool = (
         DOMAIN_RULE_WORDS
         if rng.random() < 0.5
         else SHARED_WORDS[int(rng.integers(2))]
     )
-    words.append(_pick(rng, pool))
-  words += [
-      _pick(rng, synthetic.FILLER_WORDS) for _ in range(length - len(words))
-  ]
-  return " ".join(words[i] for i in rng.permutation(len(words)))
+    words.append(synthetic.pick(rng, pool))
+  return synthetic.with_filler(rng, words, length)
 
 
 def generate_public_texts(
