@@ -24,35 +24,24 @@ import numpy as np
 from launch.bench import harness
 from raptor_jax.models import decoder, deepseek, initializers, moe, olmoe, switch
 
-# Per family: size defaults (switch-base-8/-64, OLMoE-1B-7B, DeepSeek-VL2-Tiny),
-# one expert MLP's matrices in order, and the other variants run.
+# Per family (switch-base-8/-64, OLMoE-1B-7B, DeepSeek-VL2-Tiny): size
+# defaults, one expert MLP's matrices in order, the other variants run.
+_KEYS = ('num_experts', 'batch_sizes', 'd_model', 'd_ff', 'top_k')
+_family = lambda *values, matrices, others: dict(
+    zip(_KEYS, values),
+    matrices=tuple(matrices.split()),
+    references=tuple(others.split()),
+)
+_SWIGLU = 'gate up down'
 FAMILIES = {
-    'switch': dict(
-        num_experts=(8, 64),
-        batch_sizes=(1, 8),
-        d_model=768,
-        d_ff=3072,
-        top_k=1,
-        matrices=('wi', 'wo'),
-        references=('ragged', 'dense'),
+    'switch': _family(
+        (8, 64), (1, 8), 768, 3072, 1, matrices='wi wo', others='ragged dense'
     ),
-    'olmoe': dict(
-        num_experts=(64,),
-        batch_sizes=(1,),
-        d_model=2048,
-        d_ff=1024,
-        top_k=8,
-        matrices=('gate', 'up', 'down'),
-        references=('ragged', 'dense', 'all'),
+    'olmoe': _family(
+        (64,), (1,), 2048, 1024, 8, matrices=_SWIGLU, others='ragged dense all'
     ),
-    'deepseek': dict(
-        num_experts=(64,),
-        batch_sizes=(1,),
-        d_model=1280,
-        d_ff=896,
-        top_k=6,
-        matrices=('gate', 'up', 'down'),
-        references=('dense', 'all'),
+    'deepseek': _family(
+        (64,), (1,), 1280, 896, 6, matrices=_SWIGLU, others='dense all'
     ),
 }
 
@@ -80,20 +69,13 @@ _NAN = float('nan')
 
 
 def ideal_flops(
-    tokens: int,
-    d_model: int,
-    d_ff: int,
-    num_experts: int,
-    top_k: int = 1,
-    expert_matmuls: int = 2,
-    shared_experts: int = 0,
-) -> float:
-  """Forward FLOPs of top-k routing done perfectly: k expert MLPs per token,
-  plus the shared experts' one MLP of width shared_experts x d_ff per token."""
-  return (
-      tokens * (top_k + shared_experts) * expert_matmuls * (2 * d_model * d_ff)
-      + 2 * tokens * d_model * num_experts
-  )
+    tokens, d_model, d_ff, num_experts, top_k=1, matmuls=2, shared=0
+):
+  """Forward FLOPs of top-k routing done perfectly: k expert MLPs of
+  `matmuls` matrices per token, plus the `shared` experts' one MLP of
+  width shared x d_ff per token, plus the router."""
+  mlp = matmuls * 2 * d_model * d_ff
+  return tokens * (top_k + shared) * mlp + 2 * tokens * d_model * num_experts
 
 
 def grouped_blocks(rows: int, num_experts: int) -> tuple[int, int]:
@@ -102,42 +84,29 @@ def grouped_blocks(rows: int, num_experts: int) -> tuple[int, int]:
   return block, moe.static_num_blocks(rows, num_experts, block)
 
 
-def layer_config(
-    family: str,
-    *,
-    num_experts: int,
-    d_model: int,
-    d_ff: int,
-    top_k: int = 1,
-    expert_capacity: int = 64,
-    shared_experts: int = 2,
-):
-  """The config of one sparse layer of `family` (Switch, OLMoE or DeepSeek)."""
+def layer_config(family, *, num_experts, d_model, d_ff, top_k=1, **extra):
+  """The config of one sparse layer of `family` (Switch, OLMoE or DeepSeek);
+  `extra`: expert_capacity (Switch, 64), shared_experts (DeepSeek, 2)."""
   if family == 'switch':
     if top_k != 1:
-      raise ValueError(
-          f'Switch routes top-1; got top_k={top_k} (use --family=olmoe)'
-      )
+      raise ValueError(f'Switch routes top-1; got top_k={top_k} (use olmoe)')
     return switch.SwitchConfig(
         d_model=d_model,
         d_ff=d_ff,
         num_experts=num_experts,
-        expert_capacity=expert_capacity,
+        expert_capacity=extra.get('expert_capacity', 64),
     )
+  sizes = dict(hidden_size=d_model, num_experts_per_tok=top_k)
   if family == 'olmoe':
     return olmoe.OlmoeConfig(
-        hidden_size=d_model,
-        intermediate_size=d_ff,
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
+        **sizes, intermediate_size=d_ff, num_experts=num_experts
     )
   if family == 'deepseek':
     return deepseek.DeepseekConfig(
-        hidden_size=d_model,
+        **sizes,
         moe_intermediate_size=d_ff,
         n_routed_experts=num_experts,
-        num_experts_per_tok=top_k,
-        n_shared_experts=shared_experts,
+        n_shared_experts=extra.get('shared_experts', 2),
         num_hidden_layers=1,
         first_k_dense_replace=0,
     )
@@ -283,90 +252,57 @@ def _time_pass(fns, args, i, references, repeats, max_dense_gflop):
   calls = {v: functools.partial(compiled[v], *args[v]) for v in timed}
   pairs = [(v, 'grouped') for v in timed[2:]] + [('grouped', 'one_expert')]
   ms, ratios = harness.interleaved_medians(calls, repeats=repeats, pairs=pairs)
-  return {
-      'grouped_xla_gflop': grouped_raw / 1e9,
-      'grouped_gflop': grouped / 1e9,
-      **{f'{v}_gflop': ref_flops[v] / 1e9 for v in references},
-      **{
-          f'{v}_ms': ms.get(v, _NAN)
-          for v in ('one_expert', 'grouped') + references
-      },
-      **{
-          f'{v}_over_grouped': ratios.get((v, 'grouped'), _NAN)
-          for v in references
-      },
-      'grouped_over_one_expert': ratios['grouped', 'one_expert'],
-  }, calls
+  row = dict(grouped_xla_gflop=grouped_raw / 1e9, grouped_gflop=grouped / 1e9)
+  for v in references:
+    row[f'{v}_gflop'] = ref_flops[v] / 1e9
+    row[f'{v}_over_grouped'] = ratios.get((v, 'grouped'), _NAN)
+  for v in ('one_expert', 'grouped') + references:
+    row[f'{v}_ms'] = ms.get(v, _NAN)
+  row['grouped_over_one_expert'] = ratios['grouped', 'one_expert']
+  return row, calls
 
 
-def run(
-    *,
-    family='switch',
-    num_experts=None,
-    batch_sizes=None,
-    top_k=None,
-    seq_len=128,
-    d_model=None,
-    d_ff=None,
-    expert_capacity=64,
-    shared_experts=2,
-    repeats=5,
-    max_dense_gflop=250.0,
-    seed=0,
-) -> list[dict]:
+def run(*, family='switch', repeats=5, max_dense_gflop=250.0, **options):
   """Measures every (E, B, pass); returns one dict per row of the tables.
 
-  Sizes left None take `FAMILIES[family]`'s defaults. Row keys: E, B, k, pass,
-  block, blocks, ideal_gflop, grouped_xla_gflop, grouped_gflop (loop-corrected),
-  and per other variant v in `FAMILIES[family]['references']` (ragged for
-  switch and olmoe, dense; all for the top-k families) v_gflop, v_ms (NaN
-  when skipped), v_over_grouped; also
+  `options`: the sizes (`FAMILIES[family]`'s where left out or None),
+  seq_len (128), expert_capacity (64), shared_experts (2), seed (0). Row
+  keys: E, B, k, pass, block, blocks, ideal_gflop, grouped_xla_gflop,
+  grouped_gflop (loop-corrected), per other variant v of the family's
+  `references` v_gflop, v_ms (NaN when skipped) and v_over_grouped;
   one_expert_ms, grouped_ms, grouped_over_one_expert and max_abs_diff (the
-  largest |grouped - v| of the forward outputs over the variants that ran).
+  largest |grouped - v| of the forward outputs of the variants that ran).
   """
   spec = FAMILIES[family]
-  num_experts, batch_sizes, top_k, d_model, d_ff = (
-      spec[name] if value is None else value
-      for name, value in zip(
-          ('num_experts', 'batch_sizes', 'top_k', 'd_model', 'd_ff'),
-          (num_experts, batch_sizes, top_k, d_model, d_ff),
-      )
-  )
-  references = spec['references']
+  get = lambda k: spec[k] if options.get(k) is None else options[k]
+  top_k, d_model, d_ff = get('top_k'), get('d_model'), get('d_ff')
+  seq_len, seed = options.get('seq_len', 128), options.get('seed', 0)
+  shared = options.get('shared_experts', 2)
+  references, matrices = spec['references'], spec['matrices']
   rows_out = []
-  key = jax.random.PRNGKey(seed)
-  for e in num_experts:
+  for e in get('num_experts'):
     config = layer_config(
         family,
         num_experts=e,
         d_model=d_model,
         d_ff=d_ff,
         top_k=top_k,
-        expert_capacity=expert_capacity,
-        shared_experts=shared_experts,
+        expert_capacity=options.get('expert_capacity', 64),
+        shared_experts=shared,
     )
-    for b in batch_sizes:
-      k_param, k_x, k_ct = jax.random.split(
-          jax.random.fold_in(key, e * 1000 + b), 3
-      )
+    for b in get('batch_sizes'):
+      key = jax.random.fold_in(jax.random.PRNGKey(seed), e * 1000 + b)
+      k_param, k_x, k_ct = jax.random.split(key, 3)
       x = jax.random.normal(k_x, (b, seq_len, d_model), jnp.float32)
       cotangent = jax.random.normal(k_ct, x.shape, jnp.float32)
-      params = {
-          'params': initializers.init_params(
-              _sparse_layer(config), k_param, (x,)
-          )
-      }
-      fns, weights = _variants(config, params, spec['matrices'], references)
+      layer = _sparse_layer(config)
+      params = {'params': initializers.init_params(layer, k_param, (x,))}
+      fns, weights = _variants(config, params, matrices, references)
       tokens = b * seq_len
       block, blocks = grouped_blocks(tokens * top_k, e)
+      shared_mlps = shared if family == 'deepseek' else 0
       ideal = ideal_flops(
-          tokens,
-          d_model,
-          d_ff,
-          e,
-          top_k,
-          len(spec['matrices']),
-          shared_experts if family == 'deepseek' else 0,
+          tokens, d_model, d_ff, e, top_k, len(matrices), shared_mlps
       )
       rows, out = [], {}
       for i, name in enumerate(PASSES):
@@ -375,16 +311,8 @@ def run(
             fns, args, i, references, repeats, max_dense_gflop
         )
         rows.append(
-            {
-                'E': e,
-                'B': b,
-                'k': top_k,
-                'pass': name,
-                'block': block,
-                'blocks': blocks,
-                'ideal_gflop': ideal * (i + 1) / 1e9,
-                **row,
-            }
+            dict(E=e, B=b, k=top_k, block=block, blocks=blocks, **row)
+            | {'pass': name, 'ideal_gflop': ideal * (i + 1) / 1e9}
         )
         if i == 0:
           out = {v: calls[v]() for v in ('grouped',) + references if v in calls}
@@ -399,11 +327,7 @@ def run(
   return rows_out
 
 
-_KEYS = ('E', 'B', 'k', 'pass')  # the first columns of both tables
-
-
-def _fmt(value: float, spec: str) -> str:
-  return '-' if np.isnan(value) else format(value, spec)
+_COLUMNS = ('E', 'B', 'k', 'pass')  # the first columns of both tables
 
 
 def _references(rows: list[dict]) -> tuple[str, ...]:
@@ -411,62 +335,45 @@ def _references(rows: list[dict]) -> tuple[str, ...]:
 
 
 def flops_table(rows: list[dict]) -> str:
-  refs = _references(rows)
-  header = (
-      'E|B|k|pass|block x blocks|ideal GF|grouped XLA raw GF|'
-      'grouped GF (loops x trips)|grouped/ideal'
-  ).split('|')
-  header += [h for v in refs for h in (f'{v} GF', f'{v}/ideal')]
-  body = [
-      [r[key] for key in _KEYS]
-      + [
-          f"{r['block']} x {r['blocks']}",
-          f"{r['ideal_gflop']:.2f}",
-          f"{r['grouped_xla_gflop']:.3f}",
-          f"{r['grouped_gflop']:.2f}",
-          f"{r['grouped_gflop'] / r['ideal_gflop']:.3f}",
-      ]
-      + [
-          c
-          for v in refs
-          for c in (
-              f"{r[f'{v}_gflop']:.1f}",
-              f"{r[f'{v}_gflop'] / r['ideal_gflop']:.2f}",
-          )
-      ]
-      for r in rows
+  columns = [(c, c, '') for c in _COLUMNS] + [
+      ('block x blocks', 'blocks_text', ''),
+      ('ideal GF', 'ideal_gflop', '.2f'),
+      ('grouped XLA raw GF', 'grouped_xla_gflop', '.3f'),
+      ('grouped GF (loops x trips)', 'grouped_gflop', '.2f'),
+      ('grouped/ideal', 'grouped_over_ideal', '.3f'),
   ]
-  return harness.format_table(header, body)
+  for v in _references(rows):
+    columns += [(f'{v} GF', f'{v}_gflop', '.1f')]
+    columns += [(f'{v}/ideal', f'{v}_over_ideal', '.2f')]
+  per_ideal = lambda r: {
+      f'{v}_over_ideal': r[f'{v}_gflop'] / r['ideal_gflop']
+      for v in ('grouped',) + _references(rows)
+  }
+  return harness.dict_table(
+      columns,
+      [
+          dict(r, blocks_text=f"{r['block']} x {r['blocks']}", **per_ideal(r))
+          for r in rows
+      ],
+  )
 
 
 def time_table(rows: list[dict]) -> str:
   refs = _references(rows)
-  header = (
-      list(_KEYS)
-      + ['1-expert ms', 'grouped ms']
-      + [f'{v} ms' for v in refs]
-      + [f'{v}/grouped' for v in refs]
-      + ['grouped/1-expert', 'max|grouped-' + '/'.join(refs) + '|']
-  )
-  body = [
-      [r[key] for key in _KEYS]
-      + [f"{r['one_expert_ms']:.1f}", f"{r['grouped_ms']:.1f}"]
-      + [_fmt(r[f'{v}_ms'], '.1f') for v in refs]
-      + [_fmt(r[f'{v}_over_grouped'], '.2f') for v in refs]
-      + [f"{r['grouped_over_one_expert']:.2f}", _fmt(r['max_abs_diff'], '.1e')]
-      for r in rows
-  ]
-  return harness.format_table(header, body)
+  columns = [(c, c, '') for c in _COLUMNS]
+  columns += [('1-expert ms', 'one_expert_ms', '.1f')]
+  columns += [(f'{v} ms', f'{v}_ms', '.1f') for v in ('grouped',) + refs]
+  columns += [(f'{v}/grouped', f'{v}_over_grouped', '.2f') for v in refs]
+  columns += [('grouped/1-expert', 'grouped_over_one_expert', '.2f')]
+  columns += [(f"max|grouped-{'/'.join(refs)}|", 'max_abs_diff', '.1e')]
+  return harness.dict_table(columns, rows)
 
 
 def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   spec = FAMILIES[FLAGS.family]
-  sizes = {
-      name: spec[name] if FLAGS[name].value is None else FLAGS[name].value
-      for name in ('num_experts', 'batch_sizes', 'top_k', 'd_model', 'd_ff')
-  }
+  sizes = {k: FLAGS[k].value or spec[k] for k in _KEYS}
   for name in ('num_experts', 'batch_sizes'):
     sizes[name] = [int(v) for v in sizes[name]]
   shared = f' + {FLAGS.shared_experts} shared' * (FLAGS.family == 'deepseek')

@@ -1,25 +1,17 @@
 r"""Compile time of every program the trainer builds, by model, depth and batch.
 
-For each model shape (switch-base-8, OLMoE-1B-7B, the DeepSeek-VL2-Tiny
-language model; reduced vocabulary), depth (2 blocks and the model's full
-depth), microbatch (1, 8, 32) and `scan_layers` setting, in one process:
-
-* parameter set-up: `models.init_params` (shapes from `jax.eval_shape`,
-  leaves drawn directly; the forward pass is never compiled);
-* lower and compile seconds of every program the trainer compiles ahead
-  (`train.cycle.programs`, `ownership.owner_pass`): the owner pass, and per
-  stream (RAPTOR's shared stream: attention LoRA + head; its expert stream:
-  the owner slices of l*'s expert LoRA, kept out of the scan) zero sums,
-  accumulate, the packed noisy update and its unpacking; and evaluation;
-* the optimised HLO size (instructions, fused computations included) and
-  the largest `known_trip_count` of a while loop in it (a scan's steps: on a
-  GPU each iteration is driven from the host).
+Per model shape (switch-base-8, OLMoE-1B-7B, the DeepSeek-VL2-Tiny language
+model, Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B, Mixtral-8x7B; reduced vocabulary),
+depth (2 blocks and full), microbatch and `scan_layers`, in one process:
+parameter set-up (`models.init_params`), then lower and compile seconds,
+optimised HLO instructions and the largest while-loop trip count of every
+program the trainer compiles ahead: the owner pass, per stream (shared;
+expert: l*'s owner slices) zero sums, accumulate, packed update and
+unpack, and evaluation.
 
   python -m launch.bench.compile_time --models=switch --dtype=bfloat16 \
       --microbatches=32 --depths=2,full
   python -m launch.bench.compile_time --quick   # a tiny shape, seconds
-
-Rows print as they finish; the per-setting summary table comes last.
 """
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -31,7 +23,6 @@ if __name__ == '__main__':  # first, before any library starts a thread
   _host_memory.keep_unless_disabled(sys.argv)
 
 import itertools
-import re
 import time
 
 from absl import app
@@ -53,58 +44,39 @@ _DECODER += ('num_key_value_heads', 'num_experts', 'num_experts_per_tok')
 _DEEPSEEK = ('hidden_size', 'intermediate_size', 'moe_intermediate_size')
 _DEEPSEEK += ('num_attention_heads', 'num_key_value_heads', 'n_routed_experts')
 _DEEPSEEK += ('n_shared_experts', 'num_experts_per_tok')
-_DEEPSEEK_FIXED = dict(use_mla=False, first_k_dense_replace=1)
+_FIXED = dict(use_mla=False, first_k_dense_replace=1)  # DeepSeek's
+_decoder = lambda *sizes, **kw: dict(zip(_DECODER, sizes), **kw)
+_QWEN3 = dict(moe_intermediate_size=768, head_dim=128, norm_topk_prob=True)
+_QWEN2 = dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632)
 SHAPES = {
     'switch': dict(full=12, config=builders.SWITCH_BASE_8),
-    'olmoe': dict(
-        full=16, config=dict(zip(_DECODER, (2048, 1024, 16, 16, 64, 8)))
-    ),
+    'olmoe': dict(full=16, config=_decoder(2048, 1024, 16, 16, 64, 8)),
     'deepseek': dict(
         full=12,
         config=dict(
-            zip(_DEEPSEEK, (1280, 6848, 896, 10, 10, 64, 2, 6)),
-            **_DEEPSEEK_FIXED,
+            zip(_DEEPSEEK, (1280, 6848, 896, 10, 10, 64, 2, 6)), **_FIXED
         ),
     ),
     'qwen3_moe': dict(  # Qwen/Qwen3-30B-A3B
         full=48,
-        config=dict(
-            zip(_DECODER, (2048, 6144, 32, 4, 128, 8)),
-            moe_intermediate_size=768,
-            head_dim=128,
-            norm_topk_prob=True,
-        ),
+        config=_decoder(2048, 6144, 32, 4, 128, 8, **_QWEN3),
     ),
     'qwen2_moe': dict(  # Qwen/Qwen1.5-MoE-A2.7B
         full=24,
-        config=dict(
-            zip(_DECODER, (2048, 5632, 16, 16, 60, 4)),
-            moe_intermediate_size=1408,
-            shared_expert_intermediate_size=5632,
-        ),
+        config=_decoder(2048, 5632, 16, 16, 60, 4, **_QWEN2),
     ),
-    'mixtral': dict(  # mistralai/Mixtral-8x7B-v0.1
-        full=32, config=dict(zip(_DECODER, (4096, 14336, 32, 8, 8, 2)))
-    ),
+    'mixtral': dict(full=32, config=_decoder(4096, 14336, 32, 8, 8, 2)),
 }
-
-# `--quick`: every family at toy width, for the CPU tests.
-_TOY = dict(zip(_DECODER, (32, 32, 2, 2, 4, 2)))
+# `--quick`: every family at toy width (the toy Switch's, d_model and
+# capacity doubled), for the CPU tests.
+_TOY = _decoder(32, 32, 2, 2, 4, 2)
+_SWITCH = {k: builders.TOY_SWITCH[k] for k in builders.SWITCH_BASE_8}
 QUICK = {
-    'switch': dict(  # the toy Switch's widths, d_model and capacity doubled
-        full=4,
-        config=dict(
-            {k: builders.TOY_SWITCH[k] for k in builders.SWITCH_BASE_8},
-            d_model=32,
-            expert_capacity=8,
-        ),
-    ),
+    'switch': dict(full=4, config=dict(_SWITCH, d_model=32, expert_capacity=8)),
     'olmoe': dict(full=3, config=_TOY),
     'deepseek': dict(
         full=3,
-        config=dict(
-            zip(_DEEPSEEK, (32, 64, 32, 2, 2, 4, 1, 2)), **_DEEPSEEK_FIXED
-        ),
+        config=dict(zip(_DEEPSEEK, (32, 64, 32, 2, 2, 4, 1, 2)), **_FIXED),
     ),
     'qwen3_moe': dict(
         full=3, config=dict(_TOY, moe_intermediate_size=16, head_dim=8)
@@ -129,22 +101,6 @@ def define_flags() -> None:
   flags.DEFINE_integer('seq_len', 128, 'Tokens per record.')
   flags.DEFINE_integer('vocab_size', 8000, 'Reduced vocabulary.')
   flags.DEFINE_bool('quick', False, 'Toy shapes, depths 2 and full, m = 2.')
-
-
-def max_while_trip_count(hlo_text: str) -> int:
-  """The largest `known_trip_count` of a while loop in optimised HLO text
-  (0 when no loop has a known count)."""
-  counts = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', hlo_text)
-  return max(map(int, counts), default=0)
-
-
-def hlo_instructions(hlo_text: str) -> int:
-  """Instructions in optimised HLO text, fused computations included."""
-  return sum(
-      1
-      for line in hlo_text.splitlines()
-      if re.match(r'\s+(ROOT )?%\S+ = ', line)
-  )
 
 
 def model(name: str, depth: int, *, shapes, vocab_size, dtype, scan):
@@ -221,23 +177,19 @@ def measure(fn, args) -> dict:
   """Lower and compile seconds, HLO instructions, largest while trip count."""
   timed = harness.compile_timed(fn, *args, jitted=True)
   text = timed.compiled.as_text() or ''
+  trips = [l['trip_count'] or 0 for l in harness.while_loops(text)]
   return dict(
       lower_s=timed.lower_s,
       compile_s=timed.compile_s,
-      hlo=hlo_instructions(text),
-      max_trip=max_while_trip_count(text),
+      hlo=harness.hlo_instructions(text),
+      max_trip=max(trips, default=0),  # of the loops with a known count
   )
 
 
 def setting_rows(name, depth, m, scan, *, shapes, seq_len, vocab_size, dtype):
   """(set-up seconds, one dict per program) of one setting."""
   module, config = model(
-      name,
-      depth,
-      shapes=shapes,
-      vocab_size=vocab_size,
-      dtype=dtype,
-      scan=scan,
+      name, depth, shapes=shapes, vocab_size=vocab_size, dtype=dtype, scan=scan
   )
   jax.clear_caches()  # every setting compiles from scratch
   ids = np.zeros((1, seq_len), np.int32)
@@ -246,12 +198,8 @@ def setting_rows(name, depth, m, scan, *, shapes, seq_len, vocab_size, dtype):
       models.init_params(module, jax.random.key(0), (ids, np.ones_like(ids)))
   )
   setup_s = time.perf_counter() - start
-  rows = []
-  for program, fn, args in programs(
-      module, config, params, m, seq_len, vocab_size
-  ):
-    rows.append(dict(program=program, **measure(fn, args)))
-  return setup_s, rows
+  made = programs(module, config, params, m, seq_len, vocab_size)
+  return setup_s, [dict(program=p, **measure(f, a)) for p, f, a in made]
 
 
 def summary(rows) -> dict:
@@ -316,20 +264,12 @@ def run(
       names, depths, microbatches, scans
   ):
     blocks = shapes[name]['full'] if depth == 'full' else int(depth)
+    options = dict(seq_len=seq_len, vocab_size=vocab_size, dtype=dtype)
     setup_s, rows = setting_rows(
-        name,
-        blocks,
-        m,
-        scan,
-        shapes=shapes,
-        seq_len=seq_len,
-        vocab_size=vocab_size,
-        dtype=dtype,
+        name, blocks, m, scan, shapes=shapes, **options
     )
     key = dict(model=name, blocks=blocks, m=m, scan=str(scan))
-    echo(
-        harness.dict_table(PROGRAM_COLUMNS, [dict(key, **r) for r in rows]),
-    )
+    echo(harness.dict_table(PROGRAM_COLUMNS, [dict(key, **r) for r in rows]))
     summaries.append(dict(key, setup_s=setup_s, **summary(rows)))
   echo(harness.dict_table(SUMMARY_COLUMNS, summaries))
   return summaries

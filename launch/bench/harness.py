@@ -1,33 +1,19 @@
-"""The benchmarks' one harness: calls taking turns, medians, ratios.
+"""The benchmarks' one harness: calls taking turns, medians, ratios, costs.
 
-In one process (`interleaved_times`, `interleaved_medians`; `benchmark`,
-`bench_dispatch`, `kernels`): the jitted variants of one step are
-called in turns (A, B, A, B, ...) after warm-up, round after round; each
-column gets its median and each pair its paired ratio (`paired_ratio`, the
-median of the per-round ratios, so load that changes during the run hits
-both alike). `format_table` and `dict_table` print the tables.
+In one process (`interleaved_times`, `interleaved_medians`) the compiled
+variants of a step are called in turns (A, B, A, B, ...) after warm-up; a
+column gets its median and a pair its `paired_ratio` (the median of the
+per-round ratios, so load that changes during the run hits both alike).
+Side-by-side comparisons (`vs_opacus`, `epoch_time`) time each framework
+in its own worker process (the script run with `--serve`: `serve`), asked
+for one call at a time, column after column, round after round
+(`worker_times`); round r calls each column with r, so a benchmark may
+time a different input per round while still pairing the columns.
 
-Every side-by-side benchmark (`vs_opacus`, `epoch_time`) times each
-framework in its own worker process, as its users run it: one process, one
-allocator and one set-up per framework. The parent asks the workers for one
-call at a time, column after column, round after round, so no two calls
-ever run at once and every column sees the same machine state; a ratio is
-then the median over rounds of the paired per-round ratios
-(`paired_ratio`), robust to a slow round that hits every column.
-
-A worker is the benchmark's own script run with its `--serve` flag: it
-builds its calls, warms them up and then answers requests (`serve`). In a
-round `r`, each column's call gets `r`, so a benchmark may time a different
-input per round (`epoch_time` times step r of an epoch) while still pairing
-the columns on the same input.
-
-What a compiled program costs, read the same way across JAX versions (the
-last part of this file): `compile_timed` (lowering and compilation seconds),
-`flops` and `memory_stats` (XLA's cost and memory analysis; either may be
-missing on some backends), `loop_corrected_flops` (XLA counts the body of a
-`while` loop, so of every `lax.scan`, ONCE: this adds the missing
-`length - 1` copies of each scan body, the body's cost also taken from XLA),
-`largest_buffers` (the biggest buffers of its optimized HLO) and
+What a compiled program costs, read the same way across JAX versions:
+`compile_timed`, `flops` and `memory_stats` (XLA's analyses; NaN or None
+where a backend lacks them), `loop_corrected_flops` (XLA counts a scan's
+body once: this adds the other `length - 1` copies), `largest_buffers` and
 `while_loops` (its loops and their trip counts).
 """
 
@@ -55,15 +41,8 @@ def interleaved_times(
     repeats: int = 5,
     warmup: int = 1,
 ) -> dict[str, list[float]]:
-  """Wall-clock seconds of each zero-argument callable, measured in turns.
-
-  Every round calls each function once, in the given order, and waits for
-  its outputs with ``jax.block_until_ready``. Compile the functions first
-  (or count the first call as warm-up): the warm-up rounds are not timed.
-
-  Returns:
-    ``{name: [seconds of round 0, round 1, ...]}``.
-  """
+  """{name: [seconds of round 0, 1, ...]}: each round calls every function
+  once, in order, outputs waited for, after `warmup` untimed rounds."""
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}.")
   for _ in range(warmup):
@@ -92,14 +71,21 @@ def median(samples: list[float]) -> float:
 
 
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
-  """Median over rounds of ``numerator[i] / denominator[i]``.
-
-  With interleaved rounds this is less sensitive to a load change during the
-  run than the ratio of the two medians.
-  """
+  """Median over rounds of ``numerator[i] / denominator[i]``."""
   if len(numerator) != len(denominator) or not numerator:
     raise ValueError("need two non-empty lists of the same length.")
   return median([a / b for a, b in zip(numerator, denominator)])
+
+
+def device_memory(key: str) -> int | None:
+  """`key` of the first device's `memory_stats()` ('bytes_limit',
+  'peak_bytes_in_use'), or None where it reports none (a CPU)."""
+  return (jax.devices()[0].memory_stats() or {}).get(key)
+
+
+def fmt(value, spec: str = "") -> str:
+  """`format(value, spec)`; '-' for None or NaN."""
+  return "-" if value is None or value != value else format(value, spec)
 
 
 def format_table(header: list[str], rows: list[list[Any]]) -> str:
@@ -114,12 +100,12 @@ def format_table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def dict_table(columns, rows: Sequence[Mapping[str, Any]]) -> str:
-  """`format_table` of dict rows: one column per (header, key, format spec);
-  a tuple of keys makes one cell of their values, 'a, b'."""
+  """`format_table` of dict rows: one column per (header, key, format spec)
+  (`fmt`); a tuple of keys makes one cell of their values, 'a, b'."""
 
   def cell(row, keys, spec):
     keys = (keys,) if isinstance(keys, str) else keys
-    return ", ".join(format(row[k], spec) for k in keys)
+    return ", ".join(fmt(row.get(k), spec) for k in keys)
 
   return format_table(
       [header for header, _, _ in columns],
@@ -133,12 +119,8 @@ def interleaved_medians(
     repeats: int,
     pairs: Sequence[tuple[str, str]] = (),
 ) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
-  """({column: median ms}, {(a, b): paired ratio a / b}) of in-process calls.
-
-  `calls` are timed in interleaved rounds after one warm-up round
-  (`interleaved_times`); a ratio is the median over rounds of
-  the per-round ratios (`paired_ratio`), for each pair in `pairs`.
-  """
+  """({column: median ms}, {(a, b): `paired_ratio` a / b}) of `calls`
+  timed in interleaved rounds after one warm-up round."""
   times = interleaved_times(calls, repeats=repeats)
   ms = {c: median(t) * 1e3 for c, t in times.items()}
   return ms, {(a, b): paired_ratio(times[a], times[b]) for a, b in pairs}
@@ -149,18 +131,10 @@ def serve(
     failed: Mapping[str, str] | None = None,
     warmup: Callable[[], None] | None = None,
 ) -> None:
-  """The worker loop: warm up, announce the columns, then time on request.
-
-  Prints one JSON line {'ready': [columns], 'failed': {column: error}};
-  then each input line 'column<TAB>round' is answered with the seconds one
-  call `calls[column](round)` took, outputs waited for.
-
-  Args:
-    calls: {column: call of the round index}.
-    failed: columns that could not be built, with a one-line error.
-    warmup: compiles and warms everything up (default: two calls of every
-      column with round 0).
-  """
+  """The worker loop: `warmup` (default: two calls of every column with
+  round 0), one JSON line {'ready': [columns], 'failed': {column: error}},
+  then each input line 'column<TAB>round' answered with the seconds one
+  call `calls[column](round)` took, outputs waited for."""
   if warmup is None:
     for call in calls.values():
       jax.block_until_ready(call(0))
@@ -189,16 +163,12 @@ def worker_times(
     repeats: int,
     by_column: bool = False,
 ) -> tuple[dict[str, list[float]], dict[str, str]]:
-  """({column: [seconds per round]}, {column: error}) from worker processes.
+  """({column: [seconds per round]}, {column: error}) from workers.
 
-  Args:
-    workers: (command line, name) pairs: each command runs `serve`; `name`
-      maps a worker's column to the table's column (e.g. a tag for its
-      process setting).
-    repeats: rounds; round r calls every column of every worker once, in
-      turns, with r.
-    by_column: in a round, the workers' columns of one name back to back
-      (A/B pairs of workers serving the same columns); else worker by worker.
+  `workers`: (command line running `serve`, `name` mapping a worker's
+  column to the table's). Round r calls every column of every worker once,
+  with r: worker by worker, or with `by_column` the columns of one name
+  back to back (A/B pairs of workers serving the same columns).
   """
   procs, order, failed = [], [], {}
   try:
@@ -252,19 +222,13 @@ _CALLEE = re.compile(
 
 
 def while_loops(hlo_text: str) -> list[dict[str, Any]]:
-  """Every while op of an optimised HLO module, with its trip count.
+  """Every while op of optimised HLO text (`compiled.as_text()`).
 
-  Reads `compiled.as_text()` (`jax.jit(f).lower(...).compile()`): XLA
-  records a loop's static trip count in the op's backend_config
-  (`"known_trip_count":{"n":"100"}`); a loop without one (a data-dependent
-  `while_loop`) gets `None`. On a GPU each iteration is driven from the host
-  (jax issue 2491), so these are the host round trips a call pays.
-
-  Returns:
-    One dict per while op: `name`, `trip_count` (int or None) and
-    `per_call`, its iterations per call of the program: the trip count
-    times those of the loops it is nested in (None if any is unknown; the
-    largest over the paths that reach it).
+  One dict per op: `name`, `trip_count` (XLA's `known_trip_count`; None
+  for a data-dependent loop) and `per_call`, its iterations per call: the
+  trip count times those of the loops around it (None if any is unknown;
+  the largest over the paths that reach it). On a GPU each iteration is a
+  host round trip (jax issue 2491).
   """
   body_of, trips, callees = {}, {}, {}
   computation = None
@@ -314,16 +278,19 @@ def while_loops(hlo_text: str) -> list[dict[str, Any]]:
 
 
 def max_while_trip_count(hlo_text: str) -> float:
-  """The largest trip count of any while loop in an optimised HLO module.
-
-  0 without loops; `math.inf` if some loop's trip count is not static (its
-  length then depends on the data, which no bound here can promise). See
-  `while_loops`.
-  """
+  """The largest trip count of a while loop in optimised HLO text: 0
+  without loops, `math.inf` if one is data-dependent (`while_loops`)."""
   counts = [loop["trip_count"] for loop in while_loops(hlo_text)]
   if any(c is None for c in counts):
     return math.inf
   return max(counts, default=0)
+
+
+def hlo_instructions(hlo_text: str) -> int:
+  """Instructions in optimised HLO text, fused computations included."""
+  return sum(
+      1 for l in hlo_text.splitlines() if re.match(r"\s+(ROOT )?%\S+ = ", l)
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -341,12 +308,8 @@ class Compiled(NamedTuple):
 def compile_timed(
     fn: Callable, *args, jitted: bool = False, **jit_kwargs
 ) -> Compiled:
-  """``jax.jit(fn, **jit_kwargs).lower(*args).compile()``, timed.
-
-  ``args`` may be arrays or ``jax.ShapeDtypeStruct``s. Call the returned
-  ``compiled`` with arrays of the same shapes; it never recompiles. With
-  ``jitted``, ``fn`` is already jitted: ``fn.lower(*args).compile()``.
-  """
+  """``jax.jit(fn, **jit_kwargs).lower(*args).compile()`` (``jitted``:
+  ``fn.lower(*args).compile()``), timed; ``args`` arrays or shapes."""
   start = time.perf_counter()
   lowered = (fn if jitted else jax.jit(fn, **jit_kwargs)).lower(*args)
   lowered_at = time.perf_counter()
@@ -367,10 +330,8 @@ def _cost_dict(compiled) -> Optional[Mapping[str, float]]:
 
 
 def flops(compiled) -> float:
-  """XLA's FLOP count of a compiled program (NaN where unavailable).
-
-  Loop bodies are counted once; see ``loop_corrected_flops``.
-  """
+  """XLA's FLOP count of a compiled program (NaN where unavailable); loop
+  bodies count once (``loop_corrected_flops``)."""
   cost = _cost_dict(compiled)
   if cost is None or "flops" not in cost:
     return float("nan")
@@ -378,12 +339,9 @@ def flops(compiled) -> float:
 
 
 def memory_stats(compiled) -> Optional[dict[str, int]]:
-  """XLA's buffer sizes in bytes of a compiled program, or None.
-
-  Keys: ``temp`` (scratch buffers live during the call: activations,
-  intermediate gradients; never the arguments), ``argument``, ``output``,
-  ``alias`` (outputs that reuse a donated argument), ``generated_code``.
-  """
+  """XLA's buffer bytes of a compiled program, or None: ``temp`` (scratch
+  live during the call, never the arguments), ``argument``, ``output``,
+  ``alias`` (outputs reusing a donated argument), ``generated_code``."""
   try:
     stats = compiled.memory_analysis()
   except Exception:  # pylint: disable=broad-except
@@ -430,25 +388,15 @@ def _scan_extra_flops(jaxpr: jax_core.Jaxpr, cache: dict) -> float:
 def loop_corrected_flops(
     fn: Callable, *args, compiled=None
 ) -> tuple[float, float]:
-  """XLA's FLOPs of ``jax.jit(fn)(*args)``, raw and with scans counted fully.
+  """(raw, corrected) XLA FLOPs of ``jax.jit(fn)(*args)`` (``compiled``:
+  that program, if at hand).
 
-  The raw count is ``flops`` of the compiled program. The corrected count
-  adds, for every ``lax.scan`` in ``fn``"s jaxpr (also inside ``jit``,
-  ``custom_vjp``, ``custom_vmap``, ...), ``length - 1`` more copies of the
-  scan body, whose FLOPs XLA counts on the body compiled alone; nested scans
-  are corrected recursively. This assumes XLA keeps each scan a loop (it
-  does on CPU and GPU for the trip counts here); a loop XLA unrolls, or
-  removes because its results are unused (e.g. the grouped dispatch's
-  adapter-gradient scans where the adapters are frozen), is over-counted. ``while_loop``s with a data-dependent trip count cannot be
-  corrected and stay counted once.
-
-  Args:
-    fn: the function, called as ``fn(*args)``.
-    *args: arrays or ``jax.ShapeDtypeStruct``s.
-    compiled: ``jax.jit(fn).lower(*args).compile()`` if already at hand.
-
-  Returns:
-    ``(raw, corrected)`` FLOPs.
+  The corrected count adds, for every ``lax.scan`` in ``fn``'s jaxpr (also
+  inside ``jit``, ``custom_vjp``, ...), ``length - 1`` more copies of its
+  body, whose FLOPs XLA counts on the body compiled alone; nested scans
+  recursively. A scan XLA unrolls or removes as unused (e.g. frozen
+  adapters' gradient scans) is over-counted; a data-dependent
+  ``while_loop`` stays counted once.
   """
   if compiled is None:
     compiled = jax.jit(fn).lower(*args).compile()
@@ -485,14 +433,10 @@ class Buffer(NamedTuple):
 
 
 def largest_buffers(compiled, count: int = 10) -> list[Buffer]:
-  """The ``count`` largest array results of a compiled program's HLO.
-
-  Reads the optimized HLO text and lists the results of the instructions of
-  every computation that is not a fusion body (the values XLA materializes,
-  including inside loop bodies), skipping parameters, tuples, aliases and
-  constants. A diagnostic, not a memory model: XLA may reuse one allocation
-  for several of these, and arguments are not listed.
-  """
+  """The ``count`` largest results of the non-fusion computations of a
+  compiled program's HLO (what XLA materialises, loop bodies included;
+  no parameters, tuples, aliases or constants). A diagnostic, not a memory
+  model: XLA may reuse one allocation for several."""
   text = compiled.as_text()
   fused = set()
   for line in text.splitlines():
