@@ -40,7 +40,7 @@ whose epsilon lies in ``[(1 - CALIBRATION_RTOL) * target, target]`` and is
 never above the target.
 """
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 import functools
 import math
 
@@ -169,6 +169,25 @@ def dpsgd_event(
   )
 
 
+def sequential_event(
+    runs: Iterable[tuple[float, float, int]],
+) -> dp_accounting.DpEvent:
+  """Runs on independent Poisson samples, one after another.
+
+  Args:
+    runs: ``(noise_multiplier, sample_rate, steps)`` of each run, in order.
+
+  Returns:
+    ``Composed[dpsgd_event(...) of each run]``.
+  """
+  return dp_accounting.ComposedDpEvent(
+      [
+          dpsgd_event(noise_multiplier=sigma, sample_rate=q, steps=steps)
+          for sigma, q, steps in runs
+      ]
+  )
+
+
 def joint_event(
     *, noise_multipliers: Sequence[float], sample_rate: float, steps: int
 ) -> dp_accounting.DpEvent:
@@ -225,16 +244,10 @@ def replayed_event(
   by_count = {}
   for k in releases:
     by_count[k] = by_count.get(k, 0) + 1
-  return dp_accounting.ComposedDpEvent(
-      [
-          dpsgd_event(
-              noise_multiplier=noise_multiplier / math.sqrt(k),
-              sample_rate=sample_rate,
-              steps=samples,
-          )
-          for k, samples in sorted(by_count.items())
-          if _validate.non_negative_int('releases', k) > 0
-      ]
+  return sequential_event(
+      (noise_multiplier / math.sqrt(k), sample_rate, samples)
+      for k, samples in sorted(by_count.items())
+      if _validate.non_negative_int('releases', k) > 0
   )
 
 
@@ -283,18 +296,10 @@ def raptor_event(
         sample_rate=sample_rate,
         steps=steps_shared,
     )
-  return dp_accounting.ComposedDpEvent(
+  return sequential_event(
       [
-          dpsgd_event(
-              noise_multiplier=sigma_shared,
-              sample_rate=sample_rate,
-              steps=steps_shared,
-          ),
-          dpsgd_event(
-              noise_multiplier=sigma_expert,
-              sample_rate=sample_rate,
-              steps=steps_expert,
-          ),
+          (sigma_shared, sample_rate, steps_shared),
+          (sigma_expert, sample_rate, steps_expert),
       ]
   )
 

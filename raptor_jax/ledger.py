@@ -113,15 +113,9 @@ class PrivacyLedger:
 
   def event(self) -> dp_accounting.DpEvent:
     """The composition of everything recorded, as one DpEvent."""
-    return dp_accounting.ComposedDpEvent(
-        [
-            accounting.dpsgd_event(
-                noise_multiplier=entry.noise_multiplier,
-                sample_rate=entry.sample_rate,
-                steps=entry.steps,
-            )
-            for entry in self.entries
-        ]
+    return accounting.sequential_event(
+        (entry.noise_multiplier, entry.sample_rate, entry.steps)
+        for entry in self.entries
     )
 
   def epsilon(self, delta: float) -> float:
