@@ -13,9 +13,8 @@ from raptor_jax import _validate, data
 def _random_model_config() -> ml_collections.ConfigDict:
   """`model.random`: the randomly initialised stand-in of a pretrained model."""
   r = ml_collections.ConfigDict()
-  r.family = (
-      "switch"  # switch | olmoe | deepseek | qwen3_moe | qwen2_moe | mixtral
-  )
+  # switch | olmoe | deepseek | qwen3_moe | qwen2_moe | mixtral
+  r.family = "switch"
   r.d_model = 64  # hidden size
   r.num_layers = 4  # blocks
   r.num_heads = 4  # attention heads
@@ -29,12 +28,10 @@ def _random_model_config() -> ml_collections.ConfigDict:
   r.norm_topk_prob = False  # renormalise the top-k weights (the kit's)
   r.num_shared_experts = 2  # always-active shared experts (deepseek)
   r.first_k_dense = 1  # leading dense blocks (deepseek)
-  r.kv_lora_rank = (
-      32  # MLA latent rank (deepseek); 0 = plain multi-head attention
-  )
-  r.topic_scale = (
-      2.0  # embedding boost shared by same-topic words (routing matters)
-  )
+  # MLA latent rank (deepseek); 0 = plain multi-head attention
+  r.kv_lora_rank = 32
+  # embedding boost shared by same-topic words (routing matters)
+  r.topic_scale = 2.0
   return r
 
 
@@ -49,9 +46,8 @@ def _model_config() -> ml_collections.ConfigDict:
   m.dispatch = "auto"  # expert dispatch: auto (= grouped on CPU, batched elsewhere) | grouped | batched | ragged
   m.kernels = "auto"  # hand-written backwards: auto (fast on CPU, reference elsewhere) | fast | reference
   m.scan_layers = True  # identical blocks as one nn.scan (compile time flat in depth); False = unrolled
-  m.pooling = (
-      ""  # '' = model default ('mean' for encoders, 'last' for decoders)
-  )
+  # '' = model default ('mean' for encoders, 'last' for decoders)
+  m.pooling = ""
   m.random = _random_model_config()  # architecture of the 'random' model
   return m
 
@@ -60,9 +56,8 @@ def _data_config() -> ml_collections.ConfigDict:
   """`data`: the private task, its public corpus and the synthetic task."""
   d = ml_collections.ConfigDict()
   d.task = "sst2"  # sst2 | mnli | qnli | qqp | synthetic
-  d.train_path = (
-      ""  # local train file (tsv/csv/parquet/jsonl); '' = the hub dataset
-  )
+  # local train file (tsv/csv/parquet/jsonl); '' = the hub dataset
+  d.train_path = ""
   d.dev_path = ""  # local dev file; '' = the hub dataset
   d.text_fields = ()  # override the text column(s)
   d.label_field = ""  # override the label column
@@ -77,9 +72,8 @@ def _data_config() -> ml_collections.ConfigDict:
   d.dev_limit = 0  # use only the first N dev records (0 = all)
   d.holdout = 0  # N train-file records after the first train_limit, never trained on (0 = none)
   d.eval_split = "dev"  # dev | holdout (tuning: evaluate on the held-out train records, not dev)
-  d.public_corpus = (
-      "imdb"  # preset (imdb | squad | anli_r2 | paws), hub id, or '' for none
-  )
+  # preset (imdb | squad | anli_r2 | paws), hub id, or '' for none
+  d.public_corpus = "imdb"
   d.public_path = ""  # local public corpus file (overrides the hub)
   d.public_split = ""  # hub split ('' = the preset's)
   d.public_text_fields = ()  # text column(s) of the public corpus ('' = the preset's)
@@ -100,9 +94,8 @@ def _privacy_config() -> ml_collections.ConfigDict:
   p.rho = 0.9  # shared stream's share of the budget (RAPTOR)
   p.clip_shared = 1.0  # C_s (and C of one-stream methods)
   p.clip_expert = 1.0  # C_e
-  p.secret_seed = (
-      -1
-  )  # seed of Poisson samples and noise; -1 = secret OS entropy (>= 0 only for reproducible experiments)
+  # seed of Poisson samples and noise; -1 = secret OS entropy (>= 0 only for reproducible experiments)
+  p.secret_seed = -1
   return p
 
 
@@ -110,21 +103,17 @@ def _raptor_config() -> ml_collections.ConfigDict:
   """`raptor`: RAPTOR's layer choice, expert stream and ablations."""
   r = ml_collections.ConfigDict()
   r.layer = "entropy"  # expert layer l*: entropy | first | last | a block index
-  r.owner_weighting = (
-      "count"  # Switch owner vote: count | prob (top-k models use gate weights)
-  )
-  r.expert_denominator = (
-      "B/E"  # public expert denominator D_e: B/E | B (ablation)
-  )
+  # Switch owner vote: count | prob (top-k models use gate weights)
+  r.owner_weighting = "count"
+  # public expert denominator D_e: B/E | B (ablation)
+  r.expert_denominator = "B/E"
   r.residual = "shared"  # residual weight logits: shared (expert stream off) | full | none
   r.residual_gamma = 1.0  # w_i ** gamma, gamma in (0, 1]
-  r.alternate = (
-      True  # False: both streams from one sample (sigma_eff accounting)
-  )
+  # False: both streams from one sample (sigma_eff accounting)
+  r.alternate = True
   r.joint_clip = False  # True: one clip C_s over a record's shared + expert grads; each phase releases its part
-  r.shared_full_weights = (
-      False  # shared stream trains q,k,v,o kernels instead of LoRA
-  )
+  # shared stream trains q,k,v,o kernels instead of LoRA
+  r.shared_full_weights = False
   r.expert_full_weights = False  # expert stream trains expert kernels instead of LoRA (residual: full | none)
   return r
 
@@ -140,9 +129,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.batch_size = 1000  # expected batch size B (public); sample rate q = B / n; 0 = n / 10 (at most 1000)
   c.microbatch_size = 32  # records per device per vmap(grad) call (memory only; no effect on privacy)
-  c.num_devices = (
-      0  # data-parallel devices; 0 = all (of every host in a multi-host run)
-  )
+  # data-parallel devices; 0 = all (of every host in a multi-host run)
+  c.num_devices = 0
   c.epochs = 20  # one epoch = ceil(1/q) cycles (docs/method.md §1.8); 0 = enough for 200 steps
   c.learning_rate = 5e-4  # Adam learning rate of every stream
 
@@ -152,18 +140,15 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.eval_every_epochs = 1  # dev evaluation period (and at the end)
   c.eval_batch_size = 64  # records per evaluation batch
-  c.checkpoint_every_cycles = (
-      100  # checkpoint period (and at the end, and on errors)
-  )
+  # checkpoint period (and at the end, and on errors)
+  c.checkpoint_every_cycles = 100
   # also checkpoint when this many minutes passed since the last one (0: off)
   c.checkpoint_every_minutes = 0.0
   c.log_every_cycles = 10  # progress / epsilon-spent logging period
-  c.stop_after_cycles = (
-      0  # stop (with a checkpoint) after this many cycles; 0 = run to the end
-  )
-  c.log_private_stats = (
-      False  # opt-in: log the private training loss (not DP; warns)
-  )
+  # stop (with a checkpoint) after this many cycles; 0 = run to the end
+  c.stop_after_cycles = 0
+  # opt-in: log the private training loss (not DP; warns)
+  c.log_private_stats = False
   c.progress_bar = True  # tqdm progress bar with epsilon spent
   # opt-in: wall time in results.json, TensorBoard and the progress bar's
   # rates; it depends on realised batch sizes (not DP; warns)
@@ -182,22 +167,14 @@ _ARG_FIX = (
 
 
 def tiny_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The embedded offline default: a small random Switch on the generated task."""
-  config.model.name = "random"
-  config.model.lora_rank = 4
-  config.model.lora_alpha = 8.0
-  config.data.task = "synthetic"
-  config.data.max_length = 32
-  config.data.public_corpus = (
-      "synthetic"  # the task's own disjoint public corpus
+  """The embedded offline default: a small random Switch on the generated task
+  (with its own disjoint public corpus)."""
+  config.model.update(name="random", lora_rank=4, lora_alpha=8.0)
+  config.data.update(
+      task="synthetic", max_length=32, public_corpus="synthetic", n_pub=1000
   )
-  config.data.n_pub = 1000
-  config.batch_size = 250
-  config.microbatch_size = 64
-  config.epochs = 6
-  config.learning_rate = 1e-2
-  config.eval_batch_size = 250
-  config.log_every_cycles = 5
+  config.update(batch_size=250, microbatch_size=64, eval_batch_size=250)
+  config.update(epochs=6, learning_rate=1e-2, log_every_cycles=5)
   config.checkpoint_every_cycles = 50
   return config
 
@@ -209,12 +186,9 @@ def cpu_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """
   task, corpus = config.data.task, config.data.public_corpus
   config = tiny_preset(config)
-  config.data.task, config.data.public_corpus = task, corpus
-  config.data.max_length = 64
+  config.data.update(task=task, public_corpus=corpus, max_length=64)
   config.model.tokenizer = "public-words"
-  config.batch_size = 1000
-  config.microbatch_size = 128
-  config.epochs = 3
+  config.update(batch_size=1000, microbatch_size=128, epochs=3)
   config.log_every_cycles = 10
   return config
 
@@ -227,80 +201,61 @@ def small_preset(
   Set --config.model.name=<pretrain workdir>/model (its WordPiece tokenizer is
   used) and the data paths. Sized so that one run takes at most ~8 minutes
   on 2 CPU cores: the first 16,000 training records (one epoch of 32 cycles
-  at B=500), the next 2,000 held out for tuning, max length 64.
+  at B=500), the next 2,000 held out for tuning, max length 64. The learning
+  rate is the non-private LoRA pilot's on the holdout (results/sst2_small).
   """
-  config.model.name = ""
-  config.model.lora_rank = 8
-  config.model.lora_alpha = 16.0
-  config.data.max_length = 64
-  config.data.train_limit = 16000
-  config.data.holdout = 2000
-  config.batch_size = 500
-  config.microbatch_size = 100
-  config.epochs = 1
-  config.learning_rate = (
-      1e-2  # non-private LoRA pilot on the holdout (results/sst2_small)
-  )
-  config.eval_batch_size = 250
-  config.log_every_cycles = 10
+  config.model.update(name="", lora_rank=8, lora_alpha=16.0)
+  config.data.update(max_length=64, train_limit=16000, holdout=2000)
+  config.update(batch_size=500, microbatch_size=100, eval_batch_size=250)
+  config.update(epochs=1, learning_rate=1e-2, log_every_cycles=10)
   config.checkpoint_every_cycles = 20
   return config
 
 
-def olmoe_family(
-    config: ml_collections.ConfigDict,
-) -> ml_collections.ConfigDict:
-  """OLMoE-1B-7B (E=64, top-8, 16 sparse blocks) instead of Switch-base-8."""
-  config.model.name = "allenai/OLMoE-1B-7B-0924"
-  config.model.dtype = "bfloat16"  # activations; DP sums and noise stay float32
-  config.microbatch_size = 8
-  config.model.random.update(
-      family="olmoe", num_experts=8, top_k=2, num_kv_heads=2
-  )
-  return config
+def _family(
+    name: str, doc: str, **random
+) -> Callable[[ml_collections.ConfigDict], ml_collections.ConfigDict]:
+  """A model family instead of Switch-base-8: paper scale loads `name` with
+  bfloat16 activations (DP sums and noise stay float32) and microbatch 8;
+  the random stand-in has 8 experts, top-2, and the `random` fields."""
 
+  def apply(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    config.model.update(name=name, dtype="bfloat16")
+    config.microbatch_size = 8
+    config.model.random.update(num_experts=8, top_k=2, **random)
+    return config
 
-def deepseek_family(
-    config: ml_collections.ConfigDict,
-) -> ml_collections.ConfigDict:
-  """DeepSeek-VL2-Tiny's language model instead of Switch-base-8.
-
-  DeepSeekMoE: 64 routed experts (top-6) and 2 always-active shared experts
-  per sparse block, the first block dense, 11 sparse blocks. The random
-  stand-in has 8 routed experts (top-2), 2 shared experts, MLA attention and
-  a dense first block.
-  """
-  config.model.name = "deepseek-ai/deepseek-vl2-tiny"
-  config.model.dtype = "bfloat16"  # activations; DP sums and noise stay float32
-  config.microbatch_size = 8
-  config.model.random.update(
-      family="deepseek", num_experts=8, top_k=2, num_layers=3
-  )
-  return config
+  apply.__doc__ = doc
+  return apply
 
 
 def kit_family(
     family: str, name: str, experts: int, top_k: int
 ) -> Callable[[ml_collections.ConfigDict], ml_collections.ConfigDict]:
-  """A decoder-kit family (`models.decoder`) instead of Switch-base-8.
+  """A decoder-kit family (`models.decoder`); `experts` and `top_k` are the
+  real model's (for its docstring)."""
+  doc = f"{name} (E={experts}, top-{top_k}) instead of Switch-base-8."
+  return _family(name, doc, family=family, num_kv_heads=2)
 
-  Paper scale loads `name` in bfloat16 (microbatch 8, as OLMoE); the random
-  stand-in has 8 experts, top-2 (`experts`, `top_k`: the real model's).
-  """
 
-  def apply(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    config.model.name = name
-    config.model.dtype = (
-        "bfloat16"  # activations; DP sums and noise stay float32
-    )
-    config.microbatch_size = 8
-    config.model.random.update(
-        family=family, num_experts=8, top_k=2, num_kv_heads=2
-    )
-    return config
+olmoe_family = _family(
+    "allenai/OLMoE-1B-7B-0924",
+    "OLMoE-1B-7B (E=64, top-8, 16 sparse blocks) instead of Switch-base-8.",
+    family="olmoe",
+    num_kv_heads=2,
+)
+deepseek_family = _family(
+    "deepseek-ai/deepseek-vl2-tiny",
+    """DeepSeek-VL2-Tiny's language model instead of Switch-base-8.
 
-  apply.__doc__ = f"{name} (E={experts}, top-{top_k}) instead of Switch-base-8."
-  return apply
+    DeepSeekMoE: 64 routed experts (top-6) and 2 always-active shared experts
+    per sparse block, the first block dense, 11 sparse blocks. The random
+    stand-in has 8 routed experts (top-2), 2 shared experts, MLA attention and
+    a dense first block.
+    """,
+    family="deepseek",
+    num_layers=3,
+)
 
 
 # Model family -> its changes to the (Switch) base config.
@@ -373,9 +328,7 @@ def qnli_small(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   8,000 train and the last 1,999 are the tuning holdout. The public corpus
   is the task's default, SQuAD contexts, as in the paper.
   """
-  config.data.max_length = 128
-  config.data.train_limit = 8000
-  config.data.holdout = 1999
+  config.data.update(max_length=128, train_limit=8000, holdout=1999)
   return config
 
 
