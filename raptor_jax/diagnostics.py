@@ -305,7 +305,6 @@ def sensitivities(
     trainable,
     frozen,
     records,
-    param_counts,
     *,
     noise_std: float,
     draws: int,
@@ -317,6 +316,7 @@ def sensitivities(
   compilation per call; pass one to reuse it across runs of one model).
   """
   logits_fn = logits_fn or step.make_eval_fn(model)
+  param_counts = role_param_counts(trainable)
   base_loss = _mean_loss(
       logits_fn, trainable, frozen, records, config.eval_batch_size
   )
@@ -450,7 +450,6 @@ def compute(
       trainable,
       frozen,
       records,
-      param_counts,
       noise_std=noise_std,
       draws=draws,
   )

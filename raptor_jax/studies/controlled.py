@@ -367,7 +367,6 @@ def diagnose(
       trainable,
       run.frozen,
       records,
-      param_counts,
       noise_std=sc.sensitivity_std,
       draws=sc.sensitivity_draws,
       logits_fn=cache.eval_fn(run.model),
