@@ -32,18 +32,10 @@ from raptor_jax.models import switch
 # tiles to 2 x 2 local tiles plus the global view under the paper's
 # candidates (m x n tiles of 384 px, mn <= 9), 1,023 positions, then the
 # question and choices (64 text tokens).
-VL2_TILES = images.TileSpec(
-    candidate_resolutions=tuple(
-        (384 * m, 384 * n)
-        for m in range(1, 10)
-        for n in range(1, 10)
-        if m * n <= 9
-    )
-)
-VL2_SEQ_LEN = (
-    images.num_image_tokens(*images.tile_grid((640, 480), VL2_TILES), VL2_TILES)
-    + 64
-)
+_TILINGS = [(m, n) for m in range(1, 10) for n in range(1, 10) if m * n <= 9]
+VL2_TILES = images.TileSpec(tuple((384 * m, 384 * n) for m, n in _TILINGS))
+_VL2_GRID = images.tile_grid((640, 480), VL2_TILES)
+VL2_SEQ_LEN = images.num_image_tokens(*_VL2_GRID, VL2_TILES) + 64
 
 # Per family: full-size layer and batch, and the --quick toy, as
 # (num_experts, d_model, d_ff, top_k, records). The decoder kit's other
@@ -88,26 +80,14 @@ def define_flags() -> None:
   flags.DEFINE_list('families', list(SHAPES), 'Sparse layers to run.')
   flags.DEFINE_list('modes', list(MODES), 'lora (fine-tuning), train.')
   flags.DEFINE_list('variants', list(VARIANTS), 'Dispatches to run.')
-  flags.DEFINE_integer(
-      'seq_len',
-      None,
-      'Tokens per record (128, deepseek_vl2 an image record; quick 8).',
-  )
+  flags.DEFINE_integer('seq_len', None, 'Tokens per record (default 128).')
   flags.DEFINE_integer('repeats', 10, 'Timed calls per row (median).')
-  flags.DEFINE_bool(
-      'compile_only', False, 'Compile each row, run nothing (no times).'
-  )
+  flags.DEFINE_bool('compile_only', False, 'Compile each row, time nothing.')
   flags.DEFINE_list(
-      'ragged_lowerings',
-      None,
-      'Lowerings of ragged_dot to time, from '
-      f'{list(LOWERINGS)} (default: all on GPU, xla elsewhere).',
+      'ragged_lowerings', None, f'From {list(LOWERINGS)} (GPU: all).'
   )
   flags.DEFINE_enum(
-      'isolate',
-      'auto',
-      ['auto', 'yes', 'no'],
-      'One child process per row (auto: where the device reports its peak).',
+      'isolate', 'auto', ['auto', 'yes', 'no'], 'A child process per row.'
   )
   flags.DEFINE_string('child', '', 'Internal: run one row, print its JSON.')
 
@@ -117,11 +97,7 @@ def _step(family: str, mode: str, variant: str, quick: bool, seq_len: int):
   shape = SHAPES[family]['quick' if quick else 'full']
   config = bench_dispatch.layer_config(
       'switch' if family == 'switch' else 'olmoe',  # the kit's top-k layer
-      num_experts=shape['num_experts'],
-      d_model=shape['d_model'],
-      d_ff=shape['d_ff'],
-      top_k=shape['top_k'],
-      expert_capacity=64,
+      **{k: shape[k] for k in ('num_experts', 'd_model', 'd_ff', 'top_k')},
   )
   config = dataclasses.replace(
       config, dispatch=DISPATCH[mode, variant], dtype='bfloat16'
@@ -169,11 +145,6 @@ def _step(family: str, mode: str, variant: str, quick: bool, seq_len: int):
   return step, args, options
 
 
-def _peak_bytes() -> int | None:
-  stats = jax.devices()[0].memory_stats()
-  return None if not stats else stats.get('peak_bytes_in_use')
-
-
 def measure(
     family: str,
     mode: str,
@@ -185,13 +156,10 @@ def measure(
     repeats: int = 10,
     compile_only: bool = False,
 ) -> dict:
-  """One row: median step ms, GFLOP, longest loop, XLA buffer MiB and device
-  peak MiB (or None); no ms with `compile_only`.
-
-  `lowering` is the ragged_dot lowering of a ragged row ('xla', or 'triton'
-  for JAX's Pallas Triton kernel; 'cudnn' is set by `_measure_in_child`). A
-  step that does not compile or run (e.g. out of memory) gives a row with
-  `error` (its first line) instead of numbers.
+  """One row: median step ms (None with `compile_only`), GFLOP, longest
+  loop, XLA buffer MiB and device peak MiB (or None); a step that does not
+  compile or run (e.g. out of memory) gives `error` instead. `lowering`:
+  ragged_dot's ('xla', 'triton'; 'cudnn' is set by `_measure_in_child`).
   """
   row = dict(family=family, mode=mode, variant=variant, lowering=lowering)
   row['dispatch'] = _label(mode, variant, lowering)
@@ -206,10 +174,10 @@ def measure(
     if not compile_only and repeats:
       times = harness.call_times(lambda: compiled(*args), repeats)
   except Exception as e:  # pylint: disable=broad-except
-    return dict(row, error=str(e).strip().splitlines()[0][:120])
+    return dict(row, error=harness.error_line(e))
   stats = harness.memory_stats(compiled) or {}
   xla = stats.get('argument', 0) + stats.get('output', 0) + stats.get('temp', 0)
-  peak = _peak_bytes()
+  peak = harness.device_memory('peak_bytes_in_use')
   return dict(
       row,
       ms=harness.median(times) * 1e3 if times else None,
@@ -257,12 +225,9 @@ def _measure_in_child(spec: dict) -> dict:
     if line.startswith('ROW '):
       return json.loads(line[4:])
   tail = (done.stderr.strip().splitlines() or ['no output'])[-1]
-  keys = ('family', 'mode', 'variant', 'lowering')
-  return dict(
-      {k: spec[k] for k in keys},
-      dispatch=_label(spec['mode'], spec['variant'], spec['lowering']),
-      error=tail[:120],
-  )
+  row = {k: spec[k] for k in ('family', 'mode', 'variant', 'lowering')}
+  label = _label(row['mode'], row['variant'], row['lowering'])
+  return dict(row, dispatch=label, error=tail[:120])
 
 
 def table(rows: list[dict]) -> str:
@@ -270,17 +235,8 @@ def table(rows: list[dict]) -> str:
   return harness.format_table(HEADER, [_cells(r, rows) for r in rows])
 
 
-HEADER = [
-    'layer',
-    'mode',
-    'dispatch',
-    'step ms',
-    'vs grouped',
-    'GFLOP',
-    'longest loop',
-    'XLA MiB',
-    'device peak MiB',
-]
+HEADER = 'layer|mode|dispatch|step ms|vs grouped|GFLOP|longest loop|XLA MiB|'
+HEADER = (HEADER + 'device peak MiB').split('|')
 
 
 def _cells(r: dict, rows: list[dict]) -> list[str]:
@@ -288,45 +244,30 @@ def _cells(r: dict, rows: list[dict]) -> list[str]:
   cells = [r['family'], r['mode'], r['dispatch']]
   if 'error' in r:
     return cells + ['did not run: ' + r['error']] + [''] * 5
-  base = next(
-      (
-          g.get('ms')
-          for g in rows
-          if g['variant'] == 'grouped'
-          and (g['family'], g['mode']) == (r['family'], r['mode'])
-      ),
-      None,
-  )
-  ms = r.get('ms')
-  gflop = r.get('gflop', float('nan'))
+  layer = lambda g: (g['family'], g['mode'], g['variant'])
+  base = [g.get('ms') for g in rows if layer(g) == layer(r)[:2] + ('grouped',)]
+  ms, gflop = r.get('ms'), r.get('gflop', float('nan'))
   return cells + [
-      '-' if ms is None else f'{ms:.2f}',
-      '-' if ms is None or not base else f'{ms / base:.2f}',
-      f'{gflop:.1f}' if gflop >= 1 else f'{gflop:.3g}',
+      harness.fmt(ms, '.2f'),
+      harness.fmt(ms / base[0] if ms and base and base[0] else None, '.2f'),
+      format(gflop, '.1f' if gflop >= 1 else '.3g'),
       str(r.get('trips', '-')),
-      f"{r['xla_mib']:.1f}",
-      '-' if r['peak_mib'] is None else f"{r['peak_mib']:.1f}",
+      harness.fmt(r['xla_mib'], '.1f'),
+      harness.fmt(r['peak_mib'], '.1f'),
   ]
 
 
 def run(
-    *,
-    families=tuple(SHAPES),
-    modes=MODES,
-    variants=VARIANTS,
-    lowerings=('xla',),
-    quick=False,
-    seq_len=None,
-    repeats=10,
-    isolate=False,
-    compile_only=False,
-    report=None,
+    *, families=tuple(SHAPES), modes=MODES, variants=VARIANTS, **options
 ) -> list[dict]:
-  """Every (family, mode, variant) row, ragged once per lowering, in order.
+  """Every (family, mode, variant) row, ragged once per `lowerings`, in order.
 
-  With `isolate` each row runs in a child process (`--child`); the 'cudnn'
-  lowering needs one. `report(row, rows)` is called as each row is done.
+  `options`: lowerings (('xla',)), isolate (each row in a child process,
+  `--child`; the 'cudnn' lowering needs one), report (`report(row, rows)`
+  as each row is done) and `measure`'s keyword arguments.
   """
+  lowerings = options.pop('lowerings', ('xla',))
+  isolate, report = options.pop('isolate', False), options.pop('report', None)
   if 'cudnn' in lowerings and not isolate:
     raise ValueError("the 'cudnn' lowering needs isolate=True (an XLA flag)")
   rows = []
@@ -334,16 +275,8 @@ def run(
     for mode in modes:
       for variant in variants:
         for lowering in lowerings if variant == 'ragged' else ('xla',):
-          spec = dict(
-              family=family,
-              mode=mode,
-              variant=variant,
-              lowering=lowering,
-              quick=quick,
-              seq_len=seq_len,
-              repeats=repeats,
-              compile_only=compile_only,
-          )
+          spec = dict(family=family, mode=mode, variant=variant)
+          spec.update(lowering=lowering, **options)
           rows.append(_measure_in_child(spec) if isolate else measure(**spec))
           if report is not None:
             report(rows[-1], rows)
@@ -379,7 +312,8 @@ def main(argv: list[str]) -> None:
         f'variants {list(VARIANTS)}, ragged lowerings {list(LOWERINGS)}'
     )
   isolate = FLAGS.isolate == 'yes' or (
-      FLAGS.isolate == 'auto' and _peak_bytes() is not None
+      FLAGS.isolate == 'auto'
+      and harness.device_memory('peak_bytes_in_use') is not None
   )
   sizes = 'quick toy sizes' if FLAGS.quick else 'full-size layers'
   processes = 'one process per row' if isolate else 'one process'
@@ -389,16 +323,11 @@ def main(argv: list[str]) -> None:
       f'{sizes}; {processes}',
       flush=True,
   )
+  names = ('families', 'modes', 'variants', 'quick', 'seq_len', 'repeats')
   rows = run(
-      families=FLAGS.families,
-      modes=FLAGS.modes,
-      variants=FLAGS.variants,
+      **{name: FLAGS[name].value for name in names + ('compile_only',)},
       lowerings=lowerings,
-      quick=FLAGS.quick,
-      seq_len=FLAGS.seq_len,
-      repeats=FLAGS.repeats,
       isolate=isolate,
-      compile_only=FLAGS.compile_only,
       report=print_row,
   )
   print(table(rows), flush=True)
