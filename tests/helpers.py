@@ -22,6 +22,22 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def raptor_kwargs(
+    sigma_shared, sigma_expert, q, steps, steps_expert=None, **kw
+):
+  """`accounting.raptor_event`'s (or `raptor_epsilon`'s, with `delta=`)
+  arguments: both streams sampled at rate q, `steps` long unless
+  `steps_expert` says otherwise."""
+  return dict(
+      sigma_shared=sigma_shared,
+      sigma_expert=sigma_expert,
+      sample_rate=q,
+      steps_shared=steps,
+      steps_expert=steps if steps_expert is None else steps_expert,
+      **kw,
+  )
+
+
 def load_config_module(name):
   spec = importlib.util.spec_from_file_location(
       name, ROOT / "configs" / f"{name}.py"

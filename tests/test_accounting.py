@@ -14,6 +14,8 @@ from scipy import optimize, stats
 
 from raptor_jax import accounting, calibration
 
+from helpers import raptor_kwargs
+
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _RTOL = accounting.CALIBRATION_RTOL
 
@@ -44,17 +46,6 @@ def _gaussian_epsilon(sigma, delta):
   return optimize.brentq(excess, 0.0, 100.0, xtol=1e-12)
 
 
-def _raptor_kwargs(sigma_shared, sigma_expert, q, steps, **kwargs):
-  return dict(
-      sigma_shared=sigma_shared,
-      sigma_expert=sigma_expert,
-      sample_rate=q,
-      steps_shared=steps,
-      steps_expert=steps,
-      **kwargs,
-  )
-
-
 def test_published_value():
   # Abadi et al. / Opacus: sigma=3, q=0.1, 512 steps is about 3.77 at 1e-6.
   eps = accounting.dpsgd_epsilon(
@@ -66,12 +57,7 @@ def test_published_value():
 @pytest.mark.parametrize('joint', [False, True])
 def test_epsilon_is_pld_accountant(joint):
   event = accounting.raptor_event(
-      sigma_shared=1.5,
-      sigma_expert=3.0,
-      sample_rate=0.02,
-      steps_shared=100,
-      steps_expert=100,
-      joint=joint,
+      **raptor_kwargs(1.5, 3.0, 0.02, 100, joint=joint)
   )
   assert accounting.epsilon(event, 1e-5) == _pld_accountant_epsilon(event, 1e-5)
 
@@ -217,7 +203,7 @@ def test_calibrate_raptor_round_trip(target, rho, joint):
       joint=joint,
   )
   eps = accounting.raptor_epsilon(
-      **_raptor_kwargs(*sigmas, q, steps), delta=delta, joint=joint
+      **raptor_kwargs(*sigmas, q, steps), delta=delta, joint=joint
   )
   assert (1 - _RTOL) * target <= eps <= target
   # docs/method.md §1.7: each stream alone spends its share of one scale t at delta/2.
@@ -257,7 +243,7 @@ def test_calibrate_raptor_at_paper_scale():
       target_epsilon=8.0, delta=delta, sample_rate=q, steps=steps
   )
   eps = accounting.raptor_epsilon(
-      **_raptor_kwargs(*sigmas, q, steps), delta=delta
+      **raptor_kwargs(*sigmas, q, steps), delta=delta
   )
   assert steps == 1360 and (1 - _RTOL) * 8.0 <= eps <= 8.0
 
@@ -314,13 +300,9 @@ def test_invalid_mechanism_arguments():
       ValueError, match='steps_expert: must be equal to steps_shared'
   ):
     accounting.raptor_epsilon(
-        sigma_shared=1.0,
-        sigma_expert=1.0,
-        sample_rate=0.1,
-        steps_shared=2,
-        steps_expert=1,
-        delta=1e-5,
-        joint=True,
+        **raptor_kwargs(
+            1.0, 1.0, 0.1, 2, steps_expert=1, delta=1e-5, joint=True
+        )
     )
   with pytest.raises(TypeError, match='Poisson-sampled Gaussian'):
     accounting.epsilon(dp_accounting.LaplaceDpEvent(1.0), 1e-5)
@@ -381,14 +363,16 @@ def test_planner_meets_target_and_compares(method):
     )
 
 
+def _planner_error_lines(*flags, env=None):
+  """The planner's stderr lines of a run that must fail."""
+  result = _run_planner(*flags, env=env)
+  assert result.returncode != 0, result.stdout
+  return result.stderr.strip().splitlines()
+
+
 def test_planner_rejects_large_delta():
-  result = _run_planner('--n=1000', '--delta=0.01')
-  assert result.returncode != 0
-  assert (
-      result.stderr.strip()
-      .splitlines()[-1]
-      .startswith('error: delta: must be below 1/n')
-  )
+  lines = _planner_error_lines('--n=1000', '--delta=0.01')
+  assert lines[-1].startswith('error: delta: must be below 1/n')
 
 
 def _planner_rows(stdout):
@@ -488,10 +472,8 @@ def test_planner_reverse_mode_spends_the_target_epsilon(method, flags):
     ],
 )
 def test_planner_bad_input_is_one_line_naming_the_fix(flags, start):
-  result = _run_planner('--config=configs/glue.py:preset=tiny', *flags)
-  assert result.returncode != 0
-  lines = result.stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith(start), result.stderr
+  lines = _planner_error_lines('--config=configs/glue.py:preset=tiny', *flags)
+  assert len(lines) == 1 and lines[0].startswith(start), lines
 
 
 @pytest.mark.slow
@@ -503,9 +485,7 @@ def test_planner_without_data_asks_for_n(tmp_path):
       HF_HUB_OFFLINE='1',
       HF_DATASETS_CACHE=str(tmp_path),
   )
-  result = _run_planner('--config=configs/glue.py:task=qnli', env=env)
-  assert result.returncode != 0
-  lines = result.stderr.strip().splitlines()
+  lines = _planner_error_lines('--config=configs/glue.py:task=qnli', env=env)
   assert len(lines) == 1 and lines[0].startswith('error: n: ')
   assert '--n=N' in lines[0]
   result = _run_planner(

@@ -6,6 +6,8 @@ import pytest
 
 from raptor_jax import accounting, calibration
 
+from helpers import raptor_kwargs
+
 
 def _pld_epsilon(event, delta):
   accountant = pld_privacy_accountant.PLDAccountant(
@@ -48,13 +50,7 @@ def test_raptor_spends_the_target_in_dp_accountings_pld():
   shared, expert = calibration.calibrate_raptor(
       target_epsilon=eps, delta=delta, sample_rate=q, steps=steps, rho=rho
   )
-  event = accounting.raptor_event(
-      sigma_shared=shared,
-      sigma_expert=expert,
-      sample_rate=q,
-      steps_shared=steps,
-      steps_expert=steps,
-  )
+  event = accounting.raptor_event(**raptor_kwargs(shared, expert, q, steps))
   spent = _pld_epsilon(event, delta)
   assert (1 - accounting.CALIBRATION_RTOL) * eps <= spent <= eps
   # The budget split: each stream alone at delta / 2 spends rho : 1 - rho.
