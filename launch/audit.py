@@ -22,7 +22,7 @@ White-box audit of the DP transforms themselves (no config, about a minute):
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
-from raptor_jax import host_memory, process  # pylint: disable=g-multiple-import
+from raptor_jax import process
 
 # First of all, before any library starts a thread: kept host memory on CPU
 # hosts (raptor_jax/process.py); one XLA device, as before.
@@ -33,20 +33,14 @@ import logging
 import pathlib
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
-from ml_collections import config_flags
 
-from raptor_jax import _validate
+from raptor_jax import _validate, entry_flags  # pylint: disable=g-multiple-import
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Training configuration file.", lock_config=True
-)
-_WORKDIR = flags.DEFINE_string(
-    "workdir",
-    None,
+_CONFIG, _WORKDIR = entry_flags.define_run_flags(
+    "Training configuration file.",
     "The audit's own directory (audit.json, train/); rerunning reuses its "
     "training run.",
 )
-flags.DEFINE_bool("keep_host_memory", True, host_memory.FLAG_HELP)
 _NUM_CANARIES = flags.DEFINE_integer(
     "num_canaries",
     1000,

@@ -19,7 +19,7 @@ lists them briefly below.
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
-from raptor_jax import _validate, host_memory, process  # pylint: disable=g-multiple-import
+from raptor_jax import _validate, process  # pylint: disable=g-multiple-import
 
 # First of all, before any library starts a thread: kept host memory and one
 # XLA device per core (--cpu_devices), on CPU hosts (raptor_jax/process.py).
@@ -95,19 +95,15 @@ def _exit_if_finished(argv) -> None:
 _exit_if_finished(sys.argv)
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
-from ml_collections import config_flags
 
 import jax
+from raptor_jax import entry_flags
 from raptor_jax.train import parallel, preemption, train_and_evaluate
 from raptor_jax.train import workdir as workdir_lib
 from raptor_jax.train.run import validate
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Training configuration file.", lock_config=True
-)
-_WORKDIR = flags.DEFINE_string(
-    "workdir",
-    None,
+_CONFIG, _WORKDIR = entry_flags.define_run_flags(
+    "Training configuration file.",
     "Directory for checkpoints and reports; "
     "rerunning with the same workdir resumes.",
 )
@@ -130,7 +126,6 @@ _DIAGNOSTICS = flags.DEFINE_bool(
     "After training, write the App. G "
     "diagnostics of the dev split to <workdir>/diagnostics.json.",
 )
-flags.DEFINE_bool("keep_host_memory", True, host_memory.FLAG_HELP)
 # Read from the command line by process.setup, before the imports.
 flags.DEFINE_integer(
     "cpu_devices",

@@ -9,7 +9,7 @@ Rerunning with the same --workdir resumes; the model is written to
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
-from raptor_jax import host_memory, process  # pylint: disable=g-multiple-import
+from raptor_jax import process
 
 # First of all, before any library starts a thread: kept host memory on CPU
 # hosts (raptor_jax/process.py); one XLA device, as before.
@@ -18,21 +18,15 @@ process.setup(argv=sys.argv, cpu_devices=1)
 import logging
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=g-multiple-import
-from ml_collections import config_flags
 
-from raptor_jax import _validate
+from raptor_jax import _validate, entry_flags  # pylint: disable=g-multiple-import
 from raptor_jax.pretrain import pretrain
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Pretraining configuration file.", lock_config=True
-)
-_WORKDIR = flags.DEFINE_string(
-    "workdir",
-    None,
+_CONFIG, _WORKDIR = entry_flags.define_run_flags(
+    "Pretraining configuration file.",
     "Directory for data, checkpoints and the "
     "model; rerunning with the same workdir resumes.",
 )
-flags.DEFINE_bool("keep_host_memory", True, host_memory.FLAG_HELP)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
