@@ -69,26 +69,25 @@ def _raise_stopped(signum, frame):
   raise Stopped(signum)
 
 
-def _in_main_thread() -> bool:
-  return threading.current_thread() is threading.main_thread()
-
-
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-  """Inside the block, SIGINT and SIGTERM raise `Stopped` (main thread only).
-
-  The previous handlers are restored on exit. Outside the main thread (where
-  Python cannot install handlers) the block runs unchanged.
-  """
-  if not _in_main_thread():
+def _handled_by(handler) -> Iterator[None]:
+  """Inside the block, SIGINT and SIGTERM go to `handler`; the previous
+  handlers are restored on exit. Outside the main thread (where Python
+  cannot install handlers) the block runs unchanged."""
+  if threading.current_thread() is not threading.main_thread():
     yield
     return
-  previous = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
+  previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
   try:
     yield
   finally:
-    for signum, handler in previous.items():
-      signal.signal(signum, handler)
+    for signum, old in previous.items():
+      signal.signal(signum, old)
+
+
+def stop_on_signals() -> contextlib.AbstractContextManager[None]:
+  """Inside the block, SIGINT and SIGTERM raise `Stopped` (main thread only)."""
+  return _handled_by(_raise_stopped)
 
 
 @contextlib.contextmanager
@@ -99,19 +98,9 @@ def deferred_signals(raise_after: bool = True) -> Iterator[None]:
   commit, then stops the run as it would have (`raise_after=False`, for the
   save of a run that already stops: it is dropped).
   """
-  if not _in_main_thread():
-    yield
-    return
   received = []
-  previous = {
-      s: signal.signal(s, lambda signum, frame: received.append(signum))
-      for s in STOP_SIGNALS
-  }
-  try:
+  with _handled_by(lambda signum, frame: received.append(signum)):
     yield
-  finally:
-    for signum, handler in previous.items():
-      signal.signal(signum, handler)
   if received and raise_after:
     raise Stopped(received[0])
 
