@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flax.traverse_util import flatten_dict
 import ml_collections
 
 from raptor_jax.train import parallel, preemption, secrecy
@@ -79,10 +80,10 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:
   if preemption.latest_checkpoint(workdir) is None or not saved.exists():
     return
   try:
-    then = _flat(json.loads(saved.read_text()))
+    then = flatten_dict(json.loads(saved.read_text()), sep=".")
   except ValueError:
     return  # unreadable: the checkpoint's fingerprint decides
-  now = _flat(json.loads(secrecy.public_config(config)))
+  now = flatten_dict(json.loads(secrecy.public_config(config)), sep=".")
   differ = sorted(
       key
       for key in set(then) | set(now)
@@ -100,16 +101,6 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:
         f"{workdir} holds a run of another config: {shown}{more}; use another"
         " --workdir, or rerun with the config in its config.json"
     )
-
-
-def _flat(values: dict, prefix: str = "") -> dict:
-  flat = {}
-  for key, value in values.items():
-    if isinstance(value, dict):
-      flat.update(_flat(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
 
 
 def start_fresh(workdir: Path) -> None:
