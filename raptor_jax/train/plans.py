@@ -4,8 +4,7 @@
 module holds the plan's types, which need no config: a `Part` is a set of
 parameters with a clip norm, a noise multiplier and a public denominator, a
 `Phase` one Poisson sample and one noisy update of its parts per cycle, and a
-`Plan` the phases of a run with its steps, sample rate and budget. Every name
-here is importable from `raptor_jax.train.methods` too.
+`Plan` the phases of a run with its steps, sample rate and budget.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import dataclasses
 import dp_accounting
 
 from raptor_jax import accounting
+from raptor_jax.ledger import LedgerEntry, PrivacyLedger
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,19 +131,15 @@ class Plan:
     return tuple(part for phase in self.phases for part in phase.parts)
 
   def event(self) -> dp_accounting.DpEvent | None:
-    """The DpEvent of the whole planned run (None for non-private methods)."""
+    """The DpEvent of the whole planned run (None for non-private methods):
+    the ledger's event once every cycle is recorded."""
     if not is_private(self):
       return None
-    return dp_accounting.ComposedDpEvent(
-        [
-            accounting.dpsgd_event(
-                noise_multiplier=p.noise_multiplier,
-                sample_rate=self.sample_rate,
-                steps=self.cycles,
-            )
-            for p in self.phases
-        ]
-    )
+    entries = [
+        LedgerEntry(p.name, self.sample_rate, p.noise_multiplier, self.cycles)
+        for p in self.phases
+    ]
+    return PrivacyLedger(entries).event()
 
 
 def noise_summary(plan: Plan) -> dict:
