@@ -26,25 +26,23 @@ def accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:
   return float(np.mean(predictions == labels))
 
 
+def _class_f1(predictions: np.ndarray, labels: np.ndarray, c) -> float:
+  tp = np.sum((predictions == c) & (labels == c))
+  fp = np.sum((predictions == c) & (labels != c))
+  fn = np.sum((predictions != c) & (labels == c))
+  return 2 * tp / max(2 * tp + fp + fn, 1)
+
+
 def binary_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
   """F1 of the positive class (QQP's second GLUE metric)."""
-  tp = np.sum((predictions == 1) & (labels == 1))
-  fp = np.sum((predictions == 1) & (labels == 0))
-  fn = np.sum((predictions == 0) & (labels == 1))
-  return float(2 * tp / max(2 * tp + fp + fn, 1))
+  return float(_class_f1(predictions, labels, 1))
 
 
 def macro_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
   """The mean F1 over the classes that occur in `labels` or `predictions`
   (scikit-learn's `f1_score(average='macro')`); a custom task's metric."""
   classes = np.union1d(labels, predictions)
-  scores = []
-  for c in classes:
-    tp = np.sum((predictions == c) & (labels == c))
-    fp = np.sum((predictions == c) & (labels != c))
-    fn = np.sum((predictions != c) & (labels == c))
-    scores.append(2 * tp / max(2 * tp + fp + fn, 1))
-  return float(np.mean(scores))
+  return float(np.mean([_class_f1(predictions, labels, c) for c in classes]))
 
 
 METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {

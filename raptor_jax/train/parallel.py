@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -67,8 +68,6 @@ def agree(value: int) -> int:
   """Process 0's value on every process (e.g. the run's secret seed)."""
   if jax.process_count() == 1:
     return value
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
   return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
@@ -77,15 +76,11 @@ def agree_bytes(value: bytes) -> bytes:
 
   Sent as uint8 (no integer width limit), so wide secrets survive intact.
   """
-  if jax.process_count() == 1:
-    return value
-  return broadcast_bytes(value)
+  return value if jax.process_count() == 1 else broadcast_bytes(value)
 
 
 def broadcast_bytes(value: bytes) -> bytes:
   """`multihost_utils.broadcast_one_to_all` of `value` as a uint8 array."""
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
   sent = np.frombuffer(value, np.uint8)
   return np.asarray(
       multihost_utils.broadcast_one_to_all(sent), np.uint8
@@ -102,8 +97,6 @@ def global_count(local: int) -> int:
   """The sum of `local` over every process (e.g. n from the hosts' shares)."""
   if jax.process_count() == 1:
     return local
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
   return int(np.sum(multihost_utils.process_allgather(np.int32(local))))
 
 
@@ -221,8 +214,6 @@ def local_bucketed_microbatches(
       mine, local_lengths, buckets, local_size
   )
   if processes > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
     counts = np.max(
         np.asarray(multihost_utils.process_allgather(counts.astype(np.int32))),
         axis=0,
