@@ -8,24 +8,21 @@ records the release in the same immutable `TrainState`. The realised sample
 size only decides how many microbatches run; nothing reads, branches on or
 logs it.
 
-Length buckets (`data.length_buckets`, `raptor_jax.length_buckets`): each
-sample's records run in fixed-shape microbatches of the smallest bucket
-length that holds them, so each phase's step compiles once per bucket; the
-clipped sums of every bucket add into the phase's one noisy update, the same
-function of the sample as unbucketed (up to float summation order). Which
-bucket a record lands in depends on its private length, so it changes the
-layout and the wall time only; no bucket, count of records per bucket or
-microbatches per bucket reaches a log, metric, progress bar or file.
+Length buckets (`data.length_buckets`, `raptor_jax.length_buckets`): a
+sample's records run in fixed-shape microbatches of the smallest bucket that
+holds them (one compile per bucket), and every bucket's clipped sums add into
+the phase's one noisy update: the same function of the sample as unbucketed
+(up to float summation order). A record's bucket follows its private length,
+so it changes the layout and the wall time only; no bucket, count of records
+per bucket or microbatches per bucket reaches a log, metric, progress bar or
+file.
 
 Ahead-of-time compilation (`programs`, `compile_run`): before the first
-cycle, every program the run calls is compiled: each phase's zero, update
-and accumulate (for EVERY bucket), and the evaluation of every bucket. The
-list is a function of the public config alone, never of which buckets the
-private data fills, so the compile time and the persistent cache
-(`raptor_jax.compilation`) reveal nothing about the data.
-
-The trainer (`train.loop`), the controlled study and `bench_buckets` all
-run this cycle.
+cycle, every program the run calls is compiled, for EVERY bucket. The list is
+a function of the public config alone, never of which buckets the private
+data fills, so the compile time and the persistent cache
+(`raptor_jax.compilation`) reveal nothing about the data. The trainer
+(`train.loop`), the controlled study and `bench_buckets` run this cycle.
 """
 
 from __future__ import annotations
@@ -122,13 +119,6 @@ def record_lengths(run: Run) -> np.ndarray | None:
   return length_buckets.record_lengths(run.data.train.attention_mask)
 
 
-def _ready(tree):
-  """`tree` once computed. XLA:CPU with several devices deadlocked when a
-  step's launch on one device ran ahead of the launch that computes its
-  input (warm-cache runs, where nothing compiles between launches)."""
-  return jax.block_until_ready(tree)
-
-
 def train_cycle(
     run: Run,
     phase_fns,
@@ -141,13 +131,11 @@ def train_cycle(
 ) -> TrainState:
   """Runs every phase of one cycle and returns the committed next state.
 
-  Each phase draws its own Poisson sample, sums clipped gradients over
-  fixed-size microbatches (by length bucket with `data.length_buckets`;
-  `lengths`: this host's record lengths, computed here when None) and makes
-  one noisy update. The new state (and the ledger entry of every private
-  phase) only exists once all phases ran, so an interruption leaves the
-  previous state consistent. `writer` gets the private training loss when
-  the config opts in (`log_private_stats`, warned).
+  `lengths`: this host's record lengths (computed here when None). The new
+  state (and the ledger entry of every private phase) only exists once all
+  phases ran, so an interruption leaves the previous state consistent.
+  `writer` gets the private training loss when the config opts in
+  (`log_private_stats`, warned).
   """
   config, plan, cycle = run.config, run.plan, state.cycle
   local_microbatch = config.microbatch_size * len(mesh.local_devices)
@@ -160,8 +148,10 @@ def train_cycle(
     sample = sampling.poisson_sample(
         run.n, plan.sample_rate, seed=seed, stream=phase.stream, step=cycle
     )
-    # Ready before the first accumulate is launched (see `_ready`).
-    sums, loss_sum = _ready(fns.zero_sums(trainable)), 0.0
+    # Ready before the first accumulate is launched: XLA:CPU with several
+    # devices deadlocked when a step's launch on one device ran ahead of the
+    # launch that computes its input (warm-cache runs).
+    sums, loss_sum = jax.block_until_ready(fns.zero_sums(trainable)), 0.0
     for length, mb in microbatches(sample, local_microbatch, buckets, lengths):
       records, mask = parallel.shard_records(
           (batch(run.data.train, run.owners, mb.indices, length), mb.mask),
@@ -234,71 +224,44 @@ def programs(
 ) -> list[compilation.Program]:
   """Every program the run's cycles and evaluations call, for every bucket.
 
-  Per phase: zero sums, accumulate for each bucket length (and the opt-in
-  loss sum), the packed update and its unpacking; evaluation for each
-  bucket length. The shapes are
-  the config's (microbatch and evaluation batch sizes, bucket lengths,
-  max_length) and the placements those of `state` and `frozen`: the list
-  is the same whatever the private data holds.
+  The shapes are the config's (microbatch and evaluation batch sizes, bucket
+  lengths, max_length) and the placements those of `state` and `frozen`:
+  the list is the same whatever the private data holds.
   """
   config = run.config
   replicated = NamedSharding(mesh, PartitionSpec())
+  sharded = NamedSharding(mesh, PartitionSpec(AXIS))
   rows = config.microbatch_size * mesh.size
   trainable, frozen_ = compilation.abstract((state.trainable, frozen))
   out = []
+
+  def add(name: str, fn: Callable, *args) -> None:
+    out.append(compilation.Program(name, fn, args))
+
   for fns in phase_fns:
     name = fns.phase.name
     sums = _replicated(jax.eval_shape(fns.zero_sums, trainable), replicated)
-    out.append(compilation.Program(f"{name} zero", fns.zero_sums, (trainable,)))
+    add(f"{name} zero", fns.zero_sums, trainable)
     for width in _widths(run):
-      records = _records(
-          run, mesh, rows, width, NamedSharding(mesh, PartitionSpec(AXIS))
-      )
-      out.append(
-          compilation.Program(
-              f"{name} accumulate {width}",
-              fns.accumulate,
-              (trainable, frozen_, sums, *records),
-          )
-      )
+      records = _records(run, mesh, rows, width, sharded)
+      step_args = (trainable, frozen_, sums, *records)
+      add(f"{name} accumulate {width}", fns.accumulate, *step_args)
       if config.log_private_stats:
-        out.append(
-            compilation.Program(
-                f"{name} loss {width}",
-                fns.loss_sum,
-                (trainable, frozen_, *records),
-            )
-        )
+        add(f"{name} loss {width}", fns.loss_sum, trainable, frozen_, *records)
     update_args = (trainable, compilation.abstract(state.opt_states), sums)
-    out.append(
-        compilation.Program(f"{name} update", fns.packed_update, update_args)
-    )
+    add(f"{name} update", fns.packed_update, *update_args)
     layouts = fns.layouts(trainable)
     vectors = jax.eval_shape(fns.packed_update, *update_args)[0]
-    out.append(
-        compilation.Program(
-            f"{name} unpack",
-            fns.unpack,
-            (
-                tuple(sorted(layouts.items())),
-                {n: _replicated(vectors[n], replicated) for n in layouts},
-            ),
-        )
+    add(
+        f"{name} unpack",
+        fns.unpack,
+        tuple(sorted(layouts.items())),
+        {n: _replicated(vectors[n], replicated) for n in layouts},
     )
   for width in _widths(run):
     records, _ = _records(run, mesh, config.eval_batch_size, width, replicated)
-    out.append(
-        compilation.Program(
-            f"evaluate {width}",
-            logits_fn,
-            (
-                trainable,
-                frozen_,
-                records["input_ids"],
-                records["attention_mask"],
-            ),
-        )
-    )
+    ids, mask = records["input_ids"], records["attention_mask"]
+    add(f"evaluate {width}", logits_fn, trainable, frozen_, ids, mask)
   return out
 
 
