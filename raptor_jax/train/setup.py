@@ -322,37 +322,24 @@ def load_run_data(
     return RunData(task, public=None, token_groups=None, **fields)
   texts = public_texts(dc)
   tokenizer = _run_tokenizer(config, texts)
-  kwargs = dict(
-      tokenizer=tokenizer,
-      max_length=dc.max_length,
-      text_fields=tuple(dc.text_fields) or None,
-      label_field=dc.label_field or None,
-  )
-  train = data.load_task_split(
-      task,
-      "train",
-      path=dc.train_path or None,
-      limit=dc.train_limit or None,
-      shard=host,
-      **kwargs,
-  )
+
+  def load(split: str, path: str, **where) -> data.TextClassificationData:
+    return data.load_task_split(
+        task,
+        split,
+        path=path or None,
+        tokenizer=tokenizer,
+        max_length=dc.max_length,
+        text_fields=tuple(dc.text_fields) or None,
+        label_field=dc.label_field or None,
+        **where,
+    )
+
+  train = load("train", dc.train_path, limit=dc.train_limit or None, shard=host)
   if dc.eval_split == "holdout":
-    dev = data.load_task_split(
-        task,
-        "train",
-        path=dc.train_path or None,
-        offset=dc.train_limit,
-        limit=dc.holdout,
-        **kwargs,
-    )
+    dev = load("train", dc.train_path, offset=dc.train_limit, limit=dc.holdout)
   else:
-    dev = data.load_task_split(
-        task,
-        "dev",
-        path=dc.dev_path or None,
-        limit=dc.dev_limit or None,
-        **kwargs,
-    )
+    dev = load("dev", dc.dev_path, limit=dc.dev_limit or None)
   public = (
       None
       if texts is None
