@@ -110,17 +110,12 @@ def _data_parallel(fn: Callable, mesh: Mesh, replicated: int, **jit_kwargs):
 class PhaseFunctions(packed.PartsUpdate):
   """The jitted programs of one phase: microbatch sums, then the update.
 
-  `accumulate` runs under `shard_map` on a 1-D 'data' mesh: each device sums
-  the clipped gradients of its records, `psum` combines the sums, and the
-  result is replicated. The update (`packed.PartsUpdate`: noise, then Adam)
-  then runs replicated: one noise draw per step from one PRNG state,
-  identical parameters on every device.
-
-  Length buckets: `accumulate` (and `loss_sum`) take microbatches of any
-  fixed sequence length; jit compiles one executable per length (per
-  (phase, bucket)), and the sums of every bucket's microbatches add up
-  before the one update, so the release is the same function of the
-  sample as with every record at max_length.
+  `accumulate` runs under `shard_map` on the 'data' mesh (`parallel`): each
+  device sums the clipped gradients of its records and `psum` combines the
+  sums. The update (`packed.PartsUpdate`: noise, then Adam) runs replicated:
+  one noise draw per step. `accumulate` and `loss_sum` compile once per
+  microbatch length (`cycle`'s length buckets), and every bucket's sums add
+  up before the one update.
   """
 
   def __init__(
