@@ -279,8 +279,7 @@ def with_preset(
     arg: '' (paper scale), 'tiny' (embedded offline task), 'cpu' (tiny
       random model on the real task's files) or 'small' (a small pretrained
       model from launch/pretrain.py on the real task's files).
-    family: a key of `FAMILIES` ('switch', 'olmoe', 'deepseek', 'qwen3_moe',
-      'qwen2_moe' or 'mixtral').
+    family: a key of `FAMILIES`.
   """
   presets = {
       "": lambda c: c,
@@ -303,10 +302,7 @@ def glue_config(
 
   Args:
     task: 'sst2', 'qnli', 'qqp' or 'mnli'.
-    model: 'switch' (google/switch-base-8), 'olmoe' (OLMoE-1B-7B),
-      'deepseek' (DeepSeek-VL2-Tiny's language model), 'qwen3_moe'
-      (Qwen3-30B-A3B), 'qwen2_moe' (Qwen1.5-MoE-A2.7B) or 'mixtral'
-      (Mixtral-8x7B).
+    model: a key of `FAMILIES` (each names its checkpoint).
     preset: see `with_preset`.
   """
   _validate.one_of("task", task, data.TASK_CORPUS, _ARG_FIX)

@@ -32,12 +32,8 @@ def _rows(path: Path) -> dict[int, dict]:
 
 
 def write(workdir: str | Path, title: str, split: str = "dev") -> Path | None:
-  """Draws `<workdir>/curves.png` from `<workdir>/metrics.jsonl`.
-
-  Args:
-    workdir: the run's workdir.
-    title: the figure's title (method and task).
-    split: the evaluation split's name, for the axis label.
+  """Draws `<workdir>/curves.png` from `<workdir>/metrics.jsonl`, titled
+  `title` (method and task), `split` naming the evaluation split.
 
   Returns:
     The file, or None without matplotlib or without an evaluation row.

@@ -327,15 +327,11 @@ def _model_options(
   """Adapters the methods' parts train, and the expert dispatch they need.
 
   A non-owner part that trains expert kernels needs the dense dispatch (the
-  grouped and ragged ones treat expert kernels as frozen constants); every
-  other run uses `model.dispatch` ('auto' is 'grouped' on CPU, 'batched'
-  elsewhere).
-  Blocks that a part selects by block (l*) stay out of any scan, so their
-  parameters and owner slices keep their per-layer paths
-  (`models.stack`).
+  grouped and ragged ones treat expert kernels as frozen constants). Blocks
+  that a part selects by block (l*) stay out of any scan, so their
+  parameters and owner slices keep their per-layer paths (`models.stack`).
   Shared-expert adapters exist exactly when attention adapters do: both are
-  the shared stream's LoRA (a model without shared experts takes no such
-  option).
+  the shared stream's LoRA.
   """
   method, mc, rc = config.method, config.model, config.raptor
   parts = [part for phase in phases for part in phase.parts]

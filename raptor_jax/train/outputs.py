@@ -36,10 +36,10 @@ class TrainState:
 
   The parameters, the optimizer states (whose noise transforms count the
   noisy updates applied), the ledger (which counts the updates accounted) and
-  the cycle counter are built together by `_train_cycle` and swapped in by a
-  single assignment, so no interrupt (KeyboardInterrupt, SIGTERM) can leave a
-  state whose parameters hold more noisy updates than its ledger counts: the
-  checkpoint saved by the error handler is always a completed cycle.
+  the cycle counter are built together by `cycle.train_cycle` and swapped in
+  by a single assignment, so no interrupt (KeyboardInterrupt, SIGTERM) can
+  leave a state whose parameters hold more noisy updates than its ledger
+  counts: the checkpoint saved by the error handler is a completed cycle.
   """
 
   trainable: dict
@@ -109,12 +109,10 @@ def check_consistent(plan: plans.Plan, state: TrainState, where) -> None:
   applied = noise_counts(plan, state.opt_states)
   for phase in plan.phases:
     accounted = state.ledger.steps(phase.name) if phase.private else None
-    if applied[phase.name] != state.cycle or accounted not in (
-        None,
-        state.cycle,
-    ):
+    steps = applied[phase.name]
+    if steps != state.cycle or accounted not in (None, state.cycle):
       raise ValueError(
-          f"{where}: the parameters hold {applied[phase.name]} noisy updates of"
+          f"{where}: the parameters hold {steps} noisy updates of"
           f" stream {phase.name!r} but the ledger accounts {accounted} at cycle"
           f" {state.cycle}; this checkpoint under-reports its privacy cost: do"
           " not resume or release it, train again in a new --workdir"

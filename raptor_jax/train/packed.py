@@ -80,12 +80,8 @@ class PartsUpdate:
   every element and are divided by the public denominator (the release),
   then Adam steps (post-processing). The noise key of part i is
   `fold_in(key, i)`: distinct and secret per transform. The noise is drawn
-  once per call: call `update` once per Poisson sample.
-
-  `packed_update` (jitted) runs the chain on each part's packed vector (one
-  program whatever the number of leaves); `unpack` (jitted, a program of
-  slices) gives the leaves back. A part whose leaves mix dtypes is updated
-  leaf by leaf.
+  once per call: call `update` once per Poisson sample. `packed_update` and
+  `unpack` are the two jitted programs (module docstring).
   """
 
   def __init__(

@@ -194,14 +194,7 @@ def local_bucketed_microbatches(
   As `local_microbatches`, but each record runs in the smallest bucket that
   holds it (`length_buckets`): `BucketMicrobatch(length, microbatch)`
   items, shortest bucket first, the same sequence of lengths on every host.
-
-  Args:
-    sample: sorted global indices of the step's Poisson sample (the same on
-      every host).
-    local_lengths: int [this host's records]: each record's length
-      (`length_buckets.record_lengths`).
-    buckets: `length_buckets.check_buckets`' lengths.
-    local_size: records per microbatch on this host.
+  `local_lengths`: this host's records' lengths.
 
   Privacy: a host only knows its own records' lengths, so with several
   processes the hosts agree on the microbatches per bucket (the maximum)

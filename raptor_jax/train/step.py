@@ -132,13 +132,10 @@ class PhaseFunctions(packed.PartsUpdate):
       key: jax.Array,
   ):
     super().__init__(phase.parts, learning_rate=learning_rate, key=key)
-    self.model = model
-    self.phase = phase
+    self.model, self.phase = model, phase
     self._differentiated = phase.parts + phase.clip_with
-    self.expert_layer = expert_layer
-    self.num_experts = num_experts
-    self.residual = residual
-    self.residual_gamma = residual_gamma
+    self.expert_layer, self.num_experts = expert_layer, num_experts
+    self.residual, self.residual_gamma = residual, residual_gamma
     self.accumulate = _data_parallel(
         self._accumulate, mesh, 3, donate_argnums=(2,)
     )
