@@ -92,10 +92,9 @@ def _progress_bar(config, plan: plans.Plan, cycle: int):
 def _checkpoint_due(clock: preemption.CheckpointClock, cycle: int) -> bool:
   """Whether to save now; every process of a multi-host run agrees (the
   time-based period reads each host's clock, and orbax saves jointly)."""
-  due = clock.due(cycle)
   if clock.seconds and jax.process_count() > 1:
-    due = bool(parallel.agree(int(due)))
-  return due
+    return bool(parallel.agree(int(clock.due(cycle))))
+  return clock.due(cycle)
 
 
 def _spent(eps: float | None) -> dict[str, float]:
@@ -290,9 +289,8 @@ def train_and_evaluate(
   Args:
     config: the run's config.
     workdir: where the run writes (and resumes from).
-    run: optionally, the single-process `build_run(config)` already built
-      by the caller (the audit reads its canaries); saves building it twice
-      (and validating `config` twice: `build_run` did).
+    run: the single-process `build_run(config)`, where the caller built it
+      already (the audit reads its canaries): it is not built twice.
     dry_run: validate, check the workdir, build the run (data, model, noise
       calibration), log the run header and the resolved config, and return
       {} without training or writing a file.
@@ -400,11 +398,8 @@ def _train_and_evaluate(config, workdir, mesh, run, start, dry_run):
   )
   session.writer.close()
   if outputs.is_writer():
-    curves.write(
-        workdir,
-        f"{run.plan.method} on {run.data.task.name}",
-        config.data.eval_split,
-    )
+    title = f"{run.plan.method} on {run.data.task.name}"
+    curves.write(workdir, title, config.data.eval_split)
     timing = outputs.Timing(
         setup_s,
         compile_s,

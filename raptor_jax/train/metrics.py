@@ -1,13 +1,11 @@
 """Evaluation metrics and the public metric writers (JSONL + TensorBoard).
 
 Only public quantities reach these writers: dev metrics, epsilon spent, the
-cycle counter (wall time only with `config.log_wall_time`: it depends on the
-realised batch sizes, so TensorBoard events carry walltime 0 by default, the
-file's first event too, and event files are named
-`events.out.tfevents.<session index>.raptor_jax`, without the start time and
-host name that tensorboardX puts in its file names). Private per-step statistics (training loss, realised
-batch sizes, per-expert counts, the owner map) are never written unless the
-user opts in with `config.log_private_stats` (with a warning).
+cycle counter. Wall time only with `config.log_wall_time`: it depends on the
+realised batch sizes, so by default no event, file name or first event
+carries a time (`EventFile`). Private per-step statistics (training loss,
+realised batch sizes, per-expert counts, the owner map) are never written
+unless the user opts in with `config.log_private_stats` (with a warning).
 """
 
 from __future__ import annotations

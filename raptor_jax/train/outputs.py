@@ -288,16 +288,11 @@ def run_header(run: Run, workdir: Path) -> str:
   for phase in plan.phases:
     for part in phase.parts:
       count = sum(int(np.size(v)) for v in run.trainable[part.name].values())
-      noise = (
-          f"sigma {part.noise_multiplier:.4g}, clip {part.l2_clip:.3g}"
-          if phase.private
-          else "no noise"
-      )
-      name = (
-          f"stream {phase.name}"
-          if part.name == phase.name
-          else f"stream {phase.name}, part {part.name}"
-      )
+      noise, name = "no noise", f"stream {phase.name}"
+      if phase.private:
+        noise = f"sigma {part.noise_multiplier:.4g}, clip {part.l2_clip:.3g}"
+      if part.name != phase.name:
+        name += f", part {part.name}"
       lines.append(f"  {name}: {noise}, {count:,} trainable parameters")
   lines += header_warnings(run)
   lines.append(

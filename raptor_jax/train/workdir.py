@@ -1,10 +1,7 @@
 """The workdir: whose run it holds, and whether this config may continue it.
 
-`check_workdir` refuses a workdir of another config before anything is
-loaded, `start_fresh` moves aside the logs of a run that died before its
-first checkpoint, and `run_secret` returns the run's secret (fresh, or the
-checkpoint's after checking that the training data did not change). Error
-messages describe private data only by a digest keyed by the run's secret.
+Error messages describe private data only by a digest keyed by the run's
+secret (`_describe`).
 """
 
 from __future__ import annotations
