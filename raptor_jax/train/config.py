@@ -275,7 +275,6 @@ def with_preset(
   """Applies a model family and the preset named by a config file's argument.
 
   Args:
-    config: the task's config.
     arg: '' (paper scale), 'tiny' (embedded offline task), 'cpu' (tiny
       random model on the real task's files) or 'small' (a small pretrained
       model from launch/pretrain.py on the real task's files).

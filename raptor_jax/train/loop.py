@@ -287,7 +287,6 @@ def train_and_evaluate(
   returns the same results.
 
   Args:
-    config: the run's config.
     workdir: where the run writes (and resumes from).
     run: the single-process `build_run(config)`, where the caller built it
       already (the audit reads its canaries): it is not built twice.

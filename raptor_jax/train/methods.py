@@ -422,9 +422,7 @@ def build_plan(
   Args:
     config: the training ConfigDict.
     n: number of private training records.
-    num_experts: E.
-    sparse_layers: block indices of the sparse layers.
-    expert_layer: the selected layer l*.
+    num_experts, sparse_layers, expert_layer: E, the sparse blocks and l*.
     shared_experts: the model has always-active shared experts (their
       adapters then join the shared stream's LoRA).
     noise: the noise multipliers by name (`noise_fields(config)`) instead of
@@ -432,10 +430,7 @@ def build_plan(
       mode: the epsilon that given noise spends); the plan's
       `target_epsilon` is then None.
     validated: the caller has checked `config` already (`run.validate`, which
-      runs `check_config`, as `run.build_run` does); skip the check here.
-
-  Returns:
-    The Plan.
+      runs `check_config`); skip the check here.
   """
   if not validated:
     check_config(config)

@@ -117,21 +117,15 @@ def build_run(
   """Validates `config`, then loads and assembles its run as the trainer does.
 
   Args:
-    config: the run's config.
     host: (process index, process count): this host keeps the training
       records i with i % count == index (`parallel.host_shard()`); n counts
       the records of every host.
     owner_records: 'train' (the trainer) or 'dev' (diagnostics): whose
       owner map `Run.owners` holds.
-    validated: the caller has just run `validate(config)` (as
-      `train_and_evaluate` does at its start); skip it here. A run validates
-      its config once.
+    validated: the caller has just run `validate(config)`; skip it here.
 
   A config with an ``audit`` section builds an audit run: the included
   canaries join the private records before the plan, so n counts them.
-
-  Returns:
-    The frozen `Run`.
   """
   if not validated:
     validate(config)

@@ -303,7 +303,6 @@ def load_run_data(
   """Loads train/dev and the public corpus, tokenised for the model.
 
   Args:
-    config: the run's config.
     host: (process index, process count): only the training records i with
       i % count == index are tokenised and kept, record i becoming local
       record i // count (as `parallel.local_microbatches` numbers them). Dev

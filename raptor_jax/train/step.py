@@ -349,11 +349,9 @@ class PhaseStep:
 
   Args:
     model: the classifier (`models.SequenceClassifier`).
-    phase: a `plans.Phase`.
     key: secret PRNG key (`jax.random.key(seed)` or a raw `PRNGKey`, or
       several stacked for 128 bits as the trainer's `secrecy.noise_key`);
       part i of the phase draws its noise from `transforms.fold_in(key, i)`.
-    learning_rate: Adam's learning rate.
     mesh: a 1-D 'data' mesh (`parallel.make_mesh`; default: every device).
     expert_layer: l* (default: the block of the phase's owner part, else the
       last sparse block).
