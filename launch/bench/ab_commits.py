@@ -43,14 +43,11 @@ def _worker(
     cpu_devices: int,
     back_to_back: int,
 ) -> None:
-  """Serves timings of the steps at the commit checked out in `tree`.
-
-  Speaks `harness.serve`'s protocol (a JSON line of its columns, then the
-  seconds of one sample per request: the mean of `back_to_back` calls), in
-  its own code, as old commits lack the harness. Runs as launch/main.py
-  would at this commit: with `host_memory.keep_freed_memory()` and
-  `host_devices.one_device_per_core()` where the commit has them.
-  """
+  """Serves timings of the steps at the commit checked out in `tree`, in
+  `harness.serve`'s protocol (a sample: the mean of `back_to_back` calls)
+  but its own code, as old commits lack the harness; set up as
+  launch/main.py would at that commit (host memory kept, one CPU device
+  per core, where the commit has them)."""
   os.chdir(tree)  # `tree` leads PYTHONPATH (set by `compare`)
   try:
     from raptor_jax import host_memory  # pylint: disable=import-outside-toplevel
@@ -106,16 +103,10 @@ def compare(
     back_to_back: int = 1,
     cpu_devices: tuple[int, int] = (0, 0),
 ):
-  """{step: (base times, head times)} from alternating rounds.
-
-  A sample is the mean of `back_to_back` consecutive calls of the step in one
-  worker (with 1, the step alone after the other worker's turn; with more,
-  a training loop's steady state, where one step's buffers are released
-  while the next runs). `cpu_devices`: the base and head workers' CPU
-  device counts (0: one per core, as launch/main.py), so that one commit
-  against itself measures that setting. Each round times every step in
-  both workers in turns (`harness.worker_times`, by column).
-  """
+  """{step: (base times, head times)}: each round times every step in
+  both workers in turns (`harness.worker_times`, by column); a sample is
+  the mean of `back_to_back` calls. `cpu_devices`: the base and head
+  workers' CPU device counts (0: one per core, as launch/main.py)."""
   from launch.bench import harness  # pylint: disable=import-outside-toplevel
 
   repo = subprocess.check_output(
@@ -156,24 +147,10 @@ def main() -> None:
   flags.DEFINE_integer('microbatch_size', 32, 'Records per step.')
   flags.DEFINE_list('steps', ['raptor', 'raptor_dp'], f'Any of {STEPS}.')
   flags.DEFINE_integer('repeats', 5, 'Alternating rounds.')
-  flags.DEFINE_integer(
-      'back_to_back',
-      1,
-      'Consecutive calls per sample (their mean): >1 times a training '
-      "loop's steady state rather than a step after an idle pause.",
-  )
-  flags.DEFINE_bool(
-      'quick', False, 'Tiny sizes (raptor_side.QUICK): a smoke test.'
-  )
-  flags.DEFINE_integer(
-      'base_cpu_devices',
-      0,
-      'CPU devices of the base worker (0: one per core, as launch/main.py, '
-      'or the most that divide the microbatch).',
-  )
-  flags.DEFINE_integer(
-      'head_cpu_devices', 0, 'CPU devices of the head worker (0: one per core).'
-  )
+  flags.DEFINE_integer('back_to_back', 1, 'Calls per sample (their mean).')
+  flags.DEFINE_bool('quick', False, 'Tiny sizes: a smoke test.')
+  flags.DEFINE_integer('base_cpu_devices', 0, 'Base worker (0: one per core).')
+  flags.DEFINE_integer('head_cpu_devices', 0, 'Head worker (0: one per core).')
   flags.FLAGS(sys.argv)
   f = flags.FLAGS
   bad = [s for s in f.steps if s not in STEPS]
@@ -183,27 +160,15 @@ def main() -> None:
 
   if f.back_to_back < 1:
     sys.exit(f'error: --back_to_back must be >= 1, got {f.back_to_back}')
+  devices = [f.base_cpu_devices, f.head_cpu_devices]
+  options = dict(quick=f.quick, back_to_back=f.back_to_back)
+  options.update(cpu_devices=tuple(devices))
   times = compare(
-      f.base,
-      f.head,
-      f.microbatch_size,
-      f.steps,
-      f.repeats,
-      quick=f.quick,
-      back_to_back=f.back_to_back,
-      cpu_devices=(f.base_cpu_devices, f.head_cpu_devices),
+      f.base, f.head, f.microbatch_size, f.steps, f.repeats, **options
   )
-  print(
-      json.dumps(
-          {
-              'base': f.base,
-              'head': f.head,
-              'm': f.microbatch_size,
-              'back_to_back': f.back_to_back,
-              'cpu_devices': [f.base_cpu_devices, f.head_cpu_devices],
-          }
-      )
-  )
+  setting = dict(base=f.base, head=f.head, m=f.microbatch_size)
+  setting.update(back_to_back=f.back_to_back, cpu_devices=devices)
+  print(json.dumps(setting))
   for step, (base, head) in times.items():
     print(
         f'{step:14s} base {harness.median(base) * 1e3:7.0f} ms  head '
@@ -215,14 +180,7 @@ def main() -> None:
 if __name__ == '__main__':
   if len(sys.argv) > 1 and sys.argv[1] == '--worker':
     tree, path, m, steps, quick, devices, count = sys.argv[2:9]
-    _worker(
-        tree,
-        path,
-        int(m),
-        steps.split(','),
-        quick == '1',
-        int(devices),
-        int(count),
-    )
+    numbers = (int(m), steps.split(','), quick == '1', int(devices))
+    _worker(tree, path, *numbers, int(count))
   else:
     main()

@@ -1,22 +1,17 @@
 r"""Times the trainer's cycle with and without length buckets, side by side.
 
 One run of `configs/switch_sst2.py:small` (the small pretrained Switch on
-the real SST-2 files, B = 500, microbatch 100, max length 64), built once
-by `train.run.build_run` as the trainer builds it; the same cycles (same
-secret, so the same Poisson samples and noise) are then run through
-the trainer's own cycle (`train.cycle.train_cycle`) with
-`data.length_buckets` at its default
-((16, 32, 64)) and at `()` (every record padded to 64), variants
-interleaved cycle by cycle. Prints the first cycle of each (it compiles:
-once per (phase, bucket)) and the mean of the later ones, their ratio, the
-largest parameter difference between the two (float summation order only)
-and the evaluation time on dev both ways.
+the real SST-2 files), built once by `train.run.build_run`; the same cycles
+(same secret: the same samples and noise) run through the trainer's
+`train.cycle.train_cycle` with `data.length_buckets` at its default and at
+`()` (every record at max_length), interleaved cycle by cycle. Prints the
+first (compiling) and the later cycles' times, their ratio, the largest
+parameter difference between the two and dev evaluation both ways.
 
   python -m launch.bench.bench_buckets --model=<pretrain workdir>/model
 
-A benchmark for the operator: the times follow the realised sample sizes
-and the records' lengths (private on private data, see `log_wall_time`);
-SST-2 here is public.
+For the operator: the times follow the realised sample sizes and the
+records' lengths (private on private data, see `log_wall_time`).
 """
 
 import dataclasses

@@ -113,40 +113,17 @@ def layer_config(family, *, num_experts, d_model, d_ff, top_k=1, **extra):
   raise ValueError(f'unknown family {family!r}; use one of {sorted(FAMILIES)}')
 
 
-def _sparse_layer(config):
+def sparse_layer(config, rank: int = 0):
+  """The sparse layer of `config`: Switch's, or the decoder kit's."""
   if isinstance(config, switch.SwitchConfig):
-    return switch.SwitchSparseMLP(config)
-  return decoder.SparseMLP(config)  # OLMoE's and DeepSeek's
+    return switch.SwitchSparseMLP(config, rank=rank)
+  return decoder.SparseMLP(config, rank=rank)
 
 
-def _expert_weights(params, matrices: tuple[str, ...]) -> tuple[jax.Array, ...]:
-  """(router kernel, stacked expert kernels in `matrices` order) of one sparse layer."""
-  p = params['params']
-  return (p['router']['kernel'],) + tuple(
-      p['experts'][m]['kernel'] for m in matrices
-  )
-
-
-def _shared_weights(params) -> tuple[jax.Array, ...]:
-  """The shared experts' (gate, up, down) kernels; () without shared experts."""
-  shared = params['params'].get('shared_experts')
-  if shared is None:
-    return ()
-  return tuple(shared[m]['kernel'] for m in ('gate', 'up', 'down'))
-
-
-def _route(config, logits: jax.Array) -> moe.Routing:
-  """The layer's own top-k routing (OLMoE: renormalised iff norm_topk_prob;
-  DeepSeek: group-limited iff configured, scaled by routed_scaling_factor)."""
-  if isinstance(config, deepseek.DeepseekConfig):
-    return moe.route_topk(
-        logits,
-        config.top_k,
-        False,
-        config.routing_groups,
-        config.routed_scaling_factor,
-    )
-  return moe.route_topk(logits, config.top_k, config.norm_topk_prob)
+def _route(c, logits: jax.Array) -> moe.Routing:
+  """The layer's own top-k routing, as `decoder.SparseMLP` routes."""
+  extra = (c.topk_renormalised, c.routing_groups, c.routed_scaling_factor)
+  return moe.route_topk(logits, c.top_k, *extra)
 
 
 def _expert_mlp(rows: jax.Array, kernels: tuple[jax.Array, ...]) -> jax.Array:
@@ -169,12 +146,6 @@ def _with_input_grad(forward, scalar=None):
     return jax.grad(lambda x: scalar(weights, x, cotangent))(x)
 
   return forward, forward_backward
-
-
-def _layer_fns(config):
-  """Forward and input-gradient functions of one sparse layer: f(params, x[, ct])."""
-  module = _sparse_layer(config)
-  return _with_input_grad(lambda params, x: module.apply(params, x)[0])
 
 
 def _one_expert_fns(config):
@@ -221,13 +192,18 @@ def _all_experts_fns(config):
 
 
 def _variants(config, params, matrices, references):
-  """({variant: (forward, forward_backward)}, {variant: its weights})."""
-  w_router, *kernels = _expert_weights(params, matrices)
-  shared = _shared_weights(params)
-  fns = {
-      v: _layer_fns(dataclasses.replace(config, dispatch=v))
-      for v in ('grouped', 'ragged', 'dense')
-  }
+  """({variant: (forward, forward_backward)}, {variant: its weights}): the
+  layer per dispatch, and the references on its router and expert kernels
+  (in `matrices` order) and shared experts' (gate, up, down) kernels."""
+  p = params['params']
+  w_router = p['router']['kernel']
+  kernels = [p['experts'][m]['kernel'] for m in matrices]
+  shared = p.get('shared_experts') or {}
+  shared = tuple(shared[m]['kernel'] for m in ('gate', 'up', 'down') if shared)
+  fns = {}
+  for v in ('grouped', 'ragged', 'dense'):
+    layer = sparse_layer(dataclasses.replace(config, dispatch=v))
+    fns[v] = _with_input_grad(lambda p, x, layer=layer: layer.apply(p, x)[0])
   weights = dict.fromkeys(fns, params)
   fns['one_expert'] = _one_expert_fns(config)
   weights['one_expert'] = ((w_router,) + tuple(w[0] for w in kernels), shared)
@@ -295,7 +271,7 @@ def run(*, family='switch', repeats=5, max_dense_gflop=250.0, **options):
       k_param, k_x, k_ct = jax.random.split(key, 3)
       x = jax.random.normal(k_x, (b, seq_len, d_model), jnp.float32)
       cotangent = jax.random.normal(k_ct, x.shape, jnp.float32)
-      layer = _sparse_layer(config)
+      layer = sparse_layer(config)
       params = {'params': initializers.init_params(layer, k_param, (x,))}
       fns, weights = _variants(config, params, matrices, references)
       tokens = b * seq_len

@@ -18,34 +18,23 @@ if __name__ == '__main__':  # first, before any library starts a thread
   _host_memory.keep_unless_disabled(sys.argv)
 
 import dataclasses
-import functools
 
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from launch.bench import builders
 from launch.bench import harness
-from raptor_jax import models
-from raptor_jax.train import plans
-from raptor_jax.train import setup as train_setup
-from raptor_jax.train import step as step_lib
 
 FAMILIES = ('switch', 'olmoe')
-FAMILIES_HELP = 'switch (top-1, ReLU experts) or olmoe (top-k, SwiGLU experts).'
-MICROBATCHES_HELP = (
-    'Microbatch sizes m of the shared-stream steps (empty: none).'
-)
 
 
 def define_flags() -> None:
   """Defines the flags; only when run as a script (tests import several)."""
-  flags.DEFINE_enum('family', 'switch', list(FAMILIES), FAMILIES_HELP)
+  flags.DEFINE_enum('family', 'switch', list(FAMILIES), 'switch or olmoe.')
   flags.DEFINE_integer('top_k', 8, 'Experts per token (olmoe; Switch: 1).')
-  flags.DEFINE_list('microbatch_sizes', ['8', '32', '128'], MICROBATCHES_HELP)
+  flags.DEFINE_list('microbatch_sizes', ['8', '32', '128'], 'Shared-stream m.')
   flags.DEFINE_list('expert_num_experts', ['8', '64'], 'E of the expert step.')
   flags.DEFINE_integer('expert_microbatch', 32, 'm of the expert step.')
   flags.DEFINE_integer('num_experts', 8, 'E of the shared-stream model.')
@@ -64,39 +53,11 @@ def define_flags() -> None:
 _MB = 2.0**20
 
 
-def _xent(logits, labels):
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-
-
-def nonprivate_step(module):
-  """Jittable non-private step: (trainable, opt, frozen, records) -> (trainable, opt)."""
-  adam = optax.adam(builders.LEARNING_RATE)
-
-  def step(trainable, opt_state, frozen, records):
-    def mean_loss(trainable):
-      ids, mask, labels = records
-      params = step_lib.merged_params(frozen, trainable)
-      logits, _ = module.apply({'params': params}, ids, mask)
-      return jnp.mean(_xent(logits, labels))
-
-    updates, opt_state = adam.update(
-        jax.grad(mean_loss)(trainable), opt_state, trainable
-    )
-    return optax.apply_updates(trainable, updates), opt_state
-
-  return step, adam
-
-
-def dp_step(
-    module, params, phase: plans.Phase, records, owners, *, key, **kwargs
-):
-  """The trainer's DP step through the public API (`train.step.PhaseStep`, 1 device).
-
-  Returns (state, (jitted accumulate, its compiled program, its arguments),
-  update compile seconds, call): `call()` runs one phase step on the microbatch exactly as training
-  does: zero sums, place the records, accumulate (vmap(grad) per record,
-  clip, float32 sums), update (noise once, public denominator, Adam).
-  """
+def dp_step(module, params, phase, records, owners, *, key, **kwargs):
+  """(state, (jitted accumulate, its compiled program, its arguments),
+  update compile seconds, call) of the trainer's `PhaseStep` of `phase` on
+  one device: `call()` runs one step on the microbatch exactly as training
+  does (zero sums, accumulate, update)."""
   dp = builders.phase_step(module, phase, key=key, **kwargs)
   state = dp.init(params)
   compiled, update, args = builders.compile_phase(dp, state, records, owners)
@@ -118,41 +79,29 @@ def _num_params(tree) -> int:
 
 
 def run_shared(
-    config: models.SwitchConfig | models.OlmoeConfig,
-    *,
-    microbatch_sizes=(8, 32, 128),
-    seq_len=128,
-    repeats=5,
-) -> list[dict]:
-  """Non-private vs DP shared-stream step per microbatch size; one dict per m."""
+    config, *, microbatch_sizes=(8, 32, 128), seq_len=128, repeats=5
+):
+  """The trainer's non-private vs DP shared-stream step (attention LoRA +
+  head) per microbatch size m; one dict per m."""
   module, params = builders.build(config, seq_len)
-  shared = lambda m: builders.stream_phase('shared', float(m))[0]
-  trainable, frozen = train_setup.partition(params, shared(1).parts)
   rows = []
   for m in microbatch_sizes:
     records, owners = builders.batch(
         m, seq_len, config.vocab_size, config.num_experts, seed=m
     )
-    calls, row = {}, {
-        'm': m,
-        'trainable': _num_params(trainable),
-        'frozen': _num_params(frozen),
-    }
-    step, adam = nonprivate_step(module)
-    args = (trainable, adam.init(trainable), frozen, records)
-    nonprivate = harness.compile_timed(step, *args)
-    calls['nonprivate'] = functools.partial(nonprivate.compiled, *args)
-    row['nonprivate_compile_s'] = nonprivate.lower_s + nonprivate.compile_s
-    _, (_, compiled, _), update_s, calls['dp'] = dp_step(
-        module, params, shared(m), records, owners, key=jax.random.key(0)
-    )
-    row['dp_compile_s'] = compiled.lower_s + compiled.compile_s + update_s
-    for name, program in (
-        ('nonprivate', nonprivate.compiled),
-        ('dp', compiled.compiled),
-    ):
-      stats = harness.memory_stats(program)
+    calls, row = {}, {'m': m}
+    for name, stream in (('nonprivate', 'nonprivate'), ('dp', 'shared')):
+      phase, _ = builders.stream_phase(stream, float(m))
+      state, (_, compiled, _), update_s, calls[name] = dp_step(
+          module, params, phase, records, owners, key=jax.random.key(0)
+      )
+      row[f'{name}_compile_s'] = (
+          compiled.lower_s + compiled.compile_s + update_s
+      )
+      stats = harness.memory_stats(compiled.compiled)
       row[f'{name}_temp_mb'] = stats['temp'] / _MB if stats else float('nan')
+    row['trainable'] = _num_params(state.trainable)
+    row['frozen'] = _num_params(state.frozen)
     pair = ('dp', 'nonprivate')
     ms, ratios = harness.interleaved_medians(
         calls, repeats=repeats, pairs=[pair]
@@ -164,7 +113,7 @@ def run_shared(
 
 
 def run_expert(
-    config: models.SwitchConfig | models.OlmoeConfig,
+    config,
     *,
     num_experts=(8, 64),
     microbatch=32,
@@ -172,11 +121,8 @@ def run_expert(
     repeats=5,
     num_buffers=8,
 ):
-  """Expert-stream step per E: memory analysis, FLOPs and time; (rows, largest buffers).
-
-  RAPTOR's expert phase as the trainer runs it: owner slices of l*'s expert
-  LoRA, the residual weight from the shared-only logits, denominator m/E.
-  """
+  """(rows, largest buffers) of RAPTOR's expert step per E as the trainer
+  runs it (l*'s owner slices, denominator m/E): memory, FLOPs and time."""
   rows, calls, buffers = [], {}, {}
   for e in num_experts:
     cfg = dataclasses.replace(config, num_experts=e)
@@ -193,22 +139,15 @@ def run_expert(
     _, step_flops = harness.loop_corrected_flops(
         accumulate, *args, compiled=compiled.compiled
     )
-    one_slice = _num_params(state.trainable) // e
-    rows.append(
-        {
-            'E': e,
-            'layer': layer,
-            'm': microbatch,
-            'expert_lora_params': _num_params(state.trainable),
-            'frozen_params': _num_params(state.frozen),
-            'per_record_grad_mb': microbatch * one_slice * 4 / _MB,
-            'temp_mb': stats.get('temp', float('nan')) / _MB,
-            'argument_mb': stats.get('argument', float('nan')) / _MB,
-            'output_mb': stats.get('output', float('nan')) / _MB,
-            'gflop': step_flops / 1e9,
-            'compile_s': compiled.lower_s + compiled.compile_s + update_s,
-        }
-    )
+    params = _num_params(state.trainable)
+    row = dict(E=e, layer=layer, m=microbatch, expert_lora_params=params)
+    row['frozen_params'] = _num_params(state.frozen)
+    row['per_record_grad_mb'] = microbatch * (params // e) * 4 / _MB
+    for k in ('temp', 'argument', 'output'):
+      row[f'{k}_mb'] = stats.get(k, float('nan')) / _MB
+    row['gflop'] = step_flops / 1e9
+    row['compile_s'] = compiled.lower_s + compiled.compile_s + update_s
+    rows.append(row)
     buffers[e] = harness.largest_buffers(compiled.compiled, num_buffers)
   first = num_experts[0]
   ms, ratios = harness.interleaved_medians(
@@ -259,18 +198,9 @@ def expert_table(rows: list[dict]) -> str:
 
 
 def buffer_table(buffers: list[harness.Buffer]) -> str:
-  body = [
-      [
-          f'{b.nbytes / _MB:.1f}',
-          b.shape,
-          b.opcode,
-          '/'.join(b.op_name.split('/')[-4:]),
-      ]
-      for b in buffers
-  ]
-  return harness.format_table(
-      ['MB', 'shape', 'HLO op', 'JAX op (last parts)'], body
-  )
+  op = lambda b: '/'.join(b.op_name.split('/')[-4:])
+  body = [[f'{b.nbytes / _MB:.1f}', b.shape, b.opcode, op(b)] for b in buffers]
+  return harness.format_table(['MB', 'shape', 'HLO op', 'JAX op'], body)
 
 
 def main(argv: list[str]) -> None:
@@ -296,24 +226,21 @@ def main(argv: list[str]) -> None:
       f'medians of {FLAGS.repeats} interleaved rounds',
       flush=True,
   )
+  options = dict(seq_len=FLAGS.seq_len, repeats=FLAGS.repeats)
   if FLAGS.microbatch_sizes:
-    shared = run_shared(
-        config,
-        microbatch_sizes=[int(m) for m in FLAGS.microbatch_sizes],
-        seq_len=FLAGS.seq_len,
-        repeats=FLAGS.repeats,
-    )
+    sizes_m = [int(m) for m in FLAGS.microbatch_sizes]
+    shared = run_shared(config, microbatch_sizes=sizes_m, **options)
     print(
         f"\nShared stream, E={config.num_experts}: {shared[0]['trainable']:,} trainable "
         f"(attention LoRA + head), {shared[0]['frozen']:,} frozen parameters"
     )
     print(shared_table(shared), flush=True)
+  num_experts = [int(e) for e in FLAGS.expert_num_experts]
   expert, buffers = run_expert(
       config,
-      num_experts=[int(e) for e in FLAGS.expert_num_experts],
+      num_experts=num_experts,
       microbatch=FLAGS.expert_microbatch,
-      seq_len=FLAGS.seq_len,
-      repeats=FLAGS.repeats,
+      **options,
   )
   print(
       f"\nExpert stream at block {expert[0]['layer']}, m={expert[0]['m']} "

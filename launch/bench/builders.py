@@ -1,12 +1,10 @@
 """Models, records and the trainer's steps, as the benchmarks build them.
 
-Small random classifiers (`model_config`, `olmoe_config`, `build`: LoRA on
-attention and on the experts of l*, the last sparse block, kept out of the
-scan as the trainer keeps it), random records (`batch`, `host_batch`), and
-RAPTOR's shared and expert streams as the trainer's own `PhaseStep`
-(`stream_phase`, `phase_step`), compiled on one microbatch
-(`compile_phase`). Used by `benchmark`, `compile_time`, `gpu_check`,
-`raptor_side` (so `vs_opacus`, `epoch_time`, `kernels`) and `torch_side`.
+Small random classifiers with LoRA on attention and on the experts of l*,
+the last sparse block (`model_config`, `olmoe_config`, `build`), random
+records (`batch`, `host_batch`), and RAPTOR's shared and expert streams as
+the trainer's own `PhaseStep` (`stream_phase`, `phase_step`), compiled on
+one microbatch (`compile_phase`).
 """
 
 from __future__ import annotations
@@ -22,26 +20,13 @@ from raptor_jax import models, roles
 from raptor_jax.train import parallel, plans
 from raptor_jax.train import step as step_lib
 
+_WIDTHS = ('d_model', 'd_kv', 'd_ff', 'num_heads', 'num_experts')
+_WIDTHS += ('expert_capacity',)
 # switch-base-8's widths (HF config.json; depth and vocabulary left out).
-SWITCH_BASE_8 = dict(
-    d_model=768,
-    d_kv=64,
-    d_ff=3072,
-    num_heads=12,
-    num_experts=8,
-    expert_capacity=64,
-)
+SWITCH_BASE_8 = dict(zip(_WIDTHS, (768, 64, 3072, 12, 8, 64)))
 # A toy Switch, for smoke tests on a CPU (`--quick`).
 TOY_SWITCH = dict(
-    vocab_size=50,
-    d_model=16,
-    d_kv=8,
-    d_ff=32,
-    num_layers=2,
-    num_heads=2,
-    num_experts=4,
-    expert_capacity=5,
-    lora_rank=2,
+    zip(_WIDTHS, (16, 8, 32, 2, 4, 5)), vocab_size=50, num_layers=2, lora_rank=2
 )
 L2_CLIP = 1.0
 NOISE_MULTIPLIER = 1.0
@@ -49,22 +34,12 @@ LEARNING_RATE = 1e-3
 
 
 # The small model's sizes, under Switch's names.
-_SMALL = dict(
-    vocab_size=8000,
-    d_model=256,
-    d_ff=1024,
-    num_layers=4,
-    num_heads=4,
-    num_experts=8,
-    lora_rank=8,
-    attention_lora=True,
-)
+_SMALL = dict(vocab_size=8000, d_model=256, d_ff=1024, num_layers=4)
+_SMALL.update(num_heads=4, num_experts=8, lora_rank=8, attention_lora=True)
 # Switch's names of sizes -> a decoder's (OLMoE's).
-DECODER_NAMES = dict(
-    d_model='hidden_size',
-    d_ff='intermediate_size',
-    num_layers='num_hidden_layers',
-    num_heads='num_attention_heads',
+DECODER_NAMES = dict(d_model='hidden_size', d_ff='intermediate_size')
+DECODER_NAMES.update(
+    num_layers='num_hidden_layers', num_heads='num_attention_heads'
 )
 
 
@@ -98,7 +73,9 @@ def with_expert_layer(config):
   )
 
 
-# Config class -> (backbone, its depth field, pooling), per family.
+# Family -> (config class, backbone, its depth field, pooling).
+_DECODERS = dict(olmoe='Olmoe', deepseek='Deepseek', qwen3_moe='Qwen3Moe')
+_DECODERS.update(qwen2_moe='Qwen2Moe', mixtral='Mixtral')
 BACKBONES = {
     'switch': (models.SwitchConfig, models.SwitchEncoder, 'num_layers', 'mean'),
     **{
@@ -108,13 +85,7 @@ BACKBONES = {
             'num_hidden_layers',
             'last',
         )
-        for name, kind in (
-            ('olmoe', 'Olmoe'),
-            ('deepseek', 'Deepseek'),
-            ('qwen3_moe', 'Qwen3Moe'),
-            ('qwen2_moe', 'Qwen2Moe'),
-            ('mixtral', 'Mixtral'),
-        )
+        for name, kind in _DECODERS.items()
     },
 }
 
@@ -128,11 +99,7 @@ def classifier(config) -> models.SequenceClassifier:
   return models.SequenceClassifier(backbone(config), 2, pooling=pooling)
 
 
-def build(
-    config: models.SwitchConfig | models.OlmoeConfig,
-    seq_len: int,
-    seed: int = 0,
-):
+def build(config, seq_len: int, seed: int = 0):
   """(module, params) of a randomly initialised `classifier`."""
   module = classifier(config)
   ids = jnp.zeros((1, seq_len), jnp.int32)
@@ -142,13 +109,7 @@ def build(
   return module, params
 
 
-def batch(
-    num_records: int,
-    seq_len: int,
-    vocab_size: int,
-    num_experts: int,
-    seed: int = 0,
-):
+def batch(num_records, seq_len, vocab_size, num_experts, seed=0):
   """Random records (ids, mask, label) with right padding, and random owners."""
   rng = np.random.default_rng(seed)
   ids = rng.integers(1, vocab_size, (num_records, seq_len), dtype=np.int32)
@@ -172,24 +133,26 @@ def host_batch(ids, mask, labels, owners=None) -> dict:
   }
 
 
-def stream_phase(stream: str, denominator: float, layer=None):
+def stream_phase(stream: str, denominator: float, layer=None, l2_clip=L2_CLIP):
   """(phase, `PhaseStep` keywords) of RAPTOR's 'shared' stream (attention
-  LoRA + head) or 'expert' stream (owner slices of block `layer`'s expert
-  LoRA, the residual weight 'shared'): one part, the benchmark's clip and
-  noise multiplier."""
-  expert = stream == 'expert'
+  LoRA + head), its 'expert' stream (owner slices of block `layer`'s expert
+  LoRA, the residual weight 'shared') or the 'nonprivate' step of the
+  shared stream's adapters: one part, the benchmark's noise multiplier."""
+  expert, private = stream == 'expert', stream != 'nonprivate'
+  name = 'expert' if expert else 'shared'
   part = plans.Part(
-      name=stream,
+      name=name,
       roles=tuple(roles.EXPERT_ROLES if expert else roles.SHARED_ROLES),
       blocks=(layer,) if expert else None,
       owner=expert,
-      l2_clip=L2_CLIP,
-      noise_multiplier=NOISE_MULTIPLIER,
+      l2_clip=l2_clip,
+      noise_multiplier=NOISE_MULTIPLIER if private else 0.0,
       denominator=denominator,
       residual=expert,
   )
   extra = dict(expert_layer=layer, residual='shared') if expert else {}
-  return plans.Phase(name=stream, stream=0, parts=(part,)), extra
+  phase = plans.Phase(name=name, stream=0, parts=(part,), private=private)
+  return phase, extra
 
 
 def phase_step(module, phase, *, key, devices=1, **kwargs):

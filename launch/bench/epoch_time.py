@@ -58,9 +58,7 @@ def define_flags() -> None:
   flags.DEFINE_integer('batch_size', 500, 'Expected batch B (Poisson).')
   flags.DEFINE_integer('microbatch', 100, 'Records per microbatch m.')
   flags.DEFINE_integer('steps', 4, 'Timed steps of the epoch (evenly spaced).')
-  flags.DEFINE_list(
-      'streams', list(STREAMS), 'Streams, from: ' + ', '.join(STREAMS)
-  )
+  flags.DEFINE_list('streams', list(STREAMS), f'Streams, from: {STREAMS}')
   flags.DEFINE_list('modes', ['hooks', 'ew'], 'Opacus grad_sample_modes.')
   flags.DEFINE_integer('threads', 2, 'torch.set_num_threads.')
   flags.DEFINE_float('tolerance', 1e-2, 'Largest relative update difference.')
@@ -234,13 +232,8 @@ def check(epoch, sizes, path, step, streams, batch_size, tolerance):
     plain = _raptor_sums(*args, 'raptor unbucketed', step, batch_size)
     theirs = _torch_sums(epoch, sizes, path, params, stream, step, batch_size)
     for name, other in (('unbucketed', plain), ('torch', theirs)):
-      err = torch_side.relative_error(ours, other)
-      errors[f'{stream}: raptor vs {name}'] = err
-      if not err <= tolerance:
-        raise AssertionError(
-            f'{stream}: raptor_jax (buckets) and {name} sums differ by '
-            f'{err:.2e} (relative) > {tolerance:.0e}'
-        )
+      pair = f'{stream}: raptor vs {name}'
+      torch_side.check(errors, pair, ours, other, tolerance)
   return errors
 
 
@@ -266,45 +259,30 @@ def serve(side: str, workdir: str) -> None:
     harness.serve(calls, failed, warmup=lambda: [c(0) for c in calls.values()])
 
 
-def time_task(
-    task,
-    data,
-    workdir,
-    *,
-    quick,
-    batch_size,
-    microbatch,
-    steps,
-    streams,
-    modes,
-    tolerance,
-    vocab,
-    threads=2,
-):
-  """One task's row: token counts, the check, the interleaved timings."""
+def time_task(task, data, workdir, *, vocab, quick, **spec):
+  """One task's row: token counts, the check, the interleaved timings.
+
+  `spec`: batch_size, microbatch, steps (timed), streams, modes, tolerance
+  and threads, as the flags."""
   sizes = epochs.model_sizes(np.shape(data[0])[1], vocab, quick)
+  batch_size, streams = spec['batch_size'], spec['streams']
   epoch = epochs.make_epoch(
       task,
       data,
       batch_size=batch_size,
-      microbatch=microbatch,
+      microbatch=spec['microbatch'],
       num_experts=sizes.num_experts,
   )
   model = raptor_side.save_switch(os.path.join(workdir, 'model'), sizes)
-  timed = epoch.timed_steps(steps)
-  errors = check(epoch, sizes, model, timed[0], streams, batch_size, tolerance)
-  spec = dict(
-      epoch=dataclasses.asdict(epoch),
-      sizes=dataclasses.asdict(sizes),
-      model=model,
-      streams=list(streams),
-      steps=timed,
-      batch_size=batch_size,
-      modes=list(modes),
-      threads=threads,
+  timed = epoch.timed_steps(spec['steps'])
+  errors = check(
+      epoch, sizes, model, timed[0], streams, batch_size, spec['tolerance']
   )
+  worker_spec = dict(model=model, streams=list(streams), steps=timed)
+  worker_spec.update(epoch=dataclasses.asdict(epoch), modes=list(spec['modes']))
+  worker_spec.update(sizes=dataclasses.asdict(sizes), batch_size=batch_size)
   with open(os.path.join(workdir, 'spec.pkl'), 'wb') as f:
-    pickle.dump(spec, f)
+    pickle.dump(dict(worker_spec, threads=spec['threads']), f)
   worker = lambda side, keep: harness.worker_command(
       'launch.bench.epoch_time', side, keep, f'--workdir={workdir}'
   )
@@ -312,27 +290,29 @@ def time_task(
       [(worker('raptor', True), str), (worker('torch', False), str)],
       repeats=len(timed),
   )
-  return dict(
-      task=task,
-      epoch=epoch,
-      sizes=sizes,
-      timed=timed,
-      times=times,
-      failed=failed,
-      errors=errors,
-      tokens={
-          c: epoch.tokens(c) for c in ('raptor', 'raptor unbucketed', 'torch')
-      },
-      useful=epochs.useful_flops(epoch, sizes),
+  row = dict(task=task, epoch=epoch, sizes=sizes, timed=timed, times=times)
+  row.update(
+      failed=failed, errors=errors, useful=epochs.useful_flops(epoch, sizes)
   )
+  columns = ('raptor', 'raptor unbucketed', 'torch')
+  return dict(row, tokens={c: epoch.tokens(c) for c in columns})
 
 
-EPOCH_COLUMNS = (
-    'task|stream|column|s/epoch|real tokens|processed tokens|padding|'
-    'useful FLOPs / peak'
-).split('|')
+EPOCH_COLUMNS = (  # (header, key, format) of `tables`' main rows
+    ('task', 'task', ''),
+    ('stream', 'stream', ''),
+    ('column', 'column', ''),
+    ('s/epoch', 'seconds', '.1f'),
+    ('real tokens', 'real', ','),
+    ('processed tokens', 'processed', ','),
+    ('padding', 'padding', '.0%'),
+    ('useful FLOPs / peak', 'useful', '.1%'),
+)
 RATIO_COLUMNS = (
-    'task|stream|unbucketed / buckets|torch or Opacus / buckets'.split('|')
+    ('task', 'task', ''),
+    ('stream', 'stream', ''),
+    ('unbucketed / buckets', 'unbucketed', '.2f'),
+    ('torch or Opacus / buckets', 'theirs', '.2f'),
 )
 
 
@@ -352,63 +332,58 @@ def tables(rows) -> str:
   """Seconds per epoch, tokens, peak fractions and ratios of every row."""
   main, ratios, checks, lines = [], [], [], []
   for row in rows:
-    t, epoch, sizes = row['times'], row['epoch'], row['sizes']
-    n_steps = len(epoch.samples)
-    rows_mm = epoch.microbatch * epoch.max_length
+    t, epoch, task = row['times'], row['epoch'], row['task']
+    n_steps, rows_mm = len(epoch.samples), epoch.microbatch * epoch.max_length
     peak = max(
         2 * rows_mm * k * n / harness.median(t[name])
-        for name, (k, n) in _gemms(sizes).items()
+        for name, (k, n) in _gemms(row['sizes']).items()
     )
     lines.append(
-        f"{row['task']}: {len(epoch.lengths)} records, {n_steps} steps of"
+        f'{task}: {len(epoch.lengths)} records, {n_steps} steps of'
         f' B={len(epoch.samples[0])} (expected), m={epoch.microbatch},'
         f' buckets {epoch.buckets}, timed steps {row["timed"]};'
         f' measured matmul peak {peak / 1e9:.1f} GFLOP/s'
     )
-    streams = sorted(
-        {c.split()[-1] for c in t if not c.startswith('gemm')},
-        key=STREAMS.index,
-    )
-    for stream in streams:
+    streams = {c.split()[-1] for c in t if not c.startswith('gemm')}
+    for stream in sorted(streams, key=STREAMS.index):
       theirs = _best(t, 'torch' if stream == 'nonprivate' else 'opacus', stream)
       columns = [f'raptor {stream}', f'raptor unbucketed {stream}', theirs]
       for c in filter(None, columns):
         seconds = np.mean(t[c]) * n_steps
-        real, processed = row['tokens'][
-            'torch' if c == theirs else ' '.join(c.split()[:-1])
-        ]
+        layout = 'torch' if c == theirs else c.rsplit(' ', 1)[0]
+        real, processed = row['tokens'][layout]
         main.append(
-            [
-                row['task'],
-                stream,
-                c.rsplit(' ', 1)[0],
-                f'{seconds:.1f}',
-                f'{real:,}',
-                f'{processed:,}',
-                f'{100 * (1 - real / processed):.0f}%',
-                f"{100 * row['useful'] / (seconds * peak):.1f}%",
-            ]
+            dict(task=task, stream=stream, column=c.rsplit(' ', 1)[0])
+            | dict(seconds=seconds, real=real, processed=processed)
+            | dict(padding=1 - real / processed)
+            | dict(useful=row['useful'] / (seconds * peak))
         )
       mine = sum(t[f'raptor {stream}'])
       ratios.append(
-          [
-              row['task'],
-              stream,
-              f"{sum(t[f'raptor unbucketed {stream}']) / mine:.2f}",
-              f'{sum(t[theirs]) / mine:.2f}' if theirs else 'n/a',
-          ]
+          dict(task=task, stream=stream, theirs=None)
+          | dict(unbucketed=sum(t[f'raptor unbucketed {stream}']) / mine)
+          | (dict(theirs=sum(t[theirs]) / mine) if theirs else {})
       )
-    checks += [[row['task'], k, f'{v:.1e}'] for k, v in row['errors'].items()]
-    lines += [f"  {row['task']} {c}: {e}" for c, e in row['failed'].items()]
+    checks += [
+        dict(task=task, pair=k, error=v) for k, v in row['errors'].items()
+    ]
+    lines += [f'  {task} {c}: {e}' for c, e in row['failed'].items()]
   return '\n'.join(
       [
           *lines,
           '\nOne epoch (seconds = mean timed step x steps per epoch)',
-          harness.format_table(EPOCH_COLUMNS, main),
+          harness.dict_table(EPOCH_COLUMNS, main),
           '\nEpoch-time ratios over raptor_jax with buckets (same steps)',
-          harness.format_table(RATIO_COLUMNS, ratios),
+          harness.dict_table(RATIO_COLUMNS, ratios),
           '\nUpdate checks, noise off, first timed step: ||a - b|| / ||b||',
-          harness.format_table(['task', 'pair', 'error'], checks),
+          harness.dict_table(
+              [
+                  ('task', 'task', ''),
+                  ('pair', 'pair', ''),
+                  ('error', 'error', '.1e'),
+              ],
+              checks,
+          ),
       ]
   )
 
@@ -424,38 +399,26 @@ def main(argv) -> None:
         'error: --tokenizer is required (a model or tokenizer directory, '
         'e.g. results/glue_small/model), or run --quick'
     )
-  options = dict(
-      batch_size=f.batch_size, microbatch=f.microbatch, steps=f.steps
-  )
+  names = ('batch_size', 'microbatch', 'steps', 'streams', 'modes')
+  options = {k: f[k].value for k in names + ('tolerance', 'threads')}
   if f.quick:
-    options = dict(batch_size=60, microbatch=10, steps=2)
+    options.update(batch_size=60, microbatch=10, steps=2)
   rows = []
   for task in f.tasks if not f.quick else ['generated']:
     with tempfile.TemporaryDirectory() as workdir:
+      vocab = 0
       if f.quick:
-        data, vocab = (
-            epochs.generated_records(180, 24, raptor_side.QUICK.vocab_size),
-            0,
-        )
+        vocab_size = raptor_side.QUICK.vocab_size
+        data = epochs.generated_records(180, 24, vocab_size)
       else:
         from raptor_jax.data import encoding  # pylint: disable=import-outside-toplevel
 
         vocab = len(encoding.load_tokenizer(f.tokenizer))
         data = epochs.load_records(task, f.data_dir, f.tokenizer)
-      rows.append(
-          time_task(
-              task,
-              data,
-              workdir,
-              quick=f.quick,
-              streams=f.streams,
-              modes=f.modes,
-              tolerance=f.tolerance,
-              vocab=vocab,
-              threads=f.threads,
-              **options,
-          )
+      row = time_task(
+          task, data, workdir, vocab=vocab, quick=f.quick, **options
       )
+      rows.append(row)
       print(tables(rows[-1:]), flush=True)  # each task as it finishes
   out = tables(rows)
   print('\nAll tasks\n' + out)

@@ -1,10 +1,7 @@
-"""One epoch of a task: records, Poisson samples, each column's microbatches.
-
-`epoch_time` times an epoch of real text (or, --quick, generated records
-with lengths like real text's): the epoch's Poisson samples are drawn once,
-and `Epoch.layout` gives the microbatches each column runs for a step:
+"""One epoch of a task for `epoch_time`: records, Poisson samples (drawn
+once), and the microbatches each column runs for a step (`Epoch.layout`:
 raptor_jax's length buckets, raptor_jax at max_length, or PyTorch's dynamic
-padding. `useful_flops` counts the matmul FLOPs of the real tokens only.
+padding); `useful_flops` counts the matmul FLOPs of the real tokens only.
 """
 
 from __future__ import annotations
@@ -21,17 +18,9 @@ TASKS = {  # task: (train file under --data_dir, max_length)
     'sst2': ('glue/sst2/train.tsv', 64),
     'qnli': ('glue/qnli/train_sample.tsv', 128),
 }
-SMALL = dict(  # the `:small` model shape (configs/pretrain_switch.py)
-    d_model=128,
-    d_kv=32,
-    num_heads=4,
-    d_ff=512,
-    num_layers=4,
-    num_experts=8,
-    expert_capacity=64,
-    lora_rank=8,
-    lora_alpha=16.0,
-)
+# The `:small` model shape (configs/pretrain_switch.py).
+SMALL = dict(d_model=128, d_kv=32, num_heads=4, d_ff=512, num_layers=4)
+SMALL.update(num_experts=8, expert_capacity=64, lora_rank=8, lora_alpha=16.0)
 
 
 @dataclasses.dataclass
@@ -114,16 +103,9 @@ def make_epoch(
       for t in range(steps)
   ]
   owners = np.random.default_rng(seed).integers(0, num_experts, n)
-  return Epoch(
-      task=task,
-      input_ids=ids.astype(np.int32),
-      lengths=lengths,
-      labels=labels.astype(np.int32),
-      owners=owners.astype(np.int32),
-      samples=samples,
-      buckets=length_buckets.default_buckets(ids.shape[1]),
-      microbatch=microbatch,
-  )
+  buckets = length_buckets.default_buckets(ids.shape[1])
+  ids, labels, owners = (x.astype(np.int32) for x in (ids, labels, owners))
+  return Epoch(task, ids, lengths, labels, owners, samples, buckets, microbatch)
 
 
 def load_records(task: str, data_dir: str, tokenizer: str):

@@ -1,26 +1,15 @@
 r"""Part 3 of the GPU check: switch-base-8's DP steps at B = 1000, GPU defaults.
 
-`launch/bench/gpu_check.sh` runs it under its own time budget. A randomly
-initialised classifier of switch-base-8's shape (12 blocks, every 2nd
-sparse, E = 8, d_model 768, d_ff 3072, 12 heads; LoRA r = 8 on attention
-and on l*'s experts, l* the last sparse block) in bfloat16, with every
-option at its default ('auto' dispatch and kernels, resolved for this
-backend: on a GPU the loop-free 'batched' dispatch and the reference
-kernels). Each line is printed as soon as it is known:
-
-* set-up: building the model and drawing its parameters;
-* per stream (RAPTOR's shared step, then its expert step), through the
-  trainer's `PhaseStep` as the trainer runs it:
-  - a probe compile of the accumulate at m = --probe records, whose XLA
-    memory plan (`compiled.memory_analysis()`: arguments, outputs,
-    temporaries) gives the bytes per record, and from it and the device's
-    memory the microbatch m (`choose_microbatch`; the probe's m where the
-    device reports no memory, e.g. on CPU);
-  - the lower-and-compile seconds of the accumulate and the update at m;
-  - the step at expected batch 1000, timed end to end: ceil(1000 / m)
-    microbatches accumulated, then the one noisy update (median of
-    --repeats), and the accumulate's TFLOP/s (XLA's cost analysis; the GPU
-    step has no loop, so nothing is counted once for many trips).
+`launch/bench/gpu_check.sh` runs it under its own time budget: a random
+classifier of switch-base-8's shape (12 blocks, every 2nd sparse, E = 8;
+LoRA r = 8 on attention and on l*'s experts) in bfloat16 with every option
+at its default ('auto' dispatch and kernels, resolved for this backend).
+Each line is printed as soon as it is known: the set-up seconds, then per
+stream (shared, expert; the trainer's `PhaseStep`) a probe compile at
+m = --probe records whose XLA memory plan gives the microbatch m
+(`choose_microbatch`), the compile seconds at m, and the step at expected
+batch 1000 (ceil(1000 / m) accumulates, one noisy update; median of
+--repeats) with the accumulate's TFLOP/s.
 
   python -m launch.bench.gpu_check                  # on the GPU
   python -m launch.bench.gpu_check --quick          # toy sizes, any backend
@@ -69,28 +58,15 @@ def say(line: str) -> None:
   print(line, flush=True)
 
 
-def device_memory_bytes() -> int | None:
-  """The device's memory (`bytes_limit`), or None where it reports none."""
-  stats = jax.devices()[0].memory_stats()
-  return (stats or {}).get('bytes_limit')
-
-
 def choose_microbatch(
     plan: dict[str, int], probe: int, device_bytes: int | None
 ) -> int:
-  """The microbatch m that the memory plan of a probe compile allows.
-
-  The probe's temporaries are taken as all per record (an over-estimate:
-  part of them does not grow with m), its arguments and outputs as fixed;
-  m is the largest power of two whose plan fits in `MEMORY_SHARE` of the
-  device, at most `MAX_MICROBATCH` and the expected batch, at least 1. A
-  public function of the shapes and the device, never of the data.
-
-  Args:
-    plan: `harness.memory_stats` of the probe compile.
-    probe: its records per microbatch.
-    device_bytes: the device's memory, or None (then m = probe).
-  """
+  """The microbatch m that the memory plan (`harness.memory_stats`) of a
+  probe compile at `probe` records allows on `device_bytes` (None: m =
+  probe): temporaries taken as all per record (an over-estimate),
+  arguments and outputs as fixed; the largest power of two that fits in
+  `MEMORY_SHARE` of the device, in [1, min(MAX_MICROBATCH, the batch)]. A
+  function of the shapes and the device, never of the data."""
   if not device_bytes:
     return probe
   fixed = plan.get('argument', 0) + plan.get('output', 0)
@@ -117,7 +93,7 @@ def stream(name, module, params, config, *, probe, seq_len, repeats):
   phase, extra = builders.stream_phase(name, float(denominator), layer)
   dp = builders.phase_step(module, phase, key=jax.random.key(0), **extra)
   state = dp.init(params)
-  device_bytes = device_memory_bytes()
+  device_bytes = harness.device_memory('bytes_limit')
   accumulate, update, args = _programs(dp, state, probe, seq_len, config)
   plan = harness.memory_stats(accumulate.compiled) or {}
   m = choose_microbatch(plan, probe, device_bytes)
@@ -185,15 +161,8 @@ def main(argv) -> None:
   jax.block_until_ready(params)
   say(f'set-up: {time.perf_counter() - start:.1f} s (model and parameters)')
   for name in ('shared', 'expert'):
-    stream(
-        name,
-        module,
-        params,
-        config,
-        probe=probe,
-        seq_len=seq_len,
-        repeats=repeats,
-    )
+    options = dict(probe=probe, seq_len=seq_len, repeats=repeats)
+    stream(name, module, params, config, **options)
 
 
 if __name__ == '__main__':

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU check: five parts, within 9 minutes on one H200, each printed
-# as soon as it is done and each under its own time budget (`timeout`), so a
-# slow part cannot eat the others'. From the repository root:
+# as soon as it is done and under its own time budget (`timeout`). From the
+# repository root:
 #
 #   bash launch/bench/gpu_wheels.sh           # here, once: .whl/ for the image
 #   bash launch/bench/gpu_check.sh            # on the GPU (carry ['.whl'])
@@ -9,23 +9,19 @@
 #
 # 0. The carried wheels (.whl/) go into a private target; a module that still
 #    cannot be imported is named in one line before anything runs.
-# 1. Toolchain: jax, jaxlib and devices; the compile and first-call seconds
-#    of jax.jit(lambda x: x + 1); any XLA line about parallel compilation.
-# 2. The README's tiny run end to end (launch/main.py, switch_sst2.py:tiny):
-#    the tail of its output (its header's set-up and compile times, its
-#    end-of-run table) and its total seconds.
-# 3. launch.bench.gpu_check: switch-base-8's shape in bf16 with the GPU's
-#    defaults: set-up, each stream's compile, the step at B = 1000 with m
-#    chosen from the compiled program's memory plan.
-# 4. pytest under JAX_PLATFORMS=cuda: the fast-against-reference kernel
-#    tests, the per-record gradients against brute force (tests/test_grads.py)
-#    and the models' per-record adapter gradients against a loop of single
-#    records (tests/test_grad_parity.py), in float32 at full matmul
-#    precision. --quick: JAX_PLATFORMS=cpu and a few of them.
-# 5. launch.bench.gpu_dispatch: switch-base-8's sparse layer per dispatch,
-#    then OLMoE-1B-7B's, then DeepSeek-VL2-Tiny's over image-tile-length
-#    records (a 640 x 480 image: 1,087 positions), Qwen3-30B-A3B's and
-#    Mixtral-8x7B's.
+# 1. Toolchain: jax, jaxlib, devices; jax.jit(lambda x: x + 1)'s compile and
+#    first-call seconds; any XLA line about parallel compilation.
+# 2. The README's tiny run (launch/main.py, switch_sst2.py:tiny): its
+#    output's tail (set-up and compile times, end-of-run table).
+# 3. launch.bench.gpu_check: switch-base-8 in bf16 with the GPU's defaults:
+#    set-up, each stream's compile, the step at B = 1000.
+# 4. pytest under JAX_PLATFORMS=cuda, float32 at full matmul precision: the
+#    kernel tests, per-record gradients against brute force
+#    (tests/test_grads.py) and the models' per-record adapter gradients
+#    against a loop (tests/test_grad_parity.py). --quick: a few, on CPU.
+# 5. launch.bench.gpu_dispatch: the sparse layers of switch-base-8, then
+#    OLMoE-1B-7B, then DeepSeek-VL2-Tiny (image-tile-length records),
+#    Qwen3-30B-A3B and Mixtral-8x7B, per dispatch.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 python="${PYTHON:-python3}"
@@ -81,9 +77,9 @@ if [[ -n "$missing" ]]; then
 fi
 logs=$(mktemp -d)
 start=$SECONDS
-# part NAME BUDGET: the header line of a part.
+# part NAME BUDGET, done_ NAME STATUS: a part's first and last lines (exit
+# 124: stopped at its budget).
 part() { echo; echo "== $1 (budget $2 s; ${SECONDS} s in)"; start=$SECONDS; }
-# done_ NAME STATUS: its last line (124: stopped at its budget).
 done_() { echo "-- $1: exit $2 in $((SECONDS - start)) s"; }
 
 part "1/5 toolchain" "$b1"

@@ -25,8 +25,6 @@ import numpy as np
 from launch.bench import bench_dispatch
 from launch.bench import harness
 from raptor_jax.data import images
-from raptor_jax.models import decoder
-from raptor_jax.models import switch
 
 # DeepSeek-VL2-Tiny's records are long: a ScienceQA-sized 640 x 480 image
 # tiles to 2 x 2 local tiles plus the global view under the paper's
@@ -102,12 +100,7 @@ def _step(family: str, mode: str, variant: str, quick: bool, seq_len: int):
   config = dataclasses.replace(
       config, dispatch=DISPATCH[mode, variant], dtype='bfloat16'
   )
-  rank = LORA_RANK if mode == 'lora' else 0
-  module = (
-      switch.SwitchSparseMLP(config, rank=rank)
-      if family == 'switch'
-      else decoder.SparseMLP(config, rank=rank)
-  )
+  module = bench_dispatch.sparse_layer(config, LORA_RANK * (mode == 'lora'))
   # Host-side random data: no eager device computation besides the step.
   rng = np.random.default_rng(0)
   normal = lambda shape, std=1.0: jnp.asarray(

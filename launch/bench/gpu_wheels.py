@@ -1,13 +1,10 @@
 """The requirements the carried wheels still miss on the GPU machine's image.
 
-`launch/bench/gpu_wheels.sh` downloads wheels without their dependencies
-(the GPU machine reaches no registry, and pip there must not resolve
-anything). This module closes the set: it reads each wheel's
-`Requires-Dist` (its METADATA), keeps the requirements that apply to the
-GPU machine's Python (3.12, Linux x86-64, no extras), and prints those that
-neither a carried wheel nor the image's own packages
-(`gpu_image_packages.txt`) provide, one a line, for the script to download
-next, until nothing is missing.
+`launch/bench/gpu_wheels.sh` downloads wheels without their dependencies;
+this reads each wheel's `Requires-Dist`, keeps those that apply to the GPU
+machine's Python (3.12, Linux x86-64, no extras), and prints those that
+neither a carried wheel nor the image (`gpu_image_packages.txt`) provides,
+one a line, for the script to download next.
 
   python -m launch.bench.gpu_wheels .whl launch/bench/gpu_image_packages.txt
 """
@@ -65,11 +62,8 @@ def image_packages(path: pathlib.Path) -> set[str]:
 
 
 def missing(wheel_dir: pathlib.Path, image: set[str]) -> list[str]:
-  """Requirements of the wheels in `wheel_dir` that nothing provides.
-
-  Each is the requirement as written (name and version specifier, no
-  marker), the first wheel's that asks for it; sorted by name.
-  """
+  """Requirements (name and specifier, of the first wheel asking) of the
+  wheels in `wheel_dir` that nothing provides, sorted by name."""
   provided = set(image)
   wanted: dict[str, requirements.Requirement] = {}
   for path in sorted(wheel_dir.glob('*.whl')):

@@ -35,12 +35,7 @@ import numpy as np
 _READY = '{"ready"'
 
 
-def interleaved_times(
-    fns: Mapping[str, Callable[[], Any]],
-    *,
-    repeats: int = 5,
-    warmup: int = 1,
-) -> dict[str, list[float]]:
+def interleaved_times(fns, *, repeats: int = 5, warmup: int = 1):
   """{name: [seconds of round 0, 1, ...]}: each round calls every function
   once, in order, outputs waited for, after `warmup` untimed rounds."""
   if repeats < 1:
@@ -57,9 +52,7 @@ def interleaved_times(
   return times
 
 
-def call_times(
-    call: Callable[[], Any], repeats: int, warmup: int = 1
-) -> list[float]:
+def call_times(call: Callable[[], Any], repeats: int, warmup: int = 1):
   """Seconds of each of `repeats` calls of `call` after `warmup` untimed
   ones, outputs waited for (`interleaved_times` of one function)."""
   return interleaved_times({0: call}, repeats=repeats, warmup=warmup)[0]
@@ -113,12 +106,7 @@ def dict_table(columns, rows: Sequence[Mapping[str, Any]]) -> str:
   )
 
 
-def interleaved_medians(
-    calls: Mapping[str, Callable[[], Any]],
-    *,
-    repeats: int,
-    pairs: Sequence[tuple[str, str]] = (),
-) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+def interleaved_medians(calls, *, repeats: int, pairs=()):
   """({column: median ms}, {(a, b): `paired_ratio` a / b}) of `calls`
   timed in interleaved rounds after one warm-up round."""
   times = interleaved_times(calls, repeats=repeats)
@@ -126,11 +114,7 @@ def interleaved_medians(
   return ms, {(a, b): paired_ratio(times[a], times[b]) for a, b in pairs}
 
 
-def serve(
-    calls: Mapping[str, Callable[[int], Any]],
-    failed: Mapping[str, str] | None = None,
-    warmup: Callable[[], None] | None = None,
-) -> None:
+def serve(calls, failed=None, warmup: Callable[[], None] | None = None):
   """The worker loop: `warmup` (default: two calls of every column with
   round 0), one JSON line {'ready': [columns], 'failed': {column: error}},
   then each input line 'column<TAB>round' answered with the seconds one
@@ -157,12 +141,7 @@ def worker_command(module: str, side: str, keep: bool, *args: str) -> list[str]:
   return [sys.executable, "-m", module, f"--serve={side}", keep_flag, *args]
 
 
-def worker_times(
-    workers: Sequence[tuple[Sequence[str], Callable[[str], str]]],
-    *,
-    repeats: int,
-    by_column: bool = False,
-) -> tuple[dict[str, list[float]], dict[str, str]]:
+def worker_times(workers, *, repeats: int, by_column: bool = False):
   """({column: [seconds per round]}, {column: error}) from workers.
 
   `workers`: (command line running `serve`, `name` mapping a worker's
@@ -230,8 +209,7 @@ def while_loops(hlo_text: str) -> list[dict[str, Any]]:
   the largest over the paths that reach it). On a GPU each iteration is a
   host round trip (jax issue 2491).
   """
-  body_of, trips, callees = {}, {}, {}
-  computation = None
+  trips, callees, computation = {}, {}, None
   for line in hlo_text.splitlines():
     header = _COMPUTATION.match(line)
     if header and not line.startswith(" "):
@@ -246,10 +224,8 @@ def while_loops(hlo_text: str) -> list[dict[str, Any]]:
     body = _WHILE_BODY.search(line)
     if body:
       trip = _TRIP_COUNT.search(line)
-      name = op.group(1)
-      body_of[name] = body.group(1)
-      trips[name] = int(trip.group(1)) if trip else None
-      callees[computation].append((body.group(1), name))
+      trips[op.group(1)] = int(trip.group(1)) if trip else None
+      callees[computation].append((body.group(1), op.group(1)))
     for called, branches in _CALLEE.findall(line):
       names = [called] if called else re.findall(r"%?([\w.\-]+)", branches)
       callees[computation].extend((n, 1) for n in names)
@@ -264,10 +240,8 @@ def while_loops(hlo_text: str) -> list[dict[str, Any]]:
         trip = trips[via]
         inner = None if factor is None or trip is None else factor * trip
         best = per_call.get(via, 0)
-        if inner is None or best is None:
-          per_call[via] = None
-        else:
-          per_call[via] = max(best, inner)
+        unknown = inner is None or best is None
+        per_call[via] = None if unknown else max(best, inner)
       visit(callee, inner, seen | {callee})
 
   visit("__entry__", 1, frozenset())
@@ -281,9 +255,7 @@ def max_while_trip_count(hlo_text: str) -> float:
   """The largest trip count of a while loop in optimised HLO text: 0
   without loops, `math.inf` if one is data-dependent (`while_loops`)."""
   counts = [loop["trip_count"] for loop in while_loops(hlo_text)]
-  if any(c is None for c in counts):
-    return math.inf
-  return max(counts, default=0)
+  return math.inf if None in counts else max(counts, default=0)
 
 
 def hlo_instructions(hlo_text: str) -> int:
@@ -305,9 +277,7 @@ class Compiled(NamedTuple):
   compile_s: float  # XLA compilation
 
 
-def compile_timed(
-    fn: Callable, *args, jitted: bool = False, **jit_kwargs
-) -> Compiled:
+def compile_timed(fn, *args, jitted: bool = False, **jit_kwargs) -> Compiled:
   """``jax.jit(fn, **jit_kwargs).lower(*args).compile()`` (``jitted``:
   ``fn.lower(*args).compile()``), timed; ``args`` arrays or shapes."""
   start = time.perf_counter()
@@ -385,9 +355,7 @@ def _scan_extra_flops(jaxpr: jax_core.Jaxpr, cache: dict) -> float:
   return extra
 
 
-def loop_corrected_flops(
-    fn: Callable, *args, compiled=None
-) -> tuple[float, float]:
+def loop_corrected_flops(fn, *args, compiled=None) -> tuple[float, float]:
   """(raw, corrected) XLA FLOPs of ``jax.jit(fn)(*args)`` (``compiled``:
   that program, if at hand).
 

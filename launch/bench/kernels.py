@@ -1,13 +1,12 @@
 r"""Step time of the fast kernels against their plain twins, in one process.
 
 `model.kernels='fast'` (custom VJPs, record folding, layout barriers) and
-`'reference'` (plain `jnp` and autodiff) compute the same steps; this script
-times the trainer's three steps (non-private, shared DP, expert DP:
-`PhaseStep`, as `vs_opacus` builds them) of the `vs_opacus` Switch with
-each setting, in interleaved rounds, after checking both updates (noise
-off) against `vs_opacus`'s float64 PyTorch references. It prints the median
-milliseconds per step, the ratio fast / reference measured side by side, and
-the relative distances of the updates (relative error over every leaf):
+`'reference'` (plain `jnp` and autodiff) compute the same steps: the
+trainer's non-private, shared DP and expert DP `PhaseStep`s on the
+`vs_opacus` Switch, timed in interleaved rounds after both updates (noise
+off) are checked against `vs_opacus`'s float64 PyTorch references. Prints
+the median ms per step, the paired ratio fast / reference and the updates'
+relative distances.
 
   python -m launch.bench.kernels                        # microbatch 32
   python -m launch.bench.kernels --microbatch_sizes=32,128 --repeats=7
@@ -42,23 +41,15 @@ def define_flags() -> None:
   flags.DEFINE_bool('quick', False, 'Tiny sizes, one round: a smoke test.')
   flags.DEFINE_list('microbatch_sizes', ['32'], 'Microbatch sizes.')
   flags.DEFINE_integer('repeats', 5, 'Timed interleaved rounds.')
-  flags.DEFINE_integer(
-      'cpu_devices',
-      0,
-      'XLA CPU devices (0 = one per core that divides every microbatch).',
-  )
+  flags.DEFINE_integer('cpu_devices', 0, 'XLA CPU devices (0: one per core).')
   flags.DEFINE_bool(
       'keep_host_memory', True, host_memory.FLAG_HELP, short_name=None
   )
 
 
 def steps(path: str, sizes: raptor_side.Sizes, m: int):
-  """({(kind, stream): (step, update with noise off)}, {stream: float64 torch update}).
-
-  The float64 references are `vs_opacus`'s (torch's non-private gradient,
-  Opacus hooks' clipped mean, the owner sums of its per-sample gradients):
-  the yardstick for how far apart two float32 computations may be.
-  """
+  """({(kind, stream): (step, noiseless update)}, {stream: float64 torch
+  update}: `torch_side.float64_references`, the yardstick)."""
   module, params = raptor_side.raptor_model(path, sizes)
   batch, owners = raptor_side.records(sizes, m, seed=m)
   out = {}

@@ -1,10 +1,8 @@
 """The Switch model of `vs_opacus` and `epoch_time`, and raptor_jax's steps on it.
 
-`save_switch` saves one random Hugging Face Switch Transformer with
-`transformers`; both sides load its weights (`raptor_model` here,
-`torch_side.torch_model` for PyTorch). The raptor_jax steps are the
-trainer's own `train.step.PhaseStep` for the non-private, shared DP and
-expert streams (`phase_step`), on a mesh of every device.
+`save_switch` saves one random Hugging Face Switch Transformer; both sides
+load its weights (`raptor_model`, `torch_side.torch_model`). The steps are
+the trainer's `PhaseStep` of each stream on every device (`phase_step`).
 """
 
 from __future__ import annotations
@@ -111,41 +109,21 @@ def records(sizes: Sizes, m: int, seed: int):
 
 
 def raptor_nonprivate(module, params, batch):
-  """(step, mean-loss gradients) of the trainer's non-private step.
-
-  The PhaseStep of a non-private phase (the trainer's non-private LoRA
-  baseline): the gradient of the summed loss over the attention adapters
-  and the head, divided by the microbatch size, then Adam.
-  """
+  """(step, mean-loss gradients) of the trainer's non-private LoRA step
+  (attention adapters and head; `raptor_dp` of 'nonprivate')."""
   return raptor_dp(module, params, batch, None, None, 'nonprivate')
 
 
 def phase_step(module, params, sizes: Sizes, stream: str, batch_size: float):
-  """(PhaseStep, its state): the trainer's step for `stream` on every device.
-
-  `stream` is 'shared' or 'expert' (the DP steps, clip L2_CLIP) or
-  'nonprivate'; `batch_size` is the expected batch (the public denominator
-  is it, or it over E for the expert stream), on a mesh of every device
-  (one per core on CPU, see `raptor_jax.host_devices`).
-  """
-  if stream == 'expert':
-    phase, extra = builders.stream_phase(
-        'expert', batch_size / sizes.num_experts, sizes.expert_layer
-    )
-  else:
-    phase, extra = builders.stream_phase('shared', float(batch_size))
-  private = stream != 'nonprivate'
-  phase = dataclasses.replace(
-      phase,
-      private=private,
-      parts=tuple(
-          dataclasses.replace(
-              p,
-              l2_clip=L2_CLIP,
-              noise_multiplier=p.noise_multiplier if private else 0.0,
-          )
-          for p in phase.parts
-      ),
+  """(PhaseStep, its state) of `stream` ('shared', 'expert': DP, clip
+  L2_CLIP; 'nonprivate') at expected batch `batch_size` (the denominator,
+  over E for the expert stream), on a mesh of every device."""
+  expert = stream == 'expert'
+  phase, extra = builders.stream_phase(
+      stream,
+      batch_size / (sizes.num_experts if expert else 1),
+      sizes.expert_layer if expert else None,
+      l2_clip=L2_CLIP,
   )
   dp = builders.phase_step(
       module, phase, key=jax.random.key(0), devices=0, **extra
@@ -154,14 +132,10 @@ def phase_step(module, params, sizes: Sizes, stream: str, batch_size: float):
 
 
 def raptor_dp(module, params, batch, owners, sizes: Sizes, stream: str):
-  """(step, update with noise off) of the trainer's PhaseStep for `stream`.
-
-  One microbatch of m records is the whole expected batch (`phase_step`
-  with batch size m). The step is `accumulate` (per-record clipped sums, or
-  the summed gradient) then `update` (noise once, public denominator,
-  Adam), as the trainer runs one microbatch; the update without noise is
-  accumulate's sums over the denominator.
-  """
+  """(step, update with noise off) of `phase_step(stream)` on one
+  microbatch of m records, the whole expected batch: the step is
+  `accumulate` then `update`, as the trainer runs it; the noiseless update
+  is the accumulated sums over the denominator."""
   m = len(batch[2])
   devices = parallel.make_mesh(0).size
   if m % devices:

@@ -1,15 +1,11 @@
-"""The PyTorch + Opacus side of `vs_opacus` and `epoch_time`.
+"""The PyTorch + Opacus side of `vs_opacus` and `epoch_time` (torch is
+imported only when a function is called).
 
-The torch classifier (`torch_model`: the saved HF Switch encoder with LoRA,
-mean pooling and a linear head) takes raptor_jax's weights; its steps are
-plain PyTorch (`torch_step`: backward, Adam) and Opacus's DP-Adam with flat
-clipping (`opacus_private`, `opacus_step`: physical batches as
-`BatchMemoryManager` runs them). The references the updates are checked
-against: torch's gradients under raptor_jax's paths (`torch_grads`),
-Opacus's clipped update with the noise off (`opacus_dp`), and the expert
-stream's owner sums built from Opacus's per-sample gradients
-(`owner_reference`); `relative_error` compares two such trees. torch is
-imported only when a function is called.
+`torch_model`: the saved HF Switch encoder with LoRA, mean pooling and a
+linear head, on raptor_jax's weights. Steps: plain PyTorch (`torch_step`)
+and Opacus's DP-Adam with flat clipping (`opacus_private`, `opacus_step`).
+References the updates are checked against: `torch_grads`, `opacus_dp`'s
+noiseless update, `owner_reference`; `relative_error` compares two trees.
 """
 
 from __future__ import annotations
@@ -87,13 +83,10 @@ def _torch_modules():
 
 
 def torch_model(path: str, sizes: raptor_side.Sizes, params, stream: str):
-  """The torch classifier with raptor_jax's weights; trainable per `stream`.
-
-  'shared': LoRA on q, k, v, o (trainable) + the head; l*'s expert adapters
-  merged into its frozen expert weights (same function). 'expert': LoRA on
-  every expert of l* (trainable, masked dispatch); attention adapters merged
-  into q, k, v, o, the head frozen.
-  """
+  """The torch classifier with raptor_jax's weights. Trainable: 'shared',
+  LoRA on q, k, v, o and the head (l*'s expert adapters merged into its
+  frozen experts); 'expert', LoRA on every expert of l* (masked dispatch;
+  attention adapters merged, the head frozen)."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
 
@@ -173,6 +166,15 @@ def relative_error(ours: dict, theirs: dict) -> float:
   return float(np.sqrt(diff / max(norm, 1e-30)))
 
 
+def check(errors: dict, name: str, ours, theirs, tolerance: float) -> None:
+  """errors[name] = `relative_error(ours, theirs)`; raises past `tolerance`."""
+  errors[name] = err = relative_error(ours, theirs)
+  if not err <= tolerance:
+    raise AssertionError(
+        f'{name}: the updates differ by {err:.2e} (relative) > {tolerance:.0e}'
+    )
+
+
 # ---------------------------------------------------------------------------
 # Steps: call(r) runs step r of `batches`, a list of microbatch lists.
 
@@ -227,10 +229,8 @@ def opacus_private(
     noise_multiplier: float = builders.NOISE_MULTIPLIER,
 ):
   """(dp_model, dp_optimizer, criterion): Opacus DP-Adam, flat clip at
-  L2_CLIP, mean loss (Opacus's usual setting) over `expected_batch`, so the
-  update is (sum of clipped + noise) / expected_batch, raptor_jax's
-  denominator. `criterion` is the mean cross-entropy ('ghost': Opacus's
-  own wrapper of it, which its backward needs)."""
+  L2_CLIP, mean loss over `expected_batch` (raptor_jax's denominator);
+  `criterion` the mean cross-entropy ('ghost': Opacus's wrapper of it)."""
   import torch  # pylint: disable=import-outside-toplevel
   from opacus import PrivacyEngine  # pylint: disable=import-outside-toplevel
 
@@ -290,13 +290,10 @@ def opacus_dp(model, batch, mode: str, noise_multiplier: float):
 
 
 def owner_reference(model, dp_model, batch, owners, sizes: raptor_side.Sizes):
-  """Expert-stream reference from Opacus's per-sample gradients (hooks mode).
-
-  Record i's contribution: the owner's rows of its every-expert gradient,
-  times w_i = 1 - p(y_i) of the model with l*'s B factors at zero (the
-  trainer's 'shared' residual weight), clipped to L2_CLIP, added into row
-  owner_i. Returns {path: [E, ...]} / (m / E), raptor_jax's update.
-  """
+  """The expert stream's update {path: [E, ...]} from Opacus's per-sample
+  gradients (hooks): record i adds the owner's rows of its gradient, times
+  w_i = 1 - p(y_i) with l*'s B factors at zero (the 'shared' residual
+  weight), clipped to L2_CLIP, into row owner_i; all over m / E."""
   import torch  # pylint: disable=import-outside-toplevel
 
   ids, mask, labels = torch_batch(batch)
@@ -334,9 +331,8 @@ def owner_reference(model, dp_model, batch, owners, sizes: raptor_side.Sizes):
 
 
 def float64_references(path, sizes: raptor_side.Sizes, params, batch, owners):
-  """{'nonprivate', 'shared', 'expert'}: torch's updates in float64, noise
-  off (the non-private mean gradient, Opacus hooks' clipped mean, the owner
-  sums of its per-sample gradients): the yardsticks of float32 updates."""
+  """{'nonprivate', 'shared', 'expert'}: torch's noiseless updates in
+  float64 (`torch_nonprivate`, `opacus_dp` hooks, `owner_reference`)."""
   exact = lambda stream: torch_model(path, sizes, params, stream).double()
   model64 = exact('expert')
   _, _, dp_model64 = opacus_dp(model64, batch, 'hooks', 0.0)

@@ -37,55 +37,31 @@ from launch.bench import torch_side
 from raptor_jax import host_devices
 
 MODES = ('hooks', 'functorch', 'ew', 'ghost')
+RAPTOR_COLUMNS = {'raptor': 'nonprivate', 'raptor DP': 'shared'}
+RAPTOR_COLUMNS['raptor expert'] = 'expert'
 
 
 def define_flags() -> None:
-  """Command-line flags (only when run as a script)."""
+  """Command-line flags (only when run as a script); docs/performance.md
+  describes the process, memory and threading settings."""
   flags.DEFINE_bool('quick', False, 'Tiny sizes, one round: a smoke test.')
   flags.DEFINE_list('microbatch_sizes', ['8', '32', '128'], 'Microbatch sizes.')
   flags.DEFINE_list('modes', list(MODES), 'Opacus grad_sample_modes to time.')
   flags.DEFINE_integer('repeats', 5, 'Timed interleaved rounds.')
   flags.DEFINE_integer('threads', 2, 'torch.set_num_threads.')
-  flags.DEFINE_enum(
-      'omp', 'passive', ['passive', 'default'], 'OMP_WAIT_POLICY of torch.'
-  )
-  flags.DEFINE_bool(
-      'isolate',
-      True,
-      'Time each side in its own worker processes (taking turns); '
-      '--noisolate times both sides in this one process.',
-  )
+  flags.DEFINE_enum('omp', 'passive', ['passive', 'default'], 'torch OpenMP.')
+  flags.DEFINE_bool('isolate', True, 'Each side in its own worker processes.')
   flags.DEFINE_list(
-      'torch_host_memory',
-      ['glibc', 'keep'],
-      'Isolated mode: one torch worker per host-memory setting (glibc: the '
-      'defaults; keep: keep_freed_memory, as raptor_jax runs); the table '
-      'takes the faster one per column.',
+      'torch_host_memory', ['glibc', 'keep'], 'One torch worker per setting.'
   )
   flags.DEFINE_bool(
-      'keep_host_memory',
-      False,
-      '--noisolate: raptor_jax.host_memory.keep_freed_memory() for the whole '
-      'process; off by default there, as torch would share, and fragment, that '
-      'one heap. (The isolated raptor_jax worker always keeps it, as '
-      'launch/main.py does.)',
+      'keep_host_memory', False, '--noisolate: keep_freed_memory.'
   )
-  flags.DEFINE_integer(
-      'cpu_devices',
-      0,
-      'raptor_jax on CPU: XLA devices the host is split into (0: one per '
-      'core, as launch/main.py; 1: one device). See raptor_jax/host_devices.py.',
-  )
-  flags.DEFINE_enum(
-      'serve', '', ['', 'raptor', 'torch'], 'Internal: run as a timing worker.'
-  )
+  flags.DEFINE_integer('cpu_devices', 0, 'XLA CPU devices (0: one per core).')
+  flags.DEFINE_enum('serve', '', ['', 'raptor', 'torch'], 'Internal: worker.')
   flags.DEFINE_string('model_path', '', "Internal: the worker's checkpoint.")
-  flags.DEFINE_float(
-      'tolerance', 1e-3, 'Largest relative error against torch in float64.'
-  )
-  flags.DEFINE_float(
-      'fp32_tolerance', 1e-2, 'Largest relative error against torch float32.'
-  )
+  flags.DEFINE_float('tolerance', 1e-3, 'Against torch in float64.')
+  flags.DEFINE_float('fp32_tolerance', 1e-2, 'Against torch in float32.')
 
 
 # ---------------------------------------------------------------------------
@@ -93,28 +69,22 @@ def define_flags() -> None:
 
 
 def side_steps(side, path, sizes, module, params, m, modes, updates=False):
-  """({column: zero-argument step}, {column: update}, {column: error line})
-  of one side on `compare`'s records.
-
-  'raptor': the trainer's non-private, shared DP and expert steps; 'torch':
-  torch's non-private step and Opacus's shared and expert DP steps per mode
-  (a mode that fails is reported, not timed). The updates have the noise
-  off: the non-private mean gradients, raptor_jax's DP updates and, with
-  `updates`, each Opacus mode's shared update.
-  """
+  """({column: step}, {column: update, noise off}, {column: error line}) of
+  one side on `compare`'s records: 'raptor', the trainer's non-private,
+  shared DP and expert steps; 'torch', torch's non-private step and Opacus's
+  shared and expert steps per mode (a mode that fails is reported, not
+  timed; with `updates` each mode's shared update)."""
   batch, owners = raptor_side.records(sizes, m, seed=m)
   if side == 'raptor':
-    steps = {'raptor': raptor_side.raptor_nonprivate(module, params, batch)}
-    for column, stream in (
-        ('raptor DP', 'shared'),
-        ('raptor expert', 'expert'),
-    ):
-      steps[column] = raptor_side.raptor_dp(
-          module, params, batch, owners, sizes, stream
-      )
+    steps = {
+        column: raptor_side.raptor_dp(
+            module, params, batch, owners, sizes, stream
+        )
+        for column, stream in RAPTOR_COLUMNS.items()
+    }
     return (
-        {c: step for c, (step, _) in steps.items()},
-        {c: update for c, (_, update) in steps.items()},
+        {c: s[0] for c, s in steps.items()},
+        {c: s[1] for c, s in steps.items()},
         {},
     )
   calls, out, failed = {}, {}, {}
@@ -182,16 +152,6 @@ def worker_times(path: str, m: int, workers, *, repeats: int, flag_args):
 # One microbatch size: check, then time everything in interleaved rounds.
 
 
-def _check(name: str, ours: dict, theirs: dict, tolerance: float, errors):
-  err = torch_side.relative_error(ours, theirs)
-  errors[name] = err
-  if not err <= tolerance:
-    raise AssertionError(
-        f'{name}: raptor_jax and torch updates differ by {err:.2e} '
-        f'(relative) > {tolerance:.0e}'
-    )
-
-
 def compare(
     path,
     sizes,
@@ -240,7 +200,7 @@ def compare(
       if c.startswith('opacus')
   ]
   for pair, column, update, limit in checks:
-    _check(pair, ours[column], update, limit, errors)
+    torch_side.check(errors, pair, ours[column], update, limit)
   times = {}  # repeats=0: the checks only (no step is compiled or timed)
   if repeats and workers:
     del calls  # timed in the workers; free this process's buffers first
@@ -298,73 +258,53 @@ def summary(row) -> dict:
   }
 
 
-MAIN_COLUMNS = (
-    'microbatch|torch non-private (setting)|Opacus shared DP (mode)|'
-    'raptor_jax non-private|raptor_jax shared DP|'
-    'Opacus expert stream (mode)|raptor_jax expert stream'
-).split('|')
+MAIN_COLUMNS = (  # (header, key(s), format) of `summary`'s columns
+    ('microbatch', 'm', ''),
+    ('torch non-private (setting)', 'torch text', ''),
+    ('Opacus shared DP (mode)', 'opacus text', ''),
+    ('raptor_jax non-private', 'raptor', '.0f'),
+    ('raptor_jax shared DP', 'raptor DP', '.0f'),
+    ('Opacus expert stream (mode)', 'opacus expert text', ''),
+    ('raptor_jax expert stream', 'raptor expert', '.0f'),
+)
+RATIOS = ('raptor/torch', 'opacus/raptor DP', 'opacus expert/raptor expert')
+RATIOS += ('raptor DP/raptor',)
 
 
 def tables(rows) -> str:
   """The main table, the ratios, every Opacus mode and the update checks."""
   s = [summary(r) for r in rows]
-  main = harness.format_table(
-      MAIN_COLUMNS,
-      [
-          [
-              r['m'],
-              f"{r['torch']:.0f}"
-              + (f" ({r['torch mode']})" * bool(r['torch mode'])),
-              f"{r['opacus']:.0f} ({r['opacus mode']})",
-              f"{r['raptor']:.0f}",
-              f"{r['raptor DP']:.0f}",
-              f"{r['opacus expert']:.0f} ({r['opacus expert mode']})",
-              f"{r['raptor expert']:.0f}",
-          ]
-          for r in s
-      ],
-  )
-  names = [
-      'raptor/torch',
-      'opacus/raptor DP',
-      'opacus expert/raptor expert',
-      'raptor DP/raptor',
-  ]
-  ratios = harness.format_table(
-      ['microbatch'] + names,
-      [[r['m']] + [f'{r[n]:.2f}' for n in names] for r in s],
-  )
+  for r in s:
+    for c in ('torch', 'opacus', 'opacus expert'):
+      mode = f" ({r[f'{c} mode']})" * bool(r[f'{c} mode'])
+      r[f'{c} text'] = f'{r[c]:.0f}{mode}'
+  ratios = [('microbatch', 'm', '')] + [(n, n, '.2f') for n in RATIOS]
   columns = sorted(
       {c for r in rows for c in r['ms'] if not c.startswith('raptor')}
   )
-  modes = harness.format_table(
-      ['column'] + [f"m={r['m']}" for r in rows],
-      [
-          [c] + [f"{r['ms'].get(c, float('nan')):.0f}" for r in rows]
-          for c in columns
-      ],
-  )
-  checks = harness.format_table(
-      ['microbatch'] + sorted(rows[0]['errors']),
-      [
-          [r['m']] + [f'{r["errors"][k]:.1e}' for k in sorted(r['errors'])]
-          for r in rows
-      ],
-  )
+  by_column = [
+      dict({f"m={r['m']}": r['ms'].get(c) for r in rows}, column=c)
+      for c in columns
+  ]
+  m_columns = [(f"m={r['m']}", f"m={r['m']}", '.0f') for r in rows]
+  pairs = sorted(rows[0]['errors'])
   failed = [
       f"  m={r['m']} {c}: {e}" for r in rows for c, e in r['failed'].items()
   ]
   return '\n'.join(
       [
           'Median step ms (interleaved rounds)',
-          main,
+          harness.dict_table(MAIN_COLUMNS, s),
           '\nPaired ratios (median over rounds of a / b)',
-          ratios,
+          harness.dict_table(ratios, s),
           '\nEvery torch-side step, by Opacus grad_sample_mode and host memory'
           ' (+keep: keep_freed_memory) (median ms)',
-          modes,
+          harness.dict_table([('column', 'column', '')] + m_columns, by_column),
           '\nUpdate checks, noise off: ||a - b|| / ||b|| (64: torch in float64)',
-          checks,
+          harness.dict_table(
+              [('microbatch', 'm', '')] + [(k, k, '.1e') for k in pairs],
+              [dict(r['errors'], m=r['m']) for r in rows],
+          ),
       ]
       + (['\nModes that failed:'] + failed if failed else [])
   )
@@ -423,12 +363,10 @@ def main(argv) -> None:
   transformers.logging.set_verbosity_error()
   transformers.logging.disable_progress_bar()
   sizes = raptor_side.QUICK if FLAGS.quick else raptor_side.Sizes()
-  devices = cpu_device_count(
-      FLAGS.cpu_devices,
-      [2] if FLAGS.quick else [int(m) for m in FLAGS.microbatch_sizes],
-  )
-  devices = host_devices.one_device_per_core(devices)
   sizes_m = [int(m) for m in FLAGS.microbatch_sizes]
+  devices = host_devices.one_device_per_core(
+      cpu_device_count(FLAGS.cpu_devices, [2] if FLAGS.quick else sizes_m)
+  )
   if FLAGS.quick and not worker:
     sizes_m = [2 * devices]
   if worker:
