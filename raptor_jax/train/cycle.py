@@ -95,13 +95,10 @@ def batch(
 
 
 def microbatches(sample, local_size, buckets, lengths):
-  """[(length or None, Microbatch)]: this host's microbatches of `sample`.
-
-  No buckets: `parallel.local_microbatches` (every record at max_length).
-  Buckets: `parallel.local_bucketed_microbatches`, bucket by bucket. The
-  layout is private (it follows the records' lengths and the realised
-  sample); it is iterated over, never logged or counted anywhere public.
-  """
+  """[(length or None, Microbatch)]: this host's microbatches of `sample`,
+  bucket by bucket where there are buckets. The layout is private (it
+  follows the records' lengths and the realised sample); it is iterated
+  over, never logged or counted anywhere public."""
   if not buckets:
     return [
         (None, mb) for mb in parallel.local_microbatches(sample, local_size)

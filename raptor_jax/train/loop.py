@@ -1,11 +1,9 @@
 """`train_and_evaluate`: one loop for RAPTOR, its baselines and ablations.
 
 A session restores or starts the run's state, compiles every program the
-run calls ahead of its first cycle (`train.cycle.compile_run`, with the
-persistent cache of `compilation_cache`), then runs `train.cycle.train_cycle`
-until the plan ends, checkpointing, evaluating and logging as it goes. The
-cycle itself (sampling, microbatches, the noisy updates, length buckets) is
-`train.cycle`'s.
+run calls ahead (`train.cycle.compile_run`), then runs
+`train.cycle.train_cycle` until the plan ends, checkpointing, evaluating and
+logging as it goes.
 """
 
 from __future__ import annotations

@@ -169,23 +169,11 @@ def _check_budget(config) -> None:
 
 
 class _Calibration:
-  """Noise multipliers for the plan's target (epsilon, delta, q, cycles)."""
+  """Noise multipliers calibrated to a target: `kwargs` are `calibration`'s
+  target_epsilon, delta, sample_rate and steps."""
 
-  def __init__(
-      self,
-      epsilon: float,
-      delta: float,
-      sample_rate: float,
-      cycles: int,
-      rho: float,
-  ):
-    self.kwargs = dict(
-        target_epsilon=epsilon,
-        delta=delta,
-        sample_rate=sample_rate,
-        steps=cycles,
-    )
-    self.rho = rho
+  def __init__(self, rho: float, **kwargs):
+    self.rho, self.kwargs = rho, kwargs
 
   def dpsgd(self) -> float:
     return calibration.calibrate_dpsgd(**self.kwargs)
@@ -440,18 +428,18 @@ def build_plan(
   cycles = epochs * accounting.steps_per_epoch(q)
   delta = config.privacy.delta or default_delta(config, n)
   accounting.validate_delta(delta, n)
-  private = config.method in PRIVATE_METHODS
-  calibration = (
-      _Calibration(config.privacy.epsilon, delta, q, cycles, config.privacy.rho)
-      if noise is None
-      else _Given(noise, config.method)
-  )
+  private, pc = config.method in PRIVATE_METHODS, config.privacy
+  if noise is None:
+    target = dict(target_epsilon=pc.epsilon, delta=delta, sample_rate=q)
+    sigmas = _Calibration(pc.rho, steps=cycles, **target)
+  else:
+    sigmas = _Given(noise, config.method)
   phases = _phases(
       config,
       b=float(batch_size),
       num_experts=num_experts,
       expert_layer=expert_layer,
-      sigmas=calibration,
+      sigmas=sigmas,
   )
   return plans.Plan(
       config.method,

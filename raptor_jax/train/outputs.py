@@ -265,12 +265,8 @@ def write_layer_selection(workdir: Path, run: Run) -> None:
 
 
 def run_header(run: Run, workdir: Path) -> str:
-  """What a run will do, printed before it trains: public quantities only.
-
-  The method, n (public: the sample rate is a function of it), the sample
-  rate, the cycles, delta and the target epsilon, sigma and the clip norm of
-  every stream with its trainable parameter count, and where outputs go.
-  """
+  """What a run will do, printed before it trains: public quantities only
+  (n too: the sample rate is a function of it)."""
   plan, config = run.plan, run.config
   lines = [
       f"{plan.method} on {run.data.task.name}: n = {run.n} training records,"
@@ -303,13 +299,8 @@ def run_header(run: Run, workdir: Path) -> str:
 
 
 def header_warnings(run: Run) -> list[str]:
-  """The run header's warnings: settings a run on little data gets wrong.
-
-  * Few noisy steps: the noise of a few large steps does not average out;
-    the line names `epochs`, the setting to raise, with a value.
-  * A delta above 1/(10 n) set by the user: the guarantee then fails with
-    a probability close to one in n records; the line gives 1/(10 n).
-  """
+  """The run header's warnings: settings a run on little data gets wrong
+  (few noisy steps, a delta above 1/(10 n)), each with the value to set."""
   plan, config = run.plan, run.config
   warnings = []
   if not plans.is_private(plan):

@@ -161,18 +161,10 @@ def shard_records(tree: Any, mesh: Mesh) -> Any:
 def local_microbatches(
     sample: np.ndarray, local_size: int
 ) -> list[sampling.Microbatch]:
-  """This host's fixed-size microbatches of a global Poisson sample.
-
-  Args:
-    sample: sorted global indices of the step's Poisson sample (the same on
-      every host).
-    local_size: records per microbatch on this host (per-device size x local
-      devices).
-
-  Returns:
-    Microbatches of LOCAL indices (into this host's records), as many on
-    every host (the largest host share decides; the rest is padding).
-  """
+  """This host's microbatches of `local_size` records (per-device size x
+  local devices) of a global Poisson sample (sorted indices, the same on
+  every host): LOCAL indices (into this host's records), as many on every
+  host (the largest host share decides; the rest is padding)."""
   processes, me = jax.process_count(), jax.process_index()
   shares = [sample[sample % processes == p] for p in range(processes)]
   count = max(math.ceil(len(share) / local_size) for share in shares)

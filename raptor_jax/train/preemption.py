@@ -114,13 +114,8 @@ def _holder(path: Path) -> dict:
 
 
 class WorkdirLock:
-  """An exclusive lock on a workdir, held by one process while it trains.
-
-  Usage::
-
-    with WorkdirLock(workdir):
-      ...  # train
-  """
+  """An exclusive lock on a workdir, held by one process while it trains
+  (`with WorkdirLock(workdir): ...`; module docstring)."""
 
   def __init__(self, workdir: Path):
     self.path = Path(workdir) / ".lock"
