@@ -20,7 +20,7 @@ import ml_collections
 from raptor_jax import _validate, accounting, compilation, ownership
 from raptor_jax.ledger import PrivacyLedger
 from raptor_jax.train import cycle as cycle_lib
-from raptor_jax.train import methods, metrics, parallel, preemption, secrecy, step
+from raptor_jax.train import metrics, parallel, preemption, secrecy, step
 from raptor_jax.train import curves, outputs, workdir as workdir_lib
 from raptor_jax.train.outputs import TrainState
 from raptor_jax.train.checkpoint import Checkpointer

@@ -138,12 +138,8 @@ class MetricWriter:
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     if self._just_logging:
       return
-    self._jsonl.write(
-        json.dumps(
-            {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
-        )
-        + "\n"
-    )
+    row = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
+    self._jsonl.write(json.dumps(row) + "\n")
     self._jsonl.flush()
     for name, value in scalars.items():
       self._tb.add_scalar(name, float(value), int(step))

@@ -78,12 +78,9 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def noise_counts(plan: plans.Plan, opt_states: dict) -> dict[str, int]:
-  """Per phase (ledger stream name): noisy updates its noise transforms applied.
-
-  Every part of a phase is updated once per cycle, so its `privatize_sums`
-  state (the first element of its `optax.chain` state) counts the phase's
-  updates; parts of one phase that disagree raise.
-  """
+  """Per phase (ledger stream name): noisy updates its noise transforms
+  applied, as each part's `privatize_sums` state (the first of its
+  `optax.chain` state) counts them; parts of one phase that disagree raise."""
   counts = {}
   for phase in plan.phases:
     seen = {int(opt_states[part.name][0].count) for part in phase.parts}

@@ -122,12 +122,6 @@ def make_mesh(num_devices: int = 0) -> Mesh:
   return Mesh(np.asarray(devices), (AXIS,))
 
 
-def _is_typed_key(x) -> bool:
-  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(
-      x.dtype, jax.dtypes.prng_key
-  )
-
-
 def replicate(tree: Any, mesh: Mesh) -> Any:
   """Places identical host values on every device of the mesh.
 
@@ -137,7 +131,9 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
   sharding = NamedSharding(mesh, PartitionSpec())
 
   def put(x):
-    if _is_typed_key(x):
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key
+    ):
       return jax.random.wrap_key_data(
           put(jax.random.key_data(x)), impl=jax.random.key_impl(x)
       )

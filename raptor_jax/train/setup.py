@@ -166,10 +166,8 @@ def _field(config: ml_collections.ConfigDict, dotted: str) -> Any:
 
 def _check_random_model_unset(config: ml_collections.ConfigDict) -> None:
   """`model.random.*` describes the random model only: a pretrained one
-  brings its own architecture, so a changed field there has no effect.
-
-  Unset means any family's default (`olmoe_family` etc. set their own).
-  """
+  brings its own architecture, so a field changed from every family's
+  default (`FAMILIES`) has no effect."""
   defaults = [
       family(config_lib.base_config()).model.random
       for family in config_lib.FAMILIES.values()
