@@ -335,7 +335,7 @@ def _train_and_evaluate(config, workdir, mesh, run, start, dry_run):
 
   `start`: (wall time, `compilation.totals()`) when the call began.
   """
-  start_time, start_compiled = start
+  start_time = start[0]
   workdir_lib.check_workdir(config, workdir)
   finished = None if dry_run else workdir_lib.finished_results(workdir)
   if finished is not None:  # nothing to load, train or write
@@ -397,12 +397,8 @@ def _train_and_evaluate(config, workdir, mesh, run, start, dry_run):
   if outputs.is_writer():
     title = f"{run.plan.method} on {run.data.task.name}"
     curves.write(workdir, title, config.data.eval_split)
-    timing = outputs.Timing(
-        setup_s,
-        compile_s,
-        session.seconds["train"],
-        session.seconds["evaluate"],
-    )
+    train_s, evaluate_s = session.seconds["train"], session.seconds["evaluate"]
+    timing = outputs.Timing(setup_s, compile_s, train_s, evaluate_s)
     log.info("%s", outputs.run_summary(run, results, dev, workdir, timing))
   return results
 

@@ -360,13 +360,9 @@ def run_summary(
       ("reports", f"{workdir}/privacy_report.json, results.json"),
   ]
   if timing is not None:
-    rows.append(
-        (
-            "time",
-            f"set-up {timing.setup_s:.1f} s, compile {timing.compile_s:.1f} s,"
-            f" train {timing.train_s:.1f} s, evaluate {timing.evaluate_s:.1f} s",
-        )
-    )
+    names = ("set-up", "compile", "train", "evaluate")
+    spent = ", ".join(f"{n} {s:.1f} s" for n, s in zip(names, timing))
+    rows.append(("time", spent))
   width = max(len(name) for name, _ in rows)
   done = "finished" if results["finished"] else "stopped (stop_after_cycles)"
   lines = [f"run {done}:"]
