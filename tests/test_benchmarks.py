@@ -473,16 +473,6 @@ def test_vs_opacus_columns_take_the_fastest_mode_and_setting():
   assert summary["opacus/raptor DP"] == 2.0
 
 
-def test_vs_opacus_device_count_divides_every_microbatch(monkeypatch):
-  bench = _load("vs_opacus")
-  monkeypatch.setattr(bench.host_devices, "host_cores", lambda: 8)
-  assert bench.cpu_device_count(0, [8, 32, 128]) == 8
-  assert bench.cpu_device_count(0, [6, 12]) == 6
-  assert bench.cpu_device_count(0, [3]) == 3
-  assert bench.cpu_device_count(0, [5, 7]) == 1
-  assert bench.cpu_device_count(2, [3]) == 2  # asked for: kept (and checked)
-
-
 def _ab_commits(*flags_):
   return _run_module("launch.bench.ab_commits", *flags_)
 

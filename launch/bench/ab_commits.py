@@ -11,6 +11,8 @@ benchmark scripts in detail".
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,35 +36,20 @@ def _sizes(quick: bool):
   return _model().QUICK if quick else _model().Sizes()
 
 
-def _worker(
-    tree: str,
-    model_path: str,
-    m: int,
-    steps: list[str],
-    quick: bool,
-    cpu_devices: int,
-    back_to_back: int,
-) -> None:
+def _worker(tree, model_path, m, steps, quick, cpu_devices, back_to_back):
   """Serves timings of the steps at the commit checked out in `tree`, in
   `harness.serve`'s protocol (a sample: the mean of `back_to_back` calls)
   but its own code, as old commits lack the harness; set up as
   launch/main.py would at that commit (host memory kept, one CPU device
   per core, where the commit has them)."""
   os.chdir(tree)  # `tree` leads PYTHONPATH (set by `compare`)
-  try:
-    from raptor_jax import host_memory  # pylint: disable=import-outside-toplevel
-  except ImportError:  # a commit from before it
-    pass
-  else:
-    host_memory.keep_freed_memory()
-  try:
-    from raptor_jax import host_devices  # pylint: disable=import-outside-toplevel
-  except ImportError:  # a commit from before it
-    pass
-  else:
-    host_devices.one_device_per_core(
-        cpu_devices or host_devices.dividing_count([m])
-    )
+  # What the commit has of launch/main.py's set-up (older ones lack it).
+  if importlib.util.find_spec('raptor_jax.host_memory'):
+    importlib.import_module('raptor_jax.host_memory').keep_freed_memory()
+  if importlib.util.find_spec('raptor_jax.host_devices'):
+    host_devices = importlib.import_module('raptor_jax.host_devices')
+    count = cpu_devices or host_devices.dividing_count([m])
+    host_devices.one_device_per_core(count)
   import jax  # pylint: disable=import-outside-toplevel
   import raptor_jax  # pylint: disable=import-outside-toplevel
 
@@ -73,15 +60,14 @@ def _worker(
   sizes = _sizes(quick)
   module, params = model.raptor_model(model_path, sizes)
   batch, owners = model.records(sizes, m, seed=m)
-  calls = {}
-  for step in steps:
-    if step == 'raptor':
-      calls[step] = model.raptor_nonprivate(module, params, batch)[0]
-    else:
-      stream = 'shared' if step == 'raptor_dp' else 'expert'
-      calls[step] = model.raptor_dp(
-          module, params, batch, owners, sizes, stream
-      )[0]
+  streams = dict(raptor_dp='shared', raptor_expert='expert')
+  calls = {
+      step: model.raptor_dp(module, params, batch, owners, sizes, streams[step])
+      if step in streams
+      else model.raptor_nonprivate(module, params, batch)
+      for step in steps
+  }
+  calls = {step: step_and_update[0] for step, step_and_update in calls.items()}
   for call in calls.values():  # compile and warm up
     jax.block_until_ready(call())
   print(json.dumps({'ready': list(calls), 'failed': {}}), flush=True)
@@ -93,20 +79,13 @@ def _worker(
     print((time.perf_counter() - start) / back_to_back, flush=True)
 
 
-def compare(
-    base: str,
-    head: str,
-    m: int,
-    steps: list[str],
-    repeats: int,
-    quick: bool = False,
-    back_to_back: int = 1,
-    cpu_devices: tuple[int, int] = (0, 0),
-):
+def compare(base, head, m, steps, repeats, quick=False, **options):
   """{step: (base times, head times)}: each round times every step in
   both workers in turns (`harness.worker_times`, by column); a sample is
-  the mean of `back_to_back` calls. `cpu_devices`: the base and head
-  workers' CPU device counts (0: one per core, as launch/main.py)."""
+  the mean of `back_to_back` (1) calls. `cpu_devices`: the base and head
+  workers' CPU device counts ((0, 0): one per core, as launch/main.py)."""
+  back_to_back = options.get('back_to_back', 1)
+  cpu_devices = options.get('cpu_devices', (0, 0))
   from launch.bench import harness  # pylint: disable=import-outside-toplevel
 
   repo = subprocess.check_output(

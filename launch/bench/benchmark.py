@@ -37,16 +37,9 @@ def define_flags() -> None:
   flags.DEFINE_list('microbatch_sizes', ['8', '32', '128'], 'Shared-stream m.')
   flags.DEFINE_list('expert_num_experts', ['8', '64'], 'E of the expert step.')
   flags.DEFINE_integer('expert_microbatch', 32, 'm of the expert step.')
-  flags.DEFINE_integer('num_experts', 8, 'E of the shared-stream model.')
-  flags.DEFINE_integer('d_model', 256, 'Model width.')
-  flags.DEFINE_integer('d_ff', 1024, 'Feed-forward width (dense and experts).')
-  flags.DEFINE_integer('num_heads', 4, 'Attention heads.')
-  flags.DEFINE_integer('d_kv', 64, 'Width of one head.')
-  flags.DEFINE_integer('num_layers', 4, 'Blocks (every 2nd sparse).')
+  for name, default in builders.SWITCH_SMALL.items():  # the model's sizes
+    flags.DEFINE_integer(name, default, f'{name} (Switch names; the model).')
   flags.DEFINE_integer('seq_len', 128, 'Tokens per record.')
-  flags.DEFINE_integer('vocab_size', 8000, 'Vocabulary size.')
-  flags.DEFINE_integer('expert_capacity', 64, 'Per-record expert capacity.')
-  flags.DEFINE_integer('lora_rank', 8, 'LoRA rank r.')
   flags.DEFINE_integer('repeats', 5, 'Timed rounds per variant.')
 
 
@@ -206,8 +199,7 @@ def buffer_table(buffers: list[harness.Buffer]) -> str:
 def main(argv: list[str]) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  names = ('vocab_size', 'num_experts', 'lora_rank', 'd_model', 'd_ff')
-  sizes = {n: FLAGS[n].value for n in names + ('num_layers', 'num_heads')}
+  sizes = {n: FLAGS[n].value for n in builders.SMALL}
   if FLAGS.family == 'olmoe':
     config = builders.olmoe_config(
         **builders.decoder_sizes(sizes), num_experts_per_tok=FLAGS.top_k
@@ -215,7 +207,7 @@ def main(argv: list[str]) -> None:
     routing = f'top-{config.top_k}, SwiGLU experts'
   else:
     config = builders.model_config(
-        **sizes, d_kv=FLAGS.d_kv, expert_capacity=FLAGS.expert_capacity
+        **{n: FLAGS[n].value for n in builders.SWITCH_SMALL}
     )
     routing = f'top-1, capacity {config.expert_capacity}'
   print(

@@ -34,8 +34,9 @@ LEARNING_RATE = 1e-3
 
 
 # The small model's sizes, under Switch's names.
-_SMALL = dict(vocab_size=8000, d_model=256, d_ff=1024, num_layers=4)
-_SMALL.update(num_heads=4, num_experts=8, lora_rank=8, attention_lora=True)
+SMALL = dict(vocab_size=8000, d_model=256, d_ff=1024, num_layers=4)
+SMALL.update(num_heads=4, num_experts=8, lora_rank=8)
+SWITCH_SMALL = dict(SMALL, d_kv=64, expert_capacity=64)  # (decoders: neither)
 # Switch's names of sizes -> a decoder's (OLMoE's).
 DECODER_NAMES = dict(d_model='hidden_size', d_ff='intermediate_size')
 DECODER_NAMES.update(
@@ -53,14 +54,14 @@ def model_config(**overrides) -> models.SwitchConfig:
   """A small Switch (`overrides` on top of the defaults: 4 blocks, every 2nd
   sparse) with LoRA on attention and on the experts of l* (`with_expert_layer`).
   """
-  base = dict(_SMALL, d_kv=64, expert_capacity=64, sparse_step=2)
+  base = dict(SWITCH_SMALL, attention_lora=True, sparse_step=2)
   return with_expert_layer(models.SwitchConfig(**{**base, **overrides}))
 
 
 def olmoe_config(**overrides) -> models.OlmoeConfig:
   """A small OLMoE (`overrides` on top of the defaults: 4 blocks, all sparse,
   top-8) with LoRA on attention and on the experts of l*."""
-  base = dict(decoder_sizes(_SMALL), num_experts_per_tok=8)
+  base = dict(decoder_sizes(SMALL), attention_lora=True, num_experts_per_tok=8)
   return with_expert_layer(models.OlmoeConfig(**{**base, **overrides}))
 
 

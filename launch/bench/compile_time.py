@@ -107,18 +107,12 @@ def model(name: str, depth: int, *, shapes, vocab_size, dtype, scan):
   """(classifier module, its config) of `name`'s shape at `depth` blocks,
   LoRA on attention and on l*'s experts (l* = the last sparse block, kept
   out of the scan as the trainer keeps it)."""
-  options = dict(
-      vocab_size=vocab_size,
-      lora_rank=8,
-      attention_lora=True,
-      dtype=dtype,
-      scan_layers=scan,
-  )
-  sizes = dict(shapes[name]['config'])
+  options = dict(vocab_size=vocab_size, lora_rank=8, attention_lora=True)
+  options.update(dtype=dtype, scan_layers=scan, **shapes[name]['config'])
   if name == 'switch':
-    sizes['sparse_step'] = 2
+    options['sparse_step'] = 2
   config_class, _, depth_field, _ = builders.BACKBONES[name]
-  config = config_class(**sizes, **options, **{depth_field: depth})
+  config = config_class(**options, **{depth_field: depth})
   config = builders.with_expert_layer(config)
   return builders.classifier(config), config
 
@@ -129,15 +123,9 @@ def programs(module, config, params, m: int, seq_len: int, vocab_size: int):
   ids, mask = records[:2]
   layer = config.sparse_layers[-1]
   rule = ownership.owner_rule(config, 'count')
-  out = [
-      (
-          'owner pass',
-          ownership.owner_program(
-              module.backbone, (config.sparse_layers.index(layer),), rule
-          ),
-          (params['backbone'], ids, mask),
-      )
-  ]
+  index = (config.sparse_layers.index(layer),)
+  owner_pass = ownership.owner_program(module.backbone, index, rule)
+  out = [('owner pass', owner_pass, (params['backbone'], ids, mask))]
   state = None
   for stream in ('shared', 'expert'):
     denominator = float(m) / (config.num_experts if stream == 'expert' else 1)
@@ -152,25 +140,16 @@ def programs(module, config, params, m: int, seq_len: int, vocab_size: int):
     update_args = (state.trainable, state.opt_state, sums)
     layouts = tuple(sorted(fns.layouts(state.trainable).items()))
     vectors = jax.eval_shape(fns.packed_update, *update_args)[0]
+    vectors = {n: vectors[n] for n, _ in layouts}
     out += [
         (f'{stream} zero', fns.zero_sums, (state.trainable,)),
         (f'{stream} accumulate', fns.accumulate, args),
         (f'{stream} update', fns.packed_update, update_args),
-        (
-            f'{stream} unpack',
-            fns.unpack,
-            (layouts, {n: vectors[n] for n, _ in layouts}),
-        ),
+        (f'{stream} unpack', fns.unpack, (layouts, vectors)),
     ]
   replicated = parallel.replicate((ids, mask), dp.mesh)
-  out.append(
-      (
-          'evaluate',
-          step_lib.make_eval_fn(module),
-          (state.trainable, state.frozen, *replicated),
-      )
-  )
-  return out
+  evaluate = (state.trainable, state.frozen, *replicated)
+  return out + [('evaluate', step_lib.make_eval_fn(module), evaluate)]
 
 
 def measure(fn, args) -> dict:

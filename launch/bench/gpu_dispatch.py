@@ -26,22 +26,17 @@ from launch.bench import bench_dispatch
 from launch.bench import harness
 from raptor_jax.data import images
 
-# DeepSeek-VL2-Tiny's records are long: a ScienceQA-sized 640 x 480 image
-# tiles to 2 x 2 local tiles plus the global view under the paper's
-# candidates (m x n tiles of 384 px, mn <= 9), 1,023 positions, then the
-# question and choices (64 text tokens).
+# DeepSeek-VL2-Tiny's records: a 640 x 480 image tiles to 2 x 2 local tiles
+# and the global view (candidates m x n tiles of 384 px, mn <= 9), 1,023
+# positions, then 64 text tokens.
 _TILINGS = [(m, n) for m in range(1, 10) for n in range(1, 10) if m * n <= 9]
 VL2_TILES = images.TileSpec(tuple((384 * m, 384 * n) for m, n in _TILINGS))
 _VL2_GRID = images.tile_grid((640, 480), VL2_TILES)
 VL2_SEQ_LEN = images.num_image_tokens(*_VL2_GRID, VL2_TILES) + 64
 
-# Per family: full-size layer and batch, and the --quick toy, as
-# (num_experts, d_model, d_ff, top_k, records). The decoder kit's other
-# families are the same layer (`decoder.SparseMLP`) at Qwen3-30B-A3B's and
-# Mixtral-8x7B's sizes; DeepSeek-VL2-Tiny's routed experts (64, top-6,
-# softmax without renormalisation: the kit's layer) run over
-# image-tile-length records; its two shared experts are a dense MLP, outside
-# any dispatch.
+# Per family: full-size layer and batch, and the --quick toy. Qwen3-30B-A3B,
+# Mixtral-8x7B and DeepSeek-VL2-Tiny's routed experts run the decoder kit's
+# layer (DeepSeek's shared experts are a dense MLP, outside any dispatch).
 _KEYS = ('num_experts', 'd_model', 'd_ff', 'top_k', 'records')
 SHAPES = {
     family: dict(full=dict(zip(_KEYS, full)), quick=dict(zip(_KEYS, quick)))
@@ -64,10 +59,9 @@ DISPATCH = {
     for v in VARIANTS
 }
 LORA_RANK = 8
-# How ragged_dot is lowered on a GPU: XLA's default, XLA with its cuDNN
-# grouped-GEMM fusion (an XLA flag, so in a child process), or JAX's Pallas
-# Triton kernel (a jax config option). XLA's default may expand the ragged
-# product to a dense one (every expert on every row).
+# ragged_dot's lowerings on a GPU: XLA's default (it may expand to a dense
+# product), XLA's cuDNN grouped-GEMM fusion (an XLA flag: a child process),
+# JAX's Pallas Triton kernel (a jax config option).
 LOWERINGS = ('xla', 'cudnn', 'triton')
 CUDNN_RAGGED_DOT_FLAG = '--xla_gpu_experimental_use_ragged_dot_fusion=true'
 
@@ -138,17 +132,7 @@ def _step(family: str, mode: str, variant: str, quick: bool, seq_len: int):
   return step, args, options
 
 
-def measure(
-    family: str,
-    mode: str,
-    variant: str,
-    *,
-    lowering: str = 'xla',
-    quick: bool = False,
-    seq_len: int | None = None,
-    repeats: int = 10,
-    compile_only: bool = False,
-) -> dict:
+def measure(family, mode, variant, *, lowering='xla', quick=False, **options):
   """One row: median step ms (None with `compile_only`), GFLOP, longest
   loop, XLA buffer MiB and device peak MiB (or None); a step that does not
   compile or run (e.g. out of memory) gives `error` instead. `lowering`:
@@ -157,15 +141,16 @@ def measure(
   row = dict(family=family, mode=mode, variant=variant, lowering=lowering)
   row['dispatch'] = _label(mode, variant, lowering)
   shape = SHAPES[family]['quick' if quick else 'full']
-  seq_len = seq_len or shape.get('seq_len') or (8 if quick else 128)
+  seq_len = options.get('seq_len') or shape.get('seq_len')
+  seq_len = seq_len or (8 if quick else 128)
+  repeats = options.get('repeats', 10) * (not options.get('compile_only'))
   try:
     with _triton_lowering(lowering == 'triton'):
-      step, args, options = _step(family, mode, variant, quick, seq_len)
-      compiled = jax.jit(step, compiler_options=options).lower(*args).compile()
+      step, args, compiler = _step(family, mode, variant, quick, seq_len)
+      compiled = jax.jit(step, compiler_options=compiler).lower(*args).compile()
       _, flops = harness.loop_corrected_flops(step, *args, compiled=compiled)
-    times = []
-    if not compile_only and repeats:
-      times = harness.call_times(lambda: compiled(*args), repeats)
+    call = lambda: compiled(*args)
+    times = harness.call_times(call, repeats) if repeats else []
   except Exception as e:  # pylint: disable=broad-except
     return dict(row, error=harness.error_line(e))
   stats = harness.memory_stats(compiled) or {}

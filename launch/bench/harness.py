@@ -284,9 +284,8 @@ def compile_timed(fn, *args, jitted: bool = False, **jit_kwargs) -> Compiled:
   lowered = (fn if jitted else jax.jit(fn, **jit_kwargs)).lower(*args)
   lowered_at = time.perf_counter()
   compiled = lowered.compile()
-  return Compiled(
-      compiled, lowered_at - start, time.perf_counter() - lowered_at
-  )
+  end = time.perf_counter()
+  return Compiled(compiled, lowered_at - start, end - lowered_at)
 
 
 def _cost_dict(compiled) -> Optional[Mapping[str, float]]:
@@ -302,10 +301,7 @@ def _cost_dict(compiled) -> Optional[Mapping[str, float]]:
 def flops(compiled) -> float:
   """XLA's FLOP count of a compiled program (NaN where unavailable); loop
   bodies count once (``loop_corrected_flops``)."""
-  cost = _cost_dict(compiled)
-  if cost is None or "flops" not in cost:
-    return float("nan")
-  return float(cost["flops"])
+  return float((_cost_dict(compiled) or {}).get("flops", float("nan")))
 
 
 def memory_stats(compiled) -> Optional[dict[str, int]]:
@@ -315,7 +311,7 @@ def memory_stats(compiled) -> Optional[dict[str, int]]:
   try:
     stats = compiled.memory_analysis()
   except Exception:  # pylint: disable=broad-except
-    stats = None  # some backends do not implement it
+    return None  # some backends do not implement it
   if stats is None:
     return None
   keys = ("temp", "argument", "output", "alias", "generated_code")
@@ -329,9 +325,8 @@ def _closed_jaxpr_flops(closed: jax_core.ClosedJaxpr, cache: dict) -> float:
         jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
         for v in closed.jaxpr.invars
     ]
-    cache[text] = flops(
-        jax.jit(jax_core.jaxpr_as_fun(closed)).lower(*args).compile()
-    )
+    fn = jax.jit(jax_core.jaxpr_as_fun(closed))
+    cache[text] = flops(fn.lower(*args).compile())
   return cache[text]
 
 
@@ -379,16 +374,13 @@ _HLO_INSTRUCTION = re.compile(
 )
 _HLO_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _HLO_CALLS = re.compile(r"calls=%([\w.\-]+)")
-_NOT_A_BUFFER = set(
-    "parameter get-tuple-element bitcast tuple constant".split()
-)
+_NOT_A_BUFFER = {"parameter", "get-tuple-element", "bitcast", "tuple"}
+_NOT_A_BUFFER.add("constant")
 
 
 def _dtype_bytes(name: str) -> int:
-  if name == "pred":
-    return 1
   bits = re.search(r"\d+", name)
-  return int(bits.group()) // 8 if bits else 4
+  return 1 if name == "pred" else int(bits.group()) // 8 if bits else 4
 
 
 class Buffer(NamedTuple):
@@ -405,14 +397,10 @@ def largest_buffers(compiled, count: int = 10) -> list[Buffer]:
   compiled program's HLO (what XLA materialises, loop bodies included;
   no parameters, tuples, aliases or constants). A diagnostic, not a memory
   model: XLA may reuse one allocation for several."""
-  text = compiled.as_text()
-  fused = set()
-  for line in text.splitlines():
-    if " fusion(" in line:
-      fused.update(_HLO_CALLS.findall(line))
-  buffers = []
-  inside = None
-  for line in text.splitlines():
+  lines = compiled.as_text().splitlines()
+  fused = {c for l in lines if " fusion(" in l for c in _HLO_CALLS.findall(l)}
+  buffers, inside = [], None
+  for line in lines:
     header = _HLO_COMPUTATION.match(line)
     if header:
       inside = header.group(2)
@@ -428,13 +416,8 @@ def largest_buffers(compiled, count: int = 10) -> list[Buffer]:
     dtype, dims, opcode = match.groups()
     size = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
     op_name = _HLO_OP_NAME.search(line)
-    buffers.append(
-        Buffer(
-            size * _dtype_bytes(dtype),
-            f"{dtype}[{dims}]",
-            opcode,
-            op_name.group(1) if op_name else "",
-        )
-    )
+    op_name = op_name.group(1) if op_name else ""
+    nbytes = size * _dtype_bytes(dtype)
+    buffers.append(Buffer(nbytes, f"{dtype}[{dims}]", opcode, op_name))
   buffers.sort(key=lambda b: -b.nbytes)
   return buffers[:count]

@@ -45,13 +45,13 @@ def _torch_modules():
     def __init__(self, sparse, wi, wo, scale):
       super().__init__()
       self.router, self.experts = sparse.router, sparse.experts
-      self.wi = nn.ModuleList(
-          LoRALinear(self.experts[f'expert_{e}'].wi, a, b, scale)
-          for e, (a, b) in enumerate(zip(*wi))
-      )
-      self.wo = nn.ModuleList(
-          LoRALinear(self.experts[f'expert_{e}'].wo, a, b, scale)
-          for e, (a, b) in enumerate(zip(*wo))
+      expert = lambda e, m: getattr(self.experts[f'expert_{e}'], m)
+      self.wi, self.wo = (
+          nn.ModuleList(
+              LoRALinear(expert(e, m), a, b, scale)
+              for e, (a, b) in enumerate(zip(*factors))
+          )
+          for m, factors in (('wi', wi), ('wo', wo))
       )
 
     def forward(self, x):
@@ -100,10 +100,8 @@ def torch_model(path: str, sizes: raptor_side.Sizes, params, stream: str):
   for i, block in enumerate(encoder.encoder.block):
     attn = block.layer[0].SelfAttention
     for name in 'qkvo':
-      a, b = (
-          flat[f'backbone/block_{i}/attention/{name}/lora_{x}'] for x in 'ab'
-      )
-      base = getattr(attn, name)
+      path = f'backbone/block_{i}/attention/{name}/lora_'
+      a, b, base = flat[path + 'a'], flat[path + 'b'], getattr(attn, name)
       if stream == 'shared':
         setattr(attn, name, LoRALinear(base, a, b, scale))
       else:
@@ -111,8 +109,7 @@ def torch_model(path: str, sizes: raptor_side.Sizes, params, stream: str):
           base.weight.add_(torch.tensor(scale * (a @ b).T))
   prefix = f'backbone/block_{sizes.expert_layer}/mlp/experts'
   factors = {
-      m: (flat[f'{prefix}/{m}/lora_a'], flat[f'{prefix}/{m}/lora_b'])
-      for m in ('wi', 'wo')
+      m: [flat[f'{prefix}/{m}/lora_{x}'] for x in 'ab'] for m in ('wi', 'wo')
   }
   ff = encoder.encoder.block[sizes.expert_layer].layer[1]
   if stream == 'shared':

@@ -152,43 +152,30 @@ def worker_times(path: str, m: int, workers, *, repeats: int, flag_args):
 # One microbatch size: check, then time everything in interleaved rounds.
 
 
-def compare(
-    path,
-    sizes,
-    module,
-    params,
-    m,
-    *,
-    modes=MODES,
-    repeats=5,
-    tolerance=1e-3,
-    fp32_tolerance=1e-2,
-    workers=(),
-    flag_args=(),
-):
-  """One row: checks both sides' updates, then interleaved timings.
+def compare(path, sizes, module, params, m, *, modes=MODES, **options):
+  """One row {'m', 'errors': {pair: relative error}, 'ms': {column: median
+  ms}, 'times': {column: [s per round]}, 'failed': {column: error line}}.
 
   raptor_jax (float32) is checked against torch in float64 (the non-private
   gradient, Opacus hooks' clipped mean, the owner sums from its per-sample
-  gradients) to `tolerance`, and against each float32 torch step to
-  `fp32_tolerance` (torch's own float32 error is printed as the yardstick).
-  The steps are then timed here, or, given `workers` ((side, host memory)
-  pairs), in worker processes (`worker_times`, with `flag_args`).
-
-  Returns {'m', 'errors': {pair: rel err}, 'ms': {column: median ms},
-  'times': {column: [s per round]}, 'failed': {column: error line}}.
+  gradients) to `tolerance` (1e-3), and against each float32 torch step to
+  `fp32_tolerance` (1e-2; torch's own float32 error is the yardstick). Then
+  `repeats` (5; 0: none) interleaved rounds time the steps here, or, given
+  `workers` ((side, host memory) pairs), in worker processes
+  (`worker_times`, with `flag_args`).
   """
+  tolerance = options.get('tolerance', 1e-3)
+  fp32_tolerance = options.get('fp32_tolerance', 1e-2)
+  repeats, workers = options.get('repeats', 5), options.get('workers')
   batch, owners = raptor_side.records(sizes, m, seed=m)
   calls, ours, _ = side_steps('raptor', path, sizes, module, params, m, modes)
   torch_calls, theirs, failed = side_steps(
       'torch', path, sizes, module, params, m, modes, updates=True
   )
   calls.update(torch_calls)
-  errors = {}
   ref = torch_side.float64_references(path, sizes, params, batch, owners)
-  errors['torch float32 vs float64'] = torch_side.relative_error(
-      theirs['torch'], ref['nonprivate']
-  )
+  yardstick = torch_side.relative_error(theirs['torch'], ref['nonprivate'])
+  errors = {'torch float32 vs float64': yardstick}
   checks = [  # (pair, raptor_jax's column, the other update, tolerance)
       ('non-private vs torch64', 'raptor', ref['nonprivate'], tolerance),
       ('non-private vs torch', 'raptor', theirs['torch'], fp32_tolerance),
@@ -204,6 +191,7 @@ def compare(
   times = {}  # repeats=0: the checks only (no step is compiled or timed)
   if repeats and workers:
     del calls  # timed in the workers; free this process's buffers first
+    flag_args = options.get('flag_args', ())
     times, failed = worker_times(
         path, m, workers, repeats=repeats, flag_args=flag_args
     )
@@ -214,10 +202,8 @@ def compare(
 
 
 def _fastest(row, framework: str, expert: bool = False) -> str:
-  """The fastest column of `framework` ('torch', 'opacus'), any mode and tag.
-
-  Columns are '<framework>[+keep] [<mode>][ expert]' (see `tagged`).
-  """
+  """The fastest column '<framework>[+keep] [<mode>][ expert]' (`tagged`)
+  of `framework` ('torch', 'opacus'), any mode and tag."""
   columns = [
       c
       for c in row['ms']
@@ -310,19 +296,9 @@ def tables(rows) -> str:
   )
 
 
-def run(
-    sizes: raptor_side.Sizes,
-    microbatch_sizes,
-    *,
-    threads=2,
-    verbose=False,
-    **options,
-):
-  """Saves the model, loads it into both sides, one `compare` row per m.
-
-  `options`: `compare`'s keyword arguments (modes, repeats, tolerances,
-  workers, flag_args).
-  """
+def run(sizes, microbatch_sizes, *, threads=2, verbose=False, **options):
+  """Saves the model, loads it into both sides, one `compare` row per m
+  (`options`: `compare`'s keyword arguments)."""
   import torch  # pylint: disable=import-outside-toplevel
 
   torch.set_num_threads(threads)
@@ -336,12 +312,6 @@ def run(
         print(f'm={m}:', {c: round(t) for c, t in rows[-1]['ms'].items()})
         print(f'm={m} checks:', rows[-1]['errors'], flush=True)
     return rows
-
-
-def cpu_device_count(requested: int, microbatch_sizes) -> int:
-  """--cpu_devices, or for 0 the most devices, up to one per core, that
-  divide every microbatch size (each device takes an equal share)."""
-  return requested or host_devices.dividing_count(microbatch_sizes)
 
 
 def main(argv) -> None:
@@ -365,7 +335,8 @@ def main(argv) -> None:
   sizes = raptor_side.QUICK if FLAGS.quick else raptor_side.Sizes()
   sizes_m = [int(m) for m in FLAGS.microbatch_sizes]
   devices = host_devices.one_device_per_core(
-      cpu_device_count(FLAGS.cpu_devices, [2] if FLAGS.quick else sizes_m)
+      FLAGS.cpu_devices
+      or host_devices.dividing_count([2] if FLAGS.quick else sizes_m)
   )
   if FLAGS.quick and not worker:
     sizes_m = [2 * devices]
@@ -403,18 +374,10 @@ def main(argv) -> None:
       f'{builders.NOISE_MULTIPLIER}; {memory}',
       flush=True,
   )
-  rows = run(
-      sizes,
-      sizes_m,
-      modes=FLAGS.modes,
-      repeats=1 if FLAGS.quick else FLAGS.repeats,
-      tolerance=FLAGS.tolerance,
-      fp32_tolerance=FLAGS.fp32_tolerance,
-      threads=FLAGS.threads,
-      workers=workers,
-      flag_args=flag_args,
-      verbose=True,
-  )
+  names = ('modes', 'tolerance', 'fp32_tolerance', 'threads')
+  options = {n: FLAGS[n].value for n in names}
+  options.update(repeats=1 if FLAGS.quick else FLAGS.repeats, verbose=True)
+  rows = run(sizes, sizes_m, workers=workers, flag_args=flag_args, **options)
   print(tables(rows))
 
 
