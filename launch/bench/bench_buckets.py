@@ -94,28 +94,22 @@ def main(argv):
     )
   ratio = np.mean(times["buckets"][1:]) / np.mean(times["max_length"][1:])
   print(f"per-cycle time, buckets / max_length: {ratio:.3f}")
-  diff = max(
-      float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-      for a, b in zip(
-          jax.tree.leaves(states["buckets"].trainable),
-          jax.tree.leaves(states["max_length"].trainable),
-      )
-  )
+  leaves = [jax.tree.leaves(states[v].trainable) for v in variants]
+  diff = max(np.max(np.abs(np.subtract(a, b))) for a, b in zip(*leaves))
   print(
       f"largest parameter difference after {_CYCLES.value} cycles: {diff:.2e}"
   )
   logits_fn = step.make_eval_fn(run.model)
-  dev = run.data.dev
+  trainable, dev = states["buckets"].trainable, run.data.dev
+  logits = lambda *records: logits_fn(
+      trainable, frozen, *parallel.replicate(records, mesh)
+  )
   for name, b in (("buckets", buckets), ("max_length", ())):
     out = []
     for _ in range(2):  # the first compiles
       t = time.time()
       result = metrics.evaluate(
-          lambda ids, mask: logits_fn(
-              states["buckets"].trainable,
-              frozen,
-              *parallel.replicate((ids, mask), mesh),
-          ),
+          logits,
           dev.input_ids,
           dev.attention_mask,
           dev.labels,

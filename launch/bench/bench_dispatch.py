@@ -180,12 +180,9 @@ def _all_experts_fns(config):
         jax.nn.one_hot(routing.experts, config.num_experts),
         routing.weights,
     )
-    h = jax.nn.silu(jnp.einsum('bsd,edf->bsef', x, w_gate)) * jnp.einsum(
-        'bsd,edf->bsef', x, w_up
-    )
-    out = jnp.einsum(
-        'bsef,efd->bsd', h * gates[..., None].astype(h.dtype), w_down
-    )
+    up = lambda w: jnp.einsum('bsd,edf->bsef', x, w)
+    h = jax.nn.silu(up(w_gate)) * up(w_up) * gates[..., None].astype(x.dtype)
+    out = jnp.einsum('bsef,efd->bsd', h, w_down)
     return out + _expert_mlp(x, shared) if shared else out
 
   return _with_input_grad(forward)

@@ -59,12 +59,8 @@ def dp_step(module, params, phase, records, owners, *, key, **kwargs):
   def call():
     return dp.update(state, dp.accumulate(state, dp.zero_sums(state), batch))
 
-  return (
-      state,
-      (dp.functions.accumulate, compiled, args),
-      update.lower_s + update.compile_s,
-      call,
-  )
+  update_s = update.lower_s + update.compile_s
+  return state, (dp.functions.accumulate, compiled, args), update_s, call
 
 
 def _num_params(tree) -> int:
@@ -105,17 +101,11 @@ def run_shared(
   return rows
 
 
-def run_expert(
-    config,
-    *,
-    num_experts=(8, 64),
-    microbatch=32,
-    seq_len=128,
-    repeats=5,
-    num_buffers=8,
-):
+def run_expert(config, *, num_experts=(8, 64), microbatch=32, **options):
   """(rows, largest buffers) of RAPTOR's expert step per E as the trainer
-  runs it (l*'s owner slices, denominator m/E): memory, FLOPs and time."""
+  runs it (l*'s owner slices, denominator m/E): memory, FLOPs and time.
+  `options`: seq_len (128), repeats (5), num_buffers (8)."""
+  seq_len, repeats = options.get('seq_len', 128), options.get('repeats', 5)
   rows, calls, buffers = [], {}, {}
   for e in num_experts:
     cfg = dataclasses.replace(config, num_experts=e)
@@ -141,7 +131,8 @@ def run_expert(
     row['gflop'] = step_flops / 1e9
     row['compile_s'] = compiled.lower_s + compiled.compile_s + update_s
     rows.append(row)
-    buffers[e] = harness.largest_buffers(compiled.compiled, num_buffers)
+    count = options.get('num_buffers', 8)
+    buffers[e] = harness.largest_buffers(compiled.compiled, count)
   first = num_experts[0]
   ms, ratios = harness.interleaved_medians(
       calls, repeats=repeats, pairs=[(e, first) for e in num_experts]

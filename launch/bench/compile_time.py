@@ -70,6 +70,7 @@ SHAPES = {
 # `--quick`: every family at toy width (the toy Switch's, d_model and
 # capacity doubled), for the CPU tests.
 _TOY = _decoder(32, 32, 2, 2, 4, 2)
+_SHARED = dict(shared_expert_intermediate_size=32)
 _SWITCH = {k: builders.TOY_SWITCH[k] for k in builders.SWITCH_BASE_8}
 QUICK = {
     'switch': dict(full=4, config=dict(_SWITCH, d_model=32, expert_capacity=8)),
@@ -81,11 +82,8 @@ QUICK = {
     'qwen3_moe': dict(
         full=3, config=dict(_TOY, moe_intermediate_size=16, head_dim=8)
     ),
-    'qwen2_moe': dict(
-        full=3,
-        config=dict(
-            _TOY, moe_intermediate_size=16, shared_expert_intermediate_size=32
-        ),
+    'qwen2_moe': dict(  # a shared expert twice as wide
+        full=3, config=dict(_TOY, moe_intermediate_size=16, **_SHARED)
     ),
     'mixtral': dict(full=3, config=_TOY),
 }
@@ -224,26 +222,18 @@ SUMMARY_COLUMNS = SETTING_COLUMNS + (
 )
 
 
-def run(
-    names,
-    depths,
-    microbatches,
-    scans,
-    *,
-    quick=False,
-    seq_len=128,
-    vocab_size=8000,
-    dtype='bfloat16',
-    echo=print,
-):
-  """Every setting's summary dict (and each program's row through `echo`)."""
-  shapes = QUICK if quick else SHAPES
+def run(names, depths, microbatches, scans, *, quick=False, **options):
+  """Every setting's summary dict (and each program's row through `echo`,
+  default print); `options`: seq_len (128), vocab_size (8000), dtype."""
+  shapes, echo = QUICK if quick else SHAPES, options.pop('echo', print)
+  options = dict(
+      dict(seq_len=128, vocab_size=8000, dtype='bfloat16'), **options
+  )
   summaries = []
   for name, depth, m, scan in itertools.product(
       names, depths, microbatches, scans
   ):
     blocks = shapes[name]['full'] if depth == 'full' else int(depth)
-    options = dict(seq_len=seq_len, vocab_size=vocab_size, dtype=dtype)
     setup_s, rows = setting_rows(
         name, blocks, m, scan, shapes=shapes, **options
     )
@@ -264,17 +254,12 @@ def main(argv):
       f' vocab {FLAGS.vocab_size})',
       flush=True,
   )
-  run(
-      FLAGS.models,
-      FLAGS.depths,
-      [2] if quick else [int(m) for m in FLAGS.microbatches],
-      [s.lower() in ('1', 'true', 'yes') for s in FLAGS.scan],
-      quick=quick,
-      seq_len=16 if quick else FLAGS.seq_len,
-      vocab_size=FLAGS.vocab_size,
-      dtype=FLAGS.dtype,
-      echo=lambda text: print(text, '\n', flush=True),
-  )
+  microbatches = [2] if quick else [int(m) for m in FLAGS.microbatches]
+  scans = [s.lower() in ('1', 'true', 'yes') for s in FLAGS.scan]
+  options = dict(vocab_size=FLAGS.vocab_size, dtype=FLAGS.dtype, quick=quick)
+  options.update(seq_len=16 if quick else FLAGS.seq_len)
+  echo = lambda text: print(text, '\n', flush=True)
+  run(FLAGS.models, FLAGS.depths, microbatches, scans, echo=echo, **options)
 
 
 if __name__ == '__main__':

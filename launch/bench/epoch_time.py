@@ -73,11 +73,8 @@ def define_flags() -> None:
 
 
 def _raptor_calls(epoch, sizes, path, streams, steps, batch_size):
-  """({column: call(r)}, warm-up) of raptor_jax, with the GEMM peak columns.
-
-  The warm-up compiles every (stream, bucket) shape the timed steps use,
-  once each, so no round pays a compilation.
-  """
+  """({column: call(r)}, warm-up) of raptor_jax, with the GEMM peak columns;
+  the warm-up compiles every (stream, bucket) shape the timed steps use."""
   module, params = raptor_side.raptor_model(path, sizes)
   calls, warm = {}, []
   for stream in streams:
@@ -106,17 +103,12 @@ def _raptor_calls(epoch, sizes, path, streams, steps, batch_size):
   return calls, warmup
 
 
-@jax.jit
-def _gemm(x, w):
-  return x @ w
-
-
-def _gemms(sizes):
-  """{column: (k, n)} of the feed-forward GEMMs timed for the peak."""
-  return {
-      'gemm wi': (sizes.d_model, sizes.d_ff),
-      'gemm wo': (sizes.d_ff, sizes.d_model),
-  }
+_gemm = jax.jit(lambda x, w: x @ w)
+# {column: (k, n)} of the feed-forward GEMMs timed for the peak.
+_gemms = lambda s: {
+    'gemm wi': (s.d_model, s.d_ff),
+    'gemm wo': (s.d_ff, s.d_model),
+}
 
 
 def _sums(dp, state, microbatches):
@@ -129,16 +121,10 @@ def _sums(dp, state, microbatches):
 
 def _host_batches(epoch, layout):
   """[(host batch, mask)]: the trainer's microbatches of `layout`."""
-  return [
-      (
-          builders.host_batch(
-              *map(jnp.asarray, epoch.arrays(length, idx)),
-              jnp.asarray(epoch.owners[idx]),
-          ),
-          jnp.asarray(mask, jnp.float32),
-      )
-      for length, idx, mask in layout
-  ]
+  batch = lambda length, idx: builders.host_batch(
+      *map(jnp.asarray, epoch.arrays(length, idx) + (epoch.owners[idx],))
+  )
+  return [(batch(n, i), jnp.asarray(m, jnp.float32)) for n, i, m in layout]
 
 
 def _raptor_step(dp, state, batches):
@@ -181,12 +167,8 @@ def _torch_batches(epoch, layout):
 # The check (noise off), in this process.
 
 
-def _raptor_sums(
-    epoch, sizes, module, params, stream, layout, step, batch_size
-):
-  dp, state = raptor_side.phase_step(
-      module, params, sizes, stream, float(batch_size)
-  )
+def _raptor_sums(epoch, sizes, module, params, stream, layout, step, b):
+  dp, state = raptor_side.phase_step(module, params, sizes, stream, float(b))
   sums = _sums(dp, state, _host_batches(epoch, epoch.layout(layout, step)))
   (part,) = dp.phase.parts
   return {p: np.asarray(v) for p, v in sums[part.name].items()}

@@ -45,16 +45,11 @@ class Epoch:
     mask = np.arange(length)[None] < self.lengths[idx, None]
     return self.input_ids[idx, :length], mask.astype(np.int32), self.labels[idx]
 
-  def layout(
-      self, column: str, step: int
-  ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """[(length, indices, mask)]: the microbatches `column` runs for `step`.
-
-    'raptor': the trainer's bucketed layout (padding rows: index 0, mask 0);
-    'raptor unbucketed': every record at max_length; 'torch': the sample in
-    its order, m at a time, each padded to its longest record (no padding
-    rows).
-    """
+  def layout(self, column: str, step: int) -> list[tuple]:
+    """[(length, indices, mask)]: the microbatches `column` runs for `step`:
+    'raptor', the trainer's bucketed layout (padding rows: index 0, mask 0);
+    'raptor unbucketed', every record at max_length; 'torch', the sample in
+    its order, m at a time, each padded to its longest record."""
     sample, m = self.samples[step], self.microbatch
     if column == 'raptor':
       return [
@@ -90,9 +85,7 @@ class Epoch:
     return sorted({int(i) for i in np.linspace(0, n - 1, max(count, 1))})
 
 
-def make_epoch(
-    task, data, *, batch_size, microbatch, num_experts, seed=0
-) -> Epoch:
+def make_epoch(task, data, *, batch_size, microbatch, num_experts, seed=0):
   """The epoch of `data` ((input_ids, attention_mask, labels)) at batch B."""
   ids, mask, labels = (np.asarray(x) for x in data)
   n = len(labels)

@@ -22,6 +22,7 @@ from raptor_jax import host_memory
 host_memory.keep_unless_disabled(sys.argv)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import functools
 import math
 import time
 
@@ -54,13 +55,10 @@ def define_flags() -> None:
   )
 
 
-def say(line: str) -> None:
-  print(line, flush=True)
+say = functools.partial(print, flush=True)
 
 
-def choose_microbatch(
-    plan: dict[str, int], probe: int, device_bytes: int | None
-) -> int:
+def choose_microbatch(plan: dict, probe: int, device_bytes) -> int:
   """The microbatch m that the memory plan (`harness.memory_stats`) of a
   probe compile at `probe` records allows on `device_bytes` (None: m =
   probe): temporaries taken as all per record (an over-estimate),
@@ -73,9 +71,7 @@ def choose_microbatch(
   per_record = max(plan.get('temp', 0) / probe, 1.0)
   fits = (MEMORY_SHARE * device_bytes - fixed) / per_record
   cap = min(MAX_MICROBATCH, EXPECTED_BATCH)
-  if fits < 1:
-    return 1
-  return int(min(cap, 2 ** int(math.log2(fits))))
+  return 1 if fits < 1 else int(min(cap, 2 ** int(math.log2(fits))))
 
 
 def _programs(dp, state, microbatch: int, seq_len: int, config):
@@ -98,9 +94,7 @@ def stream(name, module, params, config, *, probe, seq_len, repeats):
   plan = harness.memory_stats(accumulate.compiled) or {}
   m = choose_microbatch(plan, probe, device_bytes)
   mib = lambda b: f'{b / 2**20:.0f} MiB'
-  memory = (
-      'no device memory reported' if not device_bytes else mib(device_bytes)
-  )
+  memory = mib(device_bytes) if device_bytes else 'no device memory reported'
   say(
       f'{name}: probe m={probe}: compile'
       f' {accumulate.lower_s + accumulate.compile_s:.1f} s, plan'

@@ -42,7 +42,7 @@ dispatch=(--modes=lora --variants=grouped,batched,ragged,tokamax,dense
   --ragged_lowerings=xla --isolate=no --repeats=5)
 if [[ "${1:-}" == "--quick" ]]; then
   quick=(--quick)
-  b1=60 b2=300 b3=400 b4=240 b5a=120 b5b=120 b5c=120
+  b1=60 b2=300 b3=400 b4=240 b5a=120 b5b=120 b5c=120  # part 5: one process
   platform=cpu
   tiny=(--config.data.synthetic.n_train=200 --config.data.synthetic.n_dev=64
     --config.data.n_pub=64 --config.batch_size=50 --config.epochs=1
@@ -123,15 +123,18 @@ JAX_PLATFORMS=$platform JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$b4" \
 done_ pytest $?
 
 part "5/5 expert dispatch rows: switch-base-8's, OLMoE-1B-7B's, DeepSeek-VL2-Tiny's, Qwen3-30B-A3B's and Mixtral-8x7B's layers" "$((b5a + b5b + b5c))"
-timeout "$b5a" "$python" -m launch.bench.gpu_dispatch --families=switch \
-  "${dispatch[@]}" 2>&1 | grep -v "^WARNING\|Unable to initialize backend"
-done_ "gpu_dispatch switch" "${PIPESTATUS[0]}"
-timeout "$b5b" "$python" -m launch.bench.gpu_dispatch --families=olmoe \
-  "${dispatch[@]}" 2>&1 | grep -v "^WARNING\|Unable to initialize backend"
-done_ "gpu_dispatch olmoe" "${PIPESTATUS[0]}"
-timeout "$b5c" "$python" -m launch.bench.gpu_dispatch \
-  --families=deepseek_vl2,qwen3_moe,mixtral "${dispatch[@]}" 2>&1 |
-  grep -v "^WARNING\|Unable to initialize backend"
-done_ "gpu_dispatch deepseek_vl2, qwen3_moe, mixtral" "${PIPESTATUS[0]}"
+# dispatch_rows BUDGET FAMILIES: one gpu_dispatch process (--quick: all in one).
+dispatch_rows() {
+  timeout "$1" "$python" -m launch.bench.gpu_dispatch --families="$2" \
+    "${dispatch[@]}" 2>&1 | grep -v "^WARNING\|Unable to initialize backend"
+  done_ "gpu_dispatch ${2//,/, }" "${PIPESTATUS[0]}"
+}
+if ((${#quick[@]})); then
+  dispatch_rows "$((b5a + b5b + b5c))" switch,olmoe,deepseek_vl2,qwen3_moe,mixtral
+else
+  dispatch_rows "$b5a" switch
+  dispatch_rows "$b5b" olmoe
+  dispatch_rows "$b5c" deepseek_vl2,qwen3_moe,mixtral
+fi
 echo
 echo "gpu_check.sh: done in $SECONDS s"

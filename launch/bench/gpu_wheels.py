@@ -35,6 +35,12 @@ GPU_PYTHON = {
 }
 
 
+_UNREADABLE = (
+    requirements.InvalidRequirement,
+    markers.UndefinedEnvironmentName,
+)
+
+
 def normalise(name: str) -> str:
   """PEP 503's normalised project name: 'Typing_Inspection' -> 'typing-inspection'."""
   return re.sub(r'[-_.]+', '-', name).lower()
@@ -72,17 +78,12 @@ def missing(wheel_dir: pathlib.Path, image: set[str]) -> list[str]:
     for line in meta.get_all('Requires-Dist') or ():
       try:
         requirement = requirements.Requirement(line)
-      except (
-          requirements.InvalidRequirement,
-          markers.UndefinedEnvironmentName,
-      ):
+      except _UNREADABLE:
         continue
       if applies(requirement):
         wanted.setdefault(normalise(requirement.name), requirement)
-  return [
-      f'{name}{wanted[name].specifier}'
-      for name in sorted(set(wanted) - provided)
-  ]
+  names = sorted(set(wanted) - provided)
+  return [f'{name}{wanted[name].specifier}' for name in names]
 
 
 def main(argv: list[str]) -> None:

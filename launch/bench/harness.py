@@ -119,14 +119,13 @@ def serve(calls, failed=None, warmup: Callable[[], None] | None = None):
   round 0), one JSON line {'ready': [columns], 'failed': {column: error}},
   then each input line 'column<TAB>round' answered with the seconds one
   call `calls[column](round)` took, outputs waited for."""
-  if warmup is None:
-    for call in calls.values():
-      jax.block_until_ready(call(0))
-      jax.block_until_ready(call(0))
-  else:
+  if warmup is not None:
     warmup()
-  print(json.dumps({"ready": sorted(calls), "failed": dict(failed or {})}))
-  sys.stdout.flush()
+  for call in calls.values() if warmup is None else ():
+    jax.block_until_ready(call(0))
+    jax.block_until_ready(call(0))
+  ready = {"ready": sorted(calls), "failed": dict(failed or {})}
+  print(json.dumps(ready), flush=True)
   for line in sys.stdin:
     column, _, round_index = line.rstrip("\n").partition("\t")
     start = time.perf_counter()
@@ -156,11 +155,9 @@ def worker_times(workers, *, repeats: int, by_column: bool = False):
           list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
       )
       procs.append(proc)
-      ready = None
-      for line in proc.stdout:  # anything a library prints before the JSON
-        if line.startswith(_READY):
-          ready = json.loads(line)
-          break
+      # The JSON line, after anything a library prints before it.
+      lines = (json.loads(l) for l in proc.stdout if l.startswith(_READY))
+      ready = next(lines, None)
       if ready is None:
         raise RuntimeError(f"a timing worker failed (see stderr): {argv}")
       failed.update({name(c): e for c, e in ready["failed"].items()})

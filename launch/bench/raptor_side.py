@@ -41,13 +41,8 @@ class Sizes:
     return self.num_layers - 1 if self.num_layers % 2 == 0 else 1
 
 
-QUICK = Sizes(
-    **builders.TOY_SWITCH,
-    seq_len=12,
-    lora_alpha=4.0,
-    buckets=8,
-    max_distance=20,
-)
+QUICK = Sizes(**builders.TOY_SWITCH, seq_len=12, lora_alpha=4.0)
+QUICK = dataclasses.replace(QUICK, buckets=8, max_distance=20)
 L2_CLIP = 0.05  # small enough that most records are clipped
 
 
@@ -57,17 +52,12 @@ def save_switch(path: str, sizes: Sizes, seed: int = 0) -> str:
   import transformers  # pylint: disable=import-outside-toplevel
 
   torch.manual_seed(seed)
+  same = ('vocab_size', 'd_model', 'd_kv', 'd_ff', 'num_layers', 'num_heads')
+  same += ('num_experts', 'expert_capacity')  # HF's names too
   config = transformers.SwitchTransformersConfig(
-      vocab_size=sizes.vocab_size,
-      d_model=sizes.d_model,
-      d_kv=sizes.d_kv,
-      d_ff=sizes.d_ff,
-      num_layers=sizes.num_layers,
+      **{name: getattr(sizes, name) for name in same},
       num_sparse_encoder_layers=sizes.num_layers // 2,
       num_decoder_layers=1,
-      num_heads=sizes.num_heads,
-      num_experts=sizes.num_experts,
-      expert_capacity=sizes.expert_capacity,
       relative_attention_num_buckets=sizes.buckets,
       relative_attention_max_distance=sizes.max_distance,
       dropout_rate=0.0,  # Opacus trains in train mode: no dropout, no jitter

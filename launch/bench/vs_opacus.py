@@ -3,6 +3,12 @@ r"""raptor_jax against PyTorch + Opacus on the same model, weights and DP step.
   python -m launch.bench.vs_opacus                      # the full table
   python -m launch.bench.vs_opacus --omp=default        # torch's own threading
   python -m launch.bench.vs_opacus --quick              # tiny sizes, a few s
+  python -m launch.bench.vs_opacus --kernels --microbatch_sizes=32
+
+`--kernels` times raptor_jax's steps with `model.kernels='fast'` (custom
+VJPs, record folding, layout barriers) against `'reference'` (plain `jnp`
+and autodiff) in this process, in interleaved rounds, after checking both
+updates (noise off) against the same float64 PyTorch references.
 
 What it measures, how, and what it checks: docs/performance.md, "The
 benchmark scripts in detail".
@@ -18,10 +24,10 @@ if __name__ == '__main__':  # first, before any library starts a thread
     from raptor_jax import process as _process  # program makes it
 
     _process.setup(argv=sys.argv)
-  else:
+  else:  # --kernels: host memory kept, as the trainer runs
     from raptor_jax import host_memory as _host_memory
 
-    _host_memory.keep_unless_disabled(sys.argv, default=False)
+    _host_memory.keep_unless_disabled(sys.argv, default='--kernels' in sys.argv)
 
 import os
 import tempfile
@@ -35,6 +41,7 @@ from launch.bench import harness
 from launch.bench import raptor_side
 from launch.bench import torch_side
 from raptor_jax import host_devices
+from raptor_jax.models import hf
 
 MODES = ('hooks', 'functorch', 'ew', 'ghost')
 RAPTOR_COLUMNS = {'raptor': 'nonprivate', 'raptor DP': 'shared'}
@@ -62,6 +69,7 @@ def define_flags() -> None:
   flags.DEFINE_string('model_path', '', "Internal: the worker's checkpoint.")
   flags.DEFINE_float('tolerance', 1e-3, 'Against torch in float64.')
   flags.DEFINE_float('fp32_tolerance', 1e-2, 'Against torch in float32.')
+  flags.DEFINE_bool('kernels', False, "raptor_jax's fast vs reference kernels.")
 
 
 # ---------------------------------------------------------------------------
@@ -314,17 +322,76 @@ def run(sizes, microbatch_sizes, *, threads=2, verbose=False, **options):
     return rows
 
 
+# ---------------------------------------------------------------------------
+# --kernels: raptor_jax's fast kernels against their plain twins.
+
+
+def kernel_rows(sizes, microbatch_sizes, repeats: int) -> list[dict]:
+  """One row per (microbatch, stream): both settings' medians, the paired
+  ratio fast / reference and the updates' relative distances (to each
+  other and to `torch_side.float64_references`, `tolerance` at most)."""
+  rows, kinds = [], ('fast', 'reference')
+  with tempfile.TemporaryDirectory() as tmp:
+    path = raptor_side.save_switch(os.path.join(tmp, 'switch'), sizes)
+    module, params = raptor_side.raptor_model(path, sizes)
+    for m in microbatch_sizes:
+      batch, owners = raptor_side.records(sizes, m, seed=m)
+      calls, errors = {}, {}
+      ref = torch_side.float64_references(path, sizes, params, batch, owners)
+      for kind in kinds:
+        backbone = hf.with_options(
+            module.backbone, params['backbone'], kernels=kind
+        )[0]
+        classifier = module.clone(backbone=backbone)
+        for column, stream in RAPTOR_COLUMNS.items():
+          calls[kind, stream] = raptor_side.raptor_dp(
+              classifier, params, batch, owners, sizes, stream
+          )
+          pair = f'm={m} {stream}: {kind} vs torch64'
+          torch_side.check(
+              errors, pair, calls[kind, stream][1], ref[stream], 1e-3
+          )
+      steps = {key: step for key, (step, _) in calls.items()}
+      times = harness.interleaved_times(steps, repeats=repeats)
+      for stream in RAPTOR_COLUMNS.values():
+        fast, reference = (times[k, stream] for k in kinds)
+        row = dict(
+            m=m, stream=stream, ratio=harness.paired_ratio(fast, reference)
+        )
+        row.update(fast_ms=harness.median(fast) * 1e3)
+        row.update(reference_ms=harness.median(reference) * 1e3)
+        updates = [calls[k, stream][1] for k in kinds]
+        row['between'] = torch_side.relative_error(*updates)
+        for k in kinds:
+          row[f'{k}_error'] = errors[f'm={m} {stream}: {k} vs torch64']
+        rows.append(row)
+  return rows
+
+
+def kernel_table(rows) -> str:
+  lines = [
+      '| m | step | fast ms | reference ms | fast / reference (median of'
+      ' paired rounds) | fast vs reference | fast vs torch64 | reference vs'
+      ' torch64 |',
+      '|---|---|---|---|---|---|---|---|',
+  ]
+  for r in rows:
+    lines.append(
+        f"| {r['m']} | {r['stream']} | {r['fast_ms']:.1f} |"
+        f" {r['reference_ms']:.1f} | {r['ratio']:.2f} | {r['between']:.1e} |"
+        f" {r['fast_error']:.1e} | {r['reference_error']:.1e} |"
+    )
+  return '\n'.join(lines)
+
+
 def main(argv) -> None:
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   bad = sorted(set(FLAGS.torch_host_memory) - {'glibc', 'keep'})
   if bad or not FLAGS.torch_host_memory:
-    sys.exit(
-        'error: --torch_host_memory takes glibc and/or keep, got '
-        f'{bad or "nothing"}'
-    )
+    got = bad or 'nothing'
+    sys.exit(f'error: --torch_host_memory takes glibc and/or keep, got {got}')
   worker = bool(FLAGS.serve)
-  kept = FLAGS.keep_host_memory  # set before the imports, see the top
   if FLAGS.omp == 'passive':
     os.environ['OMP_WAIT_POLICY'] = 'PASSIVE'  # before torch's OpenMP starts
   import torch  # pylint: disable=import-outside-toplevel
@@ -338,6 +405,21 @@ def main(argv) -> None:
       FLAGS.cpu_devices
       or host_devices.dividing_count([2] if FLAGS.quick else sizes_m)
   )
+  if FLAGS.kernels:
+    print(
+        f'Switch d_model={sizes.d_model} blocks={sizes.num_layers} '
+        f'E={sizes.num_experts} seq={sizes.seq_len} LoRA r={sizes.lora_rank}; '
+        f'jax {jax.__version__} {jax.devices()[0].platform} x {devices} '
+        f'devices; {1 if FLAGS.quick else FLAGS.repeats} interleaved rounds',
+        flush=True,
+    )
+    repeats = 1 if FLAGS.quick else FLAGS.repeats
+    print(
+        kernel_table(
+            kernel_rows(sizes, [2] if FLAGS.quick else sizes_m, repeats)
+        )
+    )
+    return
   if FLAGS.quick and not worker:
     sizes_m = [2 * devices]
   if worker:
@@ -349,20 +431,15 @@ def main(argv) -> None:
     workers = (('raptor', 'keep'),) + tuple(
         ('torch', memory) for memory in FLAGS.torch_host_memory
     )
-    flag_args = (
-        f'--modes={",".join(FLAGS.modes)}',
-        f'--threads={FLAGS.threads}',
-        f'--omp={FLAGS.omp}',
-        f'--cpu_devices={devices}',
-    ) + (('--quick',) if FLAGS.quick else ())
-    memory = (
-        'raptor_jax worker: host memory kept (as launch/main.py); torch '
-        f'workers: {", ".join(FLAGS.torch_host_memory)}'
-    )
+    flag_args = (f'--modes={",".join(FLAGS.modes)}', f'--omp={FLAGS.omp}')
+    flag_args += (f'--threads={FLAGS.threads}', f'--cpu_devices={devices}')
+    flag_args += ('--quick',) * FLAGS.quick
+    memory = 'raptor_jax worker: host memory kept (as launch/main.py); '
+    memory += f'torch workers: {", ".join(FLAGS.torch_host_memory)}'
   else:
-    memory = (
-        f"one process; host memory {'kept' if kept else 'returned each step'}"
-    )
+    kept = FLAGS.keep_host_memory  # set before the imports, see the top
+    memory = 'kept' if kept else 'returned each step'
+    memory = f'one process; host memory {memory}'
   print(
       f'Switch d_model={sizes.d_model} blocks={sizes.num_layers} (sparse every '
       f'2nd, l*={sizes.expert_layer}) E={sizes.num_experts} d_ff={sizes.d_ff} '
