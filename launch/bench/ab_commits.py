@@ -24,12 +24,14 @@ STEPS = ('raptor', 'raptor_dp', 'raptor_expert')
 
 
 def _model():
-  """This commit's module of the `vs_opacus` model and raptor_jax's steps."""
-  try:
-    from launch.bench import raptor_side as model  # pylint: disable=import-outside-toplevel
-  except ImportError:  # a commit from before it
-    from launch.bench import vs_opacus as model  # pylint: disable=import-outside-toplevel
-  return model
+  """This commit's module of the `vs_opacus` model and raptor_jax's steps:
+  `builders`, or in older commits `raptor_side`, before it `vs_opacus`."""
+  for name in ('builders', 'raptor_side', 'vs_opacus'):
+    if importlib.util.find_spec(f'launch.bench.{name}'):
+      model = importlib.import_module(f'launch.bench.{name}')
+      if hasattr(model, 'raptor_model'):
+        return model
+  raise ImportError('no launch.bench module has raptor_model')
 
 
 def _sizes(quick: bool):

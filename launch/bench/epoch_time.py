@@ -41,7 +41,6 @@ import numpy as np
 from launch.bench import builders
 from launch.bench import epochs
 from launch.bench import harness
-from launch.bench import raptor_side
 from launch.bench import torch_side
 
 STREAMS = ('nonprivate', 'shared', 'expert')
@@ -68,17 +67,13 @@ def define_flags() -> None:
   flags.DEFINE_bool('keep_host_memory', True, 'Internal: see vs_opacus.')
 
 
-# ---------------------------------------------------------------------------
-# One side's calls: run step r of the timed steps, one stream and layout.
-
-
 def _raptor_calls(epoch, sizes, path, streams, steps, batch_size):
   """({column: call(r)}, warm-up) of raptor_jax, with the GEMM peak columns;
   the warm-up compiles every (stream, bucket) shape the timed steps use."""
-  module, params = raptor_side.raptor_model(path, sizes)
+  module, params = builders.raptor_model(path, sizes)
   calls, warm = {}, []
   for stream in streams:
-    dp, state = raptor_side.phase_step(
+    dp, state = builders.stream_step(
         module, params, sizes, stream, float(batch_size)
     )
     for layout in ('raptor', 'raptor unbucketed'):
@@ -140,7 +135,7 @@ def _raptor_step(dp, state, batches):
 
 def _torch_calls(epoch, sizes, path, streams, steps, modes):
   """({column: call(r)}, {column: error}) of PyTorch and Opacus."""
-  _, params = raptor_side.raptor_model(path, sizes)
+  _, params = builders.raptor_model(path, sizes)
   batches = [_torch_batches(epoch, epoch.layout('torch', t)) for t in steps]
   calls, failed = {}, {}
   for stream in streams:
@@ -163,12 +158,8 @@ def _torch_batches(epoch, layout):
   return [torch_side.torch_batch(epoch.arrays(n, i)) for n, i, _ in layout]
 
 
-# ---------------------------------------------------------------------------
-# The check (noise off), in this process.
-
-
 def _raptor_sums(epoch, sizes, module, params, stream, layout, step, b):
-  dp, state = raptor_side.phase_step(module, params, sizes, stream, float(b))
+  dp, state = builders.stream_step(module, params, sizes, stream, float(b))
   sums = _sums(dp, state, _host_batches(epoch, epoch.layout(layout, step)))
   (part,) = dp.phase.parts
   return {p: np.asarray(v) for p, v in sums[part.name].items()}
@@ -206,7 +197,7 @@ def _torch_sums(epoch, sizes, path, params, stream, step, batch_size):
 def check(epoch, sizes, path, step, streams, batch_size, tolerance):
   """{pair: relative error} of step `step`'s sums (noise off); raises past
   `tolerance`."""
-  module, params = raptor_side.raptor_model(path, sizes)
+  module, params = builders.raptor_model(path, sizes)
   errors = {}
   for stream in streams:
     args = (epoch, sizes, module, params, stream)
@@ -219,16 +210,12 @@ def check(epoch, sizes, path, step, streams, batch_size, tolerance):
   return errors
 
 
-# ---------------------------------------------------------------------------
-# Workers, the parent, the tables.
-
-
 def serve(side: str, workdir: str) -> None:
   """A timing worker: one task's epoch and model from `workdir`."""
   with open(os.path.join(workdir, 'spec.pkl'), 'rb') as f:
     spec = pickle.load(f)
   epoch = epochs.Epoch(**spec['epoch'])
-  sizes = raptor_side.Sizes(**spec['sizes'])
+  sizes = builders.Sizes(**spec['sizes'])
   args = (epoch, sizes, spec['model'], spec['streams'], spec['steps'])
   if side == 'raptor':
     calls, warmup = _raptor_calls(*args, spec['batch_size'])
@@ -255,7 +242,7 @@ def time_task(task, data, workdir, *, vocab, quick, **spec):
       microbatch=spec['microbatch'],
       num_experts=sizes.num_experts,
   )
-  model = raptor_side.save_switch(os.path.join(workdir, 'model'), sizes)
+  model = builders.save_switch(os.path.join(workdir, 'model'), sizes)
   timed = epoch.timed_steps(spec['steps'])
   errors = check(
       epoch, sizes, model, timed[0], streams, batch_size, spec['tolerance']
@@ -390,7 +377,7 @@ def main(argv) -> None:
     with tempfile.TemporaryDirectory() as workdir:
       vocab = 0
       if f.quick:
-        vocab_size = raptor_side.QUICK.vocab_size
+        vocab_size = builders.QUICK.vocab_size
         data = epochs.generated_records(180, 24, vocab_size)
       else:
         from raptor_jax.data import encoding  # pylint: disable=import-outside-toplevel

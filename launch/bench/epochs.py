@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from launch.bench import raptor_side
+from launch.bench import builders
 from raptor_jax import length_buckets, sampling
 
 TASKS = {  # task: (train file under --data_dir, max_length)
@@ -125,7 +125,7 @@ def generated_records(n: int, max_length: int, vocab: int, seed: int = 0):
   return ids, mask, rng.integers(0, 2, n).astype(np.int32)
 
 
-def useful_flops(epoch: Epoch, sizes: raptor_side.Sizes) -> float:
+def useful_flops(epoch: Epoch, sizes: builders.Sizes) -> float:
   """2 x the forward matmul FLOPs of the epoch's real tokens (see module doc)."""
   d, h = sizes.d_model, sizes.num_heads * sizes.d_kv
   sparse = sizes.num_layers // 2
@@ -139,10 +139,10 @@ def useful_flops(epoch: Epoch, sizes: raptor_side.Sizes) -> float:
   return 2.0 * total
 
 
-def model_sizes(max_length: int, vocab: int, quick: bool) -> raptor_side.Sizes:
-  """The `:small` shape (--quick: `raptor_side.QUICK`) at `max_length`."""
+def model_sizes(max_length: int, vocab: int, quick: bool) -> builders.Sizes:
+  """The `:small` shape (--quick: `builders.QUICK`) at `max_length`."""
   if quick:
-    return dataclasses.replace(raptor_side.QUICK, seq_len=max_length)
-  return raptor_side.Sizes(
+    return dataclasses.replace(builders.QUICK, seq_len=max_length)
+  return builders.Sizes(
       **SMALL, vocab_size=vocab, seq_len=max_length, max_distance=128
   )

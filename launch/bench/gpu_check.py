@@ -74,14 +74,6 @@ def choose_microbatch(plan: dict, probe: int, device_bytes) -> int:
   return 1 if fits < 1 else int(min(cap, 2 ** int(math.log2(fits))))
 
 
-def _programs(dp, state, microbatch: int, seq_len: int, config):
-  """(compiled accumulate, compiled update, accumulate's arguments) at m."""
-  records, owners = builders.batch(
-      microbatch, seq_len, config.vocab_size, config.num_experts
-  )
-  return builders.compile_phase(dp, state, records, owners)
-
-
 def stream(name, module, params, config, *, probe, seq_len, repeats):
   """Prints one stream's lines: probe, compile, step at B = 1000."""
   layer = config.sparse_layers[-1]
@@ -90,7 +82,13 @@ def stream(name, module, params, config, *, probe, seq_len, repeats):
   dp = builders.phase_step(module, phase, key=jax.random.key(0), **extra)
   state = dp.init(params)
   device_bytes = harness.device_memory('bytes_limit')
-  accumulate, update, args = _programs(dp, state, probe, seq_len, config)
+  # (compiled accumulate, compiled update, the accumulate's arguments) at m.
+  programs = lambda m: builders.compile_phase(
+      dp,
+      state,
+      *builders.batch(m, seq_len, config.vocab_size, config.num_experts),
+  )
+  accumulate, update, args = programs(probe)
   plan = harness.memory_stats(accumulate.compiled) or {}
   m = choose_microbatch(plan, probe, device_bytes)
   mib = lambda b: f'{b / 2**20:.0f} MiB'
@@ -102,7 +100,7 @@ def stream(name, module, params, config, *, probe, seq_len, repeats):
       f' (temp {mib(plan.get("temp", 0))}) of {memory} -> m={m}'
   )
   if m != probe:
-    accumulate, update, args = _programs(dp, state, m, seq_len, config)
+    accumulate, update, args = programs(m)
   acc_s = accumulate.lower_s + accumulate.compile_s
   upd_s = update.lower_s + update.compile_s
   say(

@@ -55,12 +55,6 @@ def wheel_metadata(path: pathlib.Path) -> email.message.Message:
     return email.parser.Parser().parsestr(wheel.read(name).decode())
 
 
-def applies(requirement: requirements.Requirement) -> bool:
-  """Whether a requirement holds on the GPU machine without any extra."""
-  marker = requirement.marker
-  return marker is None or marker.evaluate(GPU_PYTHON)
-
-
 def image_packages(path: pathlib.Path) -> set[str]:
   """The normalised names of a package list (one a line, '#' comments)."""
   lines = (l.split('#')[0].strip() for l in path.read_text().splitlines())
@@ -80,7 +74,8 @@ def missing(wheel_dir: pathlib.Path, image: set[str]) -> list[str]:
         requirement = requirements.Requirement(line)
       except _UNREADABLE:
         continue
-      if applies(requirement):
+      marker = requirement.marker  # holds on the GPU machine, no extra
+      if marker is None or marker.evaluate(GPU_PYTHON):
         wanted.setdefault(normalise(requirement.name), requirement)
   names = sorted(set(wanted) - provided)
   return [f'{name}{wanted[name].specifier}' for name in names]

@@ -59,7 +59,6 @@ def call_times(call: Callable[[], Any], repeats: int, warmup: int = 1):
 
 
 def median(samples: list[float]) -> float:
-  """The median of ``samples``."""
   return float(statistics.median(samples))
 
 

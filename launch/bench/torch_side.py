@@ -13,10 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from launch.bench import builders
-from launch.bench import raptor_side
 from raptor_jax import roles
 
-L2_CLIP = raptor_side.L2_CLIP
+L2_CLIP = builders.HF_L2_CLIP
 
 
 def _torch_modules():
@@ -82,7 +81,7 @@ def _torch_modules():
   return LoRALinear, MaskedExperts, Classifier
 
 
-def torch_model(path: str, sizes: raptor_side.Sizes, params, stream: str):
+def torch_model(path: str, sizes: builders.Sizes, params, stream: str):
   """The torch classifier with raptor_jax's weights. Trainable: 'shared',
   LoRA on q, k, v, o and the head (l*'s expert adapters merged into its
   frozen experts); 'expert', LoRA on every expert of l* (masked dispatch;
@@ -286,7 +285,7 @@ def opacus_dp(model, batch, mode: str, noise_multiplier: float):
   return (lambda: step(0)), update_without_noise, dp_model
 
 
-def owner_reference(model, dp_model, batch, owners, sizes: raptor_side.Sizes):
+def owner_reference(model, dp_model, batch, owners, sizes: builders.Sizes):
   """The expert stream's update {path: [E, ...]} from Opacus's per-sample
   gradients (hooks): record i adds the owner's rows of its gradient, times
   w_i = 1 - p(y_i) with l*'s B factors at zero (the 'shared' residual
@@ -327,7 +326,7 @@ def owner_reference(model, dp_model, batch, owners, sizes: raptor_side.Sizes):
   return {p: s / (len(owners) / sizes.num_experts) for p, s in sums.items()}
 
 
-def float64_references(path, sizes: raptor_side.Sizes, params, batch, owners):
+def float64_references(path, sizes: builders.Sizes, params, batch, owners):
   """{'nonprivate', 'shared', 'expert'}: torch's noiseless updates in
   float64 (`torch_nonprivate`, `opacus_dp` hooks, `owner_reference`)."""
   exact = lambda stream: torch_model(path, sizes, params, stream).double()

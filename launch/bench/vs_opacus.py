@@ -38,7 +38,6 @@ import jax
 
 from launch.bench import builders
 from launch.bench import harness
-from launch.bench import raptor_side
 from launch.bench import torch_side
 from raptor_jax import host_devices
 from raptor_jax.models import hf
@@ -72,22 +71,16 @@ def define_flags() -> None:
   flags.DEFINE_bool('kernels', False, "raptor_jax's fast vs reference kernels.")
 
 
-# ---------------------------------------------------------------------------
-# Timing each side in its own process.
-
-
 def side_steps(side, path, sizes, module, params, m, modes, updates=False):
   """({column: step}, {column: update, noise off}, {column: error line}) of
   one side on `compare`'s records: 'raptor', the trainer's non-private,
   shared DP and expert steps; 'torch', torch's non-private step and Opacus's
   shared and expert steps per mode (a mode that fails is reported, not
   timed; with `updates` each mode's shared update)."""
-  batch, owners = raptor_side.records(sizes, m, seed=m)
+  batch, owners = builders.records(sizes, m, seed=m)
   if side == 'raptor':
     steps = {
-        column: raptor_side.raptor_dp(
-            module, params, batch, owners, sizes, stream
-        )
+        column: builders.raptor_dp(module, params, batch, owners, sizes, stream)
         for column, stream in RAPTOR_COLUMNS.items()
     }
     return (
@@ -115,31 +108,24 @@ def side_steps(side, path, sizes, module, params, m, modes, updates=False):
   return calls, out, failed
 
 
-def serve(side: str, path: str, sizes: raptor_side.Sizes, m: int, modes):
+def serve(side: str, path: str, sizes: builders.Sizes, m: int, modes):
   """Worker loop (`harness.serve`) of one side's `side_steps`."""
-  module, params = raptor_side.raptor_model(path, sizes)
+  module, params = builders.raptor_model(path, sizes)
   calls, _, failed = side_steps(side, path, sizes, module, params, m, modes)
   harness.serve({c: (lambda r, f=f: f()) for c, f in calls.items()}, failed)
 
 
 def tagged(column: str, tag: str) -> str:
   """'opacus ew expert', 'keep' -> 'opacus+keep ew expert' (tag '' keeps it)."""
-  if not tag:
-    return column
-  first, _, rest = column.partition(' ')
-  return f'{first}+{tag}' + (f' {rest}' if rest else '')
+  first, space, rest = column.partition(' ')
+  return f'{first}+{tag}{space}{rest}' if tag else column
 
 
 def worker_times(path: str, m: int, workers, *, repeats: int, flag_args):
-  """({column: [seconds per round]}, {column: error}) from worker processes.
-
-  `workers`: (side, host_memory) pairs, host_memory 'keep' or 'glibc'. Each
-  worker is this script with `--serve`, building its side from the saved
-  checkpoint at `path` (`flag_args`: the sizes, modes, threading flags),
-  timed by `harness.worker_times`. torch workers' columns are tagged with a
-  'keep' setting (`tagged`); the raptor_jax worker always keeps host
-  memory, as launch/main.py does.
-  """
+  """`harness.worker_times` of this script's `--serve` workers, each
+  building its side from the checkpoint at `path` (`flag_args`: sizes,
+  modes, threading): `workers` are (side, 'keep' or 'glibc') pairs; torch
+  workers' columns are `tagged` 'keep'; raptor_jax's always keeps memory."""
   commands = []
   for side, memory in workers:
     keep = side == 'raptor' or memory == 'keep'
@@ -154,10 +140,6 @@ def worker_times(path: str, m: int, workers, *, repeats: int, flag_args):
     tag = 'keep' if side == 'torch' and keep else ''
     commands.append((argv, lambda c, tag=tag: tagged(c, tag)))
   return harness.worker_times(commands, repeats=repeats)
-
-
-# ---------------------------------------------------------------------------
-# One microbatch size: check, then time everything in interleaved rounds.
 
 
 def compare(path, sizes, module, params, m, *, modes=MODES, **options):
@@ -175,7 +157,7 @@ def compare(path, sizes, module, params, m, *, modes=MODES, **options):
   tolerance = options.get('tolerance', 1e-3)
   fp32_tolerance = options.get('fp32_tolerance', 1e-2)
   repeats, workers = options.get('repeats', 5), options.get('workers')
-  batch, owners = raptor_side.records(sizes, m, seed=m)
+  batch, owners = builders.records(sizes, m, seed=m)
   calls, ours, _ = side_steps('raptor', path, sizes, module, params, m, modes)
   torch_calls, theirs, failed = side_steps(
       'torch', path, sizes, module, params, m, modes, updates=True
@@ -311,8 +293,8 @@ def run(sizes, microbatch_sizes, *, threads=2, verbose=False, **options):
 
   torch.set_num_threads(threads)
   with tempfile.TemporaryDirectory() as tmp:
-    path = raptor_side.save_switch(os.path.join(tmp, 'switch'), sizes)
-    module, params = raptor_side.raptor_model(path, sizes)
+    path = builders.save_switch(os.path.join(tmp, 'switch'), sizes)
+    module, params = builders.raptor_model(path, sizes)
     rows = []
     for m in microbatch_sizes:
       rows.append(compare(path, sizes, module, params, m, **options))
@@ -332,10 +314,10 @@ def kernel_rows(sizes, microbatch_sizes, repeats: int) -> list[dict]:
   other and to `torch_side.float64_references`, `tolerance` at most)."""
   rows, kinds = [], ('fast', 'reference')
   with tempfile.TemporaryDirectory() as tmp:
-    path = raptor_side.save_switch(os.path.join(tmp, 'switch'), sizes)
-    module, params = raptor_side.raptor_model(path, sizes)
+    path = builders.save_switch(os.path.join(tmp, 'switch'), sizes)
+    module, params = builders.raptor_model(path, sizes)
     for m in microbatch_sizes:
-      batch, owners = raptor_side.records(sizes, m, seed=m)
+      batch, owners = builders.records(sizes, m, seed=m)
       calls, errors = {}, {}
       ref = torch_side.float64_references(path, sizes, params, batch, owners)
       for kind in kinds:
@@ -344,7 +326,7 @@ def kernel_rows(sizes, microbatch_sizes, repeats: int) -> list[dict]:
         )[0]
         classifier = module.clone(backbone=backbone)
         for column, stream in RAPTOR_COLUMNS.items():
-          calls[kind, stream] = raptor_side.raptor_dp(
+          calls[kind, stream] = builders.raptor_dp(
               classifier, params, batch, owners, sizes, stream
           )
           pair = f'm={m} {stream}: {kind} vs torch64'
@@ -399,7 +381,7 @@ def main(argv) -> None:
 
   transformers.logging.set_verbosity_error()
   transformers.logging.disable_progress_bar()
-  sizes = raptor_side.QUICK if FLAGS.quick else raptor_side.Sizes()
+  sizes = builders.QUICK if FLAGS.quick else builders.Sizes()
   sizes_m = [int(m) for m in FLAGS.microbatch_sizes]
   devices = host_devices.one_device_per_core(
       FLAGS.cpu_devices
@@ -447,7 +429,7 @@ def main(argv) -> None:
       f'{FLAGS.threads} threads, OMP_WAIT_POLICY='
       f"{os.environ.get('OMP_WAIT_POLICY', '(default)')}; jax {jax.__version__} "
       f'{jax.devices()[0].platform} x {devices} devices, '
-      f'{host_devices.host_cores()} cores; clip {raptor_side.L2_CLIP}, sigma '
+      f'{host_devices.host_cores()} cores; clip {builders.HF_L2_CLIP}, sigma '
       f'{builders.NOISE_MULTIPLIER}; {memory}',
       flush=True,
   )
