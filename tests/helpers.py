@@ -22,6 +22,20 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def row(fields, values, **own):
+  """Config keywords: `fields` (space-separated names) paired with the tuple
+  `values`, and the keywords `own` to this config alone."""
+  return dict(zip(fields.split(), values, strict=True), **own)
+
+
+def grid(fields, **rows):
+  """{name: config keywords}: a table of configs, `fields` its columns, each
+  keyword a row of values; a row may end with one dict more, the keywords of
+  that row alone."""
+  n = len(fields.split())
+  return {name: row(fields, r[:n], **dict(*r[n:])) for name, r in rows.items()}
+
+
 def raptor_kwargs(
     sigma_shared, sigma_expert, q, steps, steps_expert=None, **kw
 ):

@@ -21,6 +21,8 @@ import torch
 import transformers
 from transformers.models.llama import modeling_llama
 
+from helpers import grid, row  # row: also the tests' (refs.row)
+
 VOCAB, SEQ = 60, 11
 
 
@@ -52,6 +54,7 @@ def assert_close(a, b, tol=1e-4):
 # attention, experts and the router visibly move the hidden states and
 # routing is decisive.
 DECODER_BASE = dict(pad_token_id=0, eos_token_id=None, initializer_range=0.2)
+THETA_500 = dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0})
 
 
 def _outputs(model, ids, mask, num_experts):
@@ -71,49 +74,30 @@ def _outputs(model, ids, mask, num_experts):
 # ---------------------------------------------------------------------------
 # Switch Transformers.
 
-SWITCH_CONFIGS = {
-    "e2_step2": dict(
-        d_model=16,
-        d_kv=4,
-        num_heads=2,
-        d_ff=24,
-        num_layers=4,
-        num_experts=2,
-        expert_capacity=64,
-        num_sparse_encoder_layers=2,
-    ),
-    "e4_step1_drop": dict(
-        d_model=24,
-        d_kv=6,
-        num_heads=3,
-        d_ff=32,
-        num_layers=3,
-        num_experts=4,
-        expert_capacity=2,
-        num_sparse_encoder_layers=3,
-    ),
-    "e8_step2_drop": dict(
-        d_model=32,
-        d_kv=8,
-        num_heads=4,
-        d_ff=16,
-        num_layers=6,  # blocks 1-4: two (sparse, dense) units, one scan
-        num_experts=8,
-        expert_capacity=1,
-        num_sparse_encoder_layers=3,
-    ),
-}
+SWITCH_FIELDS = (
+    "d_model d_kv num_heads d_ff num_layers num_experts expert_capacity"
+    " num_sparse_encoder_layers"
+)
+SWITCH_CONFIGS = grid(
+    SWITCH_FIELDS,
+    e2_step2=(16, 4, 2, 24, 4, 2, 64, 2),
+    e4_step1_drop=(24, 6, 3, 32, 3, 4, 2, 3),
+    # 6 blocks, 1-4 two (sparse, dense) units in one scan
+    e8_step2_drop=(32, 8, 4, 16, 6, 8, 1, 3),
+)
+# What every Switch reference shares: one decoder block (the encoder is
+# what raptor_jax loads) and a short relative-position table.
+SWITCH_BASE = dict(
+    vocab_size=VOCAB,
+    num_decoder_layers=1,
+    relative_attention_num_buckets=8,
+    relative_attention_max_distance=20,
+)
 
 
 def save_switch(path, seed, **kwargs):
   torch.manual_seed(seed)
-  config = transformers.SwitchTransformersConfig(
-      vocab_size=VOCAB,
-      num_decoder_layers=1,
-      relative_attention_num_buckets=8,
-      relative_attention_max_distance=20,
-      **kwargs,
-  )
+  config = transformers.SwitchTransformersConfig(**SWITCH_BASE, **kwargs)
   model = transformers.SwitchTransformersForConditionalGeneration(config)
   model.save_pretrained(path)
   return path
@@ -131,46 +115,28 @@ def switch_outputs(path, ids, mask):
 # or 1 kv).
 
 OLMOE_LAYERS = 2
-OLMOE_CONFIGS = {
-    "e8k2_norm_clip": dict(
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        clip_qkv=2.0,
-        num_key_value_heads=2,
-    ),
-    "e8k2_theta500": dict(
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        num_key_value_heads=2,
-    ),
-    "e16k4_norm": dict(
-        num_experts=16,
-        num_experts_per_tok=4,
-        norm_topk_prob=True,
-        num_key_value_heads=2,
-    ),
-    "e16k4_mqa": dict(
-        num_experts=16,
-        num_experts_per_tok=4,
-        norm_topk_prob=False,
-        num_key_value_heads=1,
-    ),
-}
+OLMOE_CONFIGS = grid(
+    "num_experts num_experts_per_tok norm_topk_prob num_key_value_heads",
+    e8k2_norm_clip=(8, 2, True, 2, dict(clip_qkv=2.0)),
+    e8k2_theta500=(8, 2, False, 2, THETA_500),
+    e16k4_norm=(16, 4, True, 2),
+    e16k4_mqa=(16, 4, False, 1),
+)
+
+
+OLMOE_BASE = dict(
+    vocab_size=VOCAB,
+    num_hidden_layers=OLMOE_LAYERS,
+    **DECODER_BASE,
+    # Widths: the model's, an expert's; 4 query heads.
+    hidden_size=32,
+    intermediate_size=16,
+    num_attention_heads=4,
+)
 
 
 def olmoe_hf_config(**kwargs):
-  return transformers.OlmoeConfig(
-      vocab_size=VOCAB,
-      hidden_size=32,
-      intermediate_size=16,
-      num_hidden_layers=OLMOE_LAYERS,
-      num_attention_heads=4,
-      **DECODER_BASE,
-      **kwargs,
-  )
+  return transformers.OlmoeConfig(**{**OLMOE_BASE, **kwargs})
 
 
 def save_olmoe(path, seed, **kwargs):
@@ -194,81 +160,59 @@ def olmoe_outputs(path, ids, mask):
 # DeepSeek-MoE.
 
 DEEPSEEK_LAYERS = 3
+# Multi-head latent attention's sizes.
+MLA_SIZES = dict(
+    kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+)
+# What DeepSeek's code writes in config.json for plain attention
+# (`mha_eager`): no MLA, every MLA size 0 and no kv LoRA rank.
+MHA_CONFIG = dict(dict.fromkeys(MLA_SIZES, 0), use_mla=False, kv_lora_rank=None)
 DEEPSEEK_BASE = dict(
     vocab_size=VOCAB,
+    num_hidden_layers=DEEPSEEK_LAYERS,
+    num_attention_heads=4,
+    bos_token_id=None,
+    **DECODER_BASE,
+    # Widths: the model's, a dense block's MLP, an expert's, MLA's.
     hidden_size=32,
     intermediate_size=48,
     moe_intermediate_size=16,
-    num_hidden_layers=DEEPSEEK_LAYERS,
-    num_attention_heads=4,
-    kv_lora_rank=8,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=6,
-    bos_token_id=None,
-    **DECODER_BASE,
+    **MLA_SIZES,
 )
+
+
+def group_limited(n_group, topk_group, **kwargs):
+  """DeepSeek's group-limited routing: the best `topk_group` of `n_group`."""
+  return dict(
+      topk_method="group_limited_greedy",
+      n_group=n_group,
+      topk_group=topk_group,
+      **kwargs,
+  )
+
+
 # The grid of the issue: greedy / group-limited routing, q_lora_rank None / set,
 # first_k_dense_replace 0 / 1, n_shared_experts 1 / 2, norm_topk_prob on / off.
-DEEPSEEK_CONFIGS = {
-    "greedy_q_dense1_s1": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        q_lora_rank=None,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        norm_topk_prob=False,
-    ),
-    "group_qlora_dense0_s2_norm": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        q_lora_rank=12,
-        first_k_dense_replace=0,
-        n_shared_experts=2,
-        norm_topk_prob=True,
-        topk_method="group_limited_greedy",
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-    ),
-    "greedy_qlora_dense1_s2_norm": dict(
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        q_lora_rank=12,
-        first_k_dense_replace=1,
-        n_shared_experts=2,
-        norm_topk_prob=True,
-    ),
-    "group_q_dense0_s1": dict(
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        q_lora_rank=None,
-        first_k_dense_replace=0,
-        n_shared_experts=1,
-        topk_method="group_limited_greedy",
-        n_group=4,
-        topk_group=2,
-    ),
-}
-DEEPSEEK_MHA_CONFIGS = {
-    "mha_dense1_s2": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        n_shared_experts=2,
-        num_key_value_heads=4,
-    ),
-    "mha_gqa_dense0_s1": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        first_k_dense_replace=0,
-        n_shared_experts=1,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-    ),
-}
+_ROUTED = "n_routed_experts num_experts_per_tok"
+DEEPSEEK_FIELDS = (
+    _ROUTED
+    + " q_lora_rank first_k_dense_replace n_shared_experts norm_topk_prob"
+)
+_SCALED_GROUPS = group_limited(
+    2, 1, routed_scaling_factor=2.5, rms_norm_eps=1e-5, **THETA_500
+)
+DEEPSEEK_CONFIGS = grid(
+    DEEPSEEK_FIELDS,
+    greedy_q_dense1_s1=(8, 2, None, 1, 1, False),
+    group_qlora_dense0_s2_norm=(8, 2, 12, 0, 2, True, _SCALED_GROUPS),
+    greedy_qlora_dense1_s2_norm=(16, 4, 12, 1, 2, True),
+    group_q_dense0_s1=(16, 4, None, 0, 1, False, group_limited(4, 2)),
+)
+DEEPSEEK_MHA_CONFIGS = grid(
+    _ROUTED + " first_k_dense_replace n_shared_experts num_key_value_heads",
+    mha_dense1_s2=(8, 2, 1, 2, 4),
+    mha_gqa_dense0_s1=(8, 2, 0, 1, 2, dict(rms_norm_eps=1e-5)),
+)
 
 
 def save_deepseek_mla(path, seed, **kwargs):
@@ -308,13 +252,7 @@ def write_deepseek_mha(path, model, config, num_key_value_heads):
   state = {k: v.contiguous() for k, v in model.state_dict().items()}
   safetensors.torch.save_file(state, str(path / "model.safetensors"))
   hf_config = dict(
-      config.to_dict(),
-      use_mla=False,
-      num_key_value_heads=num_key_value_heads,
-      kv_lora_rank=None,
-      qk_nope_head_dim=0,
-      qk_rope_head_dim=0,
-      v_head_dim=0,
+      config.to_dict(), num_key_value_heads=num_key_value_heads, **MHA_CONFIG
   )
   (path / "config.json").write_text(json.dumps(hf_config))
 
@@ -359,65 +297,40 @@ KIT_BASE = dict(
     num_key_value_heads=2,
     **DECODER_BASE,
 )
+_KIT_SIZES = (
+    "intermediate_size moe_intermediate_size num_experts num_experts_per_tok"
+)
+# head_dim 12 (not hidden / heads); 4 blocks: 0-1 scanned, 2 dense
+_QWEN3_DENSE2 = dict(head_dim=12, num_hidden_layers=4, mlp_only_layers=[2])
+# block 1 sparse, 0 and 2 dense
+_QWEN3_STEP2 = dict(decoder_sparse_step=2, **THETA_500)
+# 4 blocks: 0 dense, 1-2 scanned
+_QWEN2_DENSE0 = dict(num_hidden_layers=4, mlp_only_layers=[0])
 KIT_CONFIGS = {
     "qwen3_moe": (
         "Qwen3Moe",
-        {
-            "e8k2_norm_dense2": dict(
-                intermediate_size=24,
-                moe_intermediate_size=16,
-                num_experts=8,
-                num_experts_per_tok=2,
-                norm_topk_prob=True,
-                head_dim=12,  # not hidden / heads
-                num_hidden_layers=4,  # blocks 0-1 scanned, 2 dense
-                mlp_only_layers=[2],
-            ),
-            "e4k1_step2_theta500": dict(
-                intermediate_size=24,
-                moe_intermediate_size=16,
-                num_experts=4,
-                num_experts_per_tok=1,
-                decoder_sparse_step=2,  # block 1 sparse, 0 and 2 dense
-                rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-            ),
-        },
+        grid(
+            _KIT_SIZES + " norm_topk_prob",
+            e8k2_norm_dense2=(24, 16, 8, 2, True, _QWEN3_DENSE2),
+            e4k1_step2_theta500=(24, 16, 4, 1, False, _QWEN3_STEP2),
+        ),
     ),
     "qwen2_moe": (
         "Qwen2Moe",
-        {
-            "e8k2_shared": dict(
-                intermediate_size=24,
-                moe_intermediate_size=16,
-                shared_expert_intermediate_size=20,
-                num_experts=8,
-                num_experts_per_tok=2,
-            ),
-            "e4k2_norm_dense0": dict(
-                intermediate_size=24,
-                moe_intermediate_size=8,
-                shared_expert_intermediate_size=16,
-                num_experts=4,
-                num_experts_per_tok=2,
-                norm_topk_prob=True,
-                num_hidden_layers=4,  # block 0 dense, 1-2 scanned
-                mlp_only_layers=[0],
-            ),
-        },
+        grid(
+            _KIT_SIZES + " shared_expert_intermediate_size norm_topk_prob",
+            e8k2_shared=(24, 16, 8, 2, 20, False),
+            e4k2_norm_dense0=(24, 8, 4, 2, 16, True, _QWEN2_DENSE0),
+        ),
     ),
     "mixtral": (
         "Mixtral",
-        {
-            "e4k2": dict(
-                intermediate_size=16, num_local_experts=4, num_experts_per_tok=2
-            ),
-            "e8k2_window4": dict(
-                intermediate_size=16,
-                num_local_experts=8,
-                num_experts_per_tok=2,
-                sliding_window=4,  # shorter than SEQ: the window matters
-            ),
-        },
+        grid(
+            "intermediate_size num_local_experts num_experts_per_tok",
+            e4k2=(16, 4, 2),
+            # sliding window 4, shorter than SEQ: the window matters
+            e8k2_window4=(16, 8, 2, dict(sliding_window=4)),
+        ),
     ),
 }
 

@@ -74,26 +74,20 @@ def test_config_from_checkpoint(loaded):
   assert (mha.use_mla, mha.num_key_value_heads, mha.head_dim) == (False, 2, 8)
   # DeepSeek-VL2-Tiny's language config values (MHA, 64 routed + 2 shared, top-6).
   tiny = dict(
+      refs.MHA_CONFIG,
+      **refs.row(
+          "hidden_size intermediate_size moe_intermediate_size"
+          " num_hidden_layers num_attention_heads num_key_value_heads",
+          (1280, 6848, 896, 12, 10, 10),
+      ),
+      **refs.row(
+          "n_routed_experts n_shared_experts num_experts_per_tok"
+          " first_k_dense_replace n_group topk_group",
+          (64, 2, 6, 1, 1, 1),
+      ),
       model_type="deepseek_v2",
-      hidden_size=1280,
-      intermediate_size=6848,
-      moe_intermediate_size=896,
-      num_hidden_layers=12,
-      num_attention_heads=10,
-      num_key_value_heads=10,
-      use_mla=False,
-      q_lora_rank=None,
-      kv_lora_rank=None,
-      qk_nope_head_dim=0,
-      qk_rope_head_dim=0,
-      v_head_dim=0,
-      n_routed_experts=64,
-      n_shared_experts=2,
-      num_experts_per_tok=6,
-      first_k_dense_replace=1,
       topk_method="greedy",
-      n_group=1,
-      topk_group=1,
+      q_lora_rank=None,
       vocab_size=129280,
   )
   cfg = deepseek.config_from_hf(tiny)

@@ -78,68 +78,45 @@ REAL_TOKENS = (SEQ, 7, 3, 1)  # right padding: records 1-3 are padded
 # Tiny random Hugging Face models (the torch references) and their checkpoints.
 
 _SWITCH = dict(
+    hf_references.SWITCH_BASE,
     vocab_size=VOCAB,
-    d_model=WIDTH,
-    d_kv=8,
-    num_heads=4,
-    d_ff=24,
-    num_layers=6,
-    num_sparse_encoder_layers=3,  # odd blocks sparse; blocks 1-4 scanned
-    num_decoder_layers=1,
-    num_experts=4,
-    expert_capacity=2,  # 4 experts x 2 < 10 tokens: every full record drops
-    relative_attention_num_buckets=8,
-    relative_attention_max_distance=20,
+    # Odd blocks sparse, blocks 1-4 scanned; 4 experts x 2 < 10 tokens: every
+    # full record drops.
+    **hf_references.row(
+        hf_references.SWITCH_FIELDS, (WIDTH, 8, 4, 24, 6, 4, 2, 3)
+    ),
 )
+# top-2 renormalised, grouped-query attention, clip_qkv 2; initializer_range
+# 0.2 (DECODER_BASE): decisive routing, visible attention and experts
 _OLMOE = dict(
+    hf_references.OLMOE_BASE,
     vocab_size=VOCAB,
     hidden_size=WIDTH,
-    intermediate_size=16,
     num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # grouped-query attention
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    clip_qkv=2.0,
-    # initializer_range 0.2: decisive routing, visible attention and experts
-    **hf_references.DECODER_BASE,
+    **hf_references.OLMOE_CONFIGS["e8k2_norm_clip"],
 )
+# DeepSeek's sizes of tests/hf_references.py, 4 blocks.
 _DEEPSEEK = dict(
+    hf_references.DEEPSEEK_BASE,
     vocab_size=VOCAB,
     hidden_size=WIDTH,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_attention_heads=4,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    bos_token_id=None,
-    **hf_references.DECODER_BASE,
+    num_hidden_layers=4,
 )
+# 8 experts, top-2, block 0 dense, blocks 1-3 sparse, q_lora, 2 shared
+# experts, 2 groups.
 _DEEPSEEK_MLA = dict(
     _DEEPSEEK,
-    num_hidden_layers=4,
-    first_k_dense_replace=1,  # block 0 dense, blocks 1-3 sparse
-    q_lora_rank=12,
-    kv_lora_rank=8,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=6,
-    n_shared_experts=2,
-    topk_method="group_limited_greedy",
-    n_group=2,
-    topk_group=1,
-    routed_scaling_factor=2.5,
+    **hf_references.row(hf_references.DEEPSEEK_FIELDS, (8, 2, 12, 1, 2, False)),
+    **hf_references.group_limited(2, 1, routed_scaling_factor=2.5),
 )
+# Plain attention: no MLA sizes (DeepSeek's `use_mla: false`), 1 shared
+# expert, 4 groups.
 _DEEPSEEK_MHA = dict(
-    _DEEPSEEK,
-    num_hidden_layers=4,
-    first_k_dense_replace=1,
-    q_lora_rank=None,
-    n_shared_experts=1,
-    topk_method="group_limited_greedy",
-    n_group=4,
-    topk_group=2,
+    {k: v for k, v in _DEEPSEEK.items() if k not in hf_references.MLA_SIZES},
+    **hf_references.row(
+        hf_references.DEEPSEEK_FIELDS, (8, 2, None, 1, 1, False)
+    ),
+    **hf_references.group_limited(4, 2),
 )
 _MHA_KV_HEADS = 2  # grouped-query plain attention
 
