@@ -145,22 +145,11 @@ def test_each_stream_step_changes_only_its_own_parameters(raptor_model):
 
 
 def test_owner_rule_reads_group_limited_routed_gates():
-  config = deepseek.sized_config(
-      vocab_size=50,
-      d_model=32,
-      d_ff=32,
-      num_layers=2,
-      num_heads=2,
-      d_kv=8,
-      num_experts=4,
-      top_k=2,
-      num_shared_experts=2,
-      first_k_dense=1,
-      kv_lora_rank=16,
-      topk_method="group_limited_greedy",
-      n_group=2,
-      topk_group=1,
-  )
+  # The micro task's DeepSeek (4 experts, top-2), routing in 2 groups.
+  sizes = micro_config(**MICRO_FAMILIES["deepseek"]).model.random
+  config = deepseek.from_sizes(
+      sizes, 50, topk_method="group_limited_greedy", n_group=2, topk_group=1
+  ).config
   assert ownership.owner_rule(config, "count") == dict(
       top_k=2, weighting="prob", normalize=False, groups=(2, 1)
   )
