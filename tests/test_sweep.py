@@ -152,27 +152,12 @@ def test_clip_tuning_scores_on_the_holdout_and_every_seed_uses_the_choice(
     )
 
   base = micro_config()
+  one_cell = dict(variants=["raptor"], epsilons=[8.0], train=fake_train)
   with pytest.raises(ValueError, match="holdout"):
-    sweep.run(
-        base,
-        tmp_path,
-        variants=["raptor"],
-        epsilons=[8.0],
-        seeds=[0],
-        clip_grid=[0.1, 1.0],
-        train=fake_train,
-    )
+    sweep.run(base, tmp_path, seeds=[0], clip_grid=[0.1, 1.0], **one_cell)
   base.data.train_limit, base.data.holdout = 100, 20
   with pytest.raises(ValueError, match="tune_seed"):
-    sweep.run(
-        base,
-        tmp_path,
-        variants=["raptor"],
-        epsilons=[8.0],
-        seeds=[0, 100],
-        clip_grid=[0.1],
-        train=fake_train,
-    )
+    sweep.run(base, tmp_path, seeds=[0, 100], clip_grid=[0.1], **one_cell)
   grid = dict(
       variants=["raptor", "monolithic_lora", "nonprivate_lora"],
       epsilons=[8.0],
@@ -333,25 +318,25 @@ def _fake_cell(root, task, variant, eps, seed, accuracy, wall=10.0):
   cell = sweep.Cell(task, variant, eps, seed)
   directory = cell.directory(root)
   directory.mkdir(parents=True)
-  (directory / "cell.json").write_text(
-      json.dumps(
-          dict(task=task, variant=variant, target_epsilon=eps, seed=seed)
-      )
-  )
-  (directory / "results.json").write_text(
-      json.dumps(
-          dict(
-              accuracy=accuracy,
-              wall_time_s=wall,
-              finished=True,
-              task=task,
-              epsilon=eps,
-          )
-      )
+
+  def write(name, **fields):
+    (directory / name).write_text(json.dumps(fields))
+
+  write("cell.json", task=task, variant=variant, target_epsilon=eps, seed=seed)
+  write(
+      "results.json",
+      accuracy=accuracy,
+      wall_time_s=wall,
+      finished=True,
+      task=task,
+      epsilon=eps,
   )
   table = [dict(layer=1, entropy_norm=0.4), dict(layer=3, entropy_norm=0.9)]
-  (directory / "layer_selection.json").write_text(
-      json.dumps(dict(selected_layer=3, rule="entropy", public_corpus=table))
+  write(
+      "layer_selection.json",
+      selected_layer=3,
+      rule="entropy",
+      public_corpus=table,
   )
 
 
