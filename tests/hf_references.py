@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers.models.llama import modeling_llama
 
-from helpers import grid, row  # row: also the tests' (refs.row)
+from helpers import grid
 
 VOCAB, SEQ = 60, 11
 

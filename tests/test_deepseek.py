@@ -75,16 +75,18 @@ def test_config_from_checkpoint(loaded):
   # DeepSeek-VL2-Tiny's language config values (MHA, 64 routed + 2 shared, top-6).
   tiny = dict(
       refs.MHA_CONFIG,
-      **refs.row(
-          "hidden_size intermediate_size moe_intermediate_size"
-          " num_hidden_layers num_attention_heads num_key_value_heads",
-          (1280, 6848, 896, 12, 10, 10),
-      ),
-      **refs.row(
-          "n_routed_experts n_shared_experts num_experts_per_tok"
-          " first_k_dense_replace n_group topk_group",
-          (64, 2, 6, 1, 1, 1),
-      ),
+      hidden_size=1280,
+      intermediate_size=6848,
+      moe_intermediate_size=896,
+      num_hidden_layers=12,
+      num_attention_heads=10,
+      num_key_value_heads=10,
+      n_routed_experts=64,
+      n_shared_experts=2,
+      num_experts_per_tok=6,
+      first_k_dense_replace=1,
+      n_group=1,
+      topk_group=1,
       model_type="deepseek_v2",
       topk_method="greedy",
       q_lora_rank=None,

@@ -29,7 +29,7 @@ from raptor_jax.models import hf, initializers, lora
 from raptor_jax.train import methods, step, train_and_evaluate
 from raptor_jax.train.run import build_run
 
-from helpers import MICRO_FAMILIES, ROOT, SMALL_FAMILIES, finished_report, latest_state, micro_config, row
+from helpers import MICRO_FAMILIES, ROOT, SMALL_FAMILIES, finished_report, latest_state, micro_config
 
 # Distinctive: the scan looks for its bytes, and a seed like 0 would match
 # every run of zero bytes in a weight file.
@@ -118,7 +118,19 @@ def test_olmoe_classifier_export_agrees_with_transformers(tmp_path):
   """The decoder family: OlmoeModel + last-token pooling + the head file,
   attention and expert adapters merged."""
   backbone = models.OlmoeDecoder(
-      models.OlmoeConfig(**_small_decoder(64), intermediate_size=8)
+      models.OlmoeConfig(
+          vocab_size=64,
+          hidden_size=16,
+          intermediate_size=8,
+          num_hidden_layers=2,
+          num_attention_heads=2,
+          num_key_value_heads=1,
+          num_experts=4,
+          num_experts_per_tok=2,
+          lora_rank=2,
+          attention_lora=True,
+          expert_lora_layers=(1,),
+      )
   )
   params = backbone.init(jax.random.PRNGKey(0), *initializers.example_inputs())
   model, params = hf.with_head(backbone, params["params"], 3)
@@ -150,35 +162,41 @@ def test_olmoe_classifier_export_agrees_with_transformers(tmp_path):
   np.testing.assert_allclose(hf_logits, flax_logits, atol=1e-4, rtol=1e-4)
 
 
-def _small_decoder(vocab, experts="num_experts"):
-  """A two-block decoder of width 16 (2 query heads, 1 kv head, 4 experts,
-  top-2) with adapters on attention and the last block's experts; `experts`:
-  the family's name of the routed expert count."""
-  return row(
-      "hidden_size num_hidden_layers num_attention_heads num_key_value_heads"
-      f" {experts} num_experts_per_tok",
-      (16, 2, 2, 1, 4, 2),
-      vocab_size=vocab,
-      lora_rank=2,
-      attention_lora=True,
-      expert_lora_layers=(1,),
-  )
-
-
 def _sequence_classifier_backbones(vocab):
-  """A small backbone of each family with a transformers classifier class."""
-  kit = dict(_small_decoder(vocab), intermediate_size=24)
-  deepseek = dict(  # 2 kv heads, 1 shared expert, MLA
-      _small_decoder(vocab, experts="n_routed_experts"),
-      num_key_value_heads=2,
-      **row(
-          "intermediate_size moe_intermediate_size n_shared_experts"
-          " kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim",
-          (24, 8, 1, 8, 8, 4, 8),
-      ),
+  """A small backbone of each family with a transformers classifier class,
+  adapters on attention and the last block's experts."""
+  lora = dict(lora_rank=2, attention_lora=True, expert_lora_layers=(1,))
+  kit = dict(
+      vocab_size=vocab,
+      hidden_size=16,
+      intermediate_size=24,
+      num_hidden_layers=2,
+      num_attention_heads=2,
+      num_key_value_heads=1,
+      num_experts=4,
+      num_experts_per_tok=2,
+      **lora,
   )
   return {
-      "deepseek": models.DeepseekDecoder(models.DeepseekConfig(**deepseek)),
+      "deepseek": models.DeepseekDecoder(
+          models.DeepseekConfig(
+              vocab_size=vocab,
+              hidden_size=16,
+              intermediate_size=24,
+              moe_intermediate_size=8,
+              num_hidden_layers=2,
+              num_attention_heads=2,
+              num_key_value_heads=2,
+              kv_lora_rank=8,
+              qk_nope_head_dim=8,
+              qk_rope_head_dim=4,
+              v_head_dim=8,
+              n_routed_experts=4,
+              n_shared_experts=1,
+              num_experts_per_tok=2,
+              **lora,
+          )
+      ),
       "qwen3_moe": models.Qwen3MoeDecoder(
           models.Qwen3MoeConfig(**kit, moe_intermediate_size=8, head_dim=4)
       ),

@@ -28,7 +28,7 @@ import transformers
 from raptor_jax import models, roles, xla_workarounds
 from raptor_jax.models import decoder, export, lora, olmoe
 
-from helpers import MICRO_FAMILIES, PAPER_FAMILIES, fresh_compiles, max_rel_err, micro_config, row
+from helpers import MICRO_FAMILIES, PAPER_FAMILIES, fresh_compiles, max_rel_err, micro_config
 import hf_references as refs
 
 
@@ -104,12 +104,14 @@ def test_olmoe_layer_with_zeroed_expert_adapters_in_every_compile():
   reference dispatch, expert lora_b zeroed inside the program. Without the
   workaround 4 of 8 compiles were wrong, by up to 3e+25."""
   cfg = olmoe.OlmoeConfig(
-      **row(
-          "vocab_size hidden_size intermediate_size num_hidden_layers"
-          " num_attention_heads num_key_value_heads num_experts"
-          " num_experts_per_tok",
-          (8, 64, 128, 1, 4, 2, 8, 2),
-      ),
+      vocab_size=8,
+      hidden_size=64,
+      intermediate_size=128,
+      num_hidden_layers=1,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      num_experts=8,
+      num_experts_per_tok=2,
       lora_rank=RANK,
       expert_lora_layers=(0,),
       dispatch="dense",

@@ -21,7 +21,7 @@ from raptor_jax.train import cycle, metrics, parallel, setup, step
 from raptor_jax.train import train_and_evaluate
 from raptor_jax.train.run import build_run, validate
 
-from helpers import SMALL_FAMILIES, latest_state, load_config_module, micro_config, row
+from helpers import SMALL_FAMILIES, latest_state, load_config_module, micro_config
 
 
 def test_default_buckets_and_bad_buckets_get_one_line():
@@ -81,14 +81,20 @@ def test_every_sampled_record_runs_once_in_a_bucket_that_holds_it(processes):
 
 
 SIZES = types.SimpleNamespace(
-    **row("d_model d_kv d_ff num_layers num_heads", (16, 4, 24, 2, 2)),
+    d_model=16,
+    d_kv=4,
+    d_ff=24,
+    num_layers=2,
+    num_heads=2,
     num_experts=4,
-    # Switch: capacity 3 drops tokens of a 12-token record; every block sparse.
-    **row("expert_capacity sparse_step", (3, 1)),
-    # OLMoE: 1 kv head, top-2 renormalised (DeepSeek: top-2).
-    **row("num_kv_heads top_k norm_topk_prob", (1, 2, True)),
-    # DeepSeek: 1 shared expert, block 0 dense, MLA of rank 8.
-    **row("num_shared_experts first_k_dense kv_lora_rank", (1, 1, 8)),
+    expert_capacity=3,  # drops tokens of a 12-token record
+    sparse_step=1,
+    num_kv_heads=1,
+    top_k=2,
+    norm_topk_prob=True,
+    num_shared_experts=1,
+    first_k_dense=1,
+    kv_lora_rank=8,
 )
 
 

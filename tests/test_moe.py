@@ -23,7 +23,7 @@ from raptor_jax.models import ragged
 from raptor_jax.models import olmoe
 from raptor_jax.models import switch
 
-from helpers import expert_inputs, fast_jit, row
+from helpers import expert_inputs, fast_jit
 
 
 def _inputs(num_experts, rows, records=2, seed=0):
@@ -126,11 +126,12 @@ LAYERS = {
     ),
     "olmoe": lambda **o: decoder.SparseMLP(
         olmoe.OlmoeConfig(
-            **row(
-                "hidden_size num_attention_heads num_key_value_heads"
-                " intermediate_size num_experts num_experts_per_tok",
-                (8, 2, 2, 6, 8, 2),
-            ),
+            hidden_size=8,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=6,
+            num_experts=8,
+            num_experts_per_tok=2,
             norm_topk_prob=True,
             **o,
         ),

@@ -19,40 +19,49 @@ from raptor_jax.models import export, initializers, lora, stack
 
 import hf_references as refs
 
-# Every backbone: vocabulary 50, rank-2 adapters on attention.
-_COMMON = dict(vocab_size=50, lora_rank=2, attention_lora=True)
 SWITCH = models.SwitchConfig(
-    **_COMMON,
-    **refs.row(
-        "d_model d_kv d_ff num_layers num_heads num_experts expert_capacity"
-        " sparse_step",
-        (16, 4, 24, 8, 4, 4, 4, 2),
-    ),
+    vocab_size=50,
+    d_model=16,
+    d_kv=4,
+    d_ff=24,
+    num_layers=8,
+    num_heads=4,
+    num_experts=4,
+    expert_capacity=4,
+    sparse_step=2,
+    lora_rank=2,
+    attention_lora=True,
 )
 OLMOE = models.OlmoeConfig(
-    **_COMMON,
-    **refs.row(
-        "hidden_size intermediate_size num_hidden_layers num_attention_heads"
-        " num_key_value_heads num_experts num_experts_per_tok",
-        (16, 8, 4, 4, 2, 4, 2),
-    ),
+    vocab_size=50,
+    hidden_size=16,
+    intermediate_size=8,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    lora_rank=2,
+    attention_lora=True,
 )
 DEEPSEEK = models.DeepseekConfig(
-    **_COMMON,
-    **refs.row(
-        "hidden_size intermediate_size moe_intermediate_size num_hidden_layers"
-        " num_attention_heads num_key_value_heads",
-        (16, 32, 8, 5, 4, 4),
-    ),
-    **refs.row(
-        "kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim",
-        (8, 4, 2, 4),
-    ),
-    **refs.row(
-        "n_routed_experts n_shared_experts num_experts_per_tok"
-        " first_k_dense_replace",
-        (4, 1, 2, 2),
-    ),
+    vocab_size=50,
+    hidden_size=16,
+    intermediate_size=32,
+    moe_intermediate_size=8,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=8,
+    qk_nope_head_dim=4,
+    qk_rope_head_dim=2,
+    v_head_dim=4,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=2,
+    lora_rank=2,
+    attention_lora=True,
     shared_expert_lora=True,
 )
 BACKBONES = {

@@ -22,7 +22,7 @@ from raptor_jax.models import deepseek, initializers
 from raptor_jax.train import run as run_lib
 from raptor_jax import vision
 
-from helpers import load_config_module, micro_vl_config, row
+from helpers import load_config_module, micro_vl_config
 
 SPEC = images.TileSpec(((28, 28), (56, 28)), tile=28, patch_size=7)
 WORDS = ["question", "answer", "red", "blue", "a", "b", ":", "?", "."]
@@ -96,12 +96,16 @@ def test_encode_records_by_hand():
 def _decoder(table_rows):
   config = deepseek.sized_config(
       vocab_size=20,
-      **row("d_model d_ff num_layers num_heads d_kv", (16, 16, 2, 2, 8)),
-      # 4 experts, top-2, 1 shared, block 0 dense, plain attention (VL2-Tiny's)
-      **row(
-          "num_experts top_k num_shared_experts first_k_dense kv_lora_rank",
-          (4, 2, 1, 1, 0),
-      ),
+      d_model=16,
+      d_ff=16,
+      num_layers=2,
+      num_heads=2,
+      d_kv=8,
+      num_experts=4,
+      top_k=2,
+      num_shared_experts=1,
+      first_k_dense=1,
+      kv_lora_rank=0,
   )
   module = deepseek.DeepseekDecoder(config)
   params = initializers.init_params(module, jax.random.PRNGKey(0))
