@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers.models.llama import modeling_llama
 
-from helpers import grid
+from helpers import grid, row  # row: also test_grad_parity's (hf_references.row)
 
 VOCAB, SEQ = 60, 11
 
