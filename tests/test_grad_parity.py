@@ -529,8 +529,10 @@ def _per_layer(flat, config, leading=0):
 @pytest.mark.parametrize(
     "name, scan, dispatch",
     [pytest.param(n, True, "auto", id=f"{n}-scan") for n in BUILDERS]
-    + [
-        pytest.param(n, False, "auto", id=f"{n}-unrolled")
+    + [  # the unrolled twin (model.scan_layers=False): in the slow run
+        pytest.param(
+            n, False, "auto", marks=pytest.mark.slow, id=f"{n}-unrolled"
+        )
         for n in BUILDERS
         if n not in KIT_NEW
     ]
