@@ -394,6 +394,15 @@ def _vs_opacus(*flags_):
   return _run_module("launch.bench.vs_opacus", *flags_, own_xla_flags=True)
 
 
+def _m_row(lines, checks):
+  """The dict printed on vs_opacus' first `m=...:` line of timings (or, with
+  `checks`, of update checks)."""
+  row = next(
+      l for l in lines if l.startswith("m=") and ("checks" in l) == checks
+  )
+  return eval(row.split(":", 1)[1])  # pylint: disable=eval-used
+
+
 @pytest.mark.slow
 def test_vs_opacus_quick_checks_both_sides_and_times_each_in_its_worker():
   """The README's --quick command (one torch worker): the checks here, the
@@ -405,8 +414,7 @@ def test_vs_opacus_quick_checks_both_sides_and_times_each_in_its_worker():
   assert out.returncode == 0, out.stderr[-3000:]
   lines = out.stdout.splitlines()
   assert "raptor_jax worker: host memory kept" in lines[0]
-  row = next(l for l in lines if l.startswith("m=") and "checks" not in l)
-  columns = eval(row.split(":", 1)[1])  # pylint: disable=eval-used
+  columns = _m_row(lines, checks=False)
   assert set(columns) == {
       "raptor",
       "raptor DP",
@@ -416,8 +424,7 @@ def test_vs_opacus_quick_checks_both_sides_and_times_each_in_its_worker():
       "opacus+keep ew expert",
   }
   assert all(_positive(v) for v in columns.values()), columns
-  checks = next(l for l in lines if l.startswith("m=") and "checks" in l)
-  errors = eval(checks.split(":", 1)[1])  # pylint: disable=eval-used
+  errors = _m_row(lines, checks=True)
   assert set(errors) == {
       "torch float32 vs float64",
       "non-private vs torch64",
