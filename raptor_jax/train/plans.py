@@ -14,7 +14,6 @@ import dataclasses
 import dp_accounting
 
 from raptor_jax import accounting
-from raptor_jax.ledger import LedgerEntry, PrivacyLedger
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +134,9 @@ class Plan:
     the ledger's event once every cycle is recorded."""
     if not is_private(self):
       return None
-    entries = [
-        LedgerEntry(p.name, self.sample_rate, p.noise_multiplier, self.cycles)
-        for p in self.phases
-    ]
-    return PrivacyLedger(entries).event()
+    return accounting.sequential_event(
+        (p.noise_multiplier, self.sample_rate, self.cycles) for p in self.phases
+    )
 
 
 def noise_summary(plan: Plan) -> dict:
