@@ -147,12 +147,13 @@ def test_an_unreadable_checkpoint_is_one_line(tmp_path):
   assert last.startswith(f"error: checkpoint {workdir}/checkpoints/2 is")
 
 
-def test_only_the_closed_loop_errors_of_a_failed_restore_are_dropped(
-    monkeypatch, caplog
-):
+def test_only_the_echoes_of_a_failed_restore_are_dropped(monkeypatch, caplog):
   """The flaky half of the test above, made deterministic: asyncio logs
   "Future exception was never retrieved" for each read that failed on the
-  closed loop (seen in CI); that record is dropped, any other is kept."""
+  closed loop, and "Task exception was never retrieved" for each other read
+  of the damaged checkpoint (both seen in CI, the second once in 12 runs
+  here). The first is dropped always; the second only once a restore has
+  failed; any other record is kept."""
   import logging  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
 
@@ -164,21 +165,41 @@ def test_only_the_closed_loop_errors_of_a_failed_restore_are_dropped(
   logger = logging.getLogger("asyncio")
   monkeypatch.setattr(logger, "filters", list(logger.filters))
   monkeypatch.setattr(checkpoint, "_QUIET", False)  # installed afresh
-  checkpoint._quiet_in_flight_reads()  # pylint: disable=protected-access
+  monkeypatch.setattr(checkpoint, "_RESTORING", False)
 
-  def future_with(exc):
+  def unretrieved(kind, exc):
     try:
       raise exc
-    except RuntimeError as e:
+    except Exception as e:  # pylint: disable=broad-except
       exc_info = (type(e), e, e.__traceback__)
     logger.error(
-        "Future exception was never retrieved\nfuture: <Future finished"
-        " exception=%r>",
+        "%s exception was never retrieved\n%s: <%s finished exception=%r>",
+        kind,
+        kind.lower(),
+        kind,
         exc,
         exc_info=exc_info,
     )
 
+  def failing_restore():
+    with checkpoint._reading(  # pylint: disable=protected-access
+        lambda error: ValueError(f"damaged: {error}")
+    ):
+      raise ValueError("bad read")
+
   with caplog.at_level(logging.ERROR, logger="asyncio"):
-    future_with(RuntimeError("Event loop is closed"))
-    future_with(RuntimeError("disk on fire"))
-  assert [r.exc_info[1].args[0] for r in caplog.records] == ["disk on fire"]
+    with checkpoint._reading(ValueError):  # pylint: disable=protected-access
+      pass  # a restore that succeeds: other errors are shown after it
+    unretrieved("Future", RuntimeError("Event loop is closed"))
+    unretrieved("Future", RuntimeError("disk on fire"))
+    unretrieved("Task", ValueError("OUT_OF_RANGE: a read"))
+    assert [str(r.exc_info[1]) for r in caplog.records] == [
+        "disk on fire",
+        "OUT_OF_RANGE: a read",
+    ]
+    caplog.clear()
+    with pytest.raises(ValueError, match="^damaged: bad read$"):
+      failing_restore()
+    unretrieved("Future", RuntimeError("Event loop is closed"))
+    unretrieved("Task", ValueError("OUT_OF_RANGE: another read"))
+    assert not caplog.records
