@@ -7,11 +7,24 @@ the noise multiplier(s) whose epsilon, evaluated by ``raptor_jax.accounting``
 target]``. Only an evaluated point inside that window is returned, so a
 calibrated run never spends more than its target; an unreachable target is
 refused in one line, never clamped.
+
+A calibration takes seconds (dp_accounting builds each PLD point by point),
+so its results are also kept on disk (`set_cache_directory`; the trainer
+uses `calibration/` inside its compilation cache). A result read back is
+used only after the accountant certifies it afresh: its epsilon, computed
+now, lies in the same window. The file can make a run recalibrate, never
+spend more than its target.
 """
 
 from collections.abc import Callable
 import functools
+import hashlib
+import json
 import math
+import os
+from importlib import metadata
+from pathlib import Path
+import tempfile
 
 from raptor_jax import _validate, accounting  # pylint: disable=g-multiple-import
 
@@ -135,7 +148,109 @@ def _calibrate(
   return x
 
 
+_CACHE_DIRECTORY: Path | None = None
+
+
+def set_cache_directory(directory: str | os.PathLike | None) -> None:
+  """Keeps calibrations in `directory` (None: in this process only).
+
+  An entry holds the arguments' hash and the noise multiplier(s): the
+  public plan of a run (target epsilon, delta, sample rate, steps, rho),
+  nothing of its data beyond what the plan states.
+  """
+  global _CACHE_DIRECTORY
+  _CACHE_DIRECTORY = None if directory is None else Path(directory)
+
+
+def _entry(name: str, kwargs: dict) -> Path | None:
+  """The file of `name(**kwargs)`: keyed by the arguments and by the code
+  and dp_accounting version that compute them (a change recalibrates)."""
+  if _CACHE_DIRECTORY is None:
+    return None
+  code = hashlib.sha256()
+  for module in (__file__, accounting.__file__):
+    code.update(Path(module).read_bytes())
+  key = json.dumps(
+      [
+          name,
+          sorted(kwargs.items()),
+          metadata.version('dp-accounting'),
+          code.hexdigest(),
+      ]
+  )
+  return _CACHE_DIRECTORY / f'{hashlib.sha256(key.encode()).hexdigest()}.json'
+
+
+def _read(path: Path | None):
+  try:
+    return json.loads(path.read_text())['noise_multipliers']
+  except (AttributeError, OSError, ValueError, KeyError, TypeError):
+    return None  # no directory, no entry, or an unreadable one
+
+
+def _write(path: Path | None, result) -> None:
+  """Writes atomically; a cache that cannot be written is skipped."""
+  if path is None:
+    return
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(
+        'w', dir=path.parent, suffix='.tmp', delete=False
+    ) as f:
+      json.dump({'noise_multipliers': result}, f)
+    os.replace(f.name, path)
+  except OSError:
+    pass
+
+
+def _in_window(spent: float, target: float) -> bool:
+  return (1 - accounting.CALIBRATION_RTOL) * target <= spent <= target
+
+
+def _remembered(certify: Callable[..., bool]):
+  """Keeps a calibration's results on disk; a result read back is returned
+  only if `certify(result, **kwargs)`, which recomputes its epsilon."""
+
+  def wrap(calibrate):
+    @functools.wraps(calibrate)
+    def remembered(**kwargs):
+      path = _entry(calibrate.__name__, kwargs)
+      stored = _read(path)
+      if isinstance(stored, list):
+        stored = tuple(stored)
+      valid = isinstance(stored, (float, tuple)) and all(
+          isinstance(x, float)
+          and accounting.NOISE_MULTIPLIER_RANGE[0]
+          <= x
+          <= accounting.NOISE_MULTIPLIER_RANGE[1]
+          for x in (stored if isinstance(stored, tuple) else (stored,))
+      )
+      if valid and certify(stored, **kwargs):
+        return stored
+      result = calibrate(**kwargs)
+      _write(path, result)
+      return result
+
+    return remembered
+
+  return wrap
+
+
+def _dpsgd_certified(
+    sigma: float, *, target_epsilon, delta, sample_rate, steps
+):
+  if not isinstance(sigma, float):
+    return False
+  spent = accounting.epsilon_of_mechanisms(
+      ((sample_rate, sigma, steps),),
+      delta,
+      accounting.VALUE_DISCRETIZATION_INTERVAL,
+  )
+  return _in_window(spent, target_epsilon)
+
+
 @functools.lru_cache(maxsize=256)  # pure in its (hashable) arguments
+@_remembered(_dpsgd_certified)
 def calibrate_dpsgd(
     *, target_epsilon: float, delta: float, sample_rate: float, steps: int
 ) -> float:
@@ -171,7 +286,20 @@ def calibrate_dpsgd(
   return _calibrate(epsilon_at, target_epsilon, 'noise_multiplier', _HINT)
 
 
+def _raptor_certified(
+    sigmas, *, target_epsilon, delta, sample_rate, steps, rho=0.9, joint=False
+):
+  del rho  # the split is the search's; the guarantee is the composed spend
+  if len(sigmas) != 2:
+    return False
+  spent = _raptor_spent(
+      sigmas, sample_rate=sample_rate, steps=steps, delta=delta, joint=joint
+  )
+  return _in_window(spent, target_epsilon)
+
+
 @functools.lru_cache(maxsize=256)  # pure in its (hashable) arguments
+@_remembered(_raptor_certified)
 def calibrate_raptor(
     *,
     target_epsilon: float,

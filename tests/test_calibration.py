@@ -1,5 +1,7 @@
 """calibration: our noise search against dp_accounting's own calibration."""
 
+import json
+
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 import pytest
@@ -64,3 +66,53 @@ def test_raptor_spends_the_target_in_dp_accountings_pld():
       for s in (shared, expert)
   ]
   assert alone[0] / alone[1] == pytest.approx(rho / (1 - rho), rel=5e-3)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("calibrate_dpsgd", dict(sample_rate=0.05, steps=60)),
+        ("calibrate_raptor", dict(sample_rate=0.0625, steps=96, rho=0.8)),
+    ],
+)
+def test_a_calibration_read_back_is_used_only_once_certified(
+    name, kwargs, tmp_path, monkeypatch
+):
+  """The disk cache saves the search; a damaged or edited entry, or one
+  whose noise would spend more than the target, is recalibrated."""
+  kwargs = dict(kwargs, target_epsilon=4.0, delta=1e-5)
+  calibrate = getattr(calibration, name)
+  calibration.set_cache_directory(tmp_path)
+  monkeypatch.setattr(calibration, "_CACHE_DIRECTORY", tmp_path)  # restored
+  calibrate.cache_clear()
+  fresh = calibrate(**kwargs)
+  (entry,) = tmp_path.iterdir()
+  searches = []
+  search = calibration._search  # pylint: disable=protected-access
+  monkeypatch.setattr(
+      calibration,
+      "_search",
+      lambda *a, **k: searches.append(1) or search(*a, **k),
+  )
+
+  def again():
+    calibrate.cache_clear()
+    return calibrate(**kwargs)
+
+  assert again() == fresh and not searches  # read back, certified
+  as_json = lambda x: list(x) if isinstance(x, tuple) else x
+  lower = [0.9 * s for s in fresh] if isinstance(fresh, tuple) else 0.9 * fresh
+  for text in (
+      "{",
+      '{"noise_multipliers": "x"}',
+      json.dumps(dict(noise_multipliers=[fresh, fresh, fresh])),
+      json.dumps(dict(noise_multipliers=lower)),  # spends over the target
+  ):
+    entry.write_text(text)
+    searches.clear()
+    assert again() == fresh and searches  # searched again
+    assert json.loads(entry.read_text())["noise_multipliers"] == as_json(fresh)
+  calibration.set_cache_directory(None)
+  calibrate.cache_clear()
+  entry.unlink()
+  assert calibrate(**kwargs) == fresh and not list(tmp_path.iterdir())
