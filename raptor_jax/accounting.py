@@ -42,7 +42,13 @@ never above the target.
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 import functools
+import hashlib
+from importlib import metadata
+import json
 import math
+import os
+from pathlib import Path
+import tempfile
 
 import dp_accounting
 from dp_accounting.pld import privacy_loss_distribution
@@ -387,6 +393,83 @@ def epsilon_of_mechanisms(
         )
     )
   return pld.get_epsilon_for_delta(delta)
+
+
+# Results kept on disk: calibrations (re-certified when read) and the
+# epsilons of progress logs.
+
+_CACHE_DIRECTORY: Path | None = None
+
+
+def set_cache_directory(directory: str | os.PathLike | None) -> None:
+  """Keeps calibrations and logged epsilons in `directory` (None: off).
+
+  An entry holds a hash of its arguments and a result: numbers of the
+  public plan (target epsilon, delta, sample rate, steps, rho, noise
+  multipliers), nothing of the data beyond what the plan states.
+  """
+  global _CACHE_DIRECTORY
+  _CACHE_DIRECTORY = None if directory is None else Path(directory)
+
+
+def cache_entry(name: str, arguments) -> Path | None:
+  """The file of `name(arguments)`, keyed also by this module's and
+  calibration's code and dp_accounting's version (a change recomputes);
+  None when the cache is off."""
+  if _CACHE_DIRECTORY is None:
+    return None
+  here = Path(__file__)
+  code = hashlib.sha256()
+  for module in (here, here.with_name('calibration.py')):
+    code.update(module.read_bytes())
+  key = json.dumps(
+      [name, arguments, metadata.version('dp-accounting'), code.hexdigest()],
+      sort_keys=True,
+  )
+  return _CACHE_DIRECTORY / f'{hashlib.sha256(key.encode()).hexdigest()}.json'
+
+
+def cache_read(path: Path | None):
+  """The result stored at `path`, or None (no cache, no entry, unreadable)."""
+  try:
+    return json.loads(path.read_text())['result']
+  except (AttributeError, OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def cache_write(path: Path | None, result) -> None:
+  """Writes atomically; a cache that cannot be written is skipped."""
+  if path is None:
+    return
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(
+        'w', dir=path.parent, suffix='.tmp', delete=False
+    ) as f:
+      json.dump({'result': result}, f)
+    os.replace(f.name, path)
+  except OSError:
+    pass
+
+
+def logged_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
+  """``epsilon(event, delta)``, kept in the cache: for progress logs only.
+
+  A run logs the spend every few cycles, each an FFT composition of
+  seconds; a rerun of the same plan reads them back. A value read back is
+  not recomputed, so anything that certifies a release (calibration, the
+  privacy card, results.json) calls ``epsilon``.
+  """
+  mechanisms = tuple(_mechanisms(event))
+  path = cache_entry(
+      'epsilon', [mechanisms, delta, VALUE_DISCRETIZATION_INTERVAL]
+  )
+  stored = cache_read(path)
+  if isinstance(stored, float):
+    return stored
+  value = epsilon(event, delta)
+  cache_write(path, value)
+  return value
 
 
 def epsilon(event: dp_accounting.DpEvent, delta: float) -> float:

@@ -9,8 +9,8 @@ calibrated run never spends more than its target; an unreachable target is
 refused in one line, never clamped.
 
 A calibration takes seconds (dp_accounting builds each PLD point by point),
-so its results are also kept on disk (`set_cache_directory`; the trainer
-uses `calibration/` inside its compilation cache). A result read back is
+so its results are also kept on disk (`accounting.set_cache_directory`;
+the trainer uses `accounting/` inside its compilation cache). A result read back is
 used only after the accountant certifies it afresh: its epsilon, computed
 now, lies in the same window. The file can make a run recalibrate, never
 spend more than its target.
@@ -18,13 +18,7 @@ spend more than its target.
 
 from collections.abc import Callable
 import functools
-import hashlib
-import json
 import math
-import os
-from importlib import metadata
-from pathlib import Path
-import tempfile
 
 from raptor_jax import _validate, accounting  # pylint: disable=g-multiple-import
 
@@ -148,61 +142,6 @@ def _calibrate(
   return x
 
 
-_CACHE_DIRECTORY: Path | None = None
-
-
-def set_cache_directory(directory: str | os.PathLike | None) -> None:
-  """Keeps calibrations in `directory` (None: in this process only).
-
-  An entry holds the arguments' hash and the noise multiplier(s): the
-  public plan of a run (target epsilon, delta, sample rate, steps, rho),
-  nothing of its data beyond what the plan states.
-  """
-  global _CACHE_DIRECTORY
-  _CACHE_DIRECTORY = None if directory is None else Path(directory)
-
-
-def _entry(name: str, kwargs: dict) -> Path | None:
-  """The file of `name(**kwargs)`: keyed by the arguments and by the code
-  and dp_accounting version that compute them (a change recalibrates)."""
-  if _CACHE_DIRECTORY is None:
-    return None
-  code = hashlib.sha256()
-  for module in (__file__, accounting.__file__):
-    code.update(Path(module).read_bytes())
-  key = json.dumps(
-      [
-          name,
-          sorted(kwargs.items()),
-          metadata.version('dp-accounting'),
-          code.hexdigest(),
-      ]
-  )
-  return _CACHE_DIRECTORY / f'{hashlib.sha256(key.encode()).hexdigest()}.json'
-
-
-def _read(path: Path | None):
-  try:
-    return json.loads(path.read_text())['noise_multipliers']
-  except (AttributeError, OSError, ValueError, KeyError, TypeError):
-    return None  # no directory, no entry, or an unreadable one
-
-
-def _write(path: Path | None, result) -> None:
-  """Writes atomically; a cache that cannot be written is skipped."""
-  if path is None:
-    return
-  try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(
-        'w', dir=path.parent, suffix='.tmp', delete=False
-    ) as f:
-      json.dump({'noise_multipliers': result}, f)
-    os.replace(f.name, path)
-  except OSError:
-    pass
-
-
 def _in_window(spent: float, target: float) -> bool:
   return (1 - accounting.CALIBRATION_RTOL) * target <= spent <= target
 
@@ -214,8 +153,8 @@ def _remembered(certify: Callable[..., bool]):
   def wrap(calibrate):
     @functools.wraps(calibrate)
     def remembered(**kwargs):
-      path = _entry(calibrate.__name__, kwargs)
-      stored = _read(path)
+      path = accounting.cache_entry(calibrate.__name__, kwargs)
+      stored = accounting.cache_read(path)
       if isinstance(stored, list):
         stored = tuple(stored)
       valid = isinstance(stored, (float, tuple)) and all(
@@ -228,7 +167,7 @@ def _remembered(certify: Callable[..., bool]):
       if valid and certify(stored, **kwargs):
         return stored
       result = calibrate(**kwargs)
-      _write(path, result)
+      accounting.cache_write(path, result)
       return result
 
     return remembered

@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 
-from raptor_jax import _validate, calibration  # pylint: disable=g-multiple-import
+from raptor_jax import _validate, accounting  # pylint: disable=g-multiple-import
 
 _FIX = (
     "set --config.compilation_cache to 'auto' (the user's cache directory),"
@@ -72,8 +72,8 @@ def enable_cache(setting: str | os.PathLike | None) -> Path | None:
   """Points JAX's persistent compilation cache at `cache_directory(setting)`.
 
   Every program is cached, however fast it compiled (a run builds many
-  small ones). Its `calibration/` folder keeps the noise calibrations
-  (`calibration.set_cache_directory`: each re-certified when read). 'off'
+  small ones). Its `accounting/` folder keeps the noise calibrations and
+  logged epsilons (`accounting.set_cache_directory`). 'off'
   turns both off. Moving it between runs of one process works: JAX's cache
   object is reset when the directory changes.
 
@@ -83,8 +83,8 @@ def enable_cache(setting: str | os.PathLike | None) -> Path | None:
   directory = cache_directory(setting)
   from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
 
-  calibration.set_cache_directory(
-      None if directory is None else directory / "calibration"
+  accounting.set_cache_directory(
+      None if directory is None else directory / "accounting"
   )
 
   current = jax.config.jax_compilation_cache_dir

@@ -134,6 +134,11 @@ class PrivacyLedger:
       self._epsilons[delta] = accounting.epsilon(self.event(), delta)
     return self._epsilons[delta]
 
+  def logged_epsilon(self, delta: float) -> float:
+    """``epsilon(delta)`` for a progress log: kept in the accounting cache,
+    read back unverified (``accounting.logged_epsilon``)."""
+    return accounting.logged_epsilon(self.event(), delta)
+
   def stream_epsilon(self, stream: str, delta: float) -> float:
     """Epsilon of ``stream``'s releases alone at ``delta`` (0 if none).
 

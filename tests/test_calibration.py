@@ -82,8 +82,8 @@ def test_a_calibration_read_back_is_used_only_once_certified(
   whose noise would spend more than the target, is recalibrated."""
   kwargs = dict(kwargs, target_epsilon=4.0, delta=1e-5)
   calibrate = getattr(calibration, name)
-  calibration.set_cache_directory(tmp_path)
-  monkeypatch.setattr(calibration, "_CACHE_DIRECTORY", tmp_path)  # restored
+  monkeypatch.setattr(accounting, "_CACHE_DIRECTORY", None)  # restored after
+  accounting.set_cache_directory(tmp_path)
   calibrate.cache_clear()
   fresh = calibrate(**kwargs)
   (entry,) = tmp_path.iterdir()
@@ -104,15 +104,15 @@ def test_a_calibration_read_back_is_used_only_once_certified(
   lower = [0.9 * s for s in fresh] if isinstance(fresh, tuple) else 0.9 * fresh
   for text in (
       "{",
-      '{"noise_multipliers": "x"}',
-      json.dumps(dict(noise_multipliers=[fresh, fresh, fresh])),
-      json.dumps(dict(noise_multipliers=lower)),  # spends over the target
+      '{"result": "x"}',
+      json.dumps(dict(result=[fresh, fresh, fresh])),
+      json.dumps(dict(result=lower)),  # spends over the target
   ):
     entry.write_text(text)
     searches.clear()
     assert again() == fresh and searches  # searched again
-    assert json.loads(entry.read_text())["noise_multipliers"] == as_json(fresh)
-  calibration.set_cache_directory(None)
+    assert json.loads(entry.read_text())["result"] == as_json(fresh)
+  accounting.set_cache_directory(None)
   calibrate.cache_clear()
   entry.unlink()
   assert calibrate(**kwargs) == fresh and not list(tmp_path.iterdir())

@@ -93,3 +93,28 @@ def test_invalid_records_raise(kwargs, match):
 def test_rejects_unknown_format():
   with pytest.raises(ValueError, match='version'):
     PrivacyLedger.from_dict({'version': 99, 'entries': []})
+
+
+def test_logged_epsilon_is_kept_on_disk_and_epsilon_never_reads_it(
+    tmp_path, monkeypatch
+):
+  """A progress log's epsilon is read back on a rerun of the plan; the
+  epsilon that results and the privacy card report is always computed."""
+  monkeypatch.setattr(accounting, '_CACHE_DIRECTORY', None)  # restored after
+  ledger = PrivacyLedger()
+  ledger.record('shared', sample_rate=0.05, noise_multiplier=1.1, steps=40)
+  ledger.record('expert', sample_rate=0.05, noise_multiplier=2.3, steps=40)
+  fresh = accounting.epsilon(ledger.event(), 1e-5)
+  assert ledger.logged_epsilon(1e-5) == fresh  # cache off: computed
+  assert not list(tmp_path.iterdir())
+  accounting.set_cache_directory(tmp_path)
+  assert ledger.logged_epsilon(1e-5) == fresh
+  (entry,) = tmp_path.iterdir()
+  assert json.loads(entry.read_text()) == {'result': fresh}
+  entry.write_text(json.dumps({'result': 0.5}))  # read back as it is
+  assert ledger.logged_epsilon(1e-5) == 0.5
+  assert PrivacyLedger(ledger.entries).epsilon(1e-5) == fresh
+  other = PrivacyLedger(ledger.entries)
+  other.record('shared', sample_rate=0.05, noise_multiplier=1.1, steps=1)
+  assert other.logged_epsilon(1e-5) == accounting.epsilon(other.event(), 1e-5)
+  assert len(list(tmp_path.iterdir())) == 2

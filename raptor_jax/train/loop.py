@@ -207,7 +207,7 @@ class _Session:
     end_of_epoch = cycle % self.cycles_per_epoch == 0 or cycle == plan.cycles
     eps = None
     if cycle % config.log_every_cycles == 0 or end_of_epoch:
-      eps = outputs.epsilon_spent(plan, self.state)
+      eps = outputs.epsilon_spent(plan, self.state, logged=True)
       self.writer.write(
           cycle, {"epoch": cycle / self.cycles_per_epoch, **_spent(eps)}
       )
@@ -223,7 +223,7 @@ class _Session:
     ):
       dev = self.evaluate()
       if eps is None:
-        eps = outputs.epsilon_spent(plan, self.state)
+        eps = outputs.epsilon_spent(plan, self.state, logged=True)
       # The evaluation row carries the spend it was made at (48.4).
       dev_row = {f"dev/{k}": v for k, v in dev.items()}
       self.writer.write(cycle, {**dev_row, **_spent(eps)})

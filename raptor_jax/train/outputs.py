@@ -129,10 +129,21 @@ def accounted(plan: plans.Plan, ledger: PrivacyLedger) -> PrivacyLedger:
   return ledger
 
 
-def epsilon_spent(plan: plans.Plan, state: TrainState) -> float | None:
+def epsilon_spent(
+    plan: plans.Plan, state: TrainState, *, logged: bool = False
+) -> float | None:
+  """Epsilon spent by `state` at the plan's delta (None: not private).
+
+  `logged`: for a progress row, read from the accounting cache when a run
+  of this plan logged it before (`PrivacyLedger.logged_epsilon`); results
+  and the privacy card always compute it.
+  """
   if not plans.is_private(plan):
     return None  # no privacy guarantee at all
-  return state.ledger.epsilon(plan.delta) if state.cycle else 0.0
+  if not state.cycle:
+    return 0.0
+  ledger = state.ledger
+  return (ledger.logged_epsilon if logged else ledger.epsilon)(plan.delta)
 
 
 def streams(plan: plans.Plan, state: TrainState) -> dict[str, dict]:
