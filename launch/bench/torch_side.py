@@ -89,6 +89,8 @@ def torch_model(path: str, sizes: builders.Sizes, params, stream: str):
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
 
+  transformers.logging.set_verbosity_error()  # not its encoder-only report
+  transformers.logging.disable_progress_bar()
   LoRALinear, MaskedExperts, Classifier = _torch_modules()
   flat = {p: np.asarray(v) for p, v in roles.flatten(params).items()}
   scale = sizes.lora_alpha / sizes.lora_rank
