@@ -128,7 +128,7 @@ def test_the_bar_shows_this_cycles_spend_and_its_last_line_once(monkeypatch):
   )
   spend = {2: 1.5, 4: 2.5}
   monkeypatch.setattr(
-      loop.outputs, "epsilon_spent", lambda plan, state: spend[state.cycle]
+      loop.outputs, "epsilon_spent", lambda plan, state, **_: spend[state.cycle]
   )
   rows = []
   session = types.SimpleNamespace(

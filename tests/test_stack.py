@@ -316,6 +316,9 @@ def test_merging_stacked_adapters_keeps_the_outputs(twins):
   merged = lora.merge(params, config.lora_alpha, config.lora_rank)
   got = type(scanned)(plain).apply({"params": merged}, ids, mask)
   want = scanned.apply({"params": params}, ids, mask)
+  # float32: the merged kernel rounds W + s B A once, the adapter path its
+  # two products; through four blocks one of 336 Switch outputs moved by
+  # 1.3e-5 on the 2026-12-06 VM (rtol 6e-4 of a 0.02 value), 0 before.
   np.testing.assert_allclose(
-      got.hidden_states, want.hidden_states, rtol=1e-5, atol=1e-5
+      got.hidden_states, want.hidden_states, rtol=1e-5, atol=5e-5
   )
