@@ -10,10 +10,10 @@ refused in one line, never clamped.
 
 A calibration takes seconds (dp_accounting builds each PLD point by point),
 so its results are also kept on disk (`accounting.set_cache_directory`;
-the trainer uses `accounting/` inside its compilation cache). A result read back is
-used only after the accountant certifies it afresh: its epsilon, computed
-now, lies in the same window. The file can make a run recalibrate, never
-spend more than its target.
+the trainer uses `accounting/` inside its compilation cache). A result read
+back is used only after the accountant certifies it afresh: its epsilon,
+computed now, lies in the same window. The file can make a run
+recalibrate, never spend more than its target.
 """
 
 from collections.abc import Callable
@@ -229,7 +229,7 @@ def _raptor_certified(
     sigmas, *, target_epsilon, delta, sample_rate, steps, rho=0.9, joint=False
 ):
   del rho  # the split is the search's; the guarantee is the composed spend
-  if len(sigmas) != 2:
+  if not isinstance(sigmas, tuple) or len(sigmas) != 2:
     return False
   spent = _raptor_spent(
       sigmas, sample_rate=sample_rate, steps=steps, delta=delta, joint=joint

@@ -106,6 +106,7 @@ def test_a_calibration_read_back_is_used_only_once_certified(
       "{",
       '{"result": "x"}',
       json.dumps(dict(result=[fresh, fresh, fresh])),
+      json.dumps(dict(result=1.0)),  # one float: a dpsgd entry's shape
       json.dumps(dict(result=lower)),  # spends over the target
   ):
     entry.write_text(text)
