@@ -9,6 +9,7 @@ uniform, std 1 / sqrt(3 d_in)).
 
 import dataclasses
 import math
+import zlib
 
 import jax
 import numpy as np
@@ -121,4 +122,51 @@ def test_an_undeclared_leaf_name_is_refused():
     initializers.draw(
         {"block_0/gamma": jax.ShapeDtypeStruct((3,), np.float32)},
         jax.random.key(0),
+    )
+
+
+_SHAPES = {
+    "a/kernel": jax.ShapeDtypeStruct((3, 64, 96), np.float32),
+    "b/embedding": jax.ShapeDtypeStruct((500, 48), np.float32),
+    "c/lora_a": jax.ShapeDtypeStruct((4, 96, 8), np.float32),
+    "d/kernel": jax.ShapeDtypeStruct((96, 2), jax.numpy.bfloat16),
+    "e/scale": jax.ShapeDtypeStruct((96,), np.float32),
+}
+
+
+def _plain(path, leaf, key, **compiler_options):
+  """`path`'s leaf drawn by its initializer under a plain `jax.jit`."""
+  name = path.rsplit("/", 1)[-1]
+  leaf_key = jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+  fn = jax.jit(
+      lambda k: initializers.LEAF_INITIALIZERS[name](k, leaf.shape, leaf.dtype)
+  )
+  return np.asarray(
+      fn.lower(leaf_key).compile(compiler_options=compiler_options)(leaf_key),
+      np.float32,
+  )
+
+
+def test_a_draw_equals_the_plain_jitted_initializer():
+  """`draw` compiles its programs ahead, in threads, and calls them: the
+  values are those of the initializer under a plain `jax.jit`."""
+  key = jax.random.key(5)
+  got = initializers.draw(_SHAPES, key)
+  for path, leaf in _SHAPES.items():
+    assert got[path].dtype == leaf.dtype, path
+    np.testing.assert_array_equal(
+        np.asarray(got[path], np.float32), _plain(path, leaf, key), path
+    )
+
+
+def test_draws_compiled_at_o2_equal_xla_s_default_o3():
+  """Outside the test suite (which compiles at -O0) `draw` compiles at
+  `DRAW_COMPILER_OPTIONS` on CPU: its values must be XLA's default's, bit for
+  bit, or every random-init result would move."""
+  key = jax.random.key(6)
+  for path, leaf in _SHAPES.items():
+    np.testing.assert_array_equal(
+        _plain(path, leaf, key, **initializers.DRAW_COMPILER_OPTIONS),
+        _plain(path, leaf, key, xla_backend_optimization_level=3),
+        path,
     )

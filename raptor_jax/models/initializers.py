@@ -18,7 +18,9 @@ own parameter, as `nn.scan`'s split RNGs do.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 from typing import Any, Callable, Mapping
 import zlib
 
@@ -138,19 +140,67 @@ def draw(
   Raises:
     ValueError: a leaf name without a declared initializer.
   """
-  out = {}
-  for path, leaf in shapes.items():
+  for path in shapes:
     name = path.rsplit("/", 1)[-1]
     if name not in LEAF_INITIALIZERS:
       raise ValueError(
           f"{path}: no initializer is declared for leaves named {name!r};"
           " declare it in models.initializers.LEAF_INITIALIZERS"
       )
+  compiled = _compile_draws(
+      list(dict.fromkeys(map(_program, shapes.items()))),
+      jax.eval_shape(lambda: key),
+  )
+  out = {}
+  for path, leaf in shapes.items():
     leaf_key = jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
-    out[path] = _draw_leaf(
-        leaf_key, name, tuple(leaf.shape), jnp.dtype(leaf.dtype)
-    )
+    out[path] = compiled[_program((path, leaf))].result()(leaf_key)
   return out
+
+
+def _program(item) -> tuple[str, tuple[int, ...], Any]:
+  path, leaf = item
+  return path.rsplit("/", 1)[-1], tuple(leaf.shape), jnp.dtype(leaf.dtype)
+
+
+def _compile_draws(programs, key) -> dict[tuple, concurrent.futures.Future]:
+  """{(name, shape, dtype): future of `_draw_leaf`'s executable}, in threads.
+
+  XLA compiles outside the GIL, so on a machine of several cores the small
+  draw programs compile side by side, and the first leaves are drawn while
+  later programs still compile. On CPU they compile at LLVM's -O2 rather than
+  XLA's default -O3, in half the time (threefry's twenty unrolled rounds are
+  what -O3 spends it on) and to the same values, since neither level may
+  reorder or contract floating point differently (tests/test_initializers.py
+  compares them with a plain jitted draw). The trainer's own programs keep
+  the default: for them the level changed nothing measurable.
+  """
+  options = _draw_compiler_options()
+  pool = concurrent.futures.ThreadPoolExecutor(
+      max_workers=min(8, os.cpu_count() or 1)
+  )
+  futures = {
+      program: pool.submit(
+          _draw_leaf.lower(key, *program).compile, compiler_options=options
+      )
+      for program in programs
+  }
+  pool.shutdown(wait=False)
+  return futures
+
+
+# XLA:CPU's LLVM optimisation level for the draw programs (see above).
+DRAW_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2}
+
+
+def _draw_compiler_options() -> dict:
+  """`DRAW_COMPILER_OPTIONS` on CPU, unless XLA_FLAGS sets the level itself
+  (the test suite compiles at -O0; a user's choice stands)."""
+  if jax.default_backend() != "cpu":
+    return {}
+  if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
+    return {}
+  return dict(DRAW_COMPILER_OPTIONS)
 
 
 def init_params(
