@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import datasets
 import pyarrow.parquet as pq
 
 Columns = dict[str, list[Any]]
@@ -124,6 +123,8 @@ def _read_text_lines(path: Path) -> Columns:
 
 def _read_saved(path: Path, split: str | None) -> Columns:
   """A `datasets.save_to_disk` directory's columns (a split of a DatasetDict)."""
+  import datasets  # pylint: disable=g-import-not-at-top  (1.4 s; few runs need it)
+
   try:
     saved = datasets.load_from_disk(str(path))
   except (FileNotFoundError, ValueError) as e:
@@ -287,6 +288,8 @@ def load_hub_columns(
   Raises:
       FileNotFoundError: the dataset is neither reachable nor cached.
   """
+  import datasets  # pylint: disable=g-import-not-at-top  (1.4 s; few runs need it)
+
   try:
     dataset = datasets.load_dataset(hub_id, config, split=split)
   except (ConnectionError, FileNotFoundError) as e:
