@@ -762,6 +762,36 @@ def test_hlo_trip_counts_and_instructions():
   assert 0 < harness.hlo_instructions(text) <= text.count(" = ")
 
 
+def test_compile_time_lowers_against_the_shapes_of_the_trainer_s_state():
+  """The bench lowers against shapes (full-depth shapes larger than memory
+  compile too): those of `PhaseStep.init`'s state, leaf for leaf, with its
+  placement, and a set-up over the draw limit is NaN, not drawn."""
+  bench = _load("compile_time")
+  from launch.bench import builders
+  from raptor_jax import models
+
+  module, config = bench.model(
+      "olmoe", 2, shapes=bench.QUICK, vocab_size=64, dtype="float32", scan=True
+  )
+  shapes, example = bench.param_shapes(module, 16)
+  params = models.init_params(module, jax.random.key(0), example)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(
+      lambda a: (a.shape, a.dtype), shapes
+  )
+  assert bench.gigabytes(shapes) == pytest.approx(
+      sum(a.nbytes for a in jax.tree.leaves(params)) / 1e9
+  )
+  layer = config.sparse_layers[-1]
+  for stream in ("shared", "expert"):
+    phase, extra = builders.stream_phase(stream, 2.0, layer)
+    dp = builders.phase_step(module, phase, key=jax.random.key(1), **extra)
+    described = lambda a: (a.shape, a.dtype, a.sharding)
+    expected = jax.tree.map(described, dp.init(params))
+    assert jax.tree.map(described, bench.abstract_state(dp, shapes)) == expected
+  assert math.isnan(bench.setup_seconds(module, example, shapes, 0.0))
+  assert _positive(bench.setup_seconds(module, example, shapes, 1.0))
+
+
 @pytest.mark.slow
 def test_compile_time_quick_times_every_program_of_the_trainer():
   bench = _load("compile_time")

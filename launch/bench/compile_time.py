@@ -7,7 +7,10 @@ parameter set-up (`models.init_params`), then lower and compile seconds,
 optimised HLO instructions and the largest while-loop trip count of every
 program the trainer compiles ahead: the owner pass, per stream (shared;
 expert: l*'s owner slices) zero sums, accumulate, packed update and
-unpack, and evaluation.
+unpack, and evaluation. The programs are lowered against the parameters'
+shapes, so full-depth shapes larger than this machine's memory compile too;
+set-up is timed where the parameters fit in `--draw_limit_gb` (else NaN),
+once per model, depth and scan setting.
 
   python -m launch.bench.compile_time --models=switch --dtype=bfloat16 \
       --microbatches=32 --depths=2,full
@@ -27,13 +30,16 @@ import time
 
 from absl import app
 from absl import flags
+import flax
 import jax
 import numpy as np
 
 from launch.bench import builders
 from launch.bench import harness
 from raptor_jax import models, ownership
+from raptor_jax.models import initializers
 from raptor_jax.train import parallel
+from raptor_jax.train import setup
 from raptor_jax.train import step as step_lib
 
 FLAGS = flags.FLAGS
@@ -99,6 +105,12 @@ def define_flags() -> None:
   flags.DEFINE_integer('seq_len', 128, 'Tokens per record.')
   flags.DEFINE_integer('vocab_size', 8000, 'Reduced vocabulary.')
   flags.DEFINE_bool('quick', False, 'Toy shapes, depths 2 and full, m = 2.')
+  flags.DEFINE_float(
+      'draw_limit_gb',
+      4.0,
+      'Time the parameter set-up only where the parameters take at most this'
+      ' many GB (the programs are lowered against their shapes either way).',
+  )
 
 
 def model(name: str, depth: int, *, shapes, vocab_size, dtype, scan):
@@ -113,6 +125,20 @@ def model(name: str, depth: int, *, shapes, vocab_size, dtype, scan):
   config = config_class(**options, **{depth_field: depth})
   config = builders.with_expert_layer(config)
   return builders.classifier(config), config
+
+
+def abstract_state(dp, params) -> step_lib.StepState:
+  """`dp.init(params)` as shapes (replicated, as `init` places them): the
+  parameters are never allocated."""
+  trainable, frozen = setup.partition(
+      params, dp.phase.parts + dp.phase.clip_with
+  )
+  opt_state = jax.eval_shape(dp.functions.init_opt_states, trainable)
+  sharding = jax.sharding.NamedSharding(dp.mesh, jax.sharding.PartitionSpec())
+  placed = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+  return step_lib.StepState(
+      *jax.tree.map(placed, (trainable, frozen, opt_state))
+  )
 
 
 def programs(module, config, params, m: int, seq_len: int, vocab_size: int):
@@ -131,7 +157,7 @@ def programs(module, config, params, m: int, seq_len: int, vocab_size: int):
     dp = builders.phase_step(
         module, phase, key=jax.random.key(1), devices=1, **extra
     )
-    state = dp.init(params)
+    state = abstract_state(dp, params)
     fns = dp.functions
     sums = jax.eval_shape(fns.zero_sums, state.trainable)  # not compiled
     args = builders.accumulate_args(dp, state, records, owners, sums)
@@ -163,20 +189,64 @@ def measure(fn, args) -> dict:
   )
 
 
-def setting_rows(name, depth, m, scan, *, shapes, seq_len, vocab_size, dtype):
-  """(set-up seconds, one dict per program) of one setting."""
+def param_shapes(module, seq_len: int) -> tuple[dict, tuple]:
+  """(the parameters' tree of shapes, example inputs): nothing drawn."""
+  ids = np.zeros((1, seq_len), np.int32)
+  example = (ids, np.ones_like(ids))
+  flat = initializers.abstract_params(module, example)
+  return flax.traverse_util.unflatten_dict(flat, sep='/'), example
+
+
+def gigabytes(tree) -> float:
+  """The bytes of a tree of shapes, in GB."""
+  leaves = jax.tree.leaves(tree)
+  return sum(l.size * np.dtype(l.dtype).itemsize for l in leaves) / 1e9
+
+
+def setup_seconds(module, example, shapes, draw_limit_gb: float) -> float:
+  """`models.init_params` as in a fresh process (`jax.clear_caches()`
+  first): compiling its draw programs and drawing every leaf; NaN, nothing
+  drawn, where the parameters (`shapes`) take over `draw_limit_gb`."""
+  if gigabytes(shapes) > draw_limit_gb:
+    return float('nan')
+  jax.clear_caches()
+  start = time.perf_counter()
+  params = models.init_params(module, jax.random.key(0), example)
+  jax.block_until_ready(params)
+  return time.perf_counter() - start
+
+
+def setting_rows(
+    name,
+    depth,
+    m,
+    scan,
+    *,
+    shapes,
+    seq_len,
+    vocab_size,
+    dtype,
+    draw_limit_gb=4.0,
+    setups=None,
+):
+  """(set-up seconds, one dict per program) of one setting.
+
+  The programs are lowered against the parameters' shapes, so a shape
+  larger than this machine's memory still compiles. Set-up is timed where
+  the parameters take at most `draw_limit_gb` (else NaN), once per (model,
+  depth, scan) when `setups` (a dict) keeps it across microbatches.
+  """
   module, config = model(
       name, depth, shapes=shapes, vocab_size=vocab_size, dtype=dtype, scan=scan
   )
+  params, example = param_shapes(module, seq_len)
+  setups = {} if setups is None else setups
+  key = (name, depth, scan)
+  if key not in setups:
+    setups[key] = setup_seconds(module, example, params, draw_limit_gb)
   jax.clear_caches()  # every setting compiles from scratch
-  ids = np.zeros((1, seq_len), np.int32)
-  start = time.perf_counter()
-  params = jax.block_until_ready(
-      models.init_params(module, jax.random.key(0), (ids, np.ones_like(ids)))
-  )
-  setup_s = time.perf_counter() - start
   made = programs(module, config, params, m, seq_len, vocab_size)
-  return setup_s, [dict(program=p, **measure(f, a)) for p, f, a in made]
+  return setups[key], [dict(program=p, **measure(f, a)) for p, f, a in made]
 
 
 def summary(rows) -> dict:
@@ -229,13 +299,13 @@ def run(names, depths, microbatches, scans, *, quick=False, **options):
   options = dict(
       dict(seq_len=128, vocab_size=8000, dtype='bfloat16'), **options
   )
-  summaries = []
+  summaries, setups = [], {}
   for name, depth, m, scan in itertools.product(
       names, depths, microbatches, scans
   ):
     blocks = shapes[name]['full'] if depth == 'full' else int(depth)
     setup_s, rows = setting_rows(
-        name, blocks, m, scan, shapes=shapes, **options
+        name, blocks, m, scan, shapes=shapes, setups=setups, **options
     )
     key = dict(model=name, blocks=blocks, m=m, scan=str(scan))
     echo(harness.dict_table(PROGRAM_COLUMNS, [dict(key, **r) for r in rows]))
@@ -257,6 +327,7 @@ def main(argv):
   microbatches = [2] if quick else [int(m) for m in FLAGS.microbatches]
   scans = [s.lower() in ('1', 'true', 'yes') for s in FLAGS.scan]
   options = dict(vocab_size=FLAGS.vocab_size, dtype=FLAGS.dtype, quick=quick)
+  options.update(draw_limit_gb=FLAGS.draw_limit_gb)
   options.update(seq_len=16 if quick else FLAGS.seq_len)
   echo = lambda text: print(text, '\n', flush=True)
   run(FLAGS.models, FLAGS.depths, microbatches, scans, echo=echo, **options)
