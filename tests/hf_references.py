@@ -41,11 +41,13 @@ def rel_err(a, b):
   return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
 
 
-def assert_close(a, b, tol=1e-4):
-  """max |a - b| <= tol * max |b| (float32 noise scales with the array, not the entry)."""
+def assert_close(a, b, tol=1e-4, floor=0.0):
+  """max |a - b| <= tol * max(max |b|, floor) (float32 noise scales with the
+  array, not the entry; `floor`: with the computation's scale where this
+  array is nearly zero)."""
   b = np.asarray(b)
   assert np.max(np.abs(np.asarray(a) - b)) <= tol * max(
-      np.max(np.abs(b)), 1e-12
+      np.max(np.abs(b)), floor, 1e-12
   )
 
 

@@ -68,9 +68,11 @@ TOLERANCE = 1e-4  # relative, per tensor: float32 raptor_jax vs float64 torch
 # one-record GEMMs round differently, and how much depends on the CPU's
 # kernels: on an AVX2-only AMD EPYC, DeepSeek's worst leaf (a one-token
 # record's v/lora_a) differs by 2.4e-5 between the two, while each is within
-# 1.7e-5 and 8e-6 of the same model in float64. A record mixing into another
-# would be off by order 1.
-PER_RECORD_TOLERANCE = 5e-5
+# 1.7e-5 and 8e-6 of the same model in float64. On another such machine
+# (2026-12-06) Switch's block_0 q/k adapters differed by 8e-5: the batched
+# gradients were within 2.3e-5 of float64, the one-record program's within
+# 8.2e-5. A record mixing into another would be off by order 1.
+PER_RECORD_TOLERANCE = 2e-4
 VOCAB, SEQ, BATCH, WIDTH = 50, 10, 4, 32  # WIDTH: every family's d_model
 REAL_TOKENS = (SEQ, 7, 3, 1)  # right padding: records 1-3 are padded
 
