@@ -20,8 +20,7 @@ python="${PYTHON:-python3}"
 out="${GPU_WHEELS_DIR:-.whl}"
 image=launch/bench/gpu_image_packages.txt
 roots=(
-  ml-collections==1.1.0 dp-accounting==0.6.0 datasets==5.2.0
-  tensorboardX==2.6.5 tokamax==0.0.12
+  ml-collections==1.1.0 dp-accounting==0.6.0 datasets==5.2.0 tokamax==0.0.12
 )
 download() {
   "$python" -m pip download -q --no-deps --only-binary=:all: \

@@ -11,6 +11,9 @@ unless the user opts in with `config.log_private_stats` (with a warning).
 from __future__ import annotations
 
 import json
+import os
+import re
+import struct
 import time
 from pathlib import Path
 from typing import Callable, Mapping
@@ -79,6 +82,100 @@ def evaluate(
   return {name: METRICS[name](predictions, labels) for name in metric_names}
 
 
+# TensorBoard's event files, written here rather than with tensorboardX, whose
+# package import pulls in torch (1.4-1.8 s before a run's first step). The
+# format: TFRecord framing around `tensorboard.Event` protocol buffers, of
+# which a scalar run needs three fields. tests/test_metrics.py checks these
+# bytes against tensorboardX's writer.
+
+_INVALID_TAG = re.compile(r"[^-/\w\.]")  # tensorboardX's `_clean_tag`
+
+
+def _crc32c_table() -> tuple[int, ...]:
+  table = []
+  for byte in range(256):
+    crc = byte
+    for _ in range(8):
+      crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    table.append(crc)
+  return tuple(table)
+
+
+_CRC32C = _crc32c_table()
+
+
+def _masked_crc32c(data: bytes) -> int:
+  """TFRecord's masked CRC-32C (Castagnoli) of `data`."""
+  crc = 0xFFFFFFFF
+  for byte in data:
+    crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+  crc ^= 0xFFFFFFFF
+  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def tfrecord(data: bytes) -> bytes:
+  """One TFRecord: length, its masked CRC, the data, the data's masked CRC."""
+  length = struct.pack("<Q", len(data))
+  return b"".join(
+      (
+          length,
+          struct.pack("<I", _masked_crc32c(length)),
+          data,
+          struct.pack("<I", _masked_crc32c(data)),
+      )
+  )
+
+
+def _varint(value: int) -> bytes:
+  out = bytearray()
+  while True:
+    byte, value = value & 0x7F, value >> 7
+    out.append(byte | (0x80 if value else 0))
+    if not value:
+      return bytes(out)
+
+
+def _length_delimited(field: int, payload: bytes) -> bytes:
+  return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+def event_bytes(
+    wall_time: float,
+    step: int = 0,
+    *,
+    file_version: str | None = None,
+    scalar: tuple[str, float] | None = None,
+) -> bytes:
+  """A serialised `Event` (proto3: fields at their default are left out).
+
+  Args:
+    wall_time: the event's time stamp (0.0: none).
+    step: the global step, >= 0.
+    file_version: the version a file's first event states
+      ("brain.Event:2"); None in every other event.
+    scalar: (tag, value): a summary of one `simple_value`; the tag cleaned
+      as tensorboardX cleans it.
+  """
+  if step < 0:
+    raise ValueError(f"step: a count >= 0, got {step}")
+  out = b""
+  if wall_time:
+    out += b"\x09" + struct.pack("<d", wall_time)
+  if step:
+    out += b"\x10" + _varint(step)
+  if file_version is not None:
+    out += _length_delimited(3, file_version.encode())
+  if scalar is not None:
+    tag, value = scalar
+    tag = _INVALID_TAG.sub("_", tag).lstrip("/")
+    # simple_value is in a oneof, so it is written even when 0.0.
+    value_msg = (
+        _length_delimited(1, tag.encode()) + b"\x15" + struct.pack("<f", value)
+    )
+    out += _length_delimited(5, _length_delimited(1, value_msg))
+  return out
+
+
 class EventFile:
   """One TensorBoard event file that records no time or host unless asked.
 
@@ -89,31 +186,26 @@ class EventFile:
   """
 
   def __init__(self, directory: Path, clock: Callable[[], float]):
-    from tensorboardX.record_writer import RecordWriter  # pylint: disable=g-import-not-at-top
-
     directory.mkdir(parents=True, exist_ok=True)
     index = len(list(directory.glob("events.out.tfevents.*")))
     self.path = directory / f"events.out.tfevents.{index:010d}.raptor_jax"
     self._clock = clock
-    self._records = RecordWriter(str(self.path))
-    self._write(file_version="brain.Event:2")
-
-  def _write(self, **fields) -> None:
-    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-
-    event = event_pb2.Event(wall_time=self._clock(), **fields)
-    self._records.write(event.SerializeToString())
+    self._file = open(self.path, "wb")  # pylint: disable=consider-using-with
+    self._file.write(
+        tfrecord(event_bytes(clock(), file_version="brain.Event:2"))
+    )
 
   def add_scalar(self, name: str, value: float, step: int) -> None:
-    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
-
-    self._write(step=step, summary=summary.scalar(name, value))
+    self._file.write(
+        tfrecord(event_bytes(self._clock(), step, scalar=(name, value)))
+    )
 
   def flush(self) -> None:
-    self._records.flush()
+    self._file.flush()
+    os.fsync(self._file.fileno())
 
   def close(self) -> None:
-    self._records.close()
+    self._file.close()
 
 
 class MetricWriter:
