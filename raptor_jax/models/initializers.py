@@ -117,7 +117,15 @@ def abstract_params(
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _draw_leaf(key: jax.Array, name: str, shape: tuple, dtype: Any):
-  return LEAF_INITIALIZERS[name](key, shape, dtype)
+  # A leaf is drawn whole on one device, so the partitionable threefry (JAX's
+  # default since 0.5, for draws sharded across devices) buys nothing here
+  # and costs: it hashes a 64-bit counter per value and a whole 32-bit word
+  # per 16-bit value. The classic one draws the switch-base-8 shape's
+  # bfloat16 kernels 4x faster on CPU (launch/bench/compile_time.py's
+  # set-up). Set inside the trace, so the values do not depend on the
+  # caller's setting.
+  with jax.threefry_partitionable(False):
+    return LEAF_INITIALIZERS[name](key, shape, dtype)
 
 
 def draw(
