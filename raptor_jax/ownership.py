@@ -245,16 +245,28 @@ def owner_program(backbone, layer_positions, rule: dict):
   """Jitted (params, ids, mask) -> int32 [batch, layers] owners of the
   sparse layers at `layer_positions` (None: all) by `rule` (`owner_rule`):
   the router and `owners` in one program, one compile per batch shape.
-  The parameters are an argument, not constants folded into the program."""
+  The parameters are an argument, not constants folded into the program.
+  One program per (backbone, layers, rule) in a process, so passes that
+  share them share its compiles."""
+  return _owner_program(
+      backbone,
+      None if layer_positions is None else tuple(layer_positions),
+      tuple(sorted(rule.items())),
+  )
+
+
+@functools.lru_cache(maxsize=8)
+def _owner_program(backbone, layer_positions, rule_items):
+  rule = dict(rule_items)
 
   @jax.jit
-  def fn(params, ids, mask):
+  def owner_fn(params, ids, mask):
     logits = backbone.apply({"params": params}, ids, mask).router_logits
     if layer_positions is not None:
       logits = tuple(logits[i] for i in layer_positions)
     return jnp.stack([owners(l, mask, **rule) for l in logits], axis=1)
 
-  return fn
+  return owner_fn
 
 
 def owner_pass(
@@ -273,7 +285,9 @@ def owner_pass(
   bucket (`data.length_buckets`); its program is compiled for EVERY bucket
   first (`compilation.compile_ahead`), whether or not the records fill it,
   so which programs exist, and their compile time, depend on the public
-  config only.
+  config only. A pass whose program an earlier pass of this process
+  compiled (the layer selection's, for the owner map) finds it in JAX's
+  cache: its "compiling" lines take milliseconds.
   """
   rule = owner_rule(backbone.config, config.raptor.owner_weighting)
   program = owner_program(backbone, layer_positions, rule)
@@ -372,17 +386,17 @@ def private_owner_map(
   With `data.length_buckets` the records run by length bucket: the same
   owners (padding never votes), a layout that only the process sees.
   """
-  bc = backbone.config
-  position = bc.sparse_layers.index(layer)
+  position = backbone.config.sparse_layers.index(layer)
+  # Every sparse layer's owners, the layer selection's program: one compile
+  # for both passes. The other layers' rows are dropped here.
   result = owner_pass(
       config,
       backbone,
       params,
       records.input_ids,
       records.attention_mask,
-      (position,),
   )
-  return result[0]
+  return result[position]
 
 
 def format_layer_table(table: Sequence[dict[str, float]], chosen: int) -> str:

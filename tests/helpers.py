@@ -8,8 +8,10 @@ core dependencies only.
 import functools
 import importlib.util
 import json
+import logging
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -472,3 +474,27 @@ MICRO_FAMILIES = {
         for family in ("qwen3_moe", "qwen2_moe", "mixtral")
     },
 }
+
+
+class compiled_names:
+  """Names of the jitted functions compiled inside the block (from
+  `jax.log_compiles`'s 'Compiling <name>' lines)."""
+
+  def __enter__(self):
+    self.names = []
+    self.handler = logging.Handler()
+    self.handler.emit = lambda record: self._seen(record.getMessage())
+    self.logger = logging.getLogger("jax")
+    self.logger.addHandler(self.handler)
+    self.level = self.logger.level
+    self.logger.setLevel(logging.WARNING)
+    return self.names
+
+  def _seen(self, message):
+    match = re.match(r"Compiling (?:jit\()?([\w<>]+)", message)
+    if match:
+      self.names.append(match.group(1))
+
+  def __exit__(self, *exc):
+    self.logger.removeHandler(self.handler)
+    self.logger.setLevel(self.level)

@@ -14,7 +14,7 @@ from raptor_jax import compilation, length_buckets
 from raptor_jax.train import cycle, loop, parallel, train_and_evaluate
 from raptor_jax.train.run import build_run, validate
 
-from helpers import micro_config
+from helpers import compiled_names, micro_config
 
 BUCKETS = (8, 16, 32)  # the micro records hold 10 to 22 tokens: 8 stays empty
 
@@ -91,34 +91,10 @@ def test_compile_ahead_reports_progress_and_fills_the_jit_cache():
   ]
   x = jnp.ones(4)
   with jax.log_compiles():
-    with _compiles() as compiled:
+    with compiled_names() as compiled:
       for f in fns:
         f(x)
   assert not compiled, compiled
-
-
-class _compiles:
-  """Names of the jitted functions compiled inside the block (from
-  `jax.log_compiles`'s 'Compiling <name>' lines)."""
-
-  def __enter__(self):
-    self.names = []
-    self.handler = logging.Handler()
-    self.handler.emit = lambda record: self._seen(record.getMessage())
-    self.logger = logging.getLogger("jax")
-    self.logger.addHandler(self.handler)
-    self.level = self.logger.level
-    self.logger.setLevel(logging.WARNING)
-    return self.names
-
-  def _seen(self, message):
-    match = re.match(r"Compiling (?:jit\()?([\w<>]+)", message)
-    if match:
-      self.names.append(match.group(1))
-
-  def __exit__(self, *exc):
-    self.logger.removeHandler(self.handler)
-    self.logger.setLevel(self.level)
 
 
 # The programs of the run: compiled ahead, never again.
@@ -168,7 +144,7 @@ def test_every_bucket_compiles_ahead_and_training_compiles_nothing(tmp_path):
   }
   assert all(l.endswith(")") and f"/{report.programs} (" in l for l in lines)
   with jax.log_compiles():
-    with _compiles() as compiled:
+    with compiled_names() as compiled:
       session.train()
       session.evaluate()
   assert session.state.cycle == 2

@@ -107,3 +107,31 @@ def test_owners_per_layer_pads_and_trims():
   got = ownership.owners_per_layer(router_fn, ids, mask, batch_size=2)
   np.testing.assert_array_equal(got, [[0, 1, 2, 1, 2], [1, 2, 0, 2, 0]])
   assert set(calls) == {(2, 3)}  # fixed shape, the last batch padded
+
+
+def test_the_owner_map_runs_the_layer_selection_s_compiled_program():
+  """Layer selection and the private owner map run one program (every
+  sparse layer's owners), compiled once; the owner map is that program's
+  row for l*, the owners the one-layer program gives."""
+  from helpers import compiled_names, micro_config  # pylint: disable=g-import-not-at-top
+  from raptor_jax.train import setup  # pylint: disable=g-import-not-at-top
+
+  config = micro_config(**{"raptor.layer": "entropy"})
+  run_data = setup.load_run_data(config)
+  backbone, params = setup.load_backbone(config, run_data)
+  with jax.log_compiles(), compiled_names() as compiled:
+    layer, table = ownership.select_expert_layer(
+        config, backbone, params, run_data
+    )
+    got = ownership.private_owner_map(
+        config, backbone, params, run_data.train, layer
+    )
+  assert table is not None
+  assert compiled.count("owner_fn") == 1, compiled
+  position = backbone.config.sparse_layers.index(layer)
+  rule = ownership.owner_rule(backbone.config, config.raptor.owner_weighting)
+  one_layer = ownership.owner_program(backbone, (position,), rule)
+  ids, mask = run_data.train.input_ids, run_data.train.attention_mask
+  want = np.asarray(one_layer(params, ids, mask))[:, 0]
+  np.testing.assert_array_equal(got, want)
+  assert len(set(want.tolist())) > 1  # owners that tell experts apart

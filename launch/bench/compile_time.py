@@ -147,8 +147,9 @@ def programs(module, config, params, m: int, seq_len: int, vocab_size: int):
   ids, mask = records[:2]
   layer = config.sparse_layers[-1]
   rule = ownership.owner_rule(config, 'count')
-  index = (config.sparse_layers.index(layer),)
-  owner_pass = ownership.owner_program(module.backbone, index, rule)
+  # Every sparse layer's owners: layer selection's program, which the owner
+  # map reuses (results/bench before 2026-12-06's second session: l*'s only).
+  owner_pass = ownership.owner_program(module.backbone, None, rule)
   out = [('owner pass', owner_pass, (params['backbone'], ids, mask))]
   state = None
   for stream in ('shared', 'expert'):
