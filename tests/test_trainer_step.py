@@ -186,12 +186,14 @@ def test_one_trainer_step_is_the_public_transforms_on_brute_force_grads(
 # -- every family: the trainer's per-record release against a dense brute force
 
 BRUTE_ROWS, BRUTE_PADDING = 8, 2
-# Of C: a record's release against the brute force, both float32. The expert
-# stream (the owner slice of l*) to 1.5e-6 (measured: at most 1.0e-6 for the
-# paper's families, 1.04e-6 for Mixtral's micro model); the shared stream,
-# whose gradient sums over every block's adapters and the head, to 2e-6
-# (DeepSeek: 1.0e-6 measured).
-BRUTE_TOL = {True: 1.5e-6, False: 2e-6}  # by part.owner
+# Of C: a record's release against the brute force, both float32, to about
+# twice the largest error measured. With the classic-threefry draws of
+# 2026-12-06: the expert stream (the owner slice of l*) 0.2e-6 to 0.85e-6,
+# DeepSeek's 1.4e-6 and 1.5e-6 (the earlier draws: at most 1.04e-6); the
+# shared stream, whose gradient sums over every block's adapters and the
+# head, 0.7e-6 to 1.6e-6, DeepSeek's 2.2e-6 and 2.5e-6 (earlier: 1.0e-6).
+# A record mixing into another moves its release by order C.
+BRUTE_TOL = {True: 3e-6, False: 5e-6}  # by part.owner
 _BRUTE_TABLE = []
 
 
