@@ -498,3 +498,16 @@ class compiled_names:
   def __exit__(self, *exc):
     self.logger.removeHandler(self.handler)
     self.logger.setLevel(self.level)
+
+
+def tensorboard_events(path):
+  """The events of a TensorBoard event file (TFRecord framing), read with
+  tensorboardX's protocol buffers."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
+  data, events, at = pathlib.Path(path).read_bytes(), [], 0
+  while at < len(data):
+    size = int.from_bytes(data[at : at + 8], "little")
+    events.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + size]))
+    at += 12 + size + 4
+  return events

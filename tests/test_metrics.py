@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import run_python
+from helpers import run_python, tensorboard_events
 from raptor_jax.train import metrics
 
 # (wall time, step, file version, scalar): zero and non-zero time and step,
@@ -47,18 +47,12 @@ def test_event_records_equal_tensorboardx_s(event, tmp_path):
 
 
 def test_a_written_file_reads_back_with_tensorboardx_s_protos(tmp_path):
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-
   times = iter([0.0, 1.5, 2.5])
   file = metrics.EventFile(tmp_path, lambda: next(times))
   file.add_scalar("dev/accuracy", 0.75, 16)
   file.add_scalar("epsilon_spent", 4.0, 32)
   file.close()
-  data, events, at = file.path.read_bytes(), [], 0
-  while at < len(data):
-    size = int.from_bytes(data[at : at + 8], "little")
-    events.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + size]))
-    at += 12 + size + 4
+  events = tensorboard_events(file.path)
   assert events[0].file_version == "brain.Event:2"
   rows = [
       (e.wall_time, e.step, v.tag, v.simple_value)

@@ -15,7 +15,7 @@ from raptor_jax.train import loop, parallel, plans, secrecy
 from raptor_jax.train import outputs
 from raptor_jax.transforms import DpAggregateState
 
-from helpers import finished_report, micro_config
+from helpers import finished_report, micro_config, tensorboard_events
 
 
 def test_the_secret_has_256_bits_from_the_os_and_labels_separate_streams():
@@ -340,18 +340,6 @@ def test_the_progress_bar_times_nothing_unless_opted_in(opt_in):
   assert ("00:" in text) == opt_in  # elapsed and remaining time
 
 
-def _events(path):
-  """The events of a TensorBoard event file (TFRecord framing)."""
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-
-  data, events, at = path.read_bytes(), [], 0
-  while at < len(data):
-    size = int.from_bytes(data[at : at + 8], "little")
-    events.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + size]))
-    at += 12 + size + 4
-  return events
-
-
 @pytest.mark.parametrize("opt_in", [False, True])
 def test_tensorboard_events_carry_walltime_0_unless_opted_in(tmp_path, opt_in):
   """No time and no host in the event files' names or in any event (the
@@ -370,13 +358,13 @@ def test_tensorboard_events_carry_walltime_0_unless_opted_in(tmp_path, opt_in):
       "events.out.tfevents.0000000001.raptor_jax",
   ]
   assert not any(socket.gethostname() in p.name for p in files)
-  events = _events(files[1])
+  events = tensorboard_events(files[1])
   assert events[0].file_version == "brain.Event:2"
   assert [(e.step, e.summary.value[0].tag) for e in events[1:]] == [
       (4, "epsilon_spent")
   ]
   assert events[1].summary.value[0].simple_value == 0.5
-  times = [e.wall_time for f in files for e in _events(f)]
+  times = [e.wall_time for f in files for e in tensorboard_events(f)]
   assert all(t > 1e9 for t in times) if opt_in else set(times) == {0.0}
   lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
   assert json.loads(lines[0]) == {"step": 3, "epsilon_spent": 0.5}
