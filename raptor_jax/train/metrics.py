@@ -11,7 +11,6 @@ unless the user opts in with `config.log_private_stats` (with a warning).
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 import time
@@ -202,7 +201,6 @@ class EventFile:
 
   def flush(self) -> None:
     self._file.flush()
-    os.fsync(self._file.fileno())
 
   def close(self) -> None:
     self._file.close()
